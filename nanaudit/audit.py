@@ -1,0 +1,123 @@
+"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
+
+Expected failures (a bad config, the user's code raising, no data) come back as a Report with
+status "error" and the error's exit code, so every caller renders and exits the same way.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from nanaudit import __version__
+from nanaudit.config import Config, load_config
+from nanaudit.errors import NanauditError, NothingAuditedError
+from nanaudit.exitcodes import ExitCode
+from nanaudit.report import Report
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    steps: int | None = None
+    device: str | None = None
+    seed: int | None = None
+    samples: bool | None = None       # None: the config's localize.samples
+    on_step: Callable[[int], None] | None = None
+    on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
+
+
+def exit_code(report: Report) -> ExitCode:
+    if report.status == "clean":
+        return ExitCode.CLEAN
+    if report.status == "nonfinite":
+        return ExitCode.NONFINITE
+    if report.status == "interrupted":
+        return ExitCode.INTERRUPTED
+    return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERNAL))
+
+
+def _base_report(config_path, config: Config | None) -> Report:
+    import torch
+    return Report(tool_version=__version__, config=config.summary() if config else
+                  {"path": str(config_path)}, torch_version=torch.__version__, device="",
+                  status="error", steps_run=0)
+
+
+def error_dict(exc: BaseException) -> dict:
+    if isinstance(exc, NanauditError):
+        body = exc.to_dict()
+        body["exit_code"] = int(exc.exit_code)
+        return body
+    return {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
+            "exit_code": int(ExitCode.INTERNAL), "traceback": traceback.format_exc()}
+
+
+def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
+         config: Config | None = None) -> Report:
+    started = time.perf_counter()
+    report = _base_report(config_path, config)
+    try:
+        config = config or _configured(config_path, options)
+        report.config = config.summary()
+        _run(config, options, report)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
+        report.status = "error"
+        report.error = error_dict(exc)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def _configured(config_path, options: ScanOptions) -> Config:
+    config = load_config(config_path)
+    changes: dict[str, Any] = {}
+    if options.steps is not None:
+        changes["steps"] = options.steps
+    if options.device is not None:
+        changes["device"] = options.device
+    if options.seed is not None:
+        changes["seed"] = options.seed
+    return replace(config, **changes) if changes else config
+
+
+def _run(config: Config, options: ScanOptions, report: Report) -> None:
+    from nanaudit.findings import build_finding
+    from nanaudit.loader import build_session, user_import_path
+    from nanaudit.runner import run_steps
+    with user_import_path(config.base_dir):
+        session = build_session(config)
+        report.device = str(session.device)
+        if options.on_start:
+            options.on_start(_known_length(session, config.steps))
+        outcome = run_steps(session, config.steps, on_step=options.on_step)
+        report.steps_run = outcome.steps_run
+        report.timeline = outcome.timeline
+        if outcome.interrupted:
+            report.status = "interrupted"
+            return
+        if outcome.trip is None:
+            if outcome.steps_run == 0:
+                raise NothingAuditedError(f"the data from `{config.data.target}` yielded no "
+                                          f"batches: nothing was audited")
+            report.status = "clean"
+            return
+        report.status = "nonfinite"
+        samples = config.localize.samples if options.samples is None else options.samples
+        report.finding = build_finding(session, outcome, samples)
+
+
+def _known_length(session, steps: int | None) -> int | None:
+    """The number of steps when the data has a len() (lists, DataLoaders); None otherwise."""
+    return steps
+
+
+def audit(config_or_path, **overrides) -> Report:
+    """Library entry: a config path (or a loaded Config) plus ScanOptions fields as keywords."""
+    options = ScanOptions(**overrides)
+    if isinstance(config_or_path, Config):
+        return scan(config_or_path.path, options, config=config_or_path)
+    return scan(config_or_path, options)

@@ -1,0 +1,145 @@
+"""The batch dimension of each leaf, slicing a batch by rows, and isolating the offending rows.
+
+The batch size is the leading size most leaves share; a leaf whose leading size differs (a
+time-major `(T, B, C)` tensor for CTC) is sliced along the first dimension of that size, and a
+leaf with none (a per-batch scalar) is passed whole. `batch_dim:` in the config overrides both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from nanaudit.tree import map_tensors, tensor_leaves
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    size: int | None                 # None: no batch dimension could be found
+    dims: Mapping[str, int | None]   # leaf path -> its batch dimension (None: not sliced)
+
+
+def infer_layout(batch: Any, overrides: Mapping[str, int] | None = None) -> BatchLayout:
+    overrides = dict(overrides or {})
+    leaves = tensor_leaves(batch)
+    dims: dict[str, int | None] = {}
+    for path, t in leaves:
+        if path in overrides:
+            dims[path] = overrides[path]
+        elif "*" in overrides and t.dim() > overrides["*"]:
+            dims[path] = overrides["*"]
+    sizes = Counter(t.shape[dims[p]] for p, t in leaves if p in dims and dims[p] is not None)
+    if not sizes:
+        sizes = Counter(t.shape[0] for _, t in leaves if t.dim() >= 1)
+    if not sizes:
+        return BatchLayout(None, {p: None for p, _ in leaves})
+    size = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    for path, t in leaves:
+        if path not in dims:
+            dims[path] = next((d for d in range(t.dim()) if t.shape[d] == size), None)
+    return BatchLayout(size, dims)
+
+
+def select_rows(batch: Any, layout: BatchLayout, rows: list[int]) -> Any:
+    """The batch restricted to `rows`, keeping its structure and each leaf's batch dimension."""
+    def pick(path, t):
+        dim = layout.dims.get(path)
+        if dim is None:
+            return t
+        return t.index_select(dim, torch.tensor(rows, dtype=torch.long, device=t.device))
+    return map_tensors(batch, pick)
+
+
+def nonfinite_rows(t: torch.Tensor, dim: int | None) -> list[int]:
+    """Rows along `dim` holding a non-finite element (all of dim 0 when dim is None)."""
+    bad = ~torch.isfinite(t)
+    if dim is None or t.dim() == 0:
+        return [0] if bool(bad.any()) else []
+    bad = bad.movedim(dim, 0).reshape(t.shape[dim], -1).any(dim=1)
+    return bad.nonzero().flatten().tolist()
+
+
+@dataclass
+class SampleSearch:
+    samples: list | None
+    replays: int
+    coupled: bool
+    note: str
+
+
+class _Budget(Exception):
+    pass
+
+
+def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
+                 max_replays: int = 64) -> SampleSearch:
+    """Group testing over the batch rows: O(k log B) replays for k bad rows in a batch of B.
+
+    Every half that reproduces alone is searched further, so all independently bad rows are
+    found. When the whole batch reproduces but neither half does, the rows interact: a minimal
+    interacting set is searched (ddmin-style), and reported only when it is small.
+    """
+    replays = 0
+
+    def test(rows: list[int]) -> bool:
+        nonlocal replays
+        if replays >= max_replays:
+            raise _Budget
+        replays += 1
+        return reproduces(rows)
+
+    def find_all(rows: list[int]) -> list[int]:
+        """All rows that reproduce alone, given that `rows` together do."""
+        if len(rows) == 1:
+            return rows
+        left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
+        found = []
+        left_bad, right_bad = test(left), test(right)
+        if left_bad:
+            found += find_all(left)
+        if right_bad:
+            found += find_all(right)
+        if not found:
+            small_left = minimize(left, right)
+            raise _Interacting(small_left + minimize(right, small_left))
+        return found
+
+    def minimize(part: list[int], context: list[int]) -> list[int]:
+        """A small subset of part that, with context, still reproduces."""
+        if len(part) <= 1:
+            return part
+        left, right = part[: len(part) // 2], part[len(part) // 2:]
+        if test(sorted(left + context)):
+            return minimize(left, context)
+        if test(sorted(right + context)):
+            return minimize(right, context)
+        small_left = minimize(left, sorted(context + right))
+        return small_left + minimize(right, sorted(context + small_left))
+
+    rows = list(range(size))
+    try:
+        found = find_all(rows)
+    except _Budget:
+        return SampleSearch(None, replays, False, f"gave up after {max_replays} replays "
+                            f"(localize.max_replays)")
+    except _Interacting as interacting:
+        small = len(interacting.rows) <= max(2, size // 4)
+        if small:
+            return SampleSearch(sorted(interacting.rows), replays, True,
+                                "no single row reproduces alone; these rows do together")
+        return SampleSearch(None, replays, True, "the rows are coupled: the value needs most "
+                            "of the batch together (a batch statistic: BatchNorm in train mode, "
+                            "a loss normalised over the batch)")
+    if size > 1 and len(found) == size:
+        return SampleSearch(None, replays, False, "every row reproduces it alone: the cause is "
+                            "not in particular samples but in the model or the batch as a whole")
+    return SampleSearch(sorted(found), replays, False, "")
+
+
+class _Interacting(Exception):
+    def __init__(self, rows):
+        super().__init__(rows)
+        self.rows = rows

@@ -1,0 +1,76 @@
+"""The cause catalogue (ids from shared/docs/causes.md): what each id means and the fix to suggest.
+
+The ids are part of the JSON contract; never change an id's meaning.
+"""
+
+CAUSES = {
+    "nonfinite-input": (
+        "a batch tensor already holds NaN/Inf before the model runs",
+        "clean or filter the sample; guard the preprocessing step that made it "
+        "(e.g. `mask / mask.max()` on an all-zero mask: `mask / mask.max().clamp(min=1e-12)`)"),
+    "nonfinite-parameter": (
+        "a parameter or buffer is non-finite before the step",
+        "restore the last good checkpoint; find where it went bad with `nanaudit bisect "
+        "--checkpoints`"),
+    "log-domain": (
+        "log of a value <= 0 (log1p of a value <= -1)",
+        "clamp the input (`torch.log(x.clamp(min=1e-12))`), or use `log_softmax`, "
+        "`F.logsigmoid` or `BCEWithLogitsLoss` instead of a hand-written log"),
+    "div-by-zero": (
+        "division or reciprocal by zero",
+        "add an eps to the denominator, `clamp(min=1)` on counts, or guard with `torch.where` "
+        "before dividing"),
+    "sqrt-domain": (
+        "sqrt / fractional pow of a negative value, or sqrt at exactly 0 in backward",
+        "`torch.sqrt(x + eps)` or `torch.sqrt(x.clamp(min=eps))`: the derivative 1/(2*sqrt(x)) "
+        "is infinite at 0"),
+    "exp-overflow": (
+        "exp overflowed: its input is above log(dtype max)",
+        "subtract the max before exp (the log-sum-exp trick), or use `softmax`, `log_softmax`, "
+        "`logsumexp`, `F.softplus` instead of the hand-written formula"),
+    "trig-domain": (
+        "acos / asin outside [-1, 1] or at +-1 in backward; atan2 at (0, 0) in backward",
+        "`x.clamp(-1 + eps, 1 - eps)` before acos/asin; add eps to both atan2 arguments"),
+    "norm-at-zero": (
+        "the norm of an all-zero vector: finite forward, 0/0 in backward",
+        "use `F.normalize(x, eps=...)` or `torch.sqrt((x * x).sum() + eps)`"),
+    "softmax-all-masked": (
+        "softmax over a row whose entries are all -inf",
+        "drop empty or fully padded sequences, or fill masks with a large finite negative "
+        "(`torch.finfo(dtype).min`) instead of -inf"),
+    "degenerate-reduction": (
+        "a reduction over too few elements: std/var with degrees of freedom <= 0, a mean over "
+        "nothing (every target ignored)",
+        "use `correction=0`, `drop_last=True`, or skip batches with no valid element"),
+    "dtype-overflow": (
+        "a finite computation exceeded the dtype's range",
+        "compute that part in float32, scale it down, or use a GradScaler with AMP"),
+    "masked-nonfinite-gradient": (
+        "a NaN/Inf made in forward was masked or indexed away, so the loss is finite but "
+        "backward computes 0 * inf = NaN",
+        "mask *before* the op (the double where): `safe = torch.where(m, x, 1.0); "
+        "y = torch.where(m, f(safe), 0.0)`"),
+    "impossible-ctc-target": (
+        "CTC loss with a target that cannot fit the input length: the loss is inf",
+        "pass `zero_infinity=True` to the CTC loss, or filter samples whose target (plus "
+        "repeats) is longer than the input"),
+    "divergence": (
+        "the loss or gradient norm grew over steps until a value overflowed",
+        "lower the learning rate, clip gradients (`grad_clip:`), add warm-up"),
+    "optimizer-update": (
+        "gradients were finite but the optimizer update made parameters non-finite",
+        "check the optimizer's hyper-parameters and scheduler (lr, eps: Adam's eps=1e-8 is 0 "
+        "in float16)"),
+    "inf-arithmetic": (
+        "an op turned infinities into NaN (inf - inf, 0 * inf, inf / inf)",
+        "follow the inf back to where it was made and guard that op"),
+    "unknown": (
+        "none of the catalogue's causes fits",
+        "inspect the op and its inputs' statistics below"),
+}
+
+CAUSE_IDS = tuple(CAUSES)
+
+
+def fix_for(cause: str) -> str:
+    return CAUSES[cause][1]

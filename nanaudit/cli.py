@@ -1,0 +1,181 @@
+"""The command line: the only module that touches click, the console and the exit code.
+
+torch is imported lazily inside commands so `nanaudit --help` stays instant. Diagnostics go to
+stderr; stdout carries only machine formats (`--json -`, GitHub annotations).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.text import Text
+
+from nanaudit import __version__
+from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
+
+
+class Terminal:
+    """Owns the console: semantic levels on stderr, user strings never parsed as markup."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.err = Console(stderr=True, highlight=False)
+
+    def error(self, message: str) -> None:
+        self.err.print(Text("error: ", style="bold red") + Text(message))
+
+    def warning(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(Text("warning: ", style="bold yellow") + Text(message))
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(Text(message))
+
+    def success(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(Text(message, style="bold green"))
+
+    def progress(self):
+        """A progress bar on stderr, or None when not a terminal or quiet."""
+        if self.quiet or not self.err.is_terminal:
+            return None
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        return Progress(TextColumn("scanning"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=self.err, transient=True)
+
+
+def _exit(code: ExitCode):
+    sys.exit(int(code))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
+@click.version_option(__version__, prog_name="nanaudit")
+def main():
+    """Audit a PyTorch training run for NaN/Inf: find the batch, sample, module and op that
+    made it, explain the cause, and suggest the fix."""
+
+
+def _report_outputs(fn):
+    options = [
+        click.option("--json", "json_path", metavar="PATH",
+                     help="Write the JSON report to PATH ('-' for stdout)."),
+        click.option("--junit-xml", "junit_path", metavar="PATH", help="Write a JUnit XML report."),
+        click.option("--markdown", "markdown_path", metavar="PATH",
+                     help="Write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
+        click.option("--format", "fmt", type=click.Choice(["console", "github"]), default=None,
+                     help="github: print ::error annotations on stdout (default when "
+                          "GITHUB_ACTIONS=true)."),
+        click.option("--quiet", "-q", is_flag=True, help="Only the machine outputs; no console "
+                     "report or progress bar."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--steps", type=click.IntRange(min=1), help="Audit at most this many steps.")
+@click.option("--device", help="Override the config's device (auto, cpu, cuda, cuda:N).")
+@click.option("--seed", type=int, help="Override the config's seed.")
+@click.option("--no-samples", is_flag=True, help="Skip isolating the offending batch rows.")
+@_report_outputs
+def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdown_path, fmt,
+         quiet):
+    """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
+    replay that step with full instruments and report where the value was created."""
+    from nanaudit.audit import ScanOptions, exit_code
+    from nanaudit.audit import scan as run_scan
+    terminal = Terminal(quiet or json_path == "-")
+    progress = terminal.progress()
+    task = {}
+
+    def on_start(total):
+        if progress:
+            progress.start()
+            task["id"] = progress.add_task("scan", total=total)
+
+    def on_step(step):
+        if progress:
+            progress.update(task["id"], completed=step + 1)
+
+    options = ScanOptions(steps=steps, device=device, seed=seed,
+                          samples=False if no_samples else None, on_step=on_step,
+                          on_start=on_start)
+    try:
+        report = run_scan(config, options)
+    finally:
+        if progress:
+            progress.stop()
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
+    _exit(exit_code(report))
+
+
+def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt) -> None:
+    from nanaudit.output import write_atomic
+    from nanaudit.render import renderer_for
+    from nanaudit.render.console import print_report
+    # Ctrl-C while writing must not leave a half-written file: writes are atomic, and a second
+    # interrupt is deferred until the reports are out.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+    try:
+        if not terminal.quiet:
+            print_report(report, terminal.err)
+        elif report.status == "error" and report.error:
+            terminal.error(report.error.get("message", ""))
+        outputs = [("json", json_path), ("junit", junit_path), ("markdown", markdown_path)]
+        for name, path in outputs:
+            if not path:
+                continue
+            text = renderer_for(name).render(report)
+            if path == "-":
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            else:
+                try:
+                    write_atomic(path, text)
+                except OSError as exc:
+                    terminal.error(f"cannot write the {name} report to {path}: {exc}")
+        if fmt == "github" or (fmt is None and os.environ.get("GITHUB_ACTIONS") == "true"):
+            sys.stdout.write(renderer_for("github").render(report))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+def validate(config):
+    """Check CONFIG without running anything: keys, types, entrypoints and their signatures,
+    checkpoint path and device. Lists every problem at once."""
+    from nanaudit.config import load_config
+    from nanaudit.errors import ConfigError, NanauditError
+    from nanaudit.loader import validate_config
+    terminal = Terminal()
+    try:
+        loaded = load_config(config)
+        problems = validate_config(loaded)
+        if problems:
+            raise ConfigError(problems, source=str(config))
+    except NanauditError as exc:
+        terminal.error(str(exc))
+        _exit(exc.exit_code)
+    terminal.success(f"{config}: valid (model {loaded.model.target}, data {loaded.data.target}, "
+                     f"loss {loaded.loss.target})")
+    _exit(ExitCode.CLEAN)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Load and validate the YAML config (schema version 1) into frozen dataclasses.
+
+Every problem is collected with its key path (`optimizer.lr: expected a number, got 'fast'`)
+and raised together as one ConfigError, so a user fixes the whole file in one pass.
+Nothing here imports torch or the user's code: entrypoints are only parsed, not resolved.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from nanaudit.errors import ConfigError, Problem
+
+SCHEMA_VERSION = 1
+
+TOP_LEVEL_KEYS = (
+    "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
+    "checkpoint", "device", "grad_clip", "batch_dim", "localize",
+)
+ENTRYPOINT_KEYS = ("entrypoint", "args")
+LOCALIZE_KEYS = ("samples", "max_replays")
+_ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """A callable named in the config: `module.path:attr` or `relative/file.py:attr`, plus kwargs."""
+
+    target: str
+    key: str                      # the config key path it came from, for error messages
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def module_part(self) -> str:
+        return self.target.rsplit(":", 1)[0]
+
+    @property
+    def attr_part(self) -> str:
+        return self.target.rsplit(":", 1)[1]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Either a class path with keyword arguments, or a factory entrypoint called with the model."""
+
+    key: str
+    class_path: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    factory: Entrypoint | None = None
+
+
+@dataclass(frozen=True)
+class LocalizeOptions:
+    samples: bool = True          # isolate the offending batch rows after a finding
+    max_replays: int = 64         # cap on replays spent isolating samples
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    model: Entrypoint
+    data: Entrypoint
+    loss: Entrypoint
+    optimizer: OptimizerSpec | None = None
+    steps: int | None = None
+    seed: int | None = None
+    checkpoint: Path | None = None
+    device: str = "auto"
+    grad_clip: float | None = None
+    batch_dim: Mapping[str, int] = field(default_factory=dict)
+    localize: LocalizeOptions = field(default_factory=LocalizeOptions)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def summary(self) -> dict:
+        """The config as it appears in reports: paths and entrypoint names, no live objects."""
+        opt = None
+        if self.optimizer is not None:
+            opt = ({"class": self.optimizer.class_path, **dict(self.optimizer.kwargs)}
+                   if self.optimizer.class_path else {"entrypoint": self.optimizer.factory.target})
+        return {
+            "path": str(self.path), "model": self.model.target, "data": self.data.target,
+            "loss": self.loss.target, "optimizer": opt, "steps": self.steps, "seed": self.seed,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "device": self.device, "grad_clip": self.grad_clip,
+        }
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read, parse and validate a config file; raise ConfigError listing every problem."""
+    path = Path(path)
+    raw = read_yaml(path)
+    if overrides:
+        raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    return parse_config(raw, path)
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"config path is a folder, not a file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(_yaml_problem(exc), source=str(path)) from None
+    if raw is None:
+        raise ConfigError("the file is empty: it needs at least `model`, `data` and `loss`",
+                          source=str(path))
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the top level must be a mapping of keys, got {type(raw).__name__}",
+                          source=str(path))
+    return raw
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc)
+    if mark is None:
+        return f"YAML syntax error: {what}"
+    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
+    problems: list[Problem] = []
+    _check_unknown(raw, TOP_LEVEL_KEYS, "", problems)
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        problems.append(Problem("schema_version", f"this nanaudit reads schema version "
+                                f"{SCHEMA_VERSION}, the file says {version!r}"))
+    entries = {}
+    for key in ("model", "data", "loss"):
+        if key not in raw:
+            problems.append(Problem(key, "required key is missing (an entrypoint such as "
+                                    "`mypkg.models:build_model` or `model.py:build_model`)"))
+        else:
+            entries[key] = _entrypoint(raw[key], key, problems)
+    values = dict(
+        optimizer=_optimizer(raw.get("optimizer"), problems),
+        steps=_positive_int(raw.get("steps"), "steps", problems),
+        seed=_int(raw.get("seed"), "seed", problems),
+        checkpoint=_checkpoint(raw.get("checkpoint"), path, problems),
+        device=_device(raw.get("device", "auto"), problems),
+        grad_clip=_positive_float(raw.get("grad_clip"), "grad_clip", problems),
+        batch_dim=_batch_dim(raw.get("batch_dim"), problems),
+        localize=_localize(raw.get("localize"), problems),
+    )
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return Config(path=path.resolve(), **entries, **values)
+
+
+def _check_unknown(mapping: Mapping, known, prefix: str, problems: list[Problem]) -> None:
+    for key in mapping:
+        if key in known:
+            continue
+        where = f"{prefix}{key}"
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        hint = f"; did you mean `{close[0]}`?" if close else f"; known keys: {', '.join(known)}"
+        problems.append(Problem(where, f"unknown key{hint}"))
+
+
+def _entrypoint(value: Any, key: str, problems: list[Problem]) -> Entrypoint | None:
+    args: Mapping[str, Any] = {}
+    if isinstance(value, dict):
+        _check_unknown(value, ENTRYPOINT_KEYS, f"{key}.", problems)
+        args = value.get("args") or {}
+        if not isinstance(args, dict):
+            problems.append(Problem(f"{key}.args", f"expected a mapping of keyword arguments, "
+                                    f"got {type(args).__name__}"))
+            args = {}
+        if "entrypoint" not in value:
+            problems.append(Problem(f"{key}.entrypoint", "required key is missing"))
+            return None
+        value, key = value["entrypoint"], f"{key}.entrypoint"
+    if not isinstance(value, str):
+        problems.append(Problem(key, f"expected an entrypoint string `module:attr`, "
+                                f"got {type(value).__name__} {value!r}"))
+        return None
+    if not _ENTRYPOINT_RE.match(value.strip()):
+        problems.append(Problem(key, f"`{value}` is not an entrypoint: write `module.path:attr` "
+                                f"or `relative/file.py:attr`"))
+        return None
+    return Entrypoint(target=value.strip(), key=key, args=args)
+
+
+def _optimizer(value: Any, problems: list[Problem]) -> OptimizerSpec | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or (isinstance(value, dict) and "entrypoint" in value):
+        factory = _entrypoint(value, "optimizer", problems)
+        return OptimizerSpec(key="optimizer", factory=factory) if factory else None
+    if not isinstance(value, dict):
+        problems.append(Problem("optimizer", "expected a mapping with `class` (and its keyword "
+                                "arguments) or an entrypoint string"))
+        return None
+    class_path = value.get("class")
+    if not isinstance(class_path, str) or "." not in class_path:
+        problems.append(Problem("optimizer.class", f"expected a class path such as "
+                                f"`torch.optim.AdamW`, got {class_path!r}"))
+        return None
+    kwargs = {k: v for k, v in value.items() if k != "class"}
+    for name, arg in kwargs.items():
+        if name in ("lr", "eps", "weight_decay", "momentum") and not _is_number(arg):
+            problems.append(Problem(f"optimizer.{name}", f"expected a number, got {arg!r}"))
+    return OptimizerSpec(key="optimizer", class_path=class_path, kwargs=kwargs)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any, key: str, problems: list[Problem]) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        problems.append(Problem(key, f"expected an integer, got {value!r}"))
+        return None
+    return value
+
+
+def _positive_int(value: Any, key: str, problems: list[Problem]) -> int | None:
+    number = _int(value, key, problems)
+    if number is not None and number < 1:
+        problems.append(Problem(key, f"expected a positive integer, got {number}"))
+        return None
+    return number
+
+
+def _positive_float(value: Any, key: str, problems: list[Problem]) -> float | None:
+    if value is None:
+        return None
+    if not _is_number(value) or value <= 0:
+        problems.append(Problem(key, f"expected a positive number, got {value!r}"))
+        return None
+    return float(value)
+
+
+def _checkpoint(value: Any, config_path: Path, problems: list[Problem]) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        problems.append(Problem("checkpoint", f"expected a file path, got {value!r}"))
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (config_path.parent / path)
+
+
+def _device(value: Any, problems: list[Problem]) -> str:
+    if not isinstance(value, str) or not _DEVICE_RE.match(value):
+        problems.append(Problem("device", f"expected auto, cpu, cuda or cuda:N, got {value!r}"))
+        return "auto"
+    return value
+
+
+def _batch_dim(value: Any, problems: list[Problem]) -> dict[str, int]:
+    """`batch_dim: 1` for every leaf, or `{"[0]": 1, "['mask']": 0}` per batch path."""
+    if value is None:
+        return {}
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"*": value}
+    if isinstance(value, dict) and all(isinstance(v, int) and not isinstance(v, bool)
+                                       for v in value.values()):
+        return {str(k): v for k, v in value.items()}
+    problems.append(Problem("batch_dim", "expected an integer, or a mapping from batch path "
+                            "(such as `[0]` or `[\"audio\"]`) to an integer"))
+    return {}
+
+
+def _localize(value: Any, problems: list[Problem]) -> LocalizeOptions:
+    if value is None:
+        return LocalizeOptions()
+    if not isinstance(value, dict):
+        problems.append(Problem("localize", f"expected a mapping, got {value!r}"))
+        return LocalizeOptions()
+    _check_unknown(value, LOCALIZE_KEYS, "localize.", problems)
+    samples = value.get("samples", True)
+    if not isinstance(samples, bool):
+        problems.append(Problem("localize.samples", f"expected true or false, got {samples!r}"))
+        samples = True
+    max_replays = _positive_int(value.get("max_replays", 64), "localize.max_replays", problems)
+    return LocalizeOptions(samples=samples, max_replays=max_replays or 64)

@@ -1,0 +1,122 @@
+"""Typed errors for the user: each carries what went wrong and where, never a traceback of ours."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from nanaudit.exitcodes import ExitCode
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the config: the key path it is at and what is wrong."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" if self.key else self.message
+
+
+class NanauditError(Exception):
+    """Base of every error nanaudit reports to the user without a traceback."""
+
+    exit_code = ExitCode.INTERNAL
+
+    def to_dict(self) -> dict:
+        return {"type": type(self).__name__, "message": str(self)}
+
+
+class UsageError(NanauditError):
+    exit_code = ExitCode.USAGE
+
+
+class ConfigError(NanauditError):
+    """The config is wrong; lists every problem found, each with its key path."""
+
+    exit_code = ExitCode.CONFIG
+
+    def __init__(self, problems: Sequence[Problem] | str, source: str | None = None):
+        if isinstance(problems, str):
+            problems = [Problem("", problems)]
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f" in {self.source}" if self.source else ""
+        if len(self.problems) == 1:
+            return f"config error{where}: {self.problems[0]}"
+        lines = [f"{len(self.problems)} config errors{where}:"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "ConfigError",
+            "message": str(self),
+            "source": self.source,
+            "problems": [{"key": p.key, "message": p.message} for p in self.problems],
+        }
+
+
+class NothingAuditedError(NanauditError):
+    exit_code = ExitCode.NOTHING_AUDITED
+
+
+def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of the exception's traceback that are not nanaudit's own."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    demo = os.path.join(_PACKAGE_DIR, "demo") + os.sep
+    return [f for f in frames
+            if not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep)
+            or os.path.abspath(f.filename).startswith(demo)]
+
+
+@dataclass
+class UserCodeError(NanauditError):
+    """The user's code raised: we show their exception and their frames, not ours."""
+
+    what: str
+    exception: BaseException
+    frames: list = field(default_factory=list)
+
+    exit_code = ExitCode.USER_CODE
+
+    def __post_init__(self):
+        self.frames = user_frames(self.exception)
+        Exception.__init__(self, str(self))
+
+    def __str__(self) -> str:
+        return f"{self.what} raised {type(self.exception).__name__}: {self.exception}"
+
+    def formatted_traceback(self) -> str:
+        lines = ["Traceback (user code, nanaudit frames removed):\n"]
+        lines += traceback.format_list(self.frames)
+        lines += traceback.format_exception_only(type(self.exception), self.exception)
+        return "".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "UserCodeError",
+            "message": str(self),
+            "what": self.what,
+            "exception": type(self.exception).__name__,
+            "frames": [{"file": f.filename, "line": f.lineno, "function": f.name, "code": f.line}
+                       for f in self.frames],
+        }
+
+
+def call_user(what: str, fn, *args, **kwargs):
+    """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, NanauditError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+        raise UserCodeError(what, exc) from exc

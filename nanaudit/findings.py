@@ -1,0 +1,172 @@
+"""Turn what tripped a sentinel into a Finding: direct for input, parameter and optimizer
+checks; through a traced replay (localize) and a sample search for the loss and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from nanaudit.batching import infer_layout, isolate_rows, nonfinite_rows, select_rows
+from nanaudit.causes import fix_for
+from nanaudit.loader import Session
+from nanaudit.localize import (Localization, forward_input_stats, input_stats, localize,
+                               preserved_buffers, replay_reproduces)
+from nanaudit.report import Finding, SampleRow
+from nanaudit.runner import ScanOutcome, StepState, Trip
+from nanaudit.sentinels import nonfinite_names, value_kind
+from nanaudit.stats import tensor_stats
+from nanaudit.tree import float_leaves
+
+
+def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
+    trip = outcome.trip
+    if trip.check == "input":
+        return input_finding(session, outcome.state)
+    if trip.check in ("parameter", "optimizer"):
+        return state_finding(session, trip)
+    return localized_finding(session, outcome.state, trip, outcome.timeline, isolate_samples)
+
+
+def input_finding(session: Session, state: StepState) -> Finding:
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    bad = [(path, t) for path, t in float_leaves(state.batch) if not bool(torch.isfinite(t).all())]
+    path, first = bad[0]
+    rows = sorted({r for p, t in bad for r in nonfinite_rows(t, layout.dims.get(p))})
+    stats = [tensor_stats(f"batch{p}", t) for p, t in bad]
+    counts = ", ".join(f"batch{p}: {s.nan} NaN, {s.posinf} +inf, {s.neginf} -inf"
+                       for (p, _), s in zip(bad, stats))
+    row_text = f" in row(s) {_short(rows)}" if layout.size else ""
+    explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
+                   f"({counts}){row_text}")
+    return Finding(step=state.step, where="input", value=value_kind(first), cause="nonfinite-input",
+                   explanation=explanation, fix=fix_for("nonfinite-input"),
+                   tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
+                   sample_rows=sample_rows(state.batch, layout, rows),
+                   tensors=[f"batch{p}" for p, _ in bad])
+
+
+def state_finding(session: Session, trip: Trip) -> Finding:
+    model = session.model
+    params = nonfinite_names(model.named_parameters())
+    buffers = nonfinite_names((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+    names = params + buffers
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    value = value_kind(tensors[names[0]]) if names else "nan"
+    stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
+    if trip.check == "optimizer" and params:
+        return Finding(step=trip.step, where="optimizer", value=value, cause="optimizer-update",
+                       explanation=_optimizer_text(session, trip.step, params),
+                       fix=fix_for("optimizer-update"), tensor=params[0], inputs=stats,
+                       tensors=names)
+    ckpt = session.config.checkpoint
+    origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
+              else "the model's state")
+    when = "before step 0" if trip.check == "parameter" else f"after step {trip.step}"
+    explanation = (f"{origin} holds non-finite values {when}: "
+                   f"{_short(names)}" + (" (buffers changed by forward, not by the optimizer)"
+                                         if not params else ""))
+    return Finding(step=trip.step, where="parameter", value=value, cause="nonfinite-parameter",
+                   explanation=explanation, fix=fix_for("nonfinite-parameter"),
+                   tensor=names[0] if names else None, inputs=stats, tensors=names)
+
+
+def _optimizer_text(session: Session, step: int, names: list) -> str:
+    optimizer = session.optimizer
+    group = optimizer.param_groups[0] if optimizer is not None else {}
+    hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "eps", "momentum", "weight_decay")
+                      if k in group)
+    text = (f"the gradients of step {step} were finite, but after "
+            f"{type(optimizer).__name__}.step() the parameters {_short(names)} hold non-finite "
+            f"values ({hyper})")
+    dtypes = {p.dtype for p in session.model.parameters()}
+    eps = group.get("eps")
+    for dtype in dtypes & {torch.float16, torch.bfloat16}:
+        if isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0:
+            text += (f"; eps={eps} is 0 in {str(dtype).replace('torch.', '')}, so a zero second "
+                     f"moment divides by zero")
+    return text
+
+
+def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
+    loc = localize(session, state, trip, timeline)
+    if not loc.reproduced:
+        return _not_reproduced(trip)
+    event = loc.event
+    finding = Finding(
+        step=trip.step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
+        explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
+        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        module=event.module, source=event.source, inputs=input_stats(event),
+        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        reproduced=True, tensors=loc.bad_tensors or [],
+        tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
+        chain=[_chain_link(e) for e in loc.chain])
+    if isolate_samples:
+        _isolate(session, state, trip, finding)
+    return finding
+
+
+def _chain_link(event) -> dict:
+    return {"op": event.op, "where": event.phase, "module": event.module,
+            "value": sorted(event.out_kinds),
+            "line": event.source.line if event.source else None}
+
+
+def _not_reproduced(trip: Trip) -> Finding:
+    what = "loss" if trip.check == "loss" else "gradients"
+    value = trip.loss if trip.check == "loss" else trip.grad_norm
+    kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
+    return Finding(
+        step=trip.step, where="forward" if trip.check == "loss" else "backward", value=kind,
+        cause="unknown", reproduced=False,
+        explanation=(f"the sentinel saw {kind} in the {what} at step {trip.step}, but replaying "
+                     f"that step with the same batch, weights and RNG state gave finite values: "
+                     f"a non-deterministic kernel or a transient fault (hardware, memory), not "
+                     f"a reproducible bug in this step"),
+        fix=("re-run the scan; if it recurs at other steps, set "
+             "`torch.use_deterministic_algorithms(True)` or run on another device to rule out "
+             "hardware"))
+
+
+def _isolate(session, state, trip, finding: Finding) -> None:
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    if not layout.size or layout.size < 2:
+        finding.sample_search = {"batch_size": layout.size, "replays": 0, "coupled": False,
+                                 "note": "no batch dimension to search"}
+        if layout.size == 1:
+            finding.samples = [0]
+        return
+
+    def reproduces(rows):
+        sub = select_rows(state.batch, layout, rows)
+        return replay_reproduces(session, state, sub, trip.check)
+
+    with preserved_buffers(session.model):
+        search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays)
+    finding.samples = search.samples
+    finding.sample_search = {"batch_size": layout.size, "replays": search.replays,
+                             "coupled": search.coupled, "note": search.note}
+    finding.sample_rows = sample_rows(state.batch, layout, search.samples or [])
+
+
+def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
+    """Each offending row's leaves: values when small, statistics when large."""
+    shown = []
+    for row in rows[:limit]:
+        leaves = []
+        for path, t in float_leaves(batch) + _int_leaves(batch):
+            dim = layout.dims.get(path)
+            if dim is not None and row < t.shape[dim]:
+                leaves.append((f"batch{path}", tensor_stats(f"batch{path}", t.select(dim, row))))
+        shown.append(SampleRow(row, tuple(leaves)))
+    return shown
+
+
+def _int_leaves(batch):
+    from nanaudit.tree import tensor_leaves
+    return [(p, t) for p, t in tensor_leaves(batch) if not (t.is_floating_point() or t.is_complex())]
+
+
+def _short(items, limit: int = 10) -> str:
+    items = list(items)
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"

@@ -1,0 +1,169 @@
+"""The rich console report: header, finding with the user's source line, op inputs, cause, fix,
+timeline. User strings are always rich Text, never parsed as markup."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from nanaudit.render.text import headline, sparkline
+from nanaudit.report import Finding, Report
+
+
+def print_report(report: Report, console: Console) -> None:
+    console.print(_header(report))
+    style = {"clean": "bold green", "nonfinite": "bold red"}.get(report.status, "bold yellow")
+    mark = {"clean": "✓", "nonfinite": "✗"}.get(report.status, "!")
+    console.print(Text(f"{mark} {headline(report)}", style=style))
+    if report.finding is not None:
+        console.print(_finding_panel(report.finding))
+    if report.timeline:
+        console.print(_timeline(report))
+    if report.error and report.error.get("frames"):
+        console.print(Text(_user_traceback(report.error), style="red"))
+    console.print(_next_steps(report))
+
+
+def _header(report: Report) -> Text:
+    text = Text("nanaudit ", style="bold")
+    text.append(f"{report.tool_version} · {report.command} ")
+    text.append(str(report.config.get("path", "")), style="cyan")
+    if report.device:
+        text.append(f" · device {report.device}")
+    text.append(f" · torch {report.torch_version} · {report.steps_run} step(s) in "
+                f"{report.duration_s:.1f}s")
+    return text
+
+
+def _finding_panel(f: Finding) -> Panel:
+    parts = [_facts(f)]
+    if f.source:
+        parts.append(_source(f))
+    if f.inputs:
+        title = "inputs of the op that created it" if f.op else "tensors"
+        parts.append(_stats_table(title, f.inputs))
+    if f.forward_inputs:
+        parts.append(_stats_table(f"inputs of the forward op {f.forward_op}", f.forward_inputs))
+    if f.sample_rows:
+        parts.append(_samples(f))
+    if f.reproduced is False:
+        parts.append(Text("not reproduced on replay: see the explanation", style="yellow"))
+    why = Text("why  ", style="bold")
+    why.append(f.explanation)
+    fix = Text("fix  ", style="bold green")
+    fix.append(f.fix)
+    parts += [why, fix]
+    return Panel(Group(*parts), title=Text(f"finding: {f.cause}", style="bold red"),
+                 border_style="red")
+
+
+def _facts(f: Finding) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [("step", f.step), ("where", f.where), ("value", f.value), ("op", f.op),
+            ("forward op", f.forward_op), ("module", f.module if f.module != "" else "(root)"
+                                           if f.module is not None else None),
+            ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
+    for key, value in rows:
+        if value not in (None, []):
+            table.add_row(key, Text(str(value)))
+    if f.sample_search:
+        s = f.sample_search
+        note = f" ({s['note']})" if s.get("note") else ""
+        table.add_row("sample search", Text(f"{s['replays']} replay(s) over a batch of "
+                                            f"{s['batch_size']}{note}"))
+    if len(f.tensors) > 1:
+        table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
+                                          (" ..." if len(f.tensors) > 12 else "")))
+    return table
+
+
+def _source(f: Finding):
+    src = f.source
+    title = Text(f"{src.file}:{src.line}", style="cyan")
+    if os.path.isfile(src.file):
+        syntax = Syntax.from_path(src.file, line_numbers=True, line_range=(max(1, src.line - 2),
+                                  src.line + 2), highlight_lines={src.line})
+        return Group(title, syntax)
+    return Group(title, Text(src.code))
+
+
+def _stats_table(title: str, stats) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False)
+    for col in ("input", "shape", "dtype", "min", "max", "nan", "+inf", "-inf", "zeros", "neg"):
+        table.add_column(col, justify="left" if col in ("input", "dtype") else "right")
+    for s in stats:
+        fmt = (lambda v: "—" if v is None else f"{v:.4g}")
+        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, fmt(s.min), fmt(s.max),
+                      _count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
+                      str(s.negatives))
+    return table
+
+
+def _count(n: int) -> Text:
+    return Text(str(n), style="bold red" if n else "")
+
+
+def _samples(f: Finding) -> Table:
+    table = Table(title="offending rows", title_justify="left", show_edge=False)
+    table.add_column("row", justify="right")
+    table.add_column("leaf")
+    table.add_column("values / stats")
+    from nanaudit.stats import describe
+    for row in f.sample_rows:
+        for path, stats in row.leaves:
+            shown = (", ".join(f"{v:.4g}" for v in stats.value) if stats.value is not None
+                     else describe(stats))
+            table.add_row(str(row.index), Text(path), Text(shown))
+    return table
+
+
+def _timeline(report: Report) -> Text:
+    tail = report.timeline[-60:]
+    first = tail[0].step
+    text = Text(f"timeline, steps {first}..{tail[-1].step}\n", style="bold")
+    text.append("  loss      ")
+    text.append(sparkline([e.loss for e in tail]))
+    text.append(f"  last {_num(tail[-1].loss)}\n")
+    text.append("  grad norm ")
+    text.append(sparkline([e.grad_norm for e in tail], log=True))
+    text.append(f"  last {_num(tail[-1].grad_norm)}")
+    return text
+
+
+def _num(v) -> str:
+    return "—" if v is None else f"{v:.4g}"
+
+
+def _user_traceback(error: dict) -> str:
+    lines = ["Traceback (user code):"]
+    for fr in error["frames"]:
+        lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
+        if fr.get("code"):
+            lines.append(f"    {fr['code']}")
+    lines.append(f"{error.get('exception', '')}: {error['message'].split(': ', 1)[-1]}")
+    return "\n".join(lines)
+
+
+def _next_steps(report: Report) -> Text:
+    f = report.finding
+    if report.status == "clean":
+        return Text("next: raise `steps:` to audit longer, or run this in CI with --junit-xml",
+                    style="dim")
+    if f is None:
+        return Text("")
+    hints = []
+    if f.source:
+        hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
+    if f.samples:
+        hints.append(f"inspect batch rows {f.samples} of step {f.step}")
+    if f.cause == "nonfinite-parameter":
+        hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
+    hints.append("--json PATH saves this report for CI and other tools")
+    return Text("next: " + "; ".join(hints), style="dim")

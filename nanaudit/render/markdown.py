@@ -1,0 +1,44 @@
+"""A Markdown summary for $GITHUB_STEP_SUMMARY: finding, source line, op inputs, fix, timeline."""
+
+from __future__ import annotations
+
+from nanaudit.render import Renderer
+from nanaudit.render.text import headline, sparkline
+from nanaudit.report import Report
+from nanaudit.stats import describe
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+class MarkdownRenderer(Renderer):
+    def render(self, report: Report) -> str:
+        icon = {"clean": "✅", "nonfinite": "❌"}.get(report.status, "⚠️")
+        out = [f"## {icon} nanaudit: {_cell(headline(report))}", "",
+               f"Config `{report.config.get('path', '')}` · device `{report.device}` · "
+               f"torch `{report.torch_version}` · {report.steps_run} step(s)", ""]
+        f = report.finding
+        if f is not None:
+            out += ["| | |", "|---|---|"]
+            rows = [("step", f.step), ("where", f.where), ("value", f.value), ("op", f.op),
+                    ("forward op", f.forward_op), ("module", f.module), ("tensor", f.tensor),
+                    ("samples", f.samples), ("cause", f"`{f.cause}`")]
+            out += [f"| {k} | {_cell(v)} |" for k, v in rows if v not in (None, "", [])]
+            out.append("")
+            if f.source:
+                out += [f"**Source** `{f.source.file}:{f.source.line}`", "", "```python",
+                        f.source.code, "```", ""]
+            if f.inputs:
+                out += ["**Inputs of the op**", "", "| input | stats |", "|---|---|"]
+                out += [f"| {_cell(s.name)} | `{_cell(describe(s))}` |" for s in f.inputs]
+                out.append("")
+            out += [f"**Why:** {_cell(f.explanation)}", "", f"**Fix:** {_cell(f.fix)}", ""]
+        if report.error:
+            out += ["```", report.error.get("message", ""), "```", ""]
+        if report.timeline:
+            tail = report.timeline[-40:]
+            out += ["**Timeline** (last steps)", "",
+                    f"- loss `{sparkline([e.loss for e in tail])}`",
+                    f"- grad norm `{sparkline([e.grad_norm for e in tail], log=True)}`", ""]
+        return "\n".join(out) + "\n"

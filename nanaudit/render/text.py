@@ -1,0 +1,58 @@
+"""Small text helpers shared by renderers: sparklines and one-line summaries of a finding."""
+
+from __future__ import annotations
+
+import math
+
+from nanaudit.report import Finding, Report
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values, log: bool = False) -> str:
+    """Bars for finite values, ✗ for non-finite ones; log scale for norms spanning decades."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "✗" * len(values)
+    scale = (lambda v: math.log10(max(abs(v), 1e-30))) if log else (lambda v: v)
+    lo, hi = min(scale(v) for v in finite), max(scale(v) for v in finite)
+    out = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append("✗")
+        else:
+            frac = 0.0 if hi == lo else (scale(v) - lo) / (hi - lo)
+            out.append(BARS[min(len(BARS) - 1, int(frac * (len(BARS) - 1) + 0.5))])
+    return "".join(out)
+
+
+def headline(report: Report) -> str:
+    if report.status == "clean":
+        return f"clean: {report.steps_run} step(s) audited, every value finite"
+    if report.status == "interrupted":
+        return f"interrupted after {report.steps_run} step(s): partial report"
+    if report.status == "error":
+        return f"error: {(report.error or {}).get('message', 'unknown error')}"
+    f = report.finding
+    return f"non-finite {f.value} at step {f.step} ({f.where}): {f.cause}"
+
+
+def finding_title(f: Finding) -> str:
+    parts = [f"step {f.step}", f.where]
+    if f.op:
+        parts.append(f.op)
+    if f.module:
+        parts.append(f"in {f.module}")
+    return ", ".join(parts)
+
+
+def finding_message(f: Finding) -> str:
+    """A one-paragraph message: what, where, why, and the fix (annotations, JUnit)."""
+    where = f"{f.where} op {f.op}" if f.op else f.where
+    if f.forward_op:
+        where += f" (backward of {f.forward_op})"
+    module = f" in module `{f.module}`" if f.module else ""
+    samples = f" Samples: {f.samples}." if f.samples else ""
+    tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
+    return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
+            f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")

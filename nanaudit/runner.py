@@ -1,0 +1,182 @@
+"""The step loop: seeded training steps under cheap sentinels, stopping before a bad update.
+
+Each step reads the device once (`readout`): the batch flag, the parameter norm left by the
+previous update, the loss and the gradient norm travel together in one small tensor. The
+optimizer only runs after that read says all is finite, so a trip leaves the pre-step state
+intact for the replay; the post-update parameter norm is checked at the next step's read (or
+at the end), which attributes a bad update to the step that made it without a second sync.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
+from nanaudit.loader import Session
+from nanaudit.report import TimelineEntry
+from nanaudit.sentinels import Sentinels, all_finite
+from nanaudit.tree import float_leaves, to_device
+
+
+@dataclass
+class RngState:
+    python: Any
+    torch_cpu: torch.Tensor
+    cuda: list | None
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(random.getstate(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch_cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclass
+class Trip:
+    """What tripped a sentinel: the step and the check (input, parameter, loss, gradient, optimizer)."""
+
+    step: int
+    check: str
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class StepState:
+    """All a replay needs from the loop: the batch (already on the device) and the RNG state."""
+
+    step: int
+    batch: Any
+    rng: RngState
+
+
+@dataclass
+class ScanOutcome:
+    steps_run: int = 0
+    timeline: list = field(default_factory=list)
+    trip: Trip | None = None
+    state: StepState | None = None
+    interrupted: bool = False
+
+
+def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
+    """The loss tensor from what the loss callable returned (a tensor or a mapping with 'loss')."""
+    if isinstance(value, dict) and "loss" in value:
+        value = value["loss"]
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError([Problem(entry_key, f"the loss callable returned a "
+                                   f"{type(value).__name__}; expected a scalar tensor or a "
+                                   f"mapping with a 'loss' tensor")])
+    if value.numel() != 1 or not value.is_floating_point():
+        raise ConfigError([Problem(entry_key, f"the loss must be a floating-point scalar tensor, "
+                                   f"got shape {tuple(value.shape)} of {value.dtype}; reduce it "
+                                   f"with .mean() or .sum()")])
+    if not value.requires_grad:
+        raise ConfigError([Problem(entry_key, "the loss does not require grad: it is not "
+                                   "connected to any trainable parameter")])
+    return value.reshape(())
+
+
+def forward_backward(session: Session, batch: Any) -> torch.Tensor:
+    """Zero grads, compute the loss and backpropagate: the part of a step a replay repeats."""
+    session.model.zero_grad(set_to_none=True)
+    loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
+                                 session.compute_loss, batch), session.config.loss.key)
+    call_user("backward of the loss", loss.backward)
+    return loss
+
+
+def _next_batch(iterator, what: str):
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise
+    except (KeyboardInterrupt, UserCodeError, ConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's generator or DataLoader raised
+        raise UserCodeError(what, exc) from exc
+
+
+def run_steps(session: Session, max_steps: int | None = None, update: bool = True,
+              on_step: Callable[[int], None] | None = None) -> ScanOutcome:
+    """Run training steps until data ends, max_steps, or the first non-finite value."""
+    outcome = ScanOutcome()
+    sentinels = Sentinels(session.model, session.device)
+    optimizer = session.optimizer if update else None
+    state_norm = sentinels.state_norm()        # the starting state, read with step 0
+    updated = False                            # has an optimizer step run since that read?
+    data = session.make_data()
+    iterator = call_user(f"iterating the data from `{session.config.data.target}`", iter, data)
+    what = f"the data from `{session.config.data.target}`"
+    try:
+        step = 0
+        while max_steps is None or step < max_steps:
+            try:
+                raw_batch = _next_batch(iterator, what)
+            except StopIteration:
+                break
+            started = time.perf_counter()
+            rng = RngState.capture()
+            batch = to_device(raw_batch, session.device)
+            batch_ok = all_finite([t for _, t in float_leaves(batch)], session.device)
+            loss = forward_backward(session, batch)
+            grad_norm = sentinels.grad_norm()
+            # The one host sync of the step.
+            read = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64),
+                                grad_norm]).tolist()
+            ok_batch, norm, loss_value, gnorm = read
+            outcome.steps_run = step + 1
+            trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
+            if trip is not None:
+                outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
+                outcome.trip = trip
+                outcome.state = StepState(step, batch, rng)
+                return outcome
+            if optimizer is not None:
+                if session.config.grad_clip:
+                    sentinels.clip_(grad_norm, session.config.grad_clip)
+                call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
+                state_norm = sentinels.state_norm()
+                updated = True
+            outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
+            if on_step:
+                on_step(step)
+            step += 1
+        if updated and not math.isfinite(float(state_norm)):
+            outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    return outcome
+
+
+def _classify(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
+    if ok_batch < 1.0:
+        return Trip(step, "input", loss_value, gnorm)
+    if not math.isfinite(norm):
+        # The parameters were fine at the last read; an optimizer step ran since: blame it.
+        return Trip(step - 1, "optimizer") if updated else Trip(step, "parameter")
+    if not math.isfinite(loss_value):
+        return Trip(step, "loss", loss_value, gnorm)
+    if not math.isfinite(gnorm):
+        return Trip(step, "gradient", loss_value, gnorm)
+    return None
+
+
+def _entry(step, loss, gnorm, norm, optimizer, started) -> TimelineEntry:
+    lr = None
+    if optimizer is not None and optimizer.param_groups:
+        value = optimizer.param_groups[0].get("lr")
+        lr = float(value) if isinstance(value, (int, float)) else None
+    return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm, lr=lr,
+                         time_ms=round((time.perf_counter() - started) * 1000, 3))

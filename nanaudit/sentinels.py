@@ -1,0 +1,85 @@
+"""Cheap always-on checks: device-side finiteness and norms, read by the host once per step.
+
+The trick (after torchtitan and GradScaler): one fused `_foreach_norm` over a set of tensors,
+accumulated in float64. For float32/16/bf16 tensors the float64 sum of squares cannot overflow,
+so the norm is finite exactly when every element is finite: one reduction gives both the
+element-finiteness check and the norm for the timeline. Nothing here calls `.item()`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+_FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """The float64 L2 norm of all tensors together, on `device`; non-finite iff an element is."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    safe = [t for t in tensors if t.dtype in _FLOAT64_SAFE]
+    other = [t for t in tensors if t.dtype not in _FLOAT64_SAFE]
+    parts = []
+    if safe:
+        norms = torch._foreach_norm(safe, 2.0, dtype=torch.float64)
+        parts.append(torch.stack([n.to(device) for n in norms]))
+    for t in other:
+        # float64 squares could overflow: keep the norm finite (clamped) and add NaN only
+        # when an element really is non-finite.
+        bad = (~torch.isfinite(t)).any()
+        norm = torch.where(bad, float("nan"), t.detach().abs().double().norm().clamp(max=1e150))
+        parts.append(norm.to(device).reshape(1))
+    return torch.cat([p.reshape(-1) for p in parts]).norm()
+
+
+def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
+    """A float64 0-dim tensor on `device`: 1.0 when every element is finite, else 0.0."""
+    flags = [torch.isfinite(t).all().to(device) for t in tensors]
+    if not flags:
+        return torch.ones((), dtype=torch.float64, device=device)
+    return torch.stack(flags).all().to(torch.float64)
+
+
+class Sentinels:
+    """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
+
+    def __init__(self, model: torch.nn.Module, device):
+        self.device = torch.device(device)
+        self.params = [p for p in model.parameters()]
+        self.state = self.params + [b for b in model.buffers() if b.is_floating_point()]
+
+    def state_norm(self) -> torch.Tensor:
+        return finite_norm([t.detach() for t in self.state], self.device)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        return finite_norm([g.detach() for g in self.grads()], self.device)
+
+    def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
+        """Scale gradients by max_norm / total_norm when above it, without a host sync."""
+        grads = self.grads()
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        by_key: dict = {}
+        for g in grads:
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), group in by_key.items():
+            torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors holding a non-finite element: for the report, after a trip (syncs)."""
+    return [name for name, t in named if t is not None and not bool(torch.isfinite(t).all())]
+
+
+def value_kind(t: torch.Tensor) -> str:
+    """'nan', 'inf' or '-inf': the kind of non-finite value a tensor holds, NaN first (syncs)."""
+    t = t.detach()
+    if bool(torch.isnan(t).any()):
+        return "nan"
+    if bool((t == float("inf")).any()):
+        return "inf"
+    return "-inf"
