@@ -133,9 +133,10 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
         return SampleSearch(None, replays, True, "the rows are coupled: the value needs most "
                             "of the batch together (a batch statistic: BatchNorm in train mode, "
                             "a loss normalised over the batch)")
-    if size > 1 and len(found) == size:
-        return SampleSearch(None, replays, False, "every row reproduces it alone: the cause is "
-                            "not in particular samples but in the model or the batch as a whole")
+    if size > 1 and len(found) > size // 2:
+        return SampleSearch(None, replays, False, f"{len(found)} of {size} rows reproduce it "
+                            f"alone: the cause is not in particular samples but in the model "
+                            f"or the batch as a whole")
     return SampleSearch(sorted(found), replays, False, "")
 
 

@@ -329,11 +329,11 @@ def _overflow(event: OpEvent, timeline) -> Diagnosis:
     return Diagnosis("dtype-overflow", text, fix_for("dtype-overflow"))
 
 
-def diagnose(event: OpEvent, kind: str, timeline) -> Diagnosis:
+def diagnose(event: OpEvent, kind: str, timeline, trace=None) -> Diagnosis:
     """The cause of a value of `kind` ('nan' or 'inf') created by `event`."""
     forward = event.forward
     if event.phase == "backward" and forward is not None and forward.out_kinds:
-        return _masked(event, forward)
+        return _masked(event, forward, trace, timeline)
     subject_op, args, kwargs = ((forward.op, forward.args, forward.kwargs)
                                 if event.phase == "backward" and forward is not None
                                 else (event.op, event.args, event.kwargs))
@@ -356,9 +356,20 @@ def diagnose(event: OpEvent, kind: str, timeline) -> Diagnosis:
     return Diagnosis("unknown", text, fix_for("unknown"))
 
 
-def _masked(event: OpEvent, forward) -> Diagnosis:
+def _masked(event: OpEvent, forward, trace, timeline) -> Diagnosis:
     kinds = "/".join(sorted(forward.out_kinds))
     reason = domain_reason(forward.op, forward.args, forward.kwargs, "forward")
+    if trace is not None and forward.event is not None and (reason is None
+                                                           or reason[0] == "inf-arithmetic"):
+        # The forward value may itself come from further up (exp overflow, then inf / inf).
+        from nanaudit.tracer import walk_back
+        origin_kind = "nan" if "nan" in forward.out_kinds else "inf"
+        origin, _ = walk_back(trace, forward.event, origin_kind)
+        if origin.index != forward.event:
+            found = diagnose(origin, origin_kind, timeline, trace)
+            if found.cause not in ("unknown", "inf-arithmetic"):
+                reason = (found.cause, f"{found.explanation}, and {op_base(forward.op)} "
+                                       f"turned it into {kinds}")
     why = f" because {reason[1]}" if reason else ""
     text = (f"in forward, {op_base(forward.op)} produced {kinds}{why}; that value was masked or "
             f"indexed away, so the loss stayed finite, but the backward of "

@@ -100,7 +100,10 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
         reproduced=True, tensors=loc.bad_tensors or [],
         tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
         chain=[_chain_link(e) for e in loc.chain])
-    if isolate_samples:
+    if finding.cause == "divergence":
+        finding.sample_search = {"batch_size": None, "replays": 0, "coupled": False,
+                                 "note": "divergence: the weights, not particular rows"}
+    elif isolate_samples:
         _isolate(session, state, trip, finding)
     return finding
 

@@ -100,7 +100,7 @@ def _from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) ->
         return Localization(False, ops_traced=trace.ops_seen)
     kind = "nan" if "nan" in kinds else "inf"
     event, chain = walk_back(trace, start, kind)
-    diagnosis = diagnose(event, kind, timeline)
+    diagnosis = diagnose(event, kind, timeline, trace)
     if diagnosis.cause == "inf-arithmetic":
         event, chain, diagnosis = _follow_infinity(trace, event, chain, diagnosis, timeline)
     return Localization(True, value, event, chain, diagnosis, names, trace.ops_seen)
@@ -112,7 +112,7 @@ def _follow_infinity(trace, event, chain, diagnosis, timeline):
         if producer is None or not kinds & {"inf", "-inf"}:
             continue
         origin, upstream = walk_back(trace, producer, "inf")
-        found = diagnose(origin, "inf", timeline)
+        found = diagnose(origin, "inf", timeline, trace)
         if found.cause not in ("unknown", "inf-arithmetic", "dtype-overflow"):
             text = (f"{found.explanation}; the infinity then reached "
                     f"{event.op.split('.')[1]}, which turned it into NaN")

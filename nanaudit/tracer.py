@@ -119,6 +119,7 @@ class ForwardRecord:
     args: Any = None               # kept for DOMAIN_OPS only
     kwargs: Any = None
     arg_names: tuple = ()
+    event: int | None = None       # the OpEvent index, when this op's output went bad
 
 
 @dataclass
@@ -274,6 +275,8 @@ class OpTracer(TorchDispatchMode):
             forward=forward, node=node.name() if node is not None else None,
             args=args, kwargs=kwargs, arg_names=schema_names(func))
         self.trace.events.append(event)
+        if record is not None:
+            record.event = event.index
         for t in outputs:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
