@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import random
 import sys
 from dataclasses import dataclass
@@ -30,11 +31,18 @@ def user_import_path(base_dir: Path):
     added = entry not in sys.path
     if added:
         sys.path.insert(0, entry)
+    before = set(sys.modules)
     try:
         yield
     finally:
         if added and entry in sys.path:
             sys.path.remove(entry)
+        # Forget modules imported from the config's folder, so a later run in this process
+        # (the library API, a test) imports its own `case.py`, not this one's.
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if origin.startswith(entry + os.sep):
+                del sys.modules[name]
 
 
 def resolve(entry: Entrypoint, base_dir: Path) -> Any:

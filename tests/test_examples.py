@@ -1,0 +1,82 @@
+"""Every config in configs/ runs, and each seed case is localized to its step, op and cause."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, scan
+
+EXPECTED = {
+    "log_negative": dict(step=3, where="forward", op="aten.log.default", cause="log-domain",
+                         samples=[2]),
+    "acos_outside": dict(step=1, where="forward", op="aten.acos.default", cause="trig-domain",
+                         samples=[4], module=""),
+    "sqrt_zero_backward": dict(step=0, where="backward", op="aten.div.Tensor",
+                               forward_op="aten.sqrt.default", cause="sqrt-domain", samples=None),
+    "exp_overflow_masked": dict(step=0, where="backward", forward_op="aten.exp.default",
+                                cause="masked-nonfinite-gradient"),
+    "ctc_impossible": dict(step=1, where="forward", op="aten._ctc_loss.Tensor",
+                           cause="impossible-ctc-target", samples=[2]),
+    "masked_division": dict(step=2, where="backward", op="aten.div.Tensor",
+                            forward_op="aten.div.Tensor", cause="masked-nonfinite-gradient"),
+    "handwritten_softmax": dict(step=3, where="forward", op="aten.exp.default",
+                                cause="exp-overflow", samples=[6]),
+    "dirty_mask": dict(step=2, where="input", tensor='batch["mask"]', cause="nonfinite-input",
+                       samples=[1], value="nan"),
+    "div_zero": dict(step=1, where="forward", op="aten.div.Tensor", cause="div-by-zero",
+                     samples=[0]),
+    "gradient_explosion": dict(where="forward", cause="divergence", samples=None),
+    "saturated_bce": dict(step=2, where="forward", op="aten.log.default", cause="log-domain",
+                          samples=[3]),
+    "no_positives": dict(step=1, where="forward", op="aten.div.Tensor", cause="div-by-zero",
+                         samples=None),
+}
+CLEAN = {"atan2_origin"}
+
+
+def test_every_example_has_an_expectation():
+    names = {p.stem for p in (ROOT / "configs" / "examples").glob("*.yaml")}
+    assert names == set(EXPECTED) | CLEAN
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_is_localized(name, tmp_path):
+    result = scan(ROOT / "configs" / "examples" / f"{name}.yaml", tmp_path=tmp_path)
+    assert result.code == 1, result.report
+    assert result.report["status"] == "nonfinite"
+    finding = result.finding
+    for key, value in EXPECTED[name].items():
+        assert finding[key] == value, (key, finding)
+    if finding["where"] in ("forward", "backward"):
+        assert finding["reproduced"] is True
+        assert finding["source"]["file"].endswith(f"{name}.py")
+        assert finding["source"]["code"]
+        assert finding["inputs"], "the creating op's inputs are reported"
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN))
+def test_clean_example(name, tmp_path):
+    result = scan(ROOT / "configs" / "examples" / f"{name}.yaml", tmp_path=tmp_path)
+    assert result.code == 0
+    assert result.report["status"] == "clean" and result.finding is None
+
+
+def test_demo_names_row_module_op_and_line(tmp_path):
+    result = scan(ROOT / "configs" / "demo.yaml", tmp_path=tmp_path)
+    assert result.code == 1
+    f = result.finding
+    assert (f["step"], f["where"], f["op"], f["forward_op"]) == (
+        6, "backward", "aten.div.Tensor", "aten.sqrt.default")
+    assert f["module"] == "features" and f["cause"] == "sqrt-domain"
+    assert f["samples"] == [5] and f["sample_search"]["replays"] <= 12
+    assert "torch.sqrt" in f["source"]["code"]
+    assert result.report["steps_run"] == 7 and len(result.report["timeline"]) == 7
+    assert result.report["timeline"][-1]["grad_norm"] == "nan"
+
+
+def test_clean_config_exits_zero(tmp_path):
+    result = scan(ROOT / "configs" / "clean.yaml", tmp_path=tmp_path)
+    assert result.code == 0
+    assert result.report["status"] == "clean"
+    assert result.report["steps_run"] == 12
+    assert all(isinstance(e["loss"], float) for e in result.report["timeline"])
