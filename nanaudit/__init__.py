@@ -7,5 +7,5 @@ __all__ = ["__version__", "audit"]
 
 def audit(config_or_path, **overrides):
     """Run what `nanaudit scan` runs and return the Report (imports torch on first use)."""
-    from nanaudit.audit import audit as _audit
+    from nanaudit.pipeline import audit as _audit
     return _audit(config_or_path, **overrides)

@@ -91,8 +91,8 @@ def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdow
          quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
-    from nanaudit.audit import ScanOptions, exit_code
-    from nanaudit.audit import scan as run_scan
+    from nanaudit.pipeline import ScanOptions, exit_code
+    from nanaudit.pipeline import scan as run_scan
     terminal = Terminal(quiet or json_path == "-")
     progress = terminal.progress()
     task = {}

@@ -1,0 +1,84 @@
+"""The command line: exit codes, clean stdout for machine formats, fast help, interrupts."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import LINEAR_CASE, ROOT, run_cli, scan
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from nanaudit.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported by --help'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "Exit codes:" in done.stdout and "130" in done.stdout
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "--version"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and "nanaudit" in done.stdout
+
+
+def test_usage_error_exits_2():
+    assert run_cli("scan").code == 2
+    assert run_cli("scan", "x.yaml", "--steps", "0").code == 2
+
+
+def test_json_to_stdout_keeps_stdout_clean():
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--json", "-")
+    assert result.code == 1
+    body = json.loads(result.stdout)
+    assert body["finding"]["cause"] == "sqrt-domain"
+
+
+def test_console_report_goes_to_stderr():
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml")
+    assert result.code == 1 and result.stdout == ""
+    assert "finding: sqrt-domain" in result.stderr
+
+
+def test_github_annotations_when_running_in_actions(tmp_path):
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet",
+                     env={"GITHUB_ACTIONS": "true"})
+    assert result.stdout.startswith("::error file=")
+    assert ",line=26,title=nanaudit (sqrt-domain)::" in result.stdout
+
+
+def test_all_report_files_written(tmp_path):
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet",
+                     "--json", tmp_path / "r.json", "--junit-xml", tmp_path / "r.xml",
+                     "--markdown", tmp_path / "r.md")
+    assert result.code == 1
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "nonfinite"
+    assert 'failures="1"' in (tmp_path / "r.xml").read_text()
+    assert "sqrt-domain" in (tmp_path / "r.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.xml"]
+
+
+def test_steps_option_limits_the_run(tmp_path):
+    result = scan(ROOT / "configs" / "demo.yaml", "--steps", "3", tmp_path=tmp_path)
+    assert result.code == 0 and result.report["steps_run"] == 3
+
+
+def test_ctrl_c_leaves_a_valid_partial_report(case, tmp_path):
+    code = LINEAR_CASE + (
+        "\ndef interrupted():\n"
+        "    for i, b in enumerate(batches()):\n"
+        "        if i == 2:\n"
+        "            raise KeyboardInterrupt\n"
+        "        yield b\n")
+    result = scan(case(code, data="case:interrupted"), tmp_path=tmp_path)
+    assert result.code == 130
+    assert result.report["status"] == "interrupted" and result.report["steps_run"] == 2
+    assert len(result.report["timeline"]) == 2
+
+
+def test_library_api_returns_the_report():
+    import nanaudit
+    report = nanaudit.audit(str(ROOT / "configs" / "demo.yaml"), steps=8)
+    assert report.status == "nonfinite" and report.finding.step == 6
+    assert report.finding.module == "features"

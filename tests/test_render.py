@@ -1,0 +1,92 @@
+"""Every format is rendered from one canonical report and compared to its golden file.
+
+Regenerate after an intended change with `NANAUDIT_UPDATE_GOLDEN=1 pytest tests/test_render.py`.
+"""
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from nanaudit.render import renderer_for
+from nanaudit.render.console import print_report
+from nanaudit.report import Finding, Report, SourceLine, TensorStats, TimelineEntry
+
+GOLDEN = Path(__file__).parent / "golden"
+FORMATS = {"json": "report.json", "junit": "report.xml", "github": "report.github.txt",
+           "markdown": "report.md"}
+
+
+def canonical_report() -> Report:
+    stats = TensorStats("self", (16, 1), "float32", 16, -0.02, 0.018, 0.0, 0, 0, 0, 0, 10)
+    other = TensorStats("other", (16, 1), "float32", 16, 0.0, 8.64, 4.1, 0, 0, 0, 1, 0)
+    finding = Finding(
+        step=6, where="backward", value="nan", cause="sqrt-domain",
+        explanation="sqrt received exact zeros at 1 of 16 position(s), first at index [5, 0]",
+        fix="`torch.sqrt(x + eps)`", tensor="features.gain", op="aten.div.Tensor",
+        forward_op="aten.sqrt.default", module="features",
+        source=SourceLine("model.py", 26, "length = torch.sqrt((z * z).sum(1)) # <&> \x01",
+                          "forward"),
+        samples=[5], inputs=[stats, other], reproduced=True,
+        sample_search={"batch_size": 16, "replays": 8, "coupled": False, "note": ""})
+    timeline = [TimelineEntry(i, 1.0 / (i + 1), 0.5 * (i + 1), 4.4, 1e-3, 0.5) for i in range(6)]
+    timeline.append(TimelineEntry(6, 5.5, float("nan"), 4.4, 1e-3, 0.5))
+    return Report(tool_version="0.1.0", config={"path": "configs/demo.yaml"},
+                  torch_version="2.13.0", device="cpu", status="nonfinite", steps_run=7,
+                  finding=finding, timeline=timeline, duration_s=1.25)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_format_matches_golden(fmt):
+    text = renderer_for(fmt).render(canonical_report())
+    golden = GOLDEN / FORMATS[fmt]
+    if os.environ.get("NANAUDIT_UPDATE_GOLDEN"):
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8")
+
+
+def test_json_is_strict_and_carries_the_contract():
+    body = json.loads(renderer_for("json").render(canonical_report()))
+    assert body["schema_version"] == 1 and body["status"] == "nonfinite"
+    assert body["timeline"][-1]["grad_norm"] == "nan"
+    f = body["finding"]
+    for key in ("step", "where", "value", "tensor", "op", "forward_op", "module", "source",
+                "samples", "cause", "explanation", "fix", "inputs"):
+        assert key in f
+    assert f["source"] == {"file": "model.py", "line": 26, "function": "forward",
+                           "code": "length = torch.sqrt((z * z).sum(1)) # <&> \x01"}
+
+
+def test_junit_escapes_and_fails_the_gradient_case():
+    suite = ET.fromstring(renderer_for("junit").render(canonical_report()).split("\n", 1)[1])
+    assert suite.get("failures") == "1"
+    failed = [c for c in suite if c.tag == "testcase" and c.find("failure") is not None]
+    assert [c.get("name") for c in failed] == ["gradients"]
+    assert "<&>" in failed[0].find("failure").text and "\x01" not in failed[0].find("failure").text
+
+
+def test_github_annotation_is_on_the_source_line():
+    line = renderer_for("github").render(canonical_report())
+    assert line.startswith("::error file=model.py,line=26,title=nanaudit (sqrt-domain)::")
+    assert "\n" not in line.rstrip("\n")
+
+
+def test_clean_report_renders_in_every_format():
+    report = canonical_report()
+    report.status, report.finding = "clean", None
+    suite = ET.fromstring(renderer_for("junit").render(report).split("\n", 1)[1])
+    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    assert renderer_for("github").render(report).startswith("::notice")
+    assert "✅" in renderer_for("markdown").render(report)
+
+
+def test_console_report_shows_the_finding():
+    console = Console(record=True, width=120, color_system=None)
+    print_report(canonical_report(), console)
+    text = console.export_text()
+    for needle in ("finding: sqrt-domain", "aten.div.Tensor", "features", "model.py:26",
+                   "inputs of the op that created it", "fix", "timeline"):
+        assert needle in text
