@@ -20,7 +20,7 @@ import torch
 from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.loader import Session
 from nanaudit.report import TimelineEntry
-from nanaudit.sentinels import Sentinels, all_finite
+from nanaudit.sentinels import Sentinels, all_finite, confirm_nonfinite, exact_norm
 from nanaudit.tree import float_leaves, to_device
 
 
@@ -136,6 +136,7 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             read = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64),
                                 grad_norm]).tolist()
             ok_batch, norm, loss_value, gnorm = read
+            norm, gnorm = _confirmed(sentinels, norm, gnorm)
             outcome.steps_run = step + 1
             trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
             if trip is not None:
@@ -153,11 +154,22 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             if on_step:
                 on_step(step)
             step += 1
-        if updated and not math.isfinite(float(state_norm)):
-            outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
+        if updated:
+            final, _ = _confirmed(sentinels, float(state_norm), 0.0)
+            if not math.isfinite(final):
+                outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
     except KeyboardInterrupt:
         outcome.interrupted = True
     return outcome
+
+
+def _confirmed(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:
+    """Replace a non-finite norm by the exact one when no element is actually non-finite."""
+    if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
+        norm = exact_norm(sentinels.state_tensors())
+    if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grads()):
+        gnorm = exact_norm(sentinels.grads())
+    return norm, gnorm
 
 
 def _classify(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:

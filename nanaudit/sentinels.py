@@ -1,9 +1,12 @@
 """Cheap always-on checks: device-side finiteness and norms, read by the host once per step.
 
-The trick (after torchtitan and GradScaler): one fused `_foreach_norm` over a set of tensors,
-accumulated in float64. For float32/16/bf16 tensors the float64 sum of squares cannot overflow,
-so the norm is finite exactly when every element is finite: one reduction gives both the
-element-finiteness check and the norm for the timeline. Nothing here calls `.item()`.
+The trick (after torchtitan and GradScaler): one fused `_foreach_norm` over a set of tensors
+gives per-tensor norms, combined in float64. A NaN or Inf element makes its tensor's norm
+non-finite, so a finite total proves every element finite: the same reduction is the check and
+the timeline's norm. The converse can fail (a float32 sum of squares overflows past ~1.8e19 per
+element while every element is finite), so a non-finite norm is confirmed element by element
+(`confirm_nonfinite`) before anything is reported: that extra sync happens only on the rare
+step that trips. Nothing here calls `.item()` on the common path.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     other = [t for t in tensors if t.dtype not in _FLOAT64_SAFE]
     parts = []
     if safe:
-        norms = torch._foreach_norm(safe, 2.0, dtype=torch.float64)
-        parts.append(torch.stack([n.to(device) for n in norms]))
+        norms = torch._foreach_norm(safe, 2.0, dtype=torch.float32)
+        parts.append(torch.stack([n.to(device) for n in norms]).to(torch.float64))
     for t in other:
         # float64 squares could overflow: keep the norm finite (clamped) and add NaN only
         # when an element really is non-finite.
@@ -32,6 +35,22 @@ def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
         norm = torch.where(bad, float("nan"), t.detach().abs().double().norm().clamp(max=1e150))
         parts.append(norm.to(device).reshape(1))
     return torch.cat([p.reshape(-1) for p in parts]).norm()
+
+
+def exact_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The norm computed without overflow (float64, scaled), for a false alarm's timeline."""
+    total = 0.0
+    for t in tensors:
+        t = t.detach().to(torch.float64)
+        scale = float(t.abs().max()) if t.numel() else 0.0
+        if scale:
+            total += (scale * float((t / scale).norm())) ** 2
+    return total ** 0.5
+
+
+def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Element-wise: does any tensor really hold NaN/Inf? (syncs; only after a norm trips)"""
+    return any(not bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
@@ -52,6 +71,9 @@ class Sentinels:
 
     def state_norm(self) -> torch.Tensor:
         return finite_norm([t.detach() for t in self.state], self.device)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t.detach() for t in self.state]
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
