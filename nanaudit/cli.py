@@ -157,6 +157,34 @@ def _main_thread() -> bool:
 
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--checkpoints", type=click.Path(path_type=Path),
+              help="A folder of checkpoints (step_000100.pt, ckpt-2000.pt): find the first bad "
+                   "one by binary search and replay training from the last good one.")
+@click.option("--pattern", help="Regex whose first group captures the step from a file name.")
+@click.option("--steps", type=click.IntRange(min=1), help="Audit at most this many batches.")
+@click.option("--device", help="Override the config's device.")
+@click.option("--skip-list", "skip_list_path", metavar="PATH",
+              help="Write the poisoned batches and rows as JSON, for a training loop to skip.")
+@_report_outputs
+def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_path, junit_path,
+           markdown_path, fmt, quiet):
+    """Find every non-finite batch of CONFIG's data set against the starting weights (with
+    its samples and cause), or with --checkpoints the first bad checkpoint and step."""
+    from nanaudit.pipeline import ScanOptions, exit_code
+    from nanaudit.pipeline import bisect as run_bisect
+    terminal = Terminal(quiet or json_path == "-")
+    report = run_bisect(config, ScanOptions(steps=steps, device=device), checkpoints, pattern)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
+    section = report.extra.get("bisect") or {}
+    if skip_list_path and section.get("mode") == "data":
+        import json
+        from nanaudit.output import write_atomic
+        write_atomic(skip_list_path, json.dumps({"skip": section["skip_list"]}, indent=2) + "\n")
+    _exit(exit_code(report))
+
+
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 def validate(config):
     """Check CONFIG without running anything: keys, types, entrypoints and their signatures,
     checkpoint path and device. Lists every problem at once."""

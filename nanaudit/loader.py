@@ -324,9 +324,16 @@ def load_checkpoint(path: Path, key: str = "checkpoint", weights_only: bool = Tr
     import torch
     if not Path(path).is_file():
         raise ConfigError([Problem(key, f"file not found: {path}")])
+    if not _looks_like_torch_save(Path(path)):
+        raise ConfigError([Problem(key, f"{path} is not a loadable checkpoint: neither a "
+                                   f"torch.save archive nor a legacy pickle (truncated or "
+                                   f"another format?)")])
     try:
         raw = torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise ConfigError([Problem(key, f"{path} is not a loadable checkpoint: "
+                                       f"{str(exc).strip().splitlines()[0]}")]) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         raise ConfigError([Problem(key, f"{path} cannot be loaded with weights_only=True "
                                    f"(it holds more than tensors and plain containers: {first}); "
@@ -341,6 +348,13 @@ def load_checkpoint(path: Path, key: str = "checkpoint", weights_only: bool = Tr
         if isinstance(raw.get(name), dict):
             return Checkpoint(raw[name], raw, str(path))
     return Checkpoint(raw, {}, str(path))
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    import zipfile
+    with open(path, "rb") as handle:
+        head = handle.read(2)
+    return zipfile.is_zipfile(path) or head[:1] == b"\x80"
 
 
 def apply_model_state(model, checkpoint: Checkpoint, key: str, label: str) -> None:

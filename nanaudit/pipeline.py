@@ -121,3 +121,80 @@ def audit(config_or_path, **overrides) -> Report:
     if isinstance(config_or_path, Config):
         return scan(config_or_path.path, options, config=config_or_path)
     return scan(config_or_path, options)
+
+
+def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
+           checkpoints: Path | None = None, pattern: str | None = None) -> Report:
+    """`nanaudit bisect`: every bad batch of the data set, or the first bad checkpoint."""
+    started = time.perf_counter()
+    report = _base_report(config_path, None)
+    report.command = "bisect"
+    try:
+        config = _configured(config_path, options)
+        report.config = config.summary()
+        if checkpoints is None:
+            _bisect_data(config, options, report)
+        else:
+            _bisect_checkpoints(config, options, report, checkpoints, pattern)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    except Exception as exc:  # noqa: BLE001
+        report.status = "error"
+        report.error = error_dict(exc)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
+    from nanaudit.bisect import bisect_data
+    from nanaudit.loader import build_session, user_import_path
+    with user_import_path(config.base_dir):
+        session = build_session(config)
+        report.device = str(session.device)
+        if options.on_start:
+            options.on_start(config.steps)
+        result = bisect_data(session, config.steps, on_step=options.on_step)
+    outcome = result["outcome"]
+    report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+    if outcome.steps_run == 0:
+        raise NothingAuditedError(f"the data from `{config.data.target}` yielded no batches")
+    findings = result["findings"]
+    report.status = "interrupted" if outcome.interrupted else ("nonfinite" if findings else "clean")
+    report.finding = findings[0] if findings else None
+    report.extra["bisect"] = {"mode": "data", "batches_audited": outcome.steps_run,
+                              "bad_batches": findings, "skip_list": result["skip_list"]}
+
+
+def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
+    from nanaudit.bisect import bisect_checkpoints, linear_cost_note, list_checkpoints
+    from nanaudit.findings import build_finding, state_finding
+    from nanaudit.loader import build_session, user_import_path
+    from nanaudit.runner import Trip
+    files = list_checkpoints(Path(folder), pattern)
+    with user_import_path(config.base_dir):
+        session = build_session(config)
+        report.device = str(session.device)
+        result = bisect_checkpoints(session, files)
+        outcome = result.pop("outcome")
+        result["note"] = result.get("note") or linear_cost_note(result)
+        report.extra["bisect"] = {"mode": "checkpoints", **result}
+        if result["first_bad"] is None:
+            report.status = "clean"
+            return
+        report.status = "nonfinite"
+        if outcome is not None:
+            report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+        if outcome is not None and outcome.trip is not None:
+            report.finding = build_finding(session, outcome, config.localize.samples)
+        else:
+            from nanaudit.loader import load_checkpoint, apply_model_state
+            bad = result["first_bad"]
+            apply_model_state(session.model, load_checkpoint(Path(bad["path"])), "--checkpoints",
+                              bad["path"])
+            report.finding = state_finding(session, Trip(bad["step"], "parameter"))
+            report.finding.explanation += (
+                f" ({bad['path']}; the replay from the last good checkpoint did not reach a "
+                f"non-finite value" + ("" if result["optimizer_state"] else
+                                       ": the checkpoint holds no optimizer state, so a fresh "
+                                       "optimizer may not follow the original trajectory") + ")"
+                if result["last_good"] else f" ({bad['path']}: the first checkpoint)")

@@ -109,8 +109,14 @@ def _next_batch(iterator, what: str):
 
 
 def run_steps(session: Session, max_steps: int | None = None, update: bool = True,
-              on_step: Callable[[int], None] | None = None) -> ScanOutcome:
-    """Run training steps until data ends, max_steps, or the first non-finite value."""
+              on_step: Callable[[int], None] | None = None, start_step: int = 0,
+              stop_on_trip: bool = True, on_trip: Callable | None = None) -> ScanOutcome:
+    """Run training steps until data ends, max_steps, or the first non-finite value.
+
+    `start_step` skips that many batches first (resuming from a checkpoint). With
+    `stop_on_trip=False` (bisect over a data set, no updates) every tripping batch is passed
+    to `on_trip(trip, state)` and the loop goes on.
+    """
     outcome = ScanOutcome()
     sentinels = Sentinels(session.model, session.device)
     optimizer = session.optimizer if update else None
@@ -120,8 +126,13 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
     iterator = call_user(f"iterating the data from `{session.config.data.target}`", iter, data)
     what = f"the data from `{session.config.data.target}`"
     try:
-        step = 0
-        while max_steps is None or step < max_steps:
+        for _ in range(start_step):
+            try:
+                _next_batch(iterator, what)
+            except StopIteration:
+                break
+        step = start_step
+        while max_steps is None or step < start_step + max_steps:
             try:
                 raw_batch = _next_batch(iterator, what)
             except StopIteration:
@@ -139,6 +150,13 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             norm, gnorm = _confirmed(sentinels, norm, gnorm)
             outcome.steps_run = step + 1
             trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
+            if trip is not None and not stop_on_trip:
+                outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
+                on_trip(trip, StepState(step, batch, rng))
+                if on_step:
+                    on_step(step)
+                step += 1
+                continue
             if trip is not None:
                 outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
                 outcome.trip = trip

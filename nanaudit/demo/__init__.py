@@ -59,3 +59,14 @@ def clean_batches(seed: int = 0):
 
 def loss(model, batch):
     return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def poisoned_batches(seed: int = 0):
+    """The demo data with two more faults: a NaN reading (batch 2) and an inf target (batch 9)."""
+    for index, batch in enumerate(batches(seed)):
+        if index == 2:
+            batch["x"][11, 3] = float("nan")
+        if index == 9:
+            batch["y"][0] = float("inf")
+        batch["id"] = torch.arange(index * BATCH, (index + 1) * BATCH)
+        yield batch

@@ -22,11 +22,34 @@ def print_report(report: Report, console: Console) -> None:
     console.print(Text(f"{mark} {headline(report)}", style=style))
     if report.finding is not None:
         console.print(_finding_panel(report.finding))
+    if report.extra.get("bisect"):
+        console.print(_bisect_summary(report.extra["bisect"]))
     if report.timeline:
         console.print(_timeline(report))
     if report.error and report.error.get("frames"):
         console.print(Text(_user_traceback(report.error), style="red"))
     console.print(_next_steps(report))
+
+
+def _bisect_summary(section: dict):
+    if section["mode"] == "checkpoints":
+        text = Text("bisect over checkpoints: ", style="bold")
+        text.append(section.get("note", ""))
+        if section.get("first_bad"):
+            text.append(f"\n  first bad checkpoint: step {section['first_bad']['step']}")
+        if section.get("last_good"):
+            text.append(f"; last good: step {section['last_good']['step']}; replayed "
+                        f"{section['steps_replayed']} step(s); optimizer state "
+                        f"{'restored' if section['optimizer_state'] else 'absent (fresh optimizer)'}")
+        return text
+    table = Table(title=f"bad batches ({len(section['bad_batches'])} of "
+                        f"{section['batches_audited']} audited)", title_justify="left")
+    for col in ("batch", "where", "op", "cause", "samples"):
+        table.add_column(col)
+    for f in section["bad_batches"]:
+        table.add_row(str(f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
+                      Text(str(f.samples)))
+    return table
 
 
 def _header(report: Report) -> Text:

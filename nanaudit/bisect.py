@@ -1,0 +1,140 @@
+"""`nanaudit bisect`: every poisoned batch of a data set, or the first bad checkpoint of a run.
+
+Over a data set the model is held at its starting state (no updates), one cheap sentinel pass
+visits every batch, and only the batches that trip are replayed with instruments. Over a
+checkpoint folder, non-finite state is monotone once it appears, so a binary search loads
+O(log C) checkpoints; training is then replayed from the last good one to the first bad step.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanaudit.errors import ConfigError, Problem
+from nanaudit.findings import build_finding
+from nanaudit.loader import Session, apply_model_state, load_checkpoint
+from nanaudit.runner import ScanOutcome, run_steps
+from nanaudit.tree import tensor_leaves
+
+DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
+SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
+
+
+def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
+    """Audit every batch against the starting weights; localize each one that trips."""
+    bad = []
+
+    def on_trip(trip, state):
+        outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
+        finding = build_finding(session, outcome, session.config.localize.samples)
+        bad.append((finding, _sample_ids(state.batch, finding.samples)))
+
+    outcome = run_steps(session, max_steps, update=False, on_step=on_step, stop_on_trip=False,
+                        on_trip=on_trip)
+    skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause}
+            for f, ids in bad]
+    return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
+
+
+def _sample_ids(batch, rows):
+    """The data set's own ids for the offending rows, when the batch carries an id leaf."""
+    if not rows:
+        return None
+    for path, t in tensor_leaves(batch):
+        key = path.strip('[]"').lower()
+        if key in SAMPLE_ID_KEYS and t.dim() == 1 and not t.is_floating_point():
+            return [int(t[r]) for r in rows if r < t.shape[0]]
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    step: int
+    path: Path
+
+
+def list_checkpoints(folder: Path, pattern: str | None = None) -> list[CheckpointFile]:
+    if not folder.is_dir():
+        raise ConfigError([Problem("--checkpoints", f"not a folder: {folder}")])
+    regex = re.compile(pattern or DEFAULT_PATTERN)
+    found, unmatched = [], []
+    for path in sorted(folder.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        match = regex.search(path.name)
+        if match is None:
+            unmatched.append(path.name)
+            continue
+        try:
+            found.append(CheckpointFile(int(match.group(1)), path))
+        except (IndexError, ValueError):
+            raise ConfigError([Problem("--pattern", f"the pattern must capture the step number "
+                                       f"as its first group, got {regex.pattern!r}")]) from None
+    if not found:
+        hint = f" (files without a step in the name: {', '.join(unmatched[:5])})" if unmatched else ""
+        raise ConfigError([Problem("--checkpoints", f"no checkpoint files with a step number in "
+                                   f"{folder}{hint}; names like step_000100.pt or ckpt-2000.pt, "
+                                   f"or pass --pattern")])
+    steps = [c.step for c in found]
+    if len(set(steps)) != len(steps):
+        raise ConfigError([Problem("--checkpoints", f"two files carry the same step in {folder}")])
+    return sorted(found, key=lambda c: c.step)
+
+
+def _state_is_finite(checkpoint) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in checkpoint.model_state.values()
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+def first_bad_checkpoint(files: list[CheckpointFile]):
+    """Binary search, assuming once non-finite always non-finite. Returns (index, loads)."""
+    loads = []
+
+    def bad(i):
+        loads.append(files[i].step)
+        return not _state_is_finite(load_checkpoint(files[i].path, key="--checkpoints"))
+
+    lo, hi = 0, len(files)          # invariant: files[:lo] good, files[hi:] bad
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bad(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return (lo if lo < len(files) else None), loads
+
+
+def bisect_checkpoints(session: Session, files: list[CheckpointFile]) -> dict:
+    index, loads = first_bad_checkpoint(files)
+    result = {"checkpoints": len(files), "checkpoints_loaded": len(loads), "loaded_steps": loads,
+              "linear_loads": len(files) if index is None else index + 1,
+              "first_bad": None, "last_good": None, "steps_replayed": 0, "optimizer_state": None}
+    if index is None:
+        return result | {"outcome": None}
+    result["first_bad"] = {"step": files[index].step, "path": str(files[index].path)}
+    if index == 0:
+        return result | {"outcome": None, "note": "the first checkpoint is already non-finite"}
+    good = files[index - 1]
+    result["last_good"] = {"step": good.step, "path": str(good.path)}
+    checkpoint = load_checkpoint(good.path, key="--checkpoints")
+    apply_model_state(session.model, checkpoint, "--checkpoints", str(good.path))
+    session.model.to(session.device)
+    has_optimizer = "optimizer" in checkpoint.raw and session.optimizer is not None
+    if has_optimizer:
+        session.optimizer.load_state_dict(checkpoint.raw["optimizer"])
+    result["optimizer_state"] = has_optimizer
+    outcome = run_steps(session, files[index].step - good.step, start_step=good.step)
+    result["steps_replayed"] = outcome.steps_run - good.step if outcome.steps_run else 0
+    result["reproduced"] = outcome.trip is not None
+    return result | {"outcome": outcome}
+
+
+def linear_cost_note(result: dict) -> str:
+    c = result["checkpoints"]
+    return (f"loaded {result['checkpoints_loaded']} of {c} checkpoints (a linear scan loads up "
+            f"to {c}; binary search needs at most {math.ceil(math.log2(c + 1))})")
