@@ -94,6 +94,20 @@ def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdow
     from nanaudit.pipeline import ScanOptions, exit_code
     from nanaudit.pipeline import scan as run_scan
     terminal = Terminal(quiet or json_path == "-")
+    progress, hooks = _progress_hooks(terminal)
+    options = ScanOptions(steps=steps, device=device, seed=seed,
+                          samples=False if no_samples else None, **hooks)
+    try:
+        report = run_scan(config, options)
+    finally:
+        if progress:
+            progress.stop()
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
+    _exit(exit_code(report))
+
+
+def _progress_hooks(terminal: Terminal):
+    """A progress bar and the on_start/on_step callbacks that drive it (None when quiet)."""
     progress = terminal.progress()
     task = {}
 
@@ -105,17 +119,7 @@ def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdow
     def on_step(step):
         if progress:
             progress.update(task["id"], completed=step + 1)
-
-    options = ScanOptions(steps=steps, device=device, seed=seed,
-                          samples=False if no_samples else None, on_step=on_step,
-                          on_start=on_start)
-    try:
-        report = run_scan(config, options)
-    finally:
-        if progress:
-            progress.stop()
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
-    _exit(exit_code(report))
+    return progress, {"on_start": on_start, "on_step": on_step}
 
 
 def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt) -> None:
@@ -173,7 +177,13 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
     from nanaudit.pipeline import ScanOptions, exit_code
     from nanaudit.pipeline import bisect as run_bisect
     terminal = Terminal(quiet or json_path == "-")
-    report = run_bisect(config, ScanOptions(steps=steps, device=device), checkpoints, pattern)
+    progress, hooks = _progress_hooks(terminal)
+    try:
+        report = run_bisect(config, ScanOptions(steps=steps, device=device, **hooks),
+                            checkpoints, pattern)
+    finally:
+        if progress:
+            progress.stop()
     _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
     section = report.extra.get("bisect") or {}
     if skip_list_path and section.get("mode") == "data":
