@@ -76,7 +76,7 @@ def _log_rule(base, args, kwargs, phase):
     word = "<= -1" if bound < 0 else "<= 0"
     return "log-domain", (f"{base} received {_count(bad)} of {x.numel()} value(s) {word}"
                           f"{_where(bad)} (min {_fmt(float(x.min()))}); {base} is defined only "
-                          f"for x {'>' if bound == 0 else '>'} {int(bound)}")
+                          f"for x > {int(bound)}")
 
 
 def _sqrt_rule(base, args, kwargs, phase):
@@ -234,7 +234,7 @@ def _nll_rule(base, args, kwargs, phase):
 
 
 def _ctc_rule(base, args, kwargs, phase):
-    log_probs, targets, in_lens, tgt_lens = args[0], args[1], args[2], args[3]
+    targets, in_lens, tgt_lens = args[1], args[2], args[3]
     in_lens = torch.as_tensor(in_lens).tolist()
     tgt_lens = torch.as_tensor(tgt_lens).tolist()
     targets = targets.detach().cpu()

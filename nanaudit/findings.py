@@ -8,7 +8,7 @@ import torch
 from nanaudit.batching import infer_layout, isolate_rows, nonfinite_rows, select_rows
 from nanaudit.causes import fix_for
 from nanaudit.loader import Session
-from nanaudit.localize import (Localization, forward_input_stats, input_stats, localize,
+from nanaudit.localize import (forward_input_stats, input_stats, localize,
                                preserved_buffers, replay_reproduces)
 from nanaudit.report import Finding, SampleRow
 from nanaudit.runner import ScanOutcome, StepState, Trip

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from nanaudit.diagnose import Diagnosis, diagnose
-from nanaudit.errors import call_user
 from nanaudit.loader import Session
-from nanaudit.runner import StepState, Trip, forward_backward, scalar_loss
+from nanaudit.runner import StepState, Trip, forward_backward
 from nanaudit.sentinels import Sentinels, value_kind
 from nanaudit.stats import tensor_stats
 from nanaudit.tracer import OpEvent, OpTracer, Trace, kinds_of, named_tensors, walk_back
@@ -48,13 +47,8 @@ class Localization:
 
 def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tensor]:
     state.rng.restore()
-    model = session.model
-    with OpTracer(model) as tracer:
-        model.zero_grad(set_to_none=True)
-        loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
-                                     session.compute_loss, state.batch), session.config.loss.key)
-        tracer.start_backward()
-        call_user("backward of the loss", loss.backward)
+    with OpTracer(session.model) as tracer:
+        loss = forward_backward(session, state.batch, before_backward=tracer.start_backward)
     return tracer.trace, loss
 
 

@@ -92,7 +92,7 @@ def _run(config: Config, options: ScanOptions, report: Report) -> None:
         session = build_session(config)
         report.device = str(session.device)
         if options.on_start:
-            options.on_start(_known_length(session, config.steps))
+            options.on_start(config.steps)
         outcome = run_steps(session, config.steps, on_step=options.on_step)
         report.steps_run = outcome.steps_run
         report.timeline = outcome.timeline
@@ -108,11 +108,6 @@ def _run(config: Config, options: ScanOptions, report: Report) -> None:
         report.status = "nonfinite"
         samples = config.localize.samples if options.samples is None else options.samples
         report.finding = build_finding(session, outcome, samples)
-
-
-def _known_length(session, steps: int | None) -> int | None:
-    """The number of steps when the data has a len() (lists, DataLoaders); None otherwise."""
-    return steps
 
 
 def audit(config_or_path, **overrides) -> Report:

@@ -89,13 +89,6 @@ class TimelineEntry:
     time_ms: float
 
 
-@dataclass(frozen=True)
-class Warning_:
-    kind: str
-    step: int
-    message: str
-
-
 @dataclass
 class Report:
     tool_version: str
@@ -107,7 +100,7 @@ class Report:
     command: str = "scan"
     finding: Finding | None = None
     timeline: list = field(default_factory=list)      # [TimelineEntry]
-    warnings: list = field(default_factory=list)      # [Warning_]
+    warnings: list = field(default_factory=list)      # early warnings (none yet)
     error: dict | None = None
     duration_s: float = 0.0
     extra: dict = field(default_factory=dict)         # command-specific sections (bisect)

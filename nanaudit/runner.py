@@ -88,11 +88,14 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
     return value.reshape(())
 
 
-def forward_backward(session: Session, batch: Any) -> torch.Tensor:
+def forward_backward(session: Session, batch: Any,
+                     before_backward: Callable[[], None] | None = None) -> torch.Tensor:
     """Zero grads, compute the loss and backpropagate: the part of a step a replay repeats."""
     session.model.zero_grad(set_to_none=True)
     loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
                                  session.compute_loss, batch), session.config.loss.key)
+    if before_backward is not None:
+        before_backward()
     call_user("backward of the loss", loss.backward)
     return loss
 
@@ -150,25 +153,19 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             norm, gnorm = _confirmed(sentinels, norm, gnorm)
             outcome.steps_run = step + 1
             trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
-            if trip is not None and not stop_on_trip:
-                outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
-                on_trip(trip, StepState(step, batch, rng))
-                if on_step:
-                    on_step(step)
-                step += 1
-                continue
-            if trip is not None:
-                outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
-                outcome.trip = trip
-                outcome.state = StepState(step, batch, rng)
-                return outcome
-            if optimizer is not None:
+            if trip is None and optimizer is not None:
                 if session.config.grad_clip:
                     sentinels.clip_(grad_norm, session.config.grad_clip)
                 call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
                 state_norm = sentinels.state_norm()
                 updated = True
             outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
+            if trip is not None:
+                if stop_on_trip:
+                    outcome.trip = trip
+                    outcome.state = StepState(step, batch, rng)
+                    return outcome
+                on_trip(trip, StepState(step, batch, rng))
             if on_step:
                 on_step(step)
             step += 1

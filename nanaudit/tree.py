@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 
+def _key_path(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]".replace("'", '"')
+
+
 def iter_leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """Yield (path, leaf) for every non-container leaf, depth first, in a stable order."""
     if isinstance(tree, dict):
         for key, value in tree.items():
-            yield from iter_leaves(value, f"{path}[{key!r}]".replace("'", '"'))
+            yield from iter_leaves(value, _key_path(path, key))
     elif isinstance(tree, (list, tuple)):
         for index, value in enumerate(tree):
             yield from iter_leaves(value, f"{path}[{index}]")
@@ -30,7 +34,7 @@ def map_tensors(tree: Any, fn: Callable[[str, Any], Any], path: str = "") -> Any
     """Rebuild the tree with fn(path, tensor) applied to each tensor; keeps container types."""
     import torch
     if isinstance(tree, dict):
-        return type(tree)((k, map_tensors(v, fn, f"{path}[{k!r}]".replace("'", '"')))
+        return type(tree)((k, map_tensors(v, fn, _key_path(path, k)))
                           for k, v in tree.items())
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
         return type(tree)(*(map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(tree)))

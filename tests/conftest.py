@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from nanaudit.cli import main
@@ -44,9 +45,8 @@ def case(tmp_path):
         (tmp_path / "case.py").write_text(textwrap.dedent(code))
         lines = {"model": "case:build_model", "data": "case:batches", "loss": "case:loss"}
         lines.update(config)
-        text = "".join(f"{k}: {json.dumps(v)}\n" for k, v in lines.items())
         path = tmp_path / "config.yaml"
-        path.write_text(text)
+        path.write_text(yaml.safe_dump(lines, sort_keys=False))
         return path
     return write
 

@@ -1,7 +1,6 @@
 """The command line: exit codes, clean stdout for machine formats, fast help, interrupts."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -1,6 +1,5 @@
 """Every config in configs/ runs, and each seed case is localized to its step, op and cause."""
 
-from pathlib import Path
 
 import pytest
 
