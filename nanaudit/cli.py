@@ -72,6 +72,13 @@ def _report_outputs(fn):
         click.option("--format", "fmt", type=click.Choice(["console", "github"]), default=None,
                      help="github: print ::error annotations on stdout (default when "
                           "GITHUB_ACTIONS=true)."),
+        click.option("--plot", "plot_path", metavar="PATH.png",
+                     help="Draw loss, gradient norm, update ratio and activation maxima against "
+                          "steps, warnings and the finding marked (needs matplotlib: "
+                          "pip install 'nanaudit[plot]')."),
+        click.option("--fail-on", "fail_on", type=click.Choice(["nonfinite", "warning"]),
+                     default=None, help="nonfinite (default): exit 1 only on a non-finite value; "
+                     "warning: also exit 7 when an early warning fires."),
         click.option("--quiet", "-q", is_flag=True, help="Only the machine outputs; no console "
                      "report or progress bar."),
     ]
@@ -88,21 +95,21 @@ def _report_outputs(fn):
 @click.option("--no-samples", is_flag=True, help="Skip isolating the offending batch rows.")
 @_report_outputs
 def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdown_path, fmt,
-         quiet):
+         plot_path, fail_on, quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
     from nanaudit.pipeline import ScanOptions, exit_code
     from nanaudit.pipeline import scan as run_scan
     terminal = Terminal(quiet or json_path == "-")
     progress, hooks = _progress_hooks(terminal)
-    options = ScanOptions(steps=steps, device=device, seed=seed,
+    options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, **hooks)
     try:
         report = run_scan(config, options)
     finally:
         if progress:
             progress.stop()
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
     _exit(exit_code(report))
 
 
@@ -122,7 +129,8 @@ def _progress_hooks(terminal: Terminal):
     return progress, {"on_start": on_start, "on_step": on_step}
 
 
-def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt) -> None:
+def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt,
+          plot_path=None) -> None:
     from nanaudit.output import write_atomic
     from nanaudit.render import renderer_for
     from nanaudit.render.console import print_report
@@ -149,9 +157,22 @@ def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt)
                     terminal.error(f"cannot write the {name} report to {path}: {exc}")
         if fmt == "github" or (fmt is None and os.environ.get("GITHUB_ACTIONS") == "true"):
             sys.stdout.write(renderer_for("github").render(report))
+        if plot_path:
+            _write_plot(report, plot_path, terminal)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def _write_plot(report, path, terminal: Terminal) -> None:
+    from nanaudit.render.plot import PlotUnavailable, render_png
+    from nanaudit.output import write_atomic_bytes
+    try:
+        write_atomic_bytes(path, render_png(report))
+    except PlotUnavailable as exc:
+        terminal.error(str(exc))
+    except OSError as exc:
+        terminal.error(f"cannot write the plot to {path}: {exc}")
 
 
 def _main_thread() -> bool:
@@ -171,7 +192,7 @@ def _main_thread() -> bool:
               help="Write the poisoned batches and rows as JSON, for a training loop to skip.")
 @_report_outputs
 def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_path, junit_path,
-           markdown_path, fmt, quiet):
+           markdown_path, fmt, plot_path, fail_on, quiet):
     """Find every non-finite batch of CONFIG's data set against the starting weights (with
     its samples and cause), or with --checkpoints the first bad checkpoint and step."""
     from nanaudit.pipeline import ScanOptions, exit_code
@@ -179,12 +200,12 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
     terminal = Terminal(quiet or json_path == "-")
     progress, hooks = _progress_hooks(terminal)
     try:
-        report = run_bisect(config, ScanOptions(steps=steps, device=device, **hooks),
-                            checkpoints, pattern)
+        report = run_bisect(config, ScanOptions(steps=steps, device=device, fail_on=fail_on,
+                                                **hooks), checkpoints, pattern)
     finally:
         if progress:
             progress.stop()
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
     section = report.extra.get("bisect") or {}
     if skip_list_path and section.get("mode") == "data":
         import json

@@ -21,10 +21,16 @@ SCHEMA_VERSION = 1
 
 TOP_LEVEL_KEYS = (
     "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
-    "checkpoint", "device", "grad_clip", "batch_dim", "localize",
+    "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
+    "fail_on",
 )
 ENTRYPOINT_KEYS = ("entrypoint", "args")
 LOCALIZE_KEYS = ("samples", "max_replays")
+PRECISIONS = ("fp32", "fp16", "bf16")
+AMP_KEYS = ("grad_scaler", "init_scale", "growth_interval", "scale_floor", "max_skipped")
+WATCH_KEYS = ("activations", "near_overflow", "loss_spike", "spike_window", "grad_growth",
+              "growth_steps", "update_ratio", "update_every")
+FAIL_ON = ("nonfinite", "warning")
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -63,6 +69,36 @@ class LocalizeOptions:
 
 
 @dataclass(frozen=True)
+class AmpOptions:
+    """The GradScaler under `precision: fp16` and when its skipped steps become a finding."""
+
+    grad_scaler: bool | None = None   # None: on for fp16, off for bf16
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+    scale_floor: float = 1.0          # a finding when the scale falls below this
+    max_skipped: int = 10             # ... or when this many steps in a row are skipped
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """Early-warning detectors. `False` (or 0) turns one off."""
+
+    activations: int | str = "auto"   # sample module outputs every N steps; auto: 1 under fp16
+    near_overflow: float = 0.5        # warn at this fraction of the dtype's largest value
+    loss_spike: float | bool = 2.0    # warn when loss > window mean + this x |window mean|
+    spike_window: int = 20
+    grad_growth: float | bool = 10.0  # warn when the grad norm grew this much ...
+    growth_steps: int = 4             # ... over at least this many consecutive increases
+    update_ratio: float | bool = 0.1  # warn when |update| / |weights| exceeds this
+    update_every: int = 10            # measure the update ratio every N steps (0: never)
+
+    def activation_every(self, precision: str) -> int:
+        if self.activations == "auto":
+            return 1 if precision == "fp16" else 0
+        return int(self.activations)
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     model: Entrypoint
@@ -76,6 +112,18 @@ class Config:
     grad_clip: float | None = None
     batch_dim: Mapping[str, int] = field(default_factory=dict)
     localize: LocalizeOptions = field(default_factory=LocalizeOptions)
+    precision: str = "fp32"
+    amp: AmpOptions = field(default_factory=AmpOptions)
+    watch: WatchOptions = field(default_factory=WatchOptions)
+    fail_on: str = "nonfinite"
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        if self.precision == "fp32":
+            return False
+        if self.amp.grad_scaler is None:
+            return self.precision == "fp16"   # bf16 has float32's range: no scaling needed
+        return self.amp.grad_scaler
 
     @property
     def base_dir(self) -> Path:
@@ -91,7 +139,8 @@ class Config:
             "path": str(self.path), "model": self.model.target, "data": self.data.target,
             "loss": self.loss.target, "optimizer": opt, "steps": self.steps, "seed": self.seed,
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
-            "device": self.device, "grad_clip": self.grad_clip,
+            "device": self.device, "grad_clip": self.grad_clip, "precision": self.precision,
+            "grad_scaler": self.uses_grad_scaler, "fail_on": self.fail_on,
         }
 
 
@@ -157,7 +206,14 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         grad_clip=_positive_float(raw.get("grad_clip"), "grad_clip", problems),
         batch_dim=_batch_dim(raw.get("batch_dim"), problems),
         localize=_localize(raw.get("localize"), problems),
+        precision=_choice(raw.get("precision", "fp32"), "precision", PRECISIONS, problems),
+        amp=_amp(raw.get("amp"), problems),
+        watch=_watch(raw.get("watch"), problems),
+        fail_on=_choice(raw.get("fail_on", "nonfinite"), "fail_on", FAIL_ON, problems),
     )
+    if raw.get("amp") is not None and values["precision"] == "fp32":
+        problems.append(Problem("amp", "only used with `precision: fp16` or `bf16`; this run "
+                                "is fp32"))
     if problems:
         raise ConfigError(problems, source=str(path))
     return Config(path=path.resolve(), **entries, **values)
@@ -293,3 +349,90 @@ def _localize(value: Any, problems: list[Problem]) -> LocalizeOptions:
         samples = True
     max_replays = _positive_int(value.get("max_replays", 64), "localize.max_replays", problems)
     return LocalizeOptions(samples=samples, max_replays=max_replays or 64)
+
+
+def _choice(value: Any, key: str, choices, problems: list[Problem]) -> str:
+    if value not in choices:
+        problems.append(Problem(key, f"expected one of {', '.join(choices)}, got {value!r}"))
+        return choices[0]
+    return value
+
+
+def _section(value: Any, key: str, known, problems: list[Problem]) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        problems.append(Problem(key, f"expected a mapping, got {value!r}"))
+        return {}
+    _check_unknown(value, known, f"{key}.", problems)
+    return {k: v for k, v in value.items() if k in known}
+
+
+def _bool(value: Any, key: str, problems: list[Problem]) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        problems.append(Problem(key, f"expected true or false, got {value!r}"))
+        return None
+    return value
+
+
+def _amp(value: Any, problems: list[Problem]) -> AmpOptions:
+    raw = _section(value, "amp", AMP_KEYS, problems)
+    default = AmpOptions()
+    return AmpOptions(
+        grad_scaler=_bool(raw.get("grad_scaler"), "amp.grad_scaler", problems),
+        init_scale=_positive_float(raw.get("init_scale", default.init_scale), "amp.init_scale",
+                                   problems) or default.init_scale,
+        growth_interval=_positive_int(raw.get("growth_interval", default.growth_interval),
+                                      "amp.growth_interval", problems) or default.growth_interval,
+        scale_floor=_positive_float(raw.get("scale_floor", default.scale_floor),
+                                    "amp.scale_floor", problems) or default.scale_floor,
+        max_skipped=_positive_int(raw.get("max_skipped", default.max_skipped),
+                                  "amp.max_skipped", problems) or default.max_skipped)
+
+
+def _threshold(value: Any, key: str, problems: list[Problem], default):
+    """A positive number, or false to turn the detector off."""
+    if value is False:
+        return False
+    if value is True:
+        return default
+    return _positive_float(value, key, problems) or default
+
+
+def _every(value: Any, key: str, problems: list[Problem], default):
+    """Every N steps: an integer >= 0 (0 or false: off; true: every step)."""
+    if value is False:
+        return 0
+    if value is True:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        problems.append(Problem(key, f"expected a step interval (0 for off), got {value!r}"))
+        return default
+    return value
+
+
+def _watch(value: Any, problems: list[Problem]) -> WatchOptions:
+    raw = _section(value, "watch", WATCH_KEYS, problems)
+    d = WatchOptions()
+    activations = raw.get("activations", d.activations)
+    if activations != "auto":
+        activations = _every(activations, "watch.activations", problems, 0)
+    near = _positive_float(raw.get("near_overflow", d.near_overflow), "watch.near_overflow",
+                           problems) or d.near_overflow
+    if near > 1:
+        problems.append(Problem("watch.near_overflow", f"expected a fraction of the dtype's "
+                                f"largest value in (0, 1], got {near}"))
+    return WatchOptions(
+        activations=activations, near_overflow=min(near, 1.0),
+        loss_spike=_threshold(raw.get("loss_spike", d.loss_spike), "watch.loss_spike",
+                              problems, d.loss_spike),
+        spike_window=_positive_int(raw.get("spike_window", d.spike_window),
+                                   "watch.spike_window", problems) or d.spike_window,
+        grad_growth=_threshold(raw.get("grad_growth", d.grad_growth), "watch.grad_growth",
+                               problems, d.grad_growth),
+        growth_steps=_positive_int(raw.get("growth_steps", d.growth_steps),
+                                   "watch.growth_steps", problems) or d.growth_steps,
+        update_ratio=_threshold(raw.get("update_ratio", d.update_ratio), "watch.update_ratio",
+                                problems, d.update_ratio),
+        update_every=_every(raw.get("update_every", d.update_every), "watch.update_every",
+                            problems, d.update_every))

@@ -11,6 +11,7 @@ class ExitCode(IntEnum):
     USER_CODE = 4        # the user's code (model, data, loss, optimizer) raised
     NOTHING_AUDITED = 5  # the data yielded no batches
     INTERNAL = 6         # nanaudit itself failed: a bug, please report it
+    WARNING = 7          # --fail-on warning: no non-finite value, but an early warning fired
     INTERRUPTED = 130    # Ctrl-C: the partial report is still valid
 
 
@@ -23,4 +24,5 @@ Exit codes:
   4    the user's code raised an exception
   5    nothing was audited (the data yielded no batches)
   6    internal error in nanaudit
+  7    an early warning fired and --fail-on is `warning` (values stayed finite)
   130  interrupted (the partial report is valid)"""

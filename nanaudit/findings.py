@@ -100,12 +100,42 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
         reproduced=True, tensors=loc.bad_tensors or [],
         tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
         chain=[_chain_link(e) for e in loc.chain])
+    if trip.note:
+        finding.explanation += f"; {trip.note}"
     if finding.cause == "divergence":
         finding.sample_search = {"batch_size": None, "replays": 0, "coupled": False,
                                  "note": "divergence: the weights, not particular rows"}
     elif isolate_samples:
         _isolate(session, state, trip, finding)
     return finding
+
+
+GROWTH_WARNINGS = ("loss-spike", "grad-growth", "update-ratio")
+
+
+def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> None:
+    """Link the early warnings that came before a finding to it: growth before an fp32
+    overflow makes the cause `divergence`; the most relevant earliest warning is named."""
+    before = [w for w in warnings if finding is not None and w.step <= finding.step]
+    if not before:
+        return
+    growth = [w for w in before if w.kind in GROWTH_WARNINGS]
+    near = [w for w in before if w.kind == "near-overflow"]
+    if (growth and precision == "fp32" and finding.cause in ("dtype-overflow", "unknown")
+            and finding.where in ("forward", "backward")):
+        finding.cause, finding.fix = "divergence", fix_for("divergence")
+    if finding.cause == "dtype-overflow" and near:
+        # The module that overflowed, warned about earlier, says more than any growth metric.
+        relevant = [w for w in near if w.module == finding.module] or near
+    elif finding.cause == "divergence" and growth:
+        relevant = growth
+    else:
+        relevant = before
+    first = min(relevant, key=lambda w: (w.step, w.began))
+    finding.first_warning = first
+    began = f" (growing since step {first.began})" if first.began < first.step else ""
+    finding.explanation += (f"; nanaudit warned at step {first.step}{began}: {first.kind}, "
+                            f"{first.message}")
 
 
 def _chain_link(event) -> dict:

@@ -226,6 +226,12 @@ class Session:
     loss_fn: Callable
     make_data: Callable[[], Iterable]
     param_names: dict          # id(parameter) -> qualified name
+    precision: Any = None      # nanaudit.precision.Precision; built from the config if None
+
+    def __post_init__(self):
+        if self.precision is None:
+            from nanaudit.precision import Precision
+            self.precision = Precision(self.config, self.device)
 
     def compute_loss(self, batch):
         return self.loss_fn(self.model, batch, **dict(self.config.loss.args))

@@ -25,12 +25,15 @@ class ScanOptions:
     device: str | None = None
     seed: int | None = None
     samples: bool | None = None       # None: the config's localize.samples
+    fail_on: str | None = None        # None: the config's fail_on
     on_step: Callable[[int], None] | None = None
     on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
 
 
 def exit_code(report: Report) -> ExitCode:
     if report.status == "clean":
+        if report.warnings and report.config.get("fail_on") == "warning":
+            return ExitCode.WARNING
         return ExitCode.CLEAN
     if report.status == "nonfinite":
         return ExitCode.NONFINITE
@@ -81,11 +84,13 @@ def _configured(config_path, options: ScanOptions) -> Config:
         changes["device"] = options.device
     if options.seed is not None:
         changes["seed"] = options.seed
+    if options.fail_on is not None:
+        changes["fail_on"] = options.fail_on
     return replace(config, **changes) if changes else config
 
 
 def _run(config: Config, options: ScanOptions, report: Report) -> None:
-    from nanaudit.findings import build_finding
+    from nanaudit.findings import attach_warnings, build_finding
     from nanaudit.loader import build_session, user_import_path
     from nanaudit.runner import run_steps
     with user_import_path(config.base_dir):
@@ -96,6 +101,7 @@ def _run(config: Config, options: ScanOptions, report: Report) -> None:
         outcome = run_steps(session, config.steps, on_step=options.on_step)
         report.steps_run = outcome.steps_run
         report.timeline = outcome.timeline
+        report.warnings = outcome.warnings
         if outcome.interrupted:
             report.status = "interrupted"
             return
@@ -108,6 +114,7 @@ def _run(config: Config, options: ScanOptions, report: Report) -> None:
         report.status = "nonfinite"
         samples = config.localize.samples if options.samples is None else options.samples
         report.finding = build_finding(session, outcome, samples)
+        attach_warnings(report.finding, outcome.warnings, session.precision.name)
 
 
 def audit(config_or_path, **overrides) -> Report:

@@ -55,6 +55,22 @@ class SampleRow:
     leaves: tuple = ()            # ((path, TensorStats), ...)
 
 
+WARNING_KINDS = ("near-overflow", "loss-spike", "grad-growth", "update-ratio")
+
+
+@dataclass(frozen=True)
+class EarlyWarning:
+    """A sign of trouble before any non-finite value: seen at `step`, growing since `began`."""
+
+    kind: str                             # one of WARNING_KINDS
+    step: int
+    began: int
+    message: str
+    module: str | None = None
+    value: float | None = None
+    threshold: float | None = None
+
+
 @dataclass
 class Finding:
     step: int
@@ -77,16 +93,24 @@ class Finding:
     chain: list = field(default_factory=list)         # [{"op", "where", "module", "value"}]
     rank: int | None = None
     tensors: list = field(default_factory=list)       # every parameter / batch path involved
+    first_warning: EarlyWarning | None = None         # the earliest warning before the finding
 
 
-@dataclass(frozen=True)
+@dataclass
 class TimelineEntry:
+    """One audited step. Under a GradScaler, grad_norm is of the unscaled gradients."""
+
     step: int
     loss: float | None
     grad_norm: float | None
     param_norm: float | None
     lr: float | None
     time_ms: float
+    scale: float | None = None            # the loss scale this step ran with (GradScaler)
+    skipped: bool = False                 # the GradScaler skipped the update (inf gradients)
+    update_ratio: float | None = None     # |update| / |weights|, on sampled steps
+    act_max: float | None = None          # the largest |module output|, on sampled steps
+    act_ratio: float | None = None        # ... as a fraction of its dtype's largest value
 
 
 @dataclass
@@ -100,7 +124,7 @@ class Report:
     command: str = "scan"
     finding: Finding | None = None
     timeline: list = field(default_factory=list)      # [TimelineEntry]
-    warnings: list = field(default_factory=list)      # early warnings (none yet)
+    warnings: list = field(default_factory=list)      # [EarlyWarning], in step order
     error: dict | None = None
     duration_s: float = 0.0
     extra: dict = field(default_factory=dict)         # command-specific sections (bisect)

@@ -1,10 +1,12 @@
 """The step loop: seeded training steps under cheap sentinels, stopping before a bad update.
 
-Each step reads the device once (`readout`): the batch flag, the parameter norm left by the
-previous update, the loss and the gradient norm travel together in one small tensor. The
+Each step reads the device once: the batch flag, the parameter norm left by the previous update,
+the loss and the gradient norm travel together in one small tensor, with the early-warning
+values (activation maxima, the last sampled update norm) appended when there are any. The
 optimizer only runs after that read says all is finite, so a trip leaves the pre-step state
 intact for the replay; the post-update parameter norm is checked at the next step's read (or
 at the end), which attributes a bad update to the step that made it without a second sync.
+Under a GradScaler, non-finite gradients are a skipped step, not a trip (see precision.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from nanaudit.loader import Session
 from nanaudit.report import TimelineEntry
 from nanaudit.sentinels import Sentinels, all_finite, confirm_nonfinite, exact_norm
 from nanaudit.tree import float_leaves, to_device
+from nanaudit.watch import MAX_WARNINGS, ActivationWatch, GrowthWatch, UpdateWatch
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Trip:
     check: str
     loss: float | None = None
     grad_norm: float | None = None
+    note: str | None = None       # why a GradScaler's skipped steps became a finding
 
 
 @dataclass
@@ -59,6 +63,7 @@ class StepState:
     step: int
     batch: Any
     rng: RngState
+    scale: float | None = None    # the loss scale the step ran with (GradScaler)
 
 
 @dataclass
@@ -68,6 +73,7 @@ class ScanOutcome:
     trip: Trip | None = None
     state: StepState | None = None
     interrupted: bool = False
+    warnings: list = field(default_factory=list)   # [EarlyWarning]
 
 
 def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
@@ -89,14 +95,18 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
 
 
 def forward_backward(session: Session, batch: Any,
-                     before_backward: Callable[[], None] | None = None) -> torch.Tensor:
-    """Zero grads, compute the loss and backpropagate: the part of a step a replay repeats."""
+                     before_backward: Callable[[], None] | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled): the part of
+    a step a replay repeats. `scale` is the recorded loss scale on a replay."""
     session.model.zero_grad(set_to_none=True)
-    loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
-                                 session.compute_loss, batch), session.config.loss.key)
+    precision = session.precision
+    with precision.autocast():
+        loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
+                                     session.compute_loss, batch), session.config.loss.key)
     if before_backward is not None:
         before_backward()
-    call_user("backward of the loss", loss.backward)
+    call_user("backward of the loss", precision.scaled(loss, scale).backward)
     return loss
 
 
@@ -111,6 +121,66 @@ def _next_batch(iterator, what: str):
         raise UserCodeError(what, exc) from exc
 
 
+class _Watches:
+    """The early-warning detectors of one run, and where their readout values go."""
+
+    def __init__(self, session: Session, sentinels: Sentinels, updating: bool):
+        options = session.config.watch
+        every = options.activation_every(session.precision.name)
+        self.activations = ActivationWatch(session.model, every, options.near_overflow)
+        update_every = options.update_every if (updating and options.update_ratio) else 0
+        self.updates = UpdateWatch(sentinels.params, update_every, session.device)
+        self.growth = GrowthWatch(options)
+        self.warnings: list = []
+        self._update_step: int | None = None
+        self._update_base = 0.0
+        self._act: torch.Tensor | None = None
+
+    def extra_readout(self) -> list[torch.Tensor]:
+        """The values this step adds to the readout: [update norm], [activation maxima]."""
+        self._update_step, norm, self._update_base = self.updates.take()
+        self._act = self.activations.pending()
+        parts = [norm.reshape(1)] if norm is not None else []
+        if self._act is not None:
+            parts.append(self._act.to(torch.float64))
+        return parts
+
+    def observe(self, step: int, extra: list[float], timeline: list, loss, gnorm) -> dict:
+        """Turn the readout's extra values into timeline fields and warnings."""
+        fields: dict = {}
+        if self._update_step is not None:
+            ratio = extra.pop(0) / max(self._update_base, 1e-30)
+            self._set_update_ratio(timeline, self._update_step, ratio)
+            self._add(self.growth.observe_update(self._update_step, ratio))
+        if self._act is not None:
+            act_max, act_ratio, found = self.activations.observe(step, extra)
+            fields.update(act_max=act_max, act_ratio=act_ratio)
+            self._add(found)
+        self._add(self.growth.observe(step, loss, gnorm))
+        return fields
+
+    def finish(self, timeline: list) -> None:
+        """Read the last sampled update norm (at the end of the run, with the final check)."""
+        step, norm, base = self.updates.take()
+        if step is not None:
+            ratio = float(norm) / max(base, 1e-30)
+            self._set_update_ratio(timeline, step, ratio)
+            self._add(self.growth.observe_update(step, ratio))
+
+    @staticmethod
+    def _set_update_ratio(timeline: list, step: int, ratio: float) -> None:
+        for entry in reversed(timeline[-2:]):
+            if entry.step == step:
+                entry.update_ratio = ratio
+
+    def _add(self, found: list) -> None:
+        room = MAX_WARNINGS - len(self.warnings)
+        self.warnings.extend(found[:max(room, 0)])
+
+    def close(self) -> None:
+        self.activations.close()
+
+
 def run_steps(session: Session, max_steps: int | None = None, update: bool = True,
               on_step: Callable[[int], None] | None = None, start_step: int = 0,
               stop_on_trip: bool = True, on_trip: Callable | None = None) -> ScanOutcome:
@@ -123,6 +193,9 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
     outcome = ScanOutcome()
     sentinels = Sentinels(session.model, session.device)
     optimizer = session.optimizer if update else None
+    precision = session.precision
+    watches = _Watches(session, sentinels, optimizer is not None)
+    outcome.warnings = watches.warnings
     state_norm = sentinels.state_norm()        # the starting state, read with step 0
     updated = False                            # has an optimizer step run since that read?
     data = session.make_data()
@@ -144,28 +217,46 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             rng = RngState.capture()
             batch = to_device(raw_batch, session.device)
             batch_ok = all_finite([t for _, t in float_leaves(batch)], session.device)
+            watches.activations.begin(step)
             loss = forward_backward(session, batch)
+            scale = precision.scale if precision.scaler is not None else None
             grad_norm = sentinels.grad_norm()
             # The one host sync of the step.
-            read = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64),
-                                grad_norm]).tolist()
-            ok_batch, norm, loss_value, gnorm = read
+            fixed = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])
+            read = torch.cat([fixed, *watches.extra_readout()]).tolist()
+            ok_batch, norm, loss_value, gnorm = read[:4]
             norm, gnorm = _confirmed(sentinels, norm, gnorm)
+            if scale is not None:
+                gnorm = gnorm / scale
             outcome.steps_run = step + 1
             trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
-            if trip is None and optimizer is not None:
+            scaler_step = None
+            if trip is not None and trip.check == "gradient" and precision.scaler is not None:
+                # Overflowing scaled gradients: the GradScaler skips the step and backs off.
+                scaler_step = precision.after_readout(optimizer, grads_finite=False)
+                precision.finish_update(optimizer)
+                trip = (Trip(step, "gradient", loss_value, gnorm, note=scaler_step.collapsed)
+                        if scaler_step.collapsed else None)
+            elif trip is None and optimizer is not None:
+                scaler_step = precision.after_readout(optimizer, grads_finite=True)
                 if session.config.grad_clip:
-                    sentinels.clip_(grad_norm, session.config.grad_clip)
+                    total = grad_norm / scale if scale is not None else grad_norm
+                    sentinels.clip_(total, session.config.grad_clip)
+                watches.updates.before_update(step, norm)
                 call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
+                watches.updates.after_update()
+                precision.finish_update(optimizer)
                 state_norm = sentinels.state_norm()
                 updated = True
-            outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started))
+            fields = watches.observe(step, read[4:], outcome.timeline, loss_value, gnorm)
+            outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started,
+                                           scale, scaler_step, fields))
             if trip is not None:
+                state = StepState(step, batch, rng, scale)
                 if stop_on_trip:
-                    outcome.trip = trip
-                    outcome.state = StepState(step, batch, rng)
+                    outcome.trip, outcome.state = trip, state
                     return outcome
-                on_trip(trip, StepState(step, batch, rng))
+                on_trip(trip, state)
             if on_step:
                 on_step(step)
             step += 1
@@ -173,8 +264,11 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             final, _ = _confirmed(sentinels, float(state_norm), 0.0)
             if not math.isfinite(final):
                 outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
+        watches.finish(outcome.timeline)
     except KeyboardInterrupt:
         outcome.interrupted = True
+    finally:
+        watches.close()
     return outcome
 
 
@@ -200,10 +294,12 @@ def _classify(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
     return None
 
 
-def _entry(step, loss, gnorm, norm, optimizer, started) -> TimelineEntry:
+def _entry(step, loss, gnorm, norm, optimizer, started, scale, scaler_step,
+           fields) -> TimelineEntry:
     lr = None
     if optimizer is not None and optimizer.param_groups:
         value = optimizer.param_groups[0].get("lr")
         lr = float(value) if isinstance(value, (int, float)) else None
     return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm, lr=lr,
-                         time_ms=round((time.perf_counter() - started) * 1000, 3))
+                         time_ms=round((time.perf_counter() - started) * 1000, 3), scale=scale,
+                         skipped=bool(scaler_step and scaler_step.skipped), **fields)

@@ -29,8 +29,13 @@ EXPECTED = {
                           samples=[3]),
     "no_positives": dict(step=1, where="forward", op="aten.div.Tensor", cause="div-by-zero",
                          samples=None),
+    "amp_scale_collapse": dict(step=9, where="backward", op="aten.mm.default",
+                               cause="dtype-overflow"),
+    "fp16_adam_eps": dict(step=0, where="optimizer", cause="optimizer-update", tensor="weight"),
+    "fp16_activation_growth": dict(step=24, where="forward", op="aten.mm.default",
+                                   module="proj", cause="dtype-overflow"),
 }
-CLEAN = {"atan2_origin"}
+CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean"}
 
 
 def test_every_example_has_an_expectation():

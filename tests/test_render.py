@@ -13,7 +13,8 @@ from rich.console import Console
 
 from nanaudit.render import renderer_for
 from nanaudit.render.console import print_report
-from nanaudit.report import Finding, Report, SourceLine, TensorStats, TimelineEntry
+from nanaudit.report import (EarlyWarning, Finding, Report, SourceLine, TensorStats,
+                             TimelineEntry)
 
 GOLDEN = Path(__file__).parent / "golden"
 FORMATS = {"json": "report.json", "junit": "report.xml", "github": "report.github.txt",
@@ -34,9 +35,11 @@ def canonical_report() -> Report:
         sample_search={"batch_size": 16, "replays": 8, "coupled": False, "note": ""})
     timeline = [TimelineEntry(i, 1.0 / (i + 1), 0.5 * (i + 1), 4.4, 1e-3, 0.5) for i in range(6)]
     timeline.append(TimelineEntry(6, 5.5, float("nan"), 4.4, 1e-3, 0.5))
+    warning = EarlyWarning(kind="grad-growth", step=4, began=1, value=2.5, threshold=10.0,
+                           message="the gradient norm grew 12x over 4 steps in a row")
     return Report(tool_version="0.1.0", config={"path": "configs/demo.yaml"},
                   torch_version="2.13.0", device="cpu", status="nonfinite", steps_run=7,
-                  finding=finding, timeline=timeline, duration_s=1.25)
+                  finding=finding, timeline=timeline, warnings=[warning], duration_s=1.25)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -69,9 +72,9 @@ def test_junit_escapes_and_fails_the_gradient_case():
 
 
 def test_github_annotation_is_on_the_source_line():
-    line = renderer_for("github").render(canonical_report())
+    warning, line = renderer_for("github").render(canonical_report()).splitlines()
+    assert warning.startswith("::warning title=nanaudit (grad-growth)::step 4")
     assert line.startswith("::error file=model.py,line=26,title=nanaudit (sqrt-domain)::")
-    assert "\n" not in line.rstrip("\n")
 
 
 def test_clean_report_renders_in_every_format():
@@ -79,7 +82,7 @@ def test_clean_report_renders_in_every_format():
     report.status, report.finding = "clean", None
     suite = ET.fromstring(renderer_for("junit").render(report).split("\n", 1)[1])
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
-    assert renderer_for("github").render(report).startswith("::notice")
+    assert renderer_for("github").render(report).splitlines()[-1].startswith("::notice")
     assert "✅" in renderer_for("markdown").render(report)
 
 

@@ -11,7 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from nanaudit.render.text import headline, sparkline
+from nanaudit.render.text import headline, sparkline, step_marks, warning_line
 from nanaudit.report import Finding, Report
 
 
@@ -24,6 +24,8 @@ def print_report(report: Report, console: Console) -> None:
         console.print(_finding_panel(report.finding))
     if report.extra.get("bisect"):
         console.print(_bisect_summary(report.extra["bisect"]))
+    if report.warnings:
+        console.print(_warnings(report))
     if report.timeline:
         console.print(_timeline(report))
     if report.error and report.error.get("frames"):
@@ -147,6 +149,14 @@ def _samples(f: Finding) -> Table:
     return table
 
 
+def _warnings(report: Report) -> Text:
+    text = Text(f"early warnings ({len(report.warnings)})\n", style="bold yellow")
+    for w in report.warnings:
+        text.append("  ▲ ", style="yellow")
+        text.append(warning_line(w) + "\n")
+    return text
+
+
 def _timeline(report: Report) -> Text:
     tail = report.timeline[-60:]
     first = tail[0].step
@@ -157,6 +167,16 @@ def _timeline(report: Report) -> Text:
     text.append("  grad norm ")
     text.append(sparkline([e.grad_norm for e in tail], log=True))
     text.append(f"  last {_num(tail[-1].grad_norm)}")
+    marks = step_marks(tail, report.warnings, report.finding)
+    if marks:
+        text.append("\n  marks     ")
+        text.append(marks, style="yellow")
+        text.append("  ▲ warning  s skipped (AMP)  ✗ finding", style="dim")
+    skipped = sum(e.skipped for e in report.timeline)
+    if skipped:
+        scales = [e.scale for e in report.timeline if e.scale is not None]
+        text.append(f"\n  GradScaler skipped {skipped} step(s); loss scale {scales[0]:g} -> "
+                    f"{scales[-1]:g}", style="dim")
     return text
 
 

@@ -1,11 +1,12 @@
-"""GitHub Actions workflow commands: an ::error annotation on the user's source line."""
+"""GitHub Actions workflow commands: an ::error annotation on the user's source line, and a
+::warning per early warning (::error under `--fail-on warning`)."""
 
 from __future__ import annotations
 
 import os
 
 from nanaudit.render import Renderer
-from nanaudit.render.text import finding_message, headline
+from nanaudit.render.text import finding_message, headline, warning_line
 from nanaudit.report import Report
 
 
@@ -19,6 +20,12 @@ def _escape_property(text: str) -> str:
 
 class GithubRenderer(Renderer):
     def render(self, report: Report) -> str:
+        level = "error" if report.config.get("fail_on") == "warning" else "warning"
+        warnings = "".join(f"::{level} title={_escape_property(f'nanaudit ({w.kind})')}::"
+                           f"{_escape_data(warning_line(w))}\n" for w in report.warnings)
+        return warnings + self._finding(report)
+
+    def _finding(self, report: Report) -> str:
         f = report.finding
         if report.status == "clean":
             return f"::notice title=nanaudit::{_escape_data(headline(report))}\n"

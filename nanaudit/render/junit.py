@@ -1,11 +1,15 @@
-"""JUnit XML: one suite per run, one test case per check; a finding fails its check's case."""
+"""JUnit XML: one suite per run, one test case per check; a finding fails its check's case.
+
+Early warnings are one case each: skipped (shown, not failing) by default, failed under
+`--fail-on warning`.
+"""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
 from nanaudit.render import Renderer
-from nanaudit.render.text import finding_message, headline
+from nanaudit.render.text import finding_message, headline, warning_line
 from nanaudit.report import Report
 
 # The sentinel checks, in step order, and the finding `where` each one covers.
@@ -37,6 +41,17 @@ class JunitRenderer(Renderer):
                 failure.text = _clean_xml(self._details(f))
             elif report.status == "interrupted":
                 ET.SubElement(case, "skipped", message="interrupted")
+        strict = report.config.get("fail_on") == "warning"
+        for w in report.warnings:
+            case = ET.SubElement(suite, "testcase", classname="nanaudit.watch",
+                                 name=f"{w.kind} at step {w.step}")
+            message = _clean_xml(warning_line(w))
+            if strict:
+                failures += 1
+                ET.SubElement(case, "failure", type=w.kind, message=message)
+            else:
+                ET.SubElement(case, "skipped", message=message)
+        suite.set("tests", str(len(CHECKS) + len(report.warnings)))
         suite.set("failures", str(failures))
         suite.set("errors", str(errors))
         props = ET.SubElement(suite, "properties")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanaudit.render import Renderer
-from nanaudit.render.text import headline, sparkline
+from nanaudit.render.text import headline, sparkline, step_marks, warning_line
 from nanaudit.report import Report
 from nanaudit.stats import describe
 
@@ -36,9 +36,17 @@ class MarkdownRenderer(Renderer):
             out += [f"**Why:** {_cell(f.explanation)}", "", f"**Fix:** {_cell(f.fix)}", ""]
         if report.error:
             out += ["```", report.error.get("message", ""), "```", ""]
+        if report.warnings:
+            out += [f"**Early warnings** ({len(report.warnings)})", ""]
+            out += [f"- {_cell(warning_line(w))}" for w in report.warnings]
+            out.append("")
         if report.timeline:
             tail = report.timeline[-40:]
             out += ["**Timeline** (last steps)", "",
                     f"- loss `{sparkline([e.loss for e in tail])}`",
-                    f"- grad norm `{sparkline([e.grad_norm for e in tail], log=True)}`", ""]
+                    f"- grad norm `{sparkline([e.grad_norm for e in tail], log=True)}`"]
+            marks = step_marks(tail, report.warnings, report.finding)
+            if marks:
+                out.append(f"- marks &nbsp;&nbsp;&nbsp;`{marks}` (▲ warning, s skipped, ✗ finding)")
+            out.append("")
         return "\n".join(out) + "\n"

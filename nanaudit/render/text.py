@@ -56,3 +56,21 @@ def finding_message(f: Finding) -> str:
     tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
     return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
             f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")
+
+
+def step_marks(timeline, warnings, finding) -> str:
+    """One character per timeline step, aligned under the sparklines: ▲ the first step of a
+    warning, s a step the GradScaler skipped, ✗ the finding's step."""
+    warned = {w.step for w in warnings}
+    bad = finding.step if finding is not None else None
+    marks = []
+    for e in timeline:
+        marks.append("✗" if e.step == bad else "▲" if e.step in warned else
+                     "s" if e.skipped else " ")
+    return "".join(marks).rstrip()
+
+
+def warning_line(w) -> str:
+    began = f", growing since step {w.began}" if w.began < w.step else ""
+    module = f" in {w.module}" if w.module else ""
+    return f"step {w.step}{began}: {w.kind}{module}: {w.message}"
