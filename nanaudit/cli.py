@@ -100,7 +100,7 @@ def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdow
     replay that step with full instruments and report where the value was created."""
     from nanaudit.pipeline import ScanOptions, exit_code
     from nanaudit.pipeline import scan as run_scan
-    terminal = Terminal(quiet or json_path == "-")
+    terminal = Terminal(quiet or json_path == "-" or not _is_rank_zero())
     progress, hooks = _progress_hooks(terminal)
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, **hooks)
@@ -109,8 +109,40 @@ def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdow
     finally:
         if progress:
             progress.stop()
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _leave_early_if_failed(exit_code(report))
+    if _is_rank_zero():
+        _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _leave_process_group(exit_code(report))
     _exit(exit_code(report))
+
+
+def _is_rank_zero() -> bool:
+    """Under torchrun only rank 0 prints and writes reports; the others only exit."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _leave_early_if_failed(code: ExitCode) -> None:
+    """Under torchrun, a rank other than 0 whose own code failed ends its process now: its
+    closed connections are what frees the peers blocked in a collective with it."""
+    from nanaudit.distributed import current
+    coordinator = current()
+    if coordinator is not None and coordinator.failed and coordinator.rank != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
+
+
+def _leave_process_group(code: ExitCode) -> None:
+    """Under torchrun: meet the other ranks (after rank 0 wrote the report) and exit at once:
+    the reports are written and flushed, and a slow interpreter teardown would let torchrun
+    see one rank exit first and stop the others with SIGTERM."""
+    from nanaudit.distributed import current
+    coordinator = current()
+    if coordinator is not None:
+        coordinator.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
 
 
 def _progress_hooks(terminal: Terminal):

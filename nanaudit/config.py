@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = (
     "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
     "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
-    "fail_on",
+    "fail_on", "distributed",
 )
 ENTRYPOINT_KEYS = ("entrypoint", "args")
 LOCALIZE_KEYS = ("samples", "max_replays")
@@ -31,6 +31,8 @@ AMP_KEYS = ("grad_scaler", "init_scale", "growth_interval", "scale_floor", "max_
 WATCH_KEYS = ("activations", "near_overflow", "loss_spike", "spike_window", "grad_growth",
               "growth_steps", "update_ratio", "update_every")
 FAIL_ON = ("nonfinite", "warning")
+DISTRIBUTED_KEYS = ("backend", "ddp", "timeout_s", "find_unused_parameters")
+BACKENDS = ("auto", "gloo", "nccl")
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -99,6 +101,16 @@ class WatchOptions:
 
 
 @dataclass(frozen=True)
+class DistributedOptions:
+    """How a run under torchrun (WORLD_SIZE > 1) sets up torch.distributed."""
+
+    backend: str = "auto"             # auto: nccl on CUDA, gloo on CPU
+    ddp: bool = True                  # wrap the model in DistributedDataParallel
+    timeout_s: float = 600.0          # a peer silent this long is an error, not a hang
+    find_unused_parameters: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     model: Entrypoint
@@ -116,6 +128,7 @@ class Config:
     amp: AmpOptions = field(default_factory=AmpOptions)
     watch: WatchOptions = field(default_factory=WatchOptions)
     fail_on: str = "nonfinite"
+    distributed: DistributedOptions = field(default_factory=DistributedOptions)
 
     @property
     def uses_grad_scaler(self) -> bool:
@@ -210,6 +223,7 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         amp=_amp(raw.get("amp"), problems),
         watch=_watch(raw.get("watch"), problems),
         fail_on=_choice(raw.get("fail_on", "nonfinite"), "fail_on", FAIL_ON, problems),
+        distributed=_distributed(raw.get("distributed"), problems),
     )
     if raw.get("amp") is not None and values["precision"] == "fp32":
         problems.append(Problem("amp", "only used with `precision: fp16` or `bf16`; this run "
@@ -436,3 +450,17 @@ def _watch(value: Any, problems: list[Problem]) -> WatchOptions:
                                 problems, d.update_ratio),
         update_every=_every(raw.get("update_every", d.update_every), "watch.update_every",
                             problems, d.update_every))
+
+
+def _distributed(value: Any, problems: list[Problem]) -> DistributedOptions:
+    raw = _section(value, "distributed", DISTRIBUTED_KEYS, problems)
+    d = DistributedOptions()
+    ddp = _bool(raw.get("ddp", d.ddp), "distributed.ddp", problems)
+    unused = _bool(raw.get("find_unused_parameters", d.find_unused_parameters),
+                   "distributed.find_unused_parameters", problems)
+    return DistributedOptions(
+        backend=_choice(raw.get("backend", d.backend), "distributed.backend", BACKENDS, problems),
+        ddp=d.ddp if ddp is None else ddp,
+        timeout_s=_positive_float(raw.get("timeout_s", d.timeout_s), "distributed.timeout_s",
+                                  problems) or d.timeout_s,
+        find_unused_parameters=bool(unused))

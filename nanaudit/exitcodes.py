@@ -12,6 +12,7 @@ class ExitCode(IntEnum):
     NOTHING_AUDITED = 5  # the data yielded no batches
     INTERNAL = 6         # nanaudit itself failed: a bug, please report it
     WARNING = 7          # --fail-on warning: no non-finite value, but an early warning fired
+    DISTRIBUTED = 8      # under torchrun: a peer rank failed or timed out without a report
     INTERRUPTED = 130    # Ctrl-C: the partial report is still valid
 
 
@@ -25,4 +26,5 @@ Exit codes:
   5    nothing was audited (the data yielded no batches)
   6    internal error in nanaudit
   7    an early warning fired and --fail-on is `warning` (values stayed finite)
+  8    torchrun: a peer rank died or timed out (the process group could not go on)
   130  interrupted (the partial report is valid)"""

@@ -227,11 +227,17 @@ class Session:
     make_data: Callable[[], Iterable]
     param_names: dict          # id(parameter) -> qualified name
     precision: Any = None      # nanaudit.precision.Precision; built from the config if None
+    coordinator: Any = None    # nanaudit.distributed.Coordinator under torchrun
 
     def __post_init__(self):
         if self.precision is None:
             from nanaudit.precision import Precision
             self.precision = Precision(self.config, self.device)
+
+    @property
+    def local_model(self):
+        """The user's module itself, without a DistributedDataParallel wrapper."""
+        return getattr(self.model, "module", self.model) if self.coordinator else self.model
 
     def compute_loss(self, batch):
         return self.loss_fn(self.model, batch, **dict(self.config.loss.args))
@@ -248,10 +254,13 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def build_session(config: Config) -> Session:
-    """Build model, optimizer, loss and data from the config; call within user_import_path."""
+def build_session(config: Config, coordinator=None) -> Session:
+    """Build model, optimizer, loss and data from the config; call within user_import_path.
+    Under torchrun (`coordinator`), the model is wrapped in DDP and the data sharded."""
     import torch
     device = resolve_device(config.device)
+    if coordinator is not None:
+        device = coordinator.device(device)
     if config.seed is not None:
         seed_everything(config.seed)
     model_fn = resolve_callable(config.model, config.base_dir)
@@ -265,6 +274,7 @@ def build_session(config: Config) -> Session:
     model.to(device)
     model.train()
     optimizer = build_optimizer(config, model)
+    wrapped = coordinator.wrap(model, device) if coordinator is not None else model
     if checkpoint is not None and optimizer is not None and "optimizer" in checkpoint.raw:
         call_user("loading the checkpoint's optimizer state", optimizer.load_state_dict,
                   checkpoint.raw["optimizer"])
@@ -272,16 +282,25 @@ def build_session(config: Config) -> Session:
     loss_fn = resolve_callable(config.loss, config.base_dir)
     names = {id(p): n for n, p in model.named_parameters()}
 
+    shards_itself = (coordinator is not None and data_accepts(data_fn, "rank")
+                     and data_accepts(data_fn, "world_size"))
+
     def make_data():
         what = f"data factory `{config.data.target}`"
-        data = call_user(what, data_fn, **dict(config.data.args))
+        kwargs = dict(config.data.args)
+        if shards_itself:
+            kwargs.update(rank=coordinator.rank, world_size=coordinator.world_size)
+        data = call_user(what, data_fn, **kwargs)
         if not _is_iterable(data):
             raise ConfigError([Problem(config.data.key, f"`{config.data.target}` returned a "
                                        f"{type(data).__name__}, which is not iterable; return a "
                                        f"list, generator or DataLoader of batches")])
+        if coordinator is not None:
+            data = coordinator.shard(data, shards_itself)
         return data
 
-    return Session(config, device, model, optimizer, loss_fn, make_data, names)
+    return Session(config, device, wrapped, optimizer, loss_fn, make_data, names,
+                   coordinator=coordinator)
 
 
 def _is_iterable(obj) -> bool:

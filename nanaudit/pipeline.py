@@ -62,17 +62,46 @@ def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
          config: Config | None = None) -> Report:
     started = time.perf_counter()
     report = _base_report(config_path, config)
+    coordinator = None
     try:
         config = config or _configured(config_path, options)
         report.config = config.summary()
-        _run(config, options, report)
+        coordinator = _join(config)
+        _run(config, options, report, coordinator)
     except KeyboardInterrupt:
         report.status = "interrupted"
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
         report.status = "error"
         report.error = error_dict(exc)
+        if coordinator is not None:
+            _rank_failed(coordinator, exc, report)
+    if coordinator is not None:
+        report.extra["distributed"] = {**coordinator.describe(),
+                                       **report.extra.get("distributed", {})}
     report.duration_s = time.perf_counter() - started
     return report
+
+
+def _join(config: Config):
+    """The torchrun coordinator when launched with WORLD_SIZE > 1, else None."""
+    from nanaudit.distributed import Coordinator, launched_by_torchrun
+    return Coordinator.start(config, config.device) if launched_by_torchrun() else None
+
+
+def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
+    """Under torchrun: adopt the error of the peer that failed first, or announce our own."""
+    from nanaudit.distributed import DistributedError, is_collective_failure
+    peer = coordinator.peer_error(wait_s=0.5)
+    if peer is not None and peer.get("rank") != coordinator.rank:
+        report.error = peer
+        return
+    if is_collective_failure(exc):
+        # Nobody left an error: a peer died without one, or stopped answering.
+        report.error = error_dict(DistributedError(
+            f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
+            f"within distributed.timeout_s ({coordinator.options.timeout_s:g}s): {exc}"))
+    report.error["rank"] = coordinator.rank
+    coordinator.fail(report.error)
 
 
 def _configured(config_path, options: ScanOptions) -> Config:
@@ -89,32 +118,59 @@ def _configured(config_path, options: ScanOptions) -> Config:
     return replace(config, **changes) if changes else config
 
 
-def _run(config: Config, options: ScanOptions, report: Report) -> None:
+def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
     from nanaudit.findings import attach_warnings, build_finding
     from nanaudit.loader import build_session, user_import_path
-    from nanaudit.runner import run_steps
+    from nanaudit.runner import ScanOutcome, run_steps
     with user_import_path(config.base_dir):
-        session = build_session(config)
+        session = build_session(config, coordinator)
         report.device = str(session.device)
         if options.on_start:
             options.on_start(config.steps)
-        outcome = run_steps(session, config.steps, on_step=options.on_step)
-        report.steps_run = outcome.steps_run
-        report.timeline = outcome.timeline
-        report.warnings = outcome.warnings
+        outcome = ScanOutcome()
+        try:
+            run_steps(session, config.steps, on_step=options.on_step, outcome=outcome)
+        finally:
+            # Kept when the user's code raises mid-run: the steps before it still count.
+            report.steps_run = outcome.steps_run
+            report.timeline = outcome.timeline
+            report.warnings = outcome.warnings
         if outcome.interrupted:
             report.status = "interrupted"
-            return
-        if outcome.trip is None:
+        elif outcome.trip is None:
             if outcome.steps_run == 0:
                 raise NothingAuditedError(f"the data from `{config.data.target}` yielded no "
                                           f"batches: nothing was audited")
             report.status = "clean"
-            return
-        report.status = "nonfinite"
-        samples = config.localize.samples if options.samples is None else options.samples
-        report.finding = build_finding(session, outcome, samples)
-        attach_warnings(report.finding, outcome.warnings, session.precision.name)
+        else:
+            report.status = "nonfinite"
+            if _localizes_here(coordinator, outcome.trip):
+                # Replays run on the local module: no DDP, no collectives with waiting peers.
+                session.model = session.local_model
+                samples = config.localize.samples if options.samples is None else options.samples
+                report.finding = build_finding(session, outcome, samples)
+                report.finding.rank = outcome.trip.rank
+                attach_warnings(report.finding, outcome.warnings, session.precision.name)
+        if coordinator is not None:
+            _merge_ranks(coordinator, report)
+
+
+def _localizes_here(coordinator, trip) -> bool:
+    if coordinator is None:
+        return True
+    return coordinator.rank == (trip.rank if trip.rank is not None else 0)
+
+
+def _merge_ranks(coordinator, report: Report) -> None:
+    """Every rank learns every rank's status and the one finding (the others wait here while
+    the finding's rank localizes, bounded by distributed.timeout_s)."""
+    mine = {"rank": coordinator.rank, "status": report.status, "steps_run": report.steps_run,
+            "device": report.device, "host": coordinator.describe()["host"],
+            "warnings": len(report.warnings), "finding": report.finding}
+    ranks = coordinator.gather(mine)
+    report.finding = next((r["finding"] for r in ranks if r["finding"] is not None), None)
+    report.extra["distributed"] = {"ranks": [{k: v for k, v in r.items() if k != "finding"}
+                                             for r in ranks]}
 
 
 def audit(config_or_path, **overrides) -> Report:

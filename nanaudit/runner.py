@@ -24,6 +24,7 @@ from nanaudit.loader import Session
 from nanaudit.report import TimelineEntry
 from nanaudit.sentinels import Sentinels, all_finite, confirm_nonfinite, exact_norm
 from nanaudit.tree import float_leaves, to_device
+from nanaudit.distributed import FLAGS
 from nanaudit.watch import MAX_WARNINGS, ActivationWatch, GrowthWatch, UpdateWatch
 
 
@@ -54,6 +55,7 @@ class Trip:
     loss: float | None = None
     grad_norm: float | None = None
     note: str | None = None       # why a GradScaler's skipped steps became a finding
+    rank: int | None = None       # under torchrun: the rank whose values tripped (None: all)
 
 
 @dataclass
@@ -127,7 +129,7 @@ class _Watches:
     def __init__(self, session: Session, sentinels: Sentinels, updating: bool):
         options = session.config.watch
         every = options.activation_every(session.precision.name)
-        self.activations = ActivationWatch(session.model, every, options.near_overflow)
+        self.activations = ActivationWatch(session.local_model, every, options.near_overflow)
         update_every = options.update_every if (updating and options.update_ratio) else 0
         self.updates = UpdateWatch(sentinels.params, update_every, session.device)
         self.growth = GrowthWatch(options)
@@ -183,17 +185,21 @@ class _Watches:
 
 def run_steps(session: Session, max_steps: int | None = None, update: bool = True,
               on_step: Callable[[int], None] | None = None, start_step: int = 0,
-              stop_on_trip: bool = True, on_trip: Callable | None = None) -> ScanOutcome:
+              stop_on_trip: bool = True, on_trip: Callable | None = None,
+              outcome: ScanOutcome | None = None) -> ScanOutcome:
     """Run training steps until data ends, max_steps, or the first non-finite value.
+
+    Pass `outcome` to keep the timeline of the steps that ran when user code raises.
 
     `start_step` skips that many batches first (resuming from a checkpoint). With
     `stop_on_trip=False` (bisect over a data set, no updates) every tripping batch is passed
     to `on_trip(trip, state)` and the loop goes on.
     """
-    outcome = ScanOutcome()
+    outcome = outcome if outcome is not None else ScanOutcome()
     sentinels = Sentinels(session.model, session.device)
     optimizer = session.optimizer if update else None
     precision = session.precision
+    coord = session.coordinator
     watches = _Watches(session, sentinels, optimizer is not None)
     outcome.warnings = watches.warnings
     state_norm = sentinels.state_norm()        # the starting state, read with step 0
@@ -208,11 +214,19 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             except StopIteration:
                 break
         step = start_step
+        ahead = _NOTHING                       # under torchrun: the batch fetched early
         while max_steps is None or step < start_step + max_steps:
-            try:
-                raw_batch = _next_batch(iterator, what)
-            except StopIteration:
+            if ahead is _END:
                 break
+            if ahead is _NOTHING:
+                try:
+                    raw_batch = _next_batch(iterator, what)
+                except StopIteration:
+                    break
+            else:
+                raw_batch, ahead = ahead, _NOTHING
+            if coord is not None and coord.terminated:
+                raise KeyboardInterrupt      # torchrun is stopping the group: partial report
             started = time.perf_counter()
             rng = RngState.capture()
             batch = to_device(raw_batch, session.device)
@@ -221,15 +235,28 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             loss = forward_backward(session, batch)
             scale = precision.scale if precision.scaler is not None else None
             grad_norm = sentinels.grad_norm()
-            # The one host sync of the step.
             fixed = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])
-            read = torch.cat([fixed, *watches.extra_readout()]).tolist()
+            parts = [fixed]
+            if coord is not None:
+                last = max_steps is not None and step + 1 >= start_step + max_steps
+                ahead = _END if last else _peek(iterator, what)
+                parts.append(coord.exchange(_rank_row(coord, batch_ok, loss, grad_norm,
+                                                      ahead is _END)).reshape(-1))
+            # The one host sync of the step.
+            read = torch.cat(parts + watches.extra_readout()).tolist()
             ok_batch, norm, loss_value, gnorm = read[:4]
+            table = read[4:4 + (coord.world_size * len(FLAGS) if coord else 0)]
             norm, gnorm = _confirmed(sentinels, norm, gnorm)
             if scale is not None:
                 gnorm = gnorm / scale
             outcome.steps_run = step + 1
-            trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
+            if coord is None:
+                trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
+            else:
+                trip = _classify_ranks(step, table, norm, loss_value, gnorm, updated)
+                if any(table[i + FLAGS.index("exhausted")] for i in range(0, len(table),
+                                                                          len(FLAGS))):
+                    ahead = _END               # a rank ran out of data: all stop after this step
             scaler_step = None
             if trip is not None and trip.check == "gradient" and precision.scaler is not None:
                 # Overflowing scaled gradients: the GradScaler skips the step and backs off.
@@ -248,7 +275,8 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
                 precision.finish_update(optimizer)
                 state_norm = sentinels.state_norm()
                 updated = True
-            fields = watches.observe(step, read[4:], outcome.timeline, loss_value, gnorm)
+            fields = watches.observe(step, read[4 + len(table):], outcome.timeline, loss_value,
+                                     gnorm)
             outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started,
                                            scale, scaler_step, fields))
             if trip is not None:
@@ -270,6 +298,47 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
     finally:
         watches.close()
     return outcome
+
+
+_NOTHING, _END = object(), object()
+
+
+def _peek(iterator, what: str):
+    """The next batch, or _END: under torchrun every rank must know before the exchange."""
+    try:
+        return _next_batch(iterator, what)
+    except StopIteration:
+        return _END
+
+
+def _rank_row(coord, batch_ok, loss, grad_norm, exhausted: bool) -> torch.Tensor:
+    """This rank's flags for the exchange, in FLAGS order, all on the device (no sync)."""
+    bad_loss = (~torch.isfinite(loss.detach())).to(torch.float64).reshape(())
+    return torch.stack([1.0 - batch_ok, bad_loss, coord.local_gradient_flag(grad_norm),
+                        torch.tensor(float(exhausted), dtype=torch.float64,
+                                     device=batch_ok.device)])
+
+
+def _classify_ranks(step, table, norm, loss_value, gnorm, updated) -> Trip | None:
+    """The same decision on every rank, from the exchanged table: the first rank whose own
+    batch, loss or local gradients went bad is the one the finding names."""
+    width = len(FLAGS)
+    rows = [table[i:i + width] for i in range(0, len(table), width)]
+
+    def first(flag: str):
+        return next((r for r, row in enumerate(rows) if row[FLAGS.index(flag)] > 0), None)
+    rank = first("input")
+    if rank is not None:
+        return Trip(step, "input", loss_value, gnorm, rank=rank)
+    if not math.isfinite(norm):            # identical on every rank: DDP keeps weights in step
+        return Trip(step - 1, "optimizer") if updated else Trip(step, "parameter")
+    for check in ("loss", "gradient"):
+        rank = first(check)
+        if rank is not None:
+            return Trip(step, check, loss_value, gnorm, rank=rank)
+    if not math.isfinite(gnorm):
+        return Trip(step, "gradient", loss_value, gnorm)
+    return None
 
 
 def _confirmed(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:

@@ -24,6 +24,8 @@ def print_report(report: Report, console: Console) -> None:
         console.print(_finding_panel(report.finding))
     if report.extra.get("bisect"):
         console.print(_bisect_summary(report.extra["bisect"]))
+    if report.extra.get("distributed", {}).get("ranks"):
+        console.print(_ranks(report.extra["distributed"]))
     if report.warnings:
         console.print(_warnings(report))
     if report.timeline:
@@ -52,6 +54,14 @@ def _bisect_summary(section: dict):
         table.add_row(str(f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
                       Text(str(f.samples)))
     return table
+
+
+def _ranks(section: dict) -> Text:
+    text = Text(f"ranks ({section['world_size']}, {section['backend']})\n", style="bold")
+    for r in section["ranks"]:
+        text.append(f"  rank {r['rank']}  {r['status']:<11} {r['steps_run']} step(s)  "
+                    f"{r['device']} on {r['host']}\n")
+    return text
 
 
 def _header(report: Report) -> Text:
@@ -91,7 +101,8 @@ def _facts(f: Finding) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    rows = [("step", f.step), ("where", f.where), ("value", f.value), ("op", f.op),
+    rows = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value),
+            ("op", f.op),
             ("forward op", f.forward_op), ("module", f.module if f.module != "" else "(root)"
                                            if f.module is not None else None),
             ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]

@@ -32,9 +32,14 @@ def headline(report: Report) -> str:
     if report.status == "interrupted":
         return f"interrupted after {report.steps_run} step(s): partial report"
     if report.status == "error":
-        return f"error: {(report.error or {}).get('message', 'unknown error')}"
+        error = report.error or {}
+        rank = f" on rank {error['rank']}" if error.get("rank") is not None else ""
+        return f"error{rank}: {error.get('message', 'unknown error')}"
     f = report.finding
-    return f"non-finite {f.value} at step {f.step} ({f.where}): {f.cause}"
+    if f is None:
+        return f"non-finite value after {report.steps_run} step(s)"
+    rank = f", rank {f.rank}" if f.rank is not None else ""
+    return f"non-finite {f.value} at step {f.step} ({f.where}{rank}): {f.cause}"
 
 
 def finding_title(f: Finding) -> str:
@@ -53,6 +58,8 @@ def finding_message(f: Finding) -> str:
         where += f" (backward of {f.forward_op})"
     module = f" in module `{f.module}`" if f.module else ""
     samples = f" Samples: {f.samples}." if f.samples else ""
+    if f.rank is not None:
+        module += f" on rank {f.rank}"
     tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
     return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
             f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")

@@ -1,0 +1,126 @@
+"""Two-rank runs on CPU (gloo), launched the way torchrun launches them: every rank stops at the
+same step, the finding names the rank, every rank exits with the same code, nothing hangs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+EXAMPLES = ROOT / "configs" / "examples"
+HARD_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    env.pop("GITHUB_ACTIONS", None)
+    return env
+
+
+def launch(config, tmp_path, nproc=2, *extra):
+    """Start `nproc` ranks with torchrun's environment variables (env:// rendezvous); return
+    each rank's exit code and rank 0's JSON report. Kills every rank past the hard timeout."""
+    port, report = _free_port(), tmp_path / "report.json"
+    procs = []
+    for rank in range(nproc):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                   RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "nanaudit", "scan", str(config), "--json", str(report),
+             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=HARD_TIMEOUT_S))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.returncode for proc in procs]
+    body = json.loads(report.read_text()) if report.exists() else None
+    return codes, body, outputs
+
+
+def test_clean_run_exits_zero_on_every_rank(tmp_path):
+    codes, report, outputs = launch(EXAMPLES / "ddp_clean.yaml", tmp_path)
+    assert codes == [0, 0], outputs
+    section = report["distributed"]
+    assert section["world_size"] == 2 and section["backend"] == "gloo"
+    assert [r["status"] for r in section["ranks"]] == ["clean", "clean"]
+    assert [r["steps_run"] for r in section["ranks"]] == [6, 6]
+    # Only rank 0 writes: rank 1's stdout stays empty.
+    assert outputs[1][0] == ""
+
+
+def test_nan_in_rank_1_shard_is_found_on_rank_1(tmp_path):
+    codes, report, outputs = launch(EXAMPLES / "ddp_poisoned_rank.yaml", tmp_path)
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["tensor"], f["samples"]) == (
+        1, 3, "input", 'batch["x"]', [5])
+    ids = dict(f["sample_rows"][0]["leaves"])['batch["id"]']["value"]
+    assert ids == [(3 * 2 + 1) * 8 + 5]          # the global sample id from rank 1's shard
+    assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [4, 4]
+
+
+def test_backward_nan_is_attributed_to_the_rank_that_made_it(tmp_path):
+    # After DDP's all-reduce every rank's gradients hold the NaN; the hook saw rank 1's first.
+    codes, report, outputs = launch(EXAMPLES / "ddp_backward_nan.yaml", tmp_path)
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
+        1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [6])
+    assert f["reproduced"] is True and f["source"]["file"].endswith("ddp.py")
+
+
+@pytest.mark.parametrize("name, exception", [("ddp_failing_rank", "OSError"),
+                                             ("ddp_failing_loss", "ValueError")])
+def test_raise_on_rank_1_exits_4_on_every_rank(name, exception, tmp_path):
+    codes, report, outputs = launch(EXAMPLES / f"{name}.yaml", tmp_path)
+    assert codes == [4, 4], outputs
+    error = report["error"]
+    assert error["rank"] == 1 and error["exception"] == exception
+    assert error["frames"][-1]["file"].endswith("ddp.py")
+
+
+def test_stuck_rank_becomes_an_error_not_a_hang(tmp_path):
+    codes, report, outputs = launch(EXAMPLES / "ddp_stalled_rank.yaml", tmp_path)
+    assert codes == [8, 8], outputs
+    assert report["error"]["type"] == "DistributedError"
+    assert "timeout_s (2s)" in report["error"]["message"]
+
+
+def test_torchrun_command_line(tmp_path):
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "nanaudit", "scan",
+         str(EXAMPLES / "ddp_poisoned_rank.yaml"), "--json", str(report), "--quiet"],
+        env=_env(), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("exitcode  : 1") == 2     # torchrun's summary: both ranks exit 1
+    body = json.loads(report.read_text())
+    assert body["finding"]["rank"] == 1 and body["finding"]["step"] == 3
+
+
+@pytest.mark.parametrize("name, code", [("ddp_clean", 0), ("ddp_poisoned_rank", 0),
+                                        ("ddp_failing_rank", 0), ("ddp_failing_loss", 4),
+                                        ("ddp_stalled_rank", 0), ("ddp_backward_nan", 0)])
+def test_without_torchrun_each_config_runs_as_one_process(name, code, tmp_path):
+    # Rank 0 of 1 reads shard 0: unpoisoned, never failing or stalling; its sample ids run
+    # 0..47, so the loss that rejects sample 40 raises at step 5.
+    from conftest import scan
+    result = scan(EXAMPLES / f"{name}.yaml", tmp_path=tmp_path)
+    assert result.code == code and "distributed" not in result.report
+    assert len(result.report["timeline"]) == (5 if code else 6)
