@@ -93,17 +93,25 @@ def _report_outputs(fn):
 @click.option("--device", help="Override the config's device (auto, cpu, cuda, cuda:N).")
 @click.option("--seed", type=int, help="Override the config's seed.")
 @click.option("--no-samples", is_flag=True, help="Skip isolating the offending batch rows.")
+@click.option("--repro", "repro_dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="Write the repro bundle of a finding to DIR (default: repro-step<N> beside "
+                   "the first report file, else under ./nanaudit-reports).")
+@click.option("--no-repro", is_flag=True, help="Do not write a repro bundle.")
 @_report_outputs
-def scan(config, steps, device, seed, no_samples, json_path, junit_path, markdown_path, fmt,
-         plot_path, fail_on, quiet):
+def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path, junit_path,
+         markdown_path, fmt, plot_path, fail_on, quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
     from nanaudit.pipeline import ScanOptions, exit_code
     from nanaudit.pipeline import scan as run_scan
     terminal = Terminal(quiet or json_path == "-" or not _is_rank_zero())
     progress, hooks = _progress_hooks(terminal)
+    from nanaudit.repro import default_folder
+    repro = (None if no_repro else Path(repro_dir) if repro_dir else
+             default_folder([json_path, junit_path, markdown_path], 0).parent)
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
-                          samples=False if no_samples else None, **hooks)
+                          samples=False if no_samples else None, repro_dir=repro,
+                          repro_per_step=repro is not None and not repro_dir, **hooks)
     try:
         report = run_scan(config, options)
     finally:
@@ -243,6 +251,48 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
         import json
         from nanaudit.output import write_atomic
         write_atomic(skip_list_path, json.dumps({"skip": section["skip_list"]}, indent=2) + "\n")
+    _exit(exit_code(report))
+
+
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("config", default="nanaudit.yaml", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite existing files.")
+def init(config, force):
+    """Write a commented starter CONFIG (default nanaudit.yaml) and the entrypoint module it
+    names (nanaudit_entry.py beside it); both run as written."""
+    from nanaudit.output import write_atomic
+    from nanaudit.starter import render
+    terminal = Terminal()
+    module_path = config.with_name("nanaudit_entry.py")
+    existing = [p for p in (config, module_path) if p.exists()]
+    if existing and not force:
+        terminal.error(f"{', '.join(map(str, existing))} already exist(s); pass --force to "
+                       f"overwrite")
+        _exit(ExitCode.USAGE)
+    config_text, module_text = render(config.name, module_path.stem)
+    try:
+        write_atomic(config, config_text)
+        write_atomic(module_path, module_text)
+    except OSError as exc:
+        terminal.error(f"cannot write the starter files: {exc}")
+        _exit(ExitCode.USAGE)
+    terminal.success(f"wrote {config} and {module_path}")
+    terminal.info(f"next: nanaudit scan {config}  (then point model, data and loss at your code)")
+    _exit(ExitCode.CLEAN)
+
+
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
+@_report_outputs
+def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on, quiet):
+    """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
+    same weights, batch and RNG state, without the data pipeline. Exits 1 when the
+    non-finite value reproduces."""
+    from nanaudit.pipeline import exit_code
+    from nanaudit.pipeline import replay as run_replay
+    terminal = Terminal(quiet or json_path == "-")
+    report = run_replay(bundle)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
     _exit(exit_code(report))
 
 

@@ -26,6 +26,8 @@ class ScanOptions:
     seed: int | None = None
     samples: bool | None = None       # None: the config's localize.samples
     fail_on: str | None = None        # None: the config's fail_on
+    repro_dir: Path | None = None     # write a repro bundle on a finding (None: don't)
+    repro_per_step: bool = False      # ... into repro_dir/repro-step<N> rather than repro_dir
     on_step: Callable[[int], None] | None = None
     on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
 
@@ -151,8 +153,28 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
                 report.finding = build_finding(session, outcome, samples)
                 report.finding.rank = outcome.trip.rank
                 attach_warnings(report.finding, outcome.warnings, session.precision.name)
+                _write_repro(session, outcome, report, options)
         if coordinator is not None:
             _merge_ranks(coordinator, report)
+
+
+def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None:
+    """The repro bundle of the finding; a failure to write it is noted, not fatal."""
+    if options.repro_dir is None or outcome.state is None:
+        return
+    from nanaudit.render import renderer_for
+    from nanaudit.repro import write_bundle
+    folder = Path(options.repro_dir)
+    if options.repro_per_step:
+        rank = f"-rank{outcome.trip.rank}" if outcome.trip.rank is not None else ""
+        folder = folder / f"repro-step{outcome.trip.step}{rank}"
+    report.extra["repro"] = str(folder)
+    try:
+        write_bundle(folder, session, outcome.state, outcome.trip, report.finding,
+                     renderer_for("json").render(report))
+    except Exception as exc:  # noqa: BLE001 - the finding stands without its bundle
+        report.extra["repro"] = None
+        report.extra["repro_error"] = f"cannot write the repro bundle to {folder}: {exc}"
 
 
 def _localizes_here(coordinator, trip) -> bool:
@@ -179,6 +201,38 @@ def audit(config_or_path, **overrides) -> Report:
     if isinstance(config_or_path, Config):
         return scan(config_or_path.path, options, config=config_or_path)
     return scan(config_or_path, options)
+
+
+def replay(folder: str | Path) -> Report:
+    """`nanaudit replay DIR`: localize the step saved in a repro bundle again."""
+    started = time.perf_counter()
+    report = _base_report(Path(folder) / "config.yaml", None)
+    report.command = "replay"
+    try:
+        _replay(Path(folder), report)
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    except Exception as exc:  # noqa: BLE001
+        report.status = "error"
+        report.error = error_dict(exc)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def _replay(folder: Path, report: Report) -> None:
+    from nanaudit.findings import build_finding
+    from nanaudit.loader import user_import_path
+    from nanaudit.repro import load_bundle, replay_bundle
+    meta = load_bundle(folder).meta
+    with user_import_path(Path(meta["base_dir"])):
+        session, outcome = replay_bundle(folder)
+        report.config = session.config.summary()
+        report.device = str(session.device)
+        report.steps_run = 1
+        report.finding = build_finding(session, outcome, session.config.localize.samples)
+        report.finding.rank = outcome.trip.rank
+    report.status = "clean" if report.finding.reproduced is False else "nonfinite"
+    report.extra["repro"] = str(folder)
 
 
 def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),

@@ -15,6 +15,12 @@ from nanaudit.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _scratch_cwd(tmp_path, monkeypatch):
+    """Run every test in its own folder: default outputs (./nanaudit-reports) land there."""
+    monkeypatch.chdir(tmp_path)
+
+
 class Result:
     def __init__(self, code, stdout, stderr, report):
         self.code, self.stdout, self.stderr, self.report = code, stdout, stderr, report

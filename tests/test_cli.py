@@ -55,7 +55,9 @@ def test_all_report_files_written(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["status"] == "nonfinite"
     assert 'failures="1"' in (tmp_path / "r.xml").read_text()
     assert "sqrt-domain" in (tmp_path / "r.md").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.xml"]
+    # The repro bundle goes beside the reports; nothing else is written.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.xml",
+                                                          "repro-step6"]
 
 
 def test_steps_option_limits_the_run(tmp_path):

@@ -219,5 +219,11 @@ def _next_steps(report: Report) -> Text:
         hints.append(f"inspect batch rows {f.samples} of step {f.step}")
     if f.cause == "nonfinite-parameter":
         hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
+    repro = report.extra.get("repro")
+    if repro and report.command == "scan":
+        hints.append(f"repro bundle in {repro} (python {repro}/repro.py; nanaudit replay "
+                     f"{repro})")
+    elif report.extra.get("repro_error"):
+        hints.append(report.extra["repro_error"])
     hints.append("--json PATH saves this report for CI and other tools")
     return Text("next: " + "; ".join(hints), style="dim")

@@ -1,0 +1,204 @@
+"""The CI gate and the library (issue 6): repro bundles, replay, init, Sentinel, the README."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import LINEAR_CASE, ROOT, run_cli, scan
+
+EXAMPLES = ROOT / "configs" / "examples"
+
+
+def _bundle(tmp_path, name="log_negative"):
+    result = scan(EXAMPLES / f"{name}.yaml", "--repro", tmp_path / "bundle", tmp_path=tmp_path)
+    assert result.code == 1 and result.report["repro"] == str(tmp_path / "bundle")
+    return tmp_path / "bundle", result.finding
+
+
+def test_bundle_holds_state_batch_rows_config_and_report(tmp_path):
+    folder, finding = _bundle(tmp_path)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["batch.pt", "config.yaml", "meta.json", "report.json", "repro.py",
+                     "rng.pt", "rows.pt", "state.pt"]
+    meta = json.loads((folder / "meta.json").read_text())
+    assert (meta["step"], meta["check"], meta["samples"]) == (finding["step"], "loss", [2])
+    rows = torch.load(folder / "rows.pt", weights_only=True)
+    batch = torch.load(folder / "batch.pt", weights_only=True)
+    assert torch.equal(rows[0][0], batch[0][2])
+    state = torch.load(folder / "state.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer"}
+    assert json.loads((folder / "report.json").read_text())["finding"]["cause"] == "log-domain"
+
+
+def test_repro_py_reproduces_in_a_fresh_process_without_nanaudit(tmp_path):
+    folder, _ = _bundle(tmp_path)
+    # Any `import nanaudit` in repro.py (or anything it imports) fails in this process.
+    blocker = ("import sys, runpy; sys.modules['nanaudit'] = None; sys.argv = ['repro.py'] + "
+               "sys.argv[1:]; runpy.run_path('repro.py', run_name='__main__')")
+    for extra in ([], ["--rows"]):
+        proc = subprocess.run([sys.executable, "-c", blocker, *extra], cwd=folder,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "non-finite loss" in proc.stdout and "reproduced" in proc.stdout
+
+
+def test_replay_localizes_the_bundle_again(tmp_path):
+    folder, finding = _bundle(tmp_path)
+    out = tmp_path / "replay.json"
+    result = run_cli("replay", folder, "--json", out, "-q")
+    assert result.code == 1
+    body = json.loads(out.read_text())
+    assert body["command"] == "replay"
+    for key in ("step", "where", "op", "cause", "samples", "source"):
+        assert body["finding"][key] == finding[key], key
+
+
+def test_replay_of_a_broken_bundle_is_a_config_error(tmp_path):
+    folder, _ = _bundle(tmp_path)
+    (folder / "state.pt").write_bytes(b"not a checkpoint")
+    result = run_cli("replay", folder)
+    assert result.code == 3 and "cannot read the repro bundle" in result.stderr
+    assert run_cli("replay", tmp_path / "nowhere").code == 3
+
+
+def test_default_bundle_folder_and_no_repro(tmp_path):
+    result = run_cli("scan", EXAMPLES / "div_zero.yaml", "-q")
+    assert result.code == 1
+    assert (tmp_path / "nanaudit-reports" / "repro-step1" / "repro.py").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chdir(other)
+    assert run_cli("scan", EXAMPLES / "div_zero.yaml", "-q", "--no-repro").code == 1
+    assert list(other.iterdir()) == []
+
+
+def test_init_writes_a_config_that_scans_and_refuses_to_overwrite(tmp_path):
+    assert run_cli("init").code == 0
+    config = tmp_path / "nanaudit.yaml"
+    text = config.read_text()
+    assert "model: nanaudit_entry:build_model" in text and "# " in text
+    assert run_cli("validate", config).code == 0
+    assert scan(config, tmp_path=tmp_path).code == 0
+    before = config.read_text()
+    refused = run_cli("init")
+    assert refused.code == 2 and "--force" in refused.stderr
+    config.write_text(before + "# edited\n")
+    assert run_cli("init", "--force").code == 0
+    assert "# edited" not in config.read_text()
+
+
+def _sentinel_loop(loss_fn_given: bool, poison_step=5):
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def compute_loss(model, batch):
+        x, y = batch
+        return (torch.sqrt(model(x) - y + 10.0) - 1).pow(2).mean()
+
+    sentinel = Sentinel(model, optimizer, loss_fn=compute_loss if loss_fn_given else None)
+    g = torch.Generator().manual_seed(0)
+    for step in range(10):
+        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+        if step == poison_step:
+            y[1] = 100.0
+        loss = compute_loss(model, (x, y))
+        loss.backward()
+        try:
+            sentinel.check(step, (x, y), loss)
+        except NonFiniteError as error:
+            return error, model
+        optimizer.step()
+        optimizer.zero_grad()
+    return None, model
+
+
+def test_sentinel_raises_before_the_bad_update_with_a_localized_report():
+    error, model = _sentinel_loop(loss_fn_given=True)
+    assert error is not None
+    f = error.report.finding
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (
+        5, "forward", "aten.sqrt.default", "sqrt-domain", [1])
+    assert all(torch.isfinite(p).all() for p in model.parameters()), "the update did not run"
+    assert len(error.report.timeline) == 6 and "sqrt-domain" in str(error)
+
+
+def test_sentinel_without_loss_fn_names_the_check():
+    error, _ = _sentinel_loop(loss_fn_given=False)
+    f = error.report.finding
+    assert (f.step, f.where, f.op, f.cause) == (5, "forward", None, "unknown")
+    assert "loss_fn=" in f.explanation
+
+
+def test_sentinel_reads_the_device_once_per_check(monkeypatch):
+    calls = {"tolist": 0, "item": 0}
+    for name in calls:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, _name=name, _original=original, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    error, _ = _sentinel_loop(loss_fn_given=True, poison_step=None)
+    assert error is None and calls == {"tolist": 10, "item": 0}
+
+
+def test_readme_sentinel_example_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- sentinel-example -->\s*```python\n(.*?)```", readme, re.S)
+    assert match, "the README has a Sentinel example marked <!-- sentinel-example -->"
+    script = tmp_path / "example.py"
+    script.write_text(match.group(1))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 7" in proc.stdout and "log-domain" in proc.stdout
+
+
+def test_importing_nanaudit_imports_no_optional_dependency():
+    code = ("import sys, nanaudit, nanaudit.integrations; "
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'matplotlib', 'torch') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_lightning_callback_stops_before_the_bad_update(tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from nanaudit import NonFiniteError
+    from nanaudit.integrations.lightning import NanauditCallback
+
+    class Regressor(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.log(self.layer(x).abs() * y).mean()   # log(0) where y == 0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3), torch.rand(64, 1) + 0.5
+    y[37] = 0.0                                   # batch 4 (rows 32..39), row 5
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = lightning.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False,
+                                callbacks=[NanauditCallback(tmp_path / "nan.json")])
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(Regressor(), loader)
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (
+        4, "forward", "aten.log.default", "log-domain", [5])
+    assert json.loads((tmp_path / "nan.json").read_text())["finding"]["step"] == 4
