@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from nanaudit import __version__
 from nanaudit.config import Config, load_config
-from nanaudit.errors import NanauditError, NothingAuditedError
+from nanaudit.errors import NanauditError, NothingAuditedError, UsageError
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report import Report
 
@@ -242,6 +242,10 @@ def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
     report = _base_report(config_path, None)
     report.command = "bisect"
     try:
+        from nanaudit.distributed import launched_by_torchrun
+        if launched_by_torchrun():
+            raise UsageError("bisect runs in one process: run it without torchrun (it replays "
+                             "batches one by one against fixed weights)")
         config = _configured(config_path, options)
         report.config = config.summary()
         if checkpoints is None:

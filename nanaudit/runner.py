@@ -202,7 +202,6 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
     coord = session.coordinator
     watches = _Watches(session, sentinels, optimizer is not None)
     outcome.warnings = watches.warnings
-    state_norm = sentinels.state_norm()        # the starting state, read with step 0
     updated = False                            # has an optimizer step run since that read?
     data = session.make_data()
     iterator = call_user(f"iterating the data from `{session.config.data.target}`", iter, data)
@@ -234,7 +233,9 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             watches.activations.begin(step)
             loss = forward_backward(session, batch)
             scale = precision.scale if precision.scaler is not None else None
-            grad_norm = sentinels.grad_norm()
+            # The weights as this step's forward saw them (a bad last update shows here) and
+            # this step's gradients, in one fused reduction.
+            state_norm, grad_norm = sentinels.norms()
             fixed = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])
             parts = [fixed]
             if coord is not None:
@@ -273,7 +274,6 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
                 call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
                 watches.updates.after_update()
                 precision.finish_update(optimizer)
-                state_norm = sentinels.state_norm()
                 updated = True
             fields = watches.observe(step, read[4 + len(table):], outcome.timeline, loss_value,
                                      gnorm)
@@ -289,7 +289,7 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
                 on_step(step)
             step += 1
         if updated:
-            final, _ = _confirmed(sentinels, float(state_norm), 0.0)
+            final, _ = _confirmed(sentinels, float(sentinels.state_norm()), 0.0)
             if not math.isfinite(final):
                 outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
         watches.finish(outcome.timeline)

@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.config import Config, Entrypoint  # noqa: E402
+from nanaudit.config import Config, Entrypoint, WatchOptions  # noqa: E402
 from nanaudit.loader import Session  # noqa: E402
 from nanaudit.runner import RngState, StepState, Trip, run_steps  # noqa: E402
 
@@ -132,17 +132,31 @@ def hook_checker(model, opt, loss, batches, device):
             h.remove()
 
 
-def nanaudit_scan(model, opt, loss, batches, device):
-    """nanaudit's own step loop (runner.run_steps) with its default sentinels."""
-    session = _session(model, opt, loss, batches, device)
+def nanaudit_scan(model, opt, loss, batches, device, watch=None):
+    """nanaudit's own step loop (runner.run_steps) with its default sentinels and warnings
+    (loss spike and gradient growth on the host, the update ratio every 10 steps)."""
+    session = _session(model, opt, loss, batches, device, watch)
     outcome = run_steps(session)
     assert outcome.trip is None, outcome.trip
     _sync(device)
 
 
-def _session(model, opt, loss, batches, device) -> Session:
+def nanaudit_activations(model, opt, loss, batches, device):
+    """The optional near-overflow watch on every step (on by default only under fp16)."""
+    nanaudit_scan(model, opt, loss, batches, device, WatchOptions(activations=1))
+
+
+def nanaudit_sentinels_only(model, opt, loss, batches, device):
+    """The sentinels alone: every early warning off."""
+    nanaudit_scan(model, opt, loss, batches, device,
+                  WatchOptions(activations=0, loss_spike=False, grad_growth=False,
+                               update_ratio=False, update_every=0))
+
+
+def _session(model, opt, loss, batches, device, watch=None) -> Session:
     entry = Entrypoint("bench:x", "bench")
-    config = Config(path=Path("bench.yaml"), model=entry, data=entry, loss=entry)
+    config = Config(path=Path("bench.yaml"), model=entry, data=entry, loss=entry,
+                    watch=watch or WatchOptions())
     return Session(config, torch.device(device), model, opt, lambda m, b: loss(m, b),
                    lambda: batches, {id(p): n for n, p in model.named_parameters()})
 
@@ -152,8 +166,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan, "detect_anomaly": detect_anomaly,
-            "hook .item() (HF)": hook_checker}
+VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan,
+            "sentinels only": nanaudit_sentinels_only, "+activation watch": nanaudit_activations,
+            "detect_anomaly": detect_anomaly, "hook .item() (HF)": hook_checker}
 
 
 # --- measurement -----------------------------------------------------------------------------
@@ -222,21 +237,29 @@ def replay_cost(factory, device, repeats=3):
 
 
 def memory_note(device, factory):
+    """Extra memory of the sentinels: measured on CUDA, accounted for on the CPU."""
+    torch.manual_seed(0)
+    model, make_batch, loss = factory()
+    model.to(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    note = {"weights_bytes": weights,
+            "update_ratio_snapshot_bytes": weights,
+            "note": "the sentinels keep no per-parameter copies: per step they hold the RNG "
+                    "state (a few KB), the batch reference and a few 0-dim tensors; the "
+                    "update-ratio watch copies the weights for the length of one optimizer "
+                    "step every `update_every` (10) steps, then frees the copy"}
     if str(device).startswith("cuda"):
-        torch.manual_seed(0)
-        model, make_batch, loss = factory()
-        model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         batches = [make_batch(torch.Generator().manual_seed(0)) for _ in range(2)]
         peaks = {}
-        for v in ("plain", "nanaudit"):
+        for v in ("plain", "sentinels only", "nanaudit"):
             torch.cuda.reset_peak_memory_stats()
             VARIANTS[v](model, opt, loss, batches, device)
             peaks[v] = torch.cuda.max_memory_allocated()
-        return {"max_memory_allocated": peaks, "extra_bytes": peaks["nanaudit"] - peaks["plain"]}
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "note": "the sentinels keep no per-parameter copies: per step they hold the RNG "
-                    "state (a few KB), the batch reference and a few 0-dim tensors"}
+        note["max_memory_allocated"] = peaks
+    else:
+        note["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return note
 
 
 def table(results) -> str:
@@ -253,30 +276,34 @@ def table(results) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round "
+                        "(10: the update-ratio watch samples once per round, as in a run)")
     parser.add_argument("--sizes", action="store_true", help="sweep transformer sizes")
+    parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rounds, steps = (3, 1) if args.quick else (args.rounds, args.steps)
     workloads = {"transformer (3M)": lambda: transformer(), "cnn 32x32": cnn, "mlp": mlp}
+    if args.sizes_only:
+        workloads = {}
     variants = dict(VARIANTS)
     if args.quick:
         workloads = {"transformer (small)": lambda: transformer(d=64, layers=1, ff=128, seq=16),
                      "mlp": mlp}
     results = [measure(n, f, device, rounds, steps, variants) for n, f in workloads.items()]
     sweep = []
-    if args.sizes:
-        sweep_variants = {k: VARIANTS[k] for k in ("plain", "nanaudit")}
+    if args.sizes or args.sizes_only:
+        sweep_variants = {k: VARIANTS[k] for k in ("plain", "nanaudit", "sentinels only")}
         for label, kw in SIZES.items():
             sweep.append(measure(f"transformer {label}", lambda kw=kw: transformer(**kw), device,
-                                 max(5, rounds // 2), 2, sweep_variants))
+                                 max(3, rounds // 2), steps, sweep_variants))
     replay_factory = (lambda: transformer(d=64, layers=1, ff=128, seq=16)) if args.quick \
         else (lambda: transformer())
     replay = replay_cost(replay_factory, device)
-    memory = memory_note(device, mlp)
+    memory = memory_note(device, replay_factory)
     machine = {"python": platform.python_version(), "torch": torch.__version__,
                "platform": platform.platform(), "processor": platform.processor(),
                "threads": torch.get_num_threads(),
@@ -284,7 +311,8 @@ def main(argv=None):
     print(f"machine: {machine}")
     print(f"median step time ratio to the plain loop ({rounds} interleaved rounds x {steps} "
           f"step(s)):")
-    print(table(results))
+    if results:
+        print(table(results))
     if sweep:
         print("\nsize sweep (plain vs nanaudit):")
         print(table(sweep))

@@ -18,7 +18,8 @@ def test_bench_quick_writes_table_and_json(tmp_path):
     assert "median step time ratio to the plain loop" in done.stdout
     assert "replay of one bad step" in done.stdout
     body = json.loads(out.read_text())
-    variants = {"plain", "nanaudit", "detect_anomaly", "hook .item() (HF)"}
+    variants = {"plain", "nanaudit", "sentinels only", "+activation watch", "detect_anomaly",
+                "hook .item() (HF)"}
     for result in body["results"]:
         assert set(result["ratio"]) == variants and result["ratio"]["plain"] == 1.0
         assert all(len(v) == result["rounds"] for v in result["raw_step_s"].values())
