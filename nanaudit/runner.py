@@ -247,12 +247,12 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
             read = torch.cat(parts + watches.extra_readout()).tolist()
             ok_batch, norm, loss_value, gnorm = read[:4]
             table = read[4:4 + (coord.world_size * len(FLAGS) if coord else 0)]
-            norm, gnorm = _confirmed(sentinels, norm, gnorm)
+            norm, gnorm = confirm_norms(sentinels, norm, gnorm)
             if scale is not None:
                 gnorm = gnorm / scale
             outcome.steps_run = step + 1
             if coord is None:
-                trip = _classify(step, ok_batch, norm, loss_value, gnorm, updated)
+                trip = classify_step(step, ok_batch, norm, loss_value, gnorm, updated)
             else:
                 trip = _classify_ranks(step, table, norm, loss_value, gnorm, updated)
                 if any(table[i + FLAGS.index("exhausted")] for i in range(0, len(table),
@@ -289,7 +289,7 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
                 on_step(step)
             step += 1
         if updated:
-            final, _ = _confirmed(sentinels, float(sentinels.state_norm()), 0.0)
+            final, _ = confirm_norms(sentinels, float(sentinels.state_norm()), 0.0)
             if not math.isfinite(final):
                 outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
         watches.finish(outcome.timeline)
@@ -341,7 +341,7 @@ def _classify_ranks(step, table, norm, loss_value, gnorm, updated) -> Trip | Non
     return None
 
 
-def _confirmed(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:
+def confirm_norms(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:
     """Replace a non-finite norm by the exact one when no element is actually non-finite."""
     if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
         norm = exact_norm(sentinels.state_tensors())
@@ -350,7 +350,7 @@ def _confirmed(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, 
     return norm, gnorm
 
 
-def _classify(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
+def classify_step(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
     if ok_batch < 1.0:
         return Trip(step, "input", loss_value, gnorm)
     if not math.isfinite(norm):

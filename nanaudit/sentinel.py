@@ -29,7 +29,8 @@ import torch
 
 from nanaudit.config import Config, Entrypoint
 from nanaudit.report import Finding, Report, TimelineEntry
-from nanaudit.runner import RngState, ScanOutcome, StepState, Trip, _classify, _confirmed
+from nanaudit.runner import (RngState, ScanOutcome, StepState, Trip, classify_step,
+                             confirm_norms)
 from nanaudit.sentinels import Sentinels, all_finite
 from nanaudit.tree import float_leaves
 
@@ -71,8 +72,8 @@ class Sentinel:
                               loss.detach().reshape(()).to(torch.float64).to(self.device),
                               self._sentinels.grad_norm()]).tolist()
         ok_batch, norm, loss_value, gnorm = values
-        norm, gnorm = _confirmed(self._sentinels, norm, gnorm)
-        trip = _classify(step, ok_batch, norm, loss_value, gnorm, self._checked_once)
+        norm, gnorm = confirm_norms(self._sentinels, norm, gnorm)
+        trip = classify_step(step, ok_batch, norm, loss_value, gnorm, self._checked_once)
         if trip is not None and trip.check == "gradient" and self.scaler is not None:
             trip = None          # the GradScaler will skip this step and back off its scale
         self._record(step, loss_value, gnorm, norm, started)

@@ -84,6 +84,15 @@ def test_backward_nan_is_attributed_to_the_rank_that_made_it(tmp_path):
     assert f["reproduced"] is True and f["source"]["file"].endswith("ddp.py")
 
 
+def test_a_plain_dataloader_is_sharded_with_a_distributed_sampler(tmp_path):
+    codes, report, outputs = launch(EXAMPLES / "ddp_dataloader.yaml", tmp_path)
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["samples"]) == (1, 2, "input", [6])
+    ids = dict(f["sample_rows"][0]["leaves"])["batch[2]"]["value"]
+    assert ids == [45]
+
+
 @pytest.mark.parametrize("name, exception", [("ddp_failing_rank", "OSError"),
                                              ("ddp_failing_loss", "ValueError")])
 def test_raise_on_rank_1_exits_4_on_every_rank(name, exception, tmp_path):
@@ -114,13 +123,17 @@ def test_torchrun_command_line(tmp_path):
     assert body["finding"]["rank"] == 1 and body["finding"]["step"] == 3
 
 
-@pytest.mark.parametrize("name, code", [("ddp_clean", 0), ("ddp_poisoned_rank", 0),
-                                        ("ddp_failing_rank", 0), ("ddp_failing_loss", 4),
-                                        ("ddp_stalled_rank", 0), ("ddp_backward_nan", 0)])
-def test_without_torchrun_each_config_runs_as_one_process(name, code, tmp_path):
-    # Rank 0 of 1 reads shard 0: unpoisoned, never failing or stalling; its sample ids run
-    # 0..47, so the loss that rejects sample 40 raises at step 5.
+@pytest.mark.parametrize("name, code, steps", [
+    ("ddp_clean", 0, 6), ("ddp_poisoned_rank", 0, 6), ("ddp_failing_rank", 0, 6),
+    ("ddp_failing_loss", 4, 5), ("ddp_stalled_rank", 0, 6), ("ddp_backward_nan", 0, 6),
+    ("ddp_dataloader", 1, 6)])
+def test_without_torchrun_each_config_runs_as_one_process(name, code, steps, tmp_path):
+    # One process reads shard 0 alone (unpoisoned, never failing or stalling) with sample ids
+    # 0..47, so the loss that rejects sample 40 raises at step 5; the plain DataLoader is
+    # not sharded, and its sample 45 is step 5, row 5.
     from conftest import scan
     result = scan(EXAMPLES / f"{name}.yaml", tmp_path=tmp_path)
     assert result.code == code and "distributed" not in result.report
-    assert len(result.report["timeline"]) == (5 if code else 6)
+    assert len(result.report["timeline"]) == steps
+    if name == "ddp_dataloader":
+        assert (result.finding["step"], result.finding["samples"]) == (5, [5])

@@ -71,3 +71,19 @@ def fussy_loss(model, batch, bad_id: int = 40):
     if int(batch["id"][0]) == bad_id:
         raise ValueError(f"no class weights for the batch starting at sample {bad_id}")
     return mse(model, batch)
+
+
+def loader(size: int = 64, batch_size: int = 8, nan_index: int = 45):
+    """A plain DataLoader that knows nothing of ranks: under torchrun nanaudit gives it a
+    DistributedSampler, so sample i goes to rank i % world_size."""
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(size, 8, generator=g)
+    x[nan_index, 2] = float("nan")
+    y = x[:, :1].nan_to_num() * 2.0
+    return DataLoader(TensorDataset(x, y, torch.arange(size)), batch_size=batch_size)
+
+
+def tuple_mse(model, batch):
+    x, y, _ = batch
+    return ((model(x) - y) ** 2).mean()
