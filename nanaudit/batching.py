@@ -98,6 +98,11 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
         left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
         found = []
         left_bad, right_bad = test(left), test(right)
+        if left_bad and right_bad and len(rows) == size:
+            # Both halves reproduce: perhaps every row does. Probe before searching them all.
+            probe = batch_level_probe(test, size)
+            if probe is not None:
+                raise _BatchLevel(probe)
         if left_bad:
             found += find_all(left)
         if right_bad:
@@ -125,6 +130,8 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
     except _Budget:
         return SampleSearch(None, replays, False, f"gave up after {max_replays} replays "
                             f"(localize.max_replays)")
+    except _BatchLevel as batch_level:
+        return SampleSearch(None, replays, False, str(batch_level))
     except _Interacting as interacting:
         small = len(interacting.rows) <= max(2, size // 4)
         if small:
@@ -138,6 +145,22 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
                             f"alone: the cause is not in particular samples but in the model "
                             f"or the batch as a whole")
     return SampleSearch(sorted(found), replays, False, "")
+
+
+def batch_level_probe(test: Callable[[list[int]], bool], size: int) -> str | None:
+    """When rows spread over the batch (first, middle, last) each reproduce alone, the cause is
+    the model or the batch as a whole: say so in 3 replays instead of searching every row."""
+    if size < 8:
+        return None
+    probes = [0, size // 2, size - 1]
+    if all(test([row]) for row in probes):
+        return (f"rows {probes} each reproduce it alone: the cause is not in particular samples "
+                f"but in the model or the batch as a whole")
+    return None
+
+
+class _BatchLevel(Exception):
+    pass
 
 
 class _Interacting(Exception):

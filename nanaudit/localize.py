@@ -48,7 +48,8 @@ class Localization:
 def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tensor]:
     state.rng.restore()
     with OpTracer(session.model) as tracer:
-        loss = forward_backward(session, state.batch, before_backward=tracer.start_backward)
+        loss = forward_backward(session, state.batch, before_backward=tracer.start_backward,
+                                scale=state.scale)
     return tracer.trace, loss
 
 
@@ -56,7 +57,7 @@ def replay_reproduces(session: Session, state: StepState, batch, check: str) -> 
     """An untraced replay on `batch`: does the same check trip again? (for sample isolation)"""
     state.rng.restore()
     try:
-        loss = forward_backward(session, batch)
+        loss = forward_backward(session, batch, scale=state.scale)
     except Exception:  # noqa: BLE001 - a sub-batch the model cannot take does not reproduce
         return False
     if check == "loss":

@@ -188,11 +188,16 @@ def _merge_ranks(coordinator, report: Report) -> None:
     the finding's rank localizes, bounded by distributed.timeout_s)."""
     mine = {"rank": coordinator.rank, "status": report.status, "steps_run": report.steps_run,
             "device": report.device, "host": coordinator.describe()["host"],
-            "warnings": len(report.warnings), "finding": report.finding}
+            "warnings": len(report.warnings), "finding": report.finding,
+            "repro": report.extra.get("repro")}
     ranks = coordinator.gather(mine)
     report.finding = next((r["finding"] for r in ranks if r["finding"] is not None), None)
-    report.extra["distributed"] = {"ranks": [{k: v for k, v in r.items() if k != "finding"}
-                                             for r in ranks]}
+    repro = next((r["repro"] for r in ranks if r["repro"]), None)
+    if repro:
+        # Written by the rank that localized, on its own host.
+        report.extra["repro"] = repro
+    report.extra["distributed"] = {"ranks": [
+        {k: v for k, v in r.items() if k not in ("finding", "repro")} for r in ranks]}
 
 
 def audit(config_or_path, **overrides) -> Report:

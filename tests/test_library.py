@@ -202,3 +202,18 @@ def test_lightning_callback_stops_before_the_bad_update(tmp_path):
     assert (f.step, f.where, f.op, f.cause, f.samples) == (
         4, "forward", "aten.log.default", "log-domain", [5])
     assert json.loads((tmp_path / "nan.json").read_text())["finding"]["step"] == 4
+
+
+def test_amp_bundle_replays_at_the_recorded_loss_scale(tmp_path):
+    result = scan(EXAMPLES / "amp_scale_collapse.yaml", "--repro", tmp_path / "amp",
+                  tmp_path=tmp_path)
+    f = result.finding
+    meta = json.loads((tmp_path / "amp" / "meta.json").read_text())
+    assert meta["scale"] == 128.0 and meta["precision"] == "fp16"
+    # The scaled gradient entering the fp16 matmul is the step's scale, not the live one.
+    assert f["op"] == "aten.mm.default" and f["inputs"][0]["max"] == 128.0
+    out = tmp_path / "replay.json"
+    assert run_cli("replay", tmp_path / "amp", "--json", out, "-q").code == 1
+    again = json.loads(out.read_text())["finding"]
+    assert (again["op"], again["inputs"][0]["max"], again["cause"]) == (
+        "aten.mm.default", 128.0, "dtype-overflow")

@@ -84,3 +84,10 @@ def test_bad_row_values_shown_in_report(tmp_path):
     leaves = dict((path, stats) for path, stats in rows[0]["leaves"])
     assert leaves['batch["x"]']["value"] == [0.0] * 8
     assert leaves['batch["x"]']["zeros"] == 8
+
+
+def test_every_row_bad_is_called_batch_level_in_a_few_replays():
+    from nanaudit.batching import isolate_rows
+    result = isolate_rows(lambda rows: bool(rows), 256)
+    assert result.samples is None and result.replays <= 5
+    assert "model or the batch as a whole" in result.note
