@@ -189,115 +189,146 @@ def run_steps(session: Session, max_steps: int | None = None, update: bool = Tru
               outcome: ScanOutcome | None = None) -> ScanOutcome:
     """Run training steps until data ends, max_steps, or the first non-finite value.
 
-    Pass `outcome` to keep the timeline of the steps that ran when user code raises.
-
     `start_step` skips that many batches first (resuming from a checkpoint). With
     `stop_on_trip=False` (bisect over a data set, no updates) every tripping batch is passed
-    to `on_trip(trip, state)` and the loop goes on.
+    to `on_trip(trip, state)` and the loop goes on. Pass `outcome` to keep the timeline of the
+    steps that ran when user code raises.
     """
-    outcome = outcome if outcome is not None else ScanOutcome()
-    sentinels = Sentinels(session.model, session.device)
-    optimizer = session.optimizer if update else None
-    precision = session.precision
-    coord = session.coordinator
-    watches = _Watches(session, sentinels, optimizer is not None)
-    outcome.warnings = watches.warnings
-    updated = False                            # has an optimizer step run since that read?
-    data = session.make_data()
-    iterator = call_user(f"iterating the data from `{session.config.data.target}`", iter, data)
-    what = f"the data from `{session.config.data.target}`"
+    loop = _StepLoop(session, update, outcome if outcome is not None else ScanOutcome())
     try:
+        loop.run(max_steps, start_step, on_step, stop_on_trip, on_trip)
+    except KeyboardInterrupt:
+        loop.outcome.interrupted = True
+    finally:
+        loop.watches.close()
+    return loop.outcome
+
+
+class _StepLoop:
+    """One run of the step loop: its sentinels, detectors, and what it has seen so far."""
+
+    def __init__(self, session: Session, update: bool, outcome: ScanOutcome):
+        self.session, self.outcome = session, outcome
+        self.sentinels = Sentinels(session.model, session.device)
+        self.optimizer = session.optimizer if update else None
+        self.precision = session.precision
+        self.coord = session.coordinator
+        self.watches = _Watches(session, self.sentinels, self.optimizer is not None)
+        outcome.warnings = self.watches.warnings
+        self.updated = False            # has an optimizer step run since the last read?
+        self.what = f"the data from `{session.config.data.target}`"
+        self.iterator = None
+        self.ahead = _NOTHING           # under torchrun: the next batch, fetched early
+
+    def run(self, max_steps, start_step, on_step, stop_on_trip, on_trip) -> None:
+        data = self.session.make_data()
+        self.iterator = call_user(f"iterating {self.what}", iter, data)
         for _ in range(start_step):
-            try:
-                _next_batch(iterator, what)
-            except StopIteration:
+            if self._fetch() is _END:
                 break
         step = start_step
-        ahead = _NOTHING                       # under torchrun: the batch fetched early
         while max_steps is None or step < start_step + max_steps:
-            if ahead is _END:
+            raw_batch = self._fetch()
+            if raw_batch is _END:
                 break
-            if ahead is _NOTHING:
-                try:
-                    raw_batch = _next_batch(iterator, what)
-                except StopIteration:
-                    break
-            else:
-                raw_batch, ahead = ahead, _NOTHING
-            if coord is not None and coord.terminated:
-                raise KeyboardInterrupt      # torchrun is stopping the group: partial report
-            started = time.perf_counter()
-            rng = RngState.capture()
-            batch = to_device(raw_batch, session.device)
-            batch_ok = all_finite([t for _, t in float_leaves(batch)], session.device)
-            watches.activations.begin(step)
-            loss = forward_backward(session, batch)
-            scale = precision.scale if precision.scaler is not None else None
-            # The weights as this step's forward saw them (a bad last update shows here) and
-            # this step's gradients, in one fused reduction.
-            state_norm, grad_norm = sentinels.norms()
-            fixed = torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])
-            parts = [fixed]
-            if coord is not None:
-                last = max_steps is not None and step + 1 >= start_step + max_steps
-                ahead = _END if last else _peek(iterator, what)
-                parts.append(coord.exchange(_rank_row(coord, batch_ok, loss, grad_norm,
-                                                      ahead is _END)).reshape(-1))
-            # The one host sync of the step.
-            read = torch.cat(parts + watches.extra_readout()).tolist()
-            ok_batch, norm, loss_value, gnorm = read[:4]
-            table = read[4:4 + (coord.world_size * len(FLAGS) if coord else 0)]
-            norm, gnorm = confirm_norms(sentinels, norm, gnorm)
-            if scale is not None:
-                gnorm = gnorm / scale
-            outcome.steps_run = step + 1
-            if coord is None:
-                trip = classify_step(step, ok_batch, norm, loss_value, gnorm, updated)
-            else:
-                trip = _classify_ranks(step, table, norm, loss_value, gnorm, updated)
-                if any(table[i + FLAGS.index("exhausted")] for i in range(0, len(table),
-                                                                          len(FLAGS))):
-                    ahead = _END               # a rank ran out of data: all stop after this step
-            scaler_step = None
-            if trip is not None and trip.check == "gradient" and precision.scaler is not None:
-                # Overflowing scaled gradients: the GradScaler skips the step and backs off.
-                scaler_step = precision.after_readout(optimizer, grads_finite=False)
-                precision.finish_update(optimizer)
-                trip = (Trip(step, "gradient", loss_value, gnorm, note=scaler_step.collapsed)
-                        if scaler_step.collapsed else None)
-            elif trip is None and optimizer is not None:
-                scaler_step = precision.after_readout(optimizer, grads_finite=True)
-                if session.config.grad_clip:
-                    total = grad_norm / scale if scale is not None else grad_norm
-                    sentinels.clip_(total, session.config.grad_clip)
-                watches.updates.before_update(step, norm)
-                call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
-                watches.updates.after_update()
-                precision.finish_update(optimizer)
-                updated = True
-            fields = watches.observe(step, read[4 + len(table):], outcome.timeline, loss_value,
-                                     gnorm)
-            outcome.timeline.append(_entry(step, loss_value, gnorm, norm, optimizer, started,
-                                           scale, scaler_step, fields))
+            last = max_steps is not None and step + 1 >= start_step + max_steps
+            trip, state = self._step(step, raw_batch, last)
             if trip is not None:
-                state = StepState(step, batch, rng, scale)
                 if stop_on_trip:
-                    outcome.trip, outcome.state = trip, state
-                    return outcome
+                    self.outcome.trip, self.outcome.state = trip, state
+                    return
                 on_trip(trip, state)
             if on_step:
                 on_step(step)
             step += 1
-        if updated:
-            final, _ = confirm_norms(sentinels, float(sentinels.state_norm()), 0.0)
+        self._final_check()
+
+    def _fetch(self):
+        """The next raw batch, or _END when the data (or, under torchrun, any rank's) ran out."""
+        if self.ahead is not _NOTHING:
+            batch, self.ahead = self.ahead, _NOTHING
+            return batch
+        return _peek(self.iterator, self.what)
+
+    def _step(self, step: int, raw_batch, last: bool):
+        """One training step under the sentinels; returns (trip, state) or (None, None)."""
+        if self.coord is not None and self.coord.terminated:
+            raise KeyboardInterrupt      # torchrun is stopping the group: partial report
+        started = time.perf_counter()
+        rng = RngState.capture()
+        batch = to_device(raw_batch, self.session.device)
+        batch_ok = all_finite([t for _, t in float_leaves(batch)], self.session.device)
+        self.watches.activations.begin(step)
+        loss = forward_backward(self.session, batch)
+        scale = self.precision.scale if self.precision.scaler is not None else None
+        # The weights as this step's forward saw them (a bad last update shows here) and
+        # this step's gradients, in one fused reduction.
+        state_norm, grad_norm = self.sentinels.norms()
+        read, table = self._readout(batch_ok, state_norm, loss, grad_norm, last)
+        ok_batch, norm, loss_value, gnorm = read[:4]
+        norm, gnorm = confirm_norms(self.sentinels, norm, gnorm)
+        if scale is not None:
+            gnorm = gnorm / scale
+        self.outcome.steps_run = step + 1
+        trip = self._classify(step, table, ok_batch, norm, loss_value, gnorm)
+        trip, scaler_step = self._advance(step, trip, norm, grad_norm, scale, loss_value, gnorm)
+        fields = self.watches.observe(step, read[4 + len(table):], self.outcome.timeline,
+                                      loss_value, gnorm)
+        self.outcome.timeline.append(_entry(step, loss_value, gnorm, norm, self.optimizer,
+                                            started, scale, scaler_step, fields))
+        return (trip, StepState(step, batch, rng, scale)) if trip is not None else (None, None)
+
+    def _readout(self, batch_ok, state_norm, loss, grad_norm, last: bool):
+        """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
+        and the watches' sampled values, in one tensor."""
+        parts = [torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])]
+        if self.coord is not None:
+            self.ahead = _END if last else _peek(self.iterator, self.what)
+            row = _rank_row(self.coord, batch_ok, loss, grad_norm, self.ahead is _END)
+            parts.append(self.coord.exchange(row).reshape(-1))
+        read = torch.cat(parts + self.watches.extra_readout()).tolist()
+        width = self.coord.world_size * len(FLAGS) if self.coord is not None else 0
+        return read, read[4:4 + width]
+
+    def _classify(self, step, table, ok_batch, norm, loss_value, gnorm) -> Trip | None:
+        if self.coord is None:
+            return classify_step(step, ok_batch, norm, loss_value, gnorm, self.updated)
+        exhausted = FLAGS.index("exhausted")
+        if any(table[i + exhausted] for i in range(0, len(table), len(FLAGS))):
+            self.ahead = _END            # a rank ran out of data: all stop after this step
+        return _classify_ranks(step, table, norm, loss_value, gnorm, self.updated)
+
+    def _advance(self, step, trip, norm, grad_norm, scale, loss_value, gnorm):
+        """The update, when the read said all is finite; under a GradScaler, non-finite
+        gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step)."""
+        precision, optimizer = self.precision, self.optimizer
+        if trip is not None and trip.check == "gradient" and precision.scaler is not None:
+            scaler_step = precision.after_readout(optimizer, grads_finite=False)
+            precision.finish_update(optimizer)
+            if scaler_step.collapsed:
+                return Trip(step, "gradient", loss_value, gnorm, note=scaler_step.collapsed,
+                            rank=trip.rank), scaler_step
+            return None, scaler_step
+        if trip is not None or optimizer is None:
+            return trip, None
+        scaler_step = precision.after_readout(optimizer, grads_finite=True)
+        if self.session.config.grad_clip:
+            total = grad_norm / scale if scale is not None else grad_norm
+            self.sentinels.clip_(total, self.session.config.grad_clip)
+        self.watches.updates.before_update(step, norm)
+        call_user(f"optimizer step of `{type(optimizer).__name__}`", optimizer.step)
+        self.watches.updates.after_update()
+        precision.finish_update(optimizer)
+        self.updated = True
+        return None, scaler_step
+
+    def _final_check(self) -> None:
+        """The weights after the last update (the only read outside a step)."""
+        if self.updated:
+            final, _ = confirm_norms(self.sentinels, float(self.sentinels.state_norm()), 0.0)
             if not math.isfinite(final):
-                outcome.trip = Trip(outcome.steps_run - 1, "optimizer")
-        watches.finish(outcome.timeline)
-    except KeyboardInterrupt:
-        outcome.interrupted = True
-    finally:
-        watches.close()
-    return outcome
+                self.outcome.trip = Trip(self.outcome.steps_run - 1, "optimizer")
+        self.watches.finish(self.outcome.timeline)
 
 
 _NOTHING, _END = object(), object()
