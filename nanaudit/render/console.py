@@ -182,7 +182,9 @@ def _timeline(report: Report) -> Text:
     if marks:
         text.append("\n  marks     ")
         text.append(marks, style="yellow")
-        text.append("  ▲ warning  s skipped (AMP)  ✗ finding", style="dim")
+        legend = [f"{mark} {meaning}" for mark, meaning in
+                  (("▲", "warning"), ("s", "skipped (AMP)"), ("✗", "finding")) if mark in marks]
+        text.append("  " + "  ".join(legend), style="dim")
     skipped = sum(e.skipped for e in report.timeline)
     if skipped:
         scales = [e.scale for e in report.timeline if e.scale is not None]
