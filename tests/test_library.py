@@ -217,3 +217,35 @@ def test_amp_bundle_replays_at_the_recorded_loss_scale(tmp_path):
     again = json.loads(out.read_text())["finding"]
     assert (again["op"], again["inputs"][0]["max"], again["cause"]) == (
         "aten.mm.default", 128.0, "dtype-overflow")
+
+
+def test_sentinel_lets_a_grad_scaler_skip_but_catches_a_nan_loss():
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)   # too high: early skips
+
+    def compute_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(batch).float().pow(2).mean()
+
+    sentinel = Sentinel(model, optimizer, loss_fn=compute_loss, scaler=scaler)
+    g = torch.Generator().manual_seed(0)
+    skipped = 0
+    with pytest.raises(NonFiniteError) as raised:
+        for step in range(12):
+            batch = torch.randn(8, 16, generator=g)
+            if step == 10:
+                batch[2, 0] = float("inf")
+            loss = compute_loss(model, batch)
+            scaler.scale(loss).backward()
+            sentinel.check(step, batch, loss)
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            optimizer.zero_grad()
+    assert skipped >= 1, "the scaler skipped steps without a finding"
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.tensor, f.samples) == (10, "input", "batch", [2])
