@@ -135,9 +135,7 @@ def _leave_early_if_failed(code: ExitCode) -> None:
     from nanaudit.distributed import current
     coordinator = current()
     if coordinator is not None and coordinator.failed and coordinator.rank != 0:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(code))
+        _exit_now(code)
 
 
 def _leave_process_group(code: ExitCode) -> None:
@@ -148,9 +146,14 @@ def _leave_process_group(code: ExitCode) -> None:
     coordinator = current()
     if coordinator is not None:
         coordinator.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(code))
+        _exit_now(code)
+
+
+def _exit_now(code: ExitCode) -> None:
+    """Flush and leave without interpreter teardown (torchrun ranks only)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
 
 
 def _progress_hooks(terminal: Terminal):

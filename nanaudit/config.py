@@ -389,19 +389,24 @@ def _bool(value: Any, key: str, problems: list[Problem]) -> bool | None:
     return value
 
 
+def _positive(raw: Mapping, section: str, name: str, defaults, problems: list[Problem],
+              integer: bool = False):
+    """raw[name] as a positive number (the section's default when absent or wrong)."""
+    default = getattr(defaults, name)
+    parse = _positive_int if integer else _positive_float
+    value = parse(raw.get(name, default), f"{section}.{name}", problems)
+    return default if value is None else value
+
+
 def _amp(value: Any, problems: list[Problem]) -> AmpOptions:
     raw = _section(value, "amp", AMP_KEYS, problems)
-    default = AmpOptions()
+    d = AmpOptions()
     return AmpOptions(
         grad_scaler=_bool(raw.get("grad_scaler"), "amp.grad_scaler", problems),
-        init_scale=_positive_float(raw.get("init_scale", default.init_scale), "amp.init_scale",
-                                   problems) or default.init_scale,
-        growth_interval=_positive_int(raw.get("growth_interval", default.growth_interval),
-                                      "amp.growth_interval", problems) or default.growth_interval,
-        scale_floor=_positive_float(raw.get("scale_floor", default.scale_floor),
-                                    "amp.scale_floor", problems) or default.scale_floor,
-        max_skipped=_positive_int(raw.get("max_skipped", default.max_skipped),
-                                  "amp.max_skipped", problems) or default.max_skipped)
+        init_scale=_positive(raw, "amp", "init_scale", d, problems),
+        growth_interval=_positive(raw, "amp", "growth_interval", d, problems, integer=True),
+        scale_floor=_positive(raw, "amp", "scale_floor", d, problems),
+        max_skipped=_positive(raw, "amp", "max_skipped", d, problems, integer=True))
 
 
 def _threshold(value: Any, key: str, problems: list[Problem], default):
@@ -431,8 +436,7 @@ def _watch(value: Any, problems: list[Problem]) -> WatchOptions:
     activations = raw.get("activations", d.activations)
     if activations != "auto":
         activations = _every(activations, "watch.activations", problems, 0)
-    near = _positive_float(raw.get("near_overflow", d.near_overflow), "watch.near_overflow",
-                           problems) or d.near_overflow
+    near = _positive(raw, "watch", "near_overflow", d, problems)
     if near > 1:
         problems.append(Problem("watch.near_overflow", f"expected a fraction of the dtype's "
                                 f"largest value in (0, 1], got {near}"))
@@ -440,12 +444,10 @@ def _watch(value: Any, problems: list[Problem]) -> WatchOptions:
         activations=activations, near_overflow=min(near, 1.0),
         loss_spike=_threshold(raw.get("loss_spike", d.loss_spike), "watch.loss_spike",
                               problems, d.loss_spike),
-        spike_window=_positive_int(raw.get("spike_window", d.spike_window),
-                                   "watch.spike_window", problems) or d.spike_window,
+        spike_window=_positive(raw, "watch", "spike_window", d, problems, integer=True),
         grad_growth=_threshold(raw.get("grad_growth", d.grad_growth), "watch.grad_growth",
                                problems, d.grad_growth),
-        growth_steps=_positive_int(raw.get("growth_steps", d.growth_steps),
-                                   "watch.growth_steps", problems) or d.growth_steps,
+        growth_steps=_positive(raw, "watch", "growth_steps", d, problems, integer=True),
         update_ratio=_threshold(raw.get("update_ratio", d.update_ratio), "watch.update_ratio",
                                 problems, d.update_ratio),
         update_every=_every(raw.get("update_every", d.update_every), "watch.update_every",
@@ -461,6 +463,5 @@ def _distributed(value: Any, problems: list[Problem]) -> DistributedOptions:
     return DistributedOptions(
         backend=_choice(raw.get("backend", d.backend), "distributed.backend", BACKENDS, problems),
         ddp=d.ddp if ddp is None else ddp,
-        timeout_s=_positive_float(raw.get("timeout_s", d.timeout_s), "distributed.timeout_s",
-                                  problems) or d.timeout_s,
+        timeout_s=_positive(raw, "distributed", "timeout_s", d, problems),
         find_unused_parameters=bool(unused))

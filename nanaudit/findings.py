@@ -144,12 +144,18 @@ def _chain_link(event) -> dict:
             "line": event.source.line if event.source else None}
 
 
-def _not_reproduced(trip: Trip) -> Finding:
+def _tripped(trip: Trip) -> tuple[str, str, str]:
+    """(what tripped, the kind of value it read, where) for a loss or gradient trip."""
     what = "loss" if trip.check == "loss" else "gradients"
     value = trip.loss if trip.check == "loss" else trip.grad_norm
     kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
+    return what, kind, "forward" if trip.check == "loss" else "backward"
+
+
+def _not_reproduced(trip: Trip) -> Finding:
+    what, kind, where = _tripped(trip)
     return Finding(
-        step=trip.step, where="forward" if trip.check == "loss" else "backward", value=kind,
+        step=trip.step, where=where, value=kind,
         cause="unknown", reproduced=False,
         explanation=(f"the sentinel saw {kind} in the {what} at step {trip.step}, but replaying "
                      f"that step with the same batch, weights and RNG state gave finite values: "
@@ -158,6 +164,15 @@ def _not_reproduced(trip: Trip) -> Finding:
         fix=("re-run the scan; if it recurs at other steps, set "
              "`torch.use_deterministic_algorithms(True)` or run on another device to rule out "
              "hardware"))
+
+
+def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
+    """A loss or gradient trip reported without a replay (nothing to replay it with)."""
+    what, kind, where = _tripped(trip)
+    return Finding(step=trip.step, where=where, value=kind, cause="unknown",
+                   fix=fix_for("unknown"),
+                   explanation=(f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
+                                f"to replay the step and name the op that created it"))
 
 
 def _isolate(session, state, trip, finding: Finding) -> None:

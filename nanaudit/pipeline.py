@@ -60,27 +60,43 @@ def error_dict(exc: BaseException) -> dict:
             "exit_code": int(ExitCode.INTERNAL), "traceback": traceback.format_exc()}
 
 
-def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
-         config: Config | None = None) -> Report:
+def _guarded(report: Report, body: Callable[[], None],
+             on_error: Callable[[BaseException], None] | None = None) -> Report:
+    """Run a command's body: every failure becomes the report's error, Ctrl-C a partial
+    report, and the duration is recorded either way."""
     started = time.perf_counter()
-    report = _base_report(config_path, config)
-    coordinator = None
     try:
-        config = config or _configured(config_path, options)
-        report.config = config.summary()
-        coordinator = _join(config)
-        _run(config, options, report, coordinator)
+        body()
     except KeyboardInterrupt:
         report.status = "interrupted"
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
         report.status = "error"
         report.error = error_dict(exc)
+        if on_error is not None:
+            on_error(exc)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
+         config: Config | None = None) -> Report:
+    report = _base_report(config_path, config)
+    coordinator = None
+
+    def body():
+        nonlocal coordinator
+        loaded = config or _configured(config_path, options)
+        report.config = loaded.summary()
+        coordinator = _join(loaded)
+        _run(loaded, options, report, coordinator)
+
+    def on_error(exc):
         if coordinator is not None:
             _rank_failed(coordinator, exc, report)
+    _guarded(report, body, on_error)
     if coordinator is not None:
         report.extra["distributed"] = {**coordinator.describe(),
                                        **report.extra.get("distributed", {})}
-    report.duration_s = time.perf_counter() - started
     return report
 
 
@@ -210,27 +226,18 @@ def audit(config_or_path, **overrides) -> Report:
 
 def replay(folder: str | Path) -> Report:
     """`nanaudit replay DIR`: localize the step saved in a repro bundle again."""
-    started = time.perf_counter()
     report = _base_report(Path(folder) / "config.yaml", None)
     report.command = "replay"
-    try:
-        _replay(Path(folder), report)
-    except KeyboardInterrupt:
-        report.status = "interrupted"
-    except Exception as exc:  # noqa: BLE001
-        report.status = "error"
-        report.error = error_dict(exc)
-    report.duration_s = time.perf_counter() - started
-    return report
+    return _guarded(report, lambda: _replay(Path(folder), report))
 
 
 def _replay(folder: Path, report: Report) -> None:
     from nanaudit.findings import build_finding
     from nanaudit.loader import user_import_path
     from nanaudit.repro import load_bundle, replay_bundle
-    meta = load_bundle(folder).meta
-    with user_import_path(Path(meta["base_dir"])):
-        session, outcome = replay_bundle(folder)
+    bundle = load_bundle(folder)
+    with user_import_path(Path(bundle.meta["base_dir"])):
+        session, outcome = replay_bundle(bundle)
         report.config = session.config.summary()
         report.device = str(session.device)
         report.steps_run = 1
@@ -243,10 +250,10 @@ def _replay(folder: Path, report: Report) -> None:
 def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
            checkpoints: Path | None = None, pattern: str | None = None) -> Report:
     """`nanaudit bisect`: every bad batch of the data set, or the first bad checkpoint."""
-    started = time.perf_counter()
     report = _base_report(config_path, None)
     report.command = "bisect"
-    try:
+
+    def body():
         from nanaudit.distributed import launched_by_torchrun
         if launched_by_torchrun():
             raise UsageError("bisect runs in one process: run it without torchrun (it replays "
@@ -257,13 +264,7 @@ def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
             _bisect_data(config, options, report)
         else:
             _bisect_checkpoints(config, options, report, checkpoints, pattern)
-    except KeyboardInterrupt:
-        report.status = "interrupted"
-    except Exception as exc:  # noqa: BLE001
-        report.status = "error"
-        report.error = error_dict(exc)
-    report.duration_s = time.perf_counter() - started
-    return report
+    return _guarded(report, body)
 
 
 def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:

@@ -133,21 +133,20 @@ def load_bundle(folder: Path) -> Bundle:
     return Bundle(folder, meta, state, rng, batch)
 
 
-def replay_bundle(folder: Path):
-    """Rebuild the session from the bundle's config and localize the bundled step again.
+def replay_bundle(bundle: Bundle):
+    """Rebuild the session from a loaded bundle's config and set up its step again.
     Returns (session, ScanOutcome) ready for `build_finding`."""
     from nanaudit.config import parse_config, read_yaml
     from nanaudit.loader import apply_model_state, build_session, Checkpoint
     from nanaudit.runner import RngState, ScanOutcome, StepState, Trip
     from nanaudit.tree import to_device
-    bundle = load_bundle(folder)
     meta = bundle.meta
     # Entrypoints resolve against the original config's folder, as in the original run.
     config = parse_config(read_yaml(bundle.folder / "config.yaml"), Path(meta["config_path"]))
     config = replace(config, checkpoint=None)
     session = build_session(config)
     model = session.local_model
-    apply_model_state(model, Checkpoint(bundle.state["model"], bundle.state, str(folder)),
+    apply_model_state(model, Checkpoint(bundle.state["model"], bundle.state, str(bundle.folder)),
                       "repro bundle",
                       str(bundle.folder / "state.pt"))
     model.to(session.device)

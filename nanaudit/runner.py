@@ -113,10 +113,12 @@ def forward_backward(session: Session, batch: Any,
 
 
 def _next_batch(iterator, what: str):
+    """The next batch, or _END when the data is exhausted (under torchrun every rank must
+    know before the step's exchange); the user's iterator raising is their error."""
     try:
         return next(iterator)
     except StopIteration:
-        raise
+        return _END
     except (KeyboardInterrupt, UserCodeError, ConfigError):
         raise
     except Exception as exc:  # noqa: BLE001 - the user's generator or DataLoader raised
@@ -248,7 +250,7 @@ class _StepLoop:
         if self.ahead is not _NOTHING:
             batch, self.ahead = self.ahead, _NOTHING
             return batch
-        return _peek(self.iterator, self.what)
+        return _next_batch(self.iterator, self.what)
 
     def _step(self, step: int, raw_batch, last: bool):
         """One training step under the sentinels; returns (trip, state) or (None, None)."""
@@ -274,8 +276,9 @@ class _StepLoop:
         trip, scaler_step = self._advance(step, trip, norm, grad_norm, scale, loss_value, gnorm)
         fields = self.watches.observe(step, read[4 + len(table):], self.outcome.timeline,
                                       loss_value, gnorm)
-        self.outcome.timeline.append(_entry(step, loss_value, gnorm, norm, self.optimizer,
-                                            started, scale, scaler_step, fields))
+        self.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
+                                                    self.optimizer, started, scale, scaler_step,
+                                                    **fields))
         return (trip, StepState(step, batch, rng, scale)) if trip is not None else (None, None)
 
     def _readout(self, batch_ok, state_norm, loss, grad_norm, last: bool):
@@ -283,7 +286,7 @@ class _StepLoop:
         and the watches' sampled values, in one tensor."""
         parts = [torch.stack([batch_ok, state_norm, loss.detach().to(torch.float64), grad_norm])]
         if self.coord is not None:
-            self.ahead = _END if last else _peek(self.iterator, self.what)
+            self.ahead = _END if last else _next_batch(self.iterator, self.what)
             row = _rank_row(self.coord, batch_ok, loss, grad_norm, self.ahead is _END)
             parts.append(self.coord.exchange(row).reshape(-1))
         read = torch.cat(parts + self.watches.extra_readout()).tolist()
@@ -332,14 +335,6 @@ class _StepLoop:
 
 
 _NOTHING, _END = object(), object()
-
-
-def _peek(iterator, what: str):
-    """The next batch, or _END: under torchrun every rank must know before the exchange."""
-    try:
-        return _next_batch(iterator, what)
-    except StopIteration:
-        return _END
 
 
 def _rank_row(coord, batch_ok, loss, grad_norm, exhausted: bool) -> torch.Tensor:
@@ -394,8 +389,9 @@ def classify_step(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | No
     return None
 
 
-def _entry(step, loss, gnorm, norm, optimizer, started, scale, scaler_step,
-           fields) -> TimelineEntry:
+def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scaler_step=None,
+                   **fields) -> TimelineEntry:
+    """The timeline's record of one step (the step loop's and the Sentinel's)."""
     lr = None
     if optimizer is not None and optimizer.param_groups:
         value = optimizer.param_groups[0].get("lr")

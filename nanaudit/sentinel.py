@@ -30,7 +30,7 @@ import torch
 from nanaudit.config import Config, Entrypoint
 from nanaudit.report import Finding, Report, TimelineEntry
 from nanaudit.runner import (RngState, ScanOutcome, StepState, Trip, classify_step,
-                             confirm_norms)
+                             confirm_norms, timeline_entry)
 from nanaudit.sentinels import Sentinels, all_finite
 from nanaudit.tree import float_leaves
 
@@ -67,10 +67,12 @@ class Sentinel:
         before `optimizer.step()`. Raises NonFiniteError with the report on a non-finite value."""
         started = time.perf_counter()
         batch_ok = all_finite([t for _, t in float_leaves(batch)], self.device)
-        # The weights as this step's forward saw them: a bad previous update shows here.
-        values = torch.stack([batch_ok, self._sentinels.state_norm(),
+        # The weights as this step's forward saw them (a bad previous update shows here) and
+        # the gradients, in one fused reduction, read with the batch flag and loss at once.
+        state_norm, grad_norm = self._sentinels.norms()
+        values = torch.stack([batch_ok, state_norm,
                               loss.detach().reshape(()).to(torch.float64).to(self.device),
-                              self._sentinels.grad_norm()]).tolist()
+                              grad_norm]).tolist()
         ok_batch, norm, loss_value, gnorm = values
         norm, gnorm = confirm_norms(self._sentinels, norm, gnorm)
         trip = classify_step(step, ok_batch, norm, loss_value, gnorm, self._checked_once)
@@ -83,23 +85,20 @@ class Sentinel:
         self._rng = RngState.capture()
 
     def _record(self, step, loss_value, gnorm, norm, started) -> None:
-        lr = None
-        if self.optimizer is not None and self.optimizer.param_groups:
-            value = self.optimizer.param_groups[0].get("lr")
-            lr = float(value) if isinstance(value, (int, float)) else None
-        self.timeline.append(TimelineEntry(step, loss_value, gnorm, norm, lr, round(
-            (time.perf_counter() - started) * 1000, 3)))
+        self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
+                                            started))
         del self.timeline[:-self.history]
 
     def _report(self, trip: Trip, state: StepState) -> Report:
         from nanaudit import __version__
-        from nanaudit.findings import build_finding
+        from nanaudit.findings import build_finding, unreplayed_finding
         session = self._session()
         outcome = ScanOutcome(steps_run=len(self.timeline), timeline=self.timeline, trip=trip,
                               state=state)
         started = time.perf_counter()
         if trip.check in ("loss", "gradient") and self.loss_fn is None:
-            finding = _unlocalized(trip)
+            finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
+                                               "loss_fn(model, batch))")
         else:
             finding = build_finding(session, outcome, self.isolate_samples)
         return Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
@@ -117,14 +116,3 @@ class Sentinel:
         return Session(config, self.device, self.model, self.optimizer, loss_fn,
                        lambda: [], names)
 
-
-def _unlocalized(trip: Trip) -> Finding:
-    from nanaudit.causes import fix_for
-    what = "loss" if trip.check == "loss" else "gradients"
-    value = trip.loss if trip.check == "loss" else trip.grad_norm
-    kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
-    return Finding(step=trip.step, where="forward" if trip.check == "loss" else "backward",
-                   value=kind, cause="unknown", fix=fix_for("unknown"),
-                   explanation=(f"the {what} of step {trip.step} hold {kind}; pass "
-                                f"`loss_fn=` to Sentinel (called as loss_fn(model, batch)) to "
-                                f"replay the step and name the op that created it"))

@@ -114,8 +114,9 @@ class UpdateWatch:
         if self._snapshot is None:
             return
         with torch.no_grad():
-            diff = torch._foreach_sub(self.params, self._snapshot)
-            self.pending_norm = finite_norm(diff, self.device)
+            # In place on the snapshot (before - after has the update's norm): one copy, not two.
+            torch._foreach_sub_(self._snapshot, self.params)
+            self.pending_norm = finite_norm(self._snapshot, self.device)
         self.pending_base = self._base
         self._snapshot = None
 

@@ -21,6 +21,21 @@ def _scratch_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts of `Tensor.tolist()` and `Tensor.item()` calls (host reads of device values)."""
+    import torch
+    calls = {"tolist": 0, "item": 0}
+    for name in calls:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return calls
+
+
 class Result:
     def __init__(self, code, stdout, stderr, report):
         self.code, self.stdout, self.stderr, self.report = code, stdout, stderr, report

@@ -11,7 +11,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_default_scan_syncs_at_most_once_per_step(case, tmp_path):
-    from dataclasses import replace
     from nanaudit.config import load_config
     from nanaudit.loader import build_session, user_import_path
     from nanaudit.runner import run_steps

@@ -3,7 +3,6 @@
 import struct
 
 import pytest
-import torch
 
 from conftest import LINEAR_CASE, ROOT, run_cli, scan
 
@@ -161,17 +160,7 @@ def test_bad_precision_and_watch_keys_are_config_errors(raw, key, case):
     assert key in result.stderr
 
 
-def test_watch_costs_no_extra_host_reads(monkeypatch, case, tmp_path):
-    calls = {"tolist": 0, "item": 0}
-    original_tolist, original_item = torch.Tensor.tolist, torch.Tensor.item
-
-    def counting(name, fn):
-        def wrapper(self, *a, **k):
-            calls[name] += 1
-            return fn(self, *a, **k)
-        return wrapper
-    monkeypatch.setattr(torch.Tensor, "tolist", counting("tolist", original_tolist))
-    monkeypatch.setattr(torch.Tensor, "item", counting("item", original_item))
+def test_watch_costs_no_extra_host_reads(host_reads, case, tmp_path):
     config = case(LINEAR_CASE, optimizer={"class": "torch.optim.SGD", "lr": 0.01},
                   precision="fp16", amp={"init_scale": 256},
                   watch={"activations": 1, "update_every": 1})
@@ -179,4 +168,4 @@ def test_watch_costs_no_extra_host_reads(monkeypatch, case, tmp_path):
     assert result.code == 0 and result.report["steps_run"] == 4
     assert all(e["act_max"] is not None and e["update_ratio"] is not None
                for e in result.report["timeline"])
-    assert calls == {"tolist": 4, "item": 0}
+    assert host_reads == {"tolist": 4, "item": 0}
