@@ -7,12 +7,14 @@ leaf with none (a per-batch scalar) is passed whole. `batch_dim:` in the config 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
+from nanaudit.errors import ConfigError, Problem
 from nanaudit.tree import map_tensors, tensor_leaves
 
 
@@ -28,9 +30,13 @@ def infer_layout(batch: Any, overrides: Mapping[str, int] | None = None) -> Batc
     dims: dict[str, int | None] = {}
     for path, t in leaves:
         if path in overrides:
-            dims[path] = overrides[path]
-        elif "*" in overrides and t.dim() > overrides["*"]:
-            dims[path] = overrides["*"]
+            if not -t.dim() <= overrides[path] < max(t.dim(), 1):
+                raise ConfigError([Problem(f"batch_dim[{path!r}]", f"dimension "
+                                           f"{overrides[path]} does not exist: batch{path} has "
+                                           f"shape {list(t.shape)}")])
+            dims[path] = overrides[path] % max(t.dim(), 1)
+        elif "*" in overrides and -t.dim() <= overrides["*"] < t.dim():
+            dims[path] = overrides["*"] % t.dim()
     sizes = Counter(t.shape[dims[p]] for p, t in leaves if p in dims and dims[p] is not None)
     if not sizes:
         sizes = Counter(t.shape[0] for _, t in leaves if t.dim() >= 1)
@@ -74,6 +80,14 @@ class _Budget(Exception):
     pass
 
 
+def replay_budget(max_replays: int, size: int, rows_found: int) -> int:
+    """Replays allowed once `rows_found` bad rows are known: group testing needs about
+    2 log2(B) replays per bad row, so the budget grows by that much with every row found
+    (3 bad rows in 4096 need ~75 replays, past a flat 64), up to 16x `max_replays`."""
+    per_row = 2 * max(1, math.ceil(math.log2(max(size, 2)))) + 2
+    return min(max_replays + per_row * rows_found, 16 * max_replays)
+
+
 def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
                  max_replays: int = 64) -> SampleSearch:
     """Group testing over the batch rows: O(k log B) replays for k bad rows in a batch of B.
@@ -83,10 +97,11 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
     interacting set is searched (ddmin-style), and reported only when it is small.
     """
     replays = 0
+    found_so_far: list[int] = []
 
     def test(rows: list[int]) -> bool:
         nonlocal replays
-        if replays >= max_replays:
+        if replays >= replay_budget(max_replays, size, len(found_so_far)):
             raise _Budget
         replays += 1
         return reproduces(rows)
@@ -94,6 +109,7 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
     def find_all(rows: list[int]) -> list[int]:
         """All rows that reproduce alone, given that `rows` together do."""
         if len(rows) == 1:
+            found_so_far.extend(rows)
             return rows
         left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
         found = []
@@ -127,9 +143,17 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
     rows = list(range(size))
     try:
         found = find_all(rows)
+    except KeyboardInterrupt as stop:
+        partial = sorted(found_so_far) or None
+        raise SearchInterrupted(SampleSearch(
+            partial, replays, False, f"interrupted after {replays} replays"
+            + (": more rows may be bad" if partial else ""))) from stop
     except _Budget:
-        return SampleSearch(None, replays, False, f"gave up after {max_replays} replays "
-                            f"(localize.max_replays)")
+        partial = sorted(found_so_far)
+        note = (f"gave up after {replays} replays (localize.max_replays {max_replays}, grown "
+                f"with the {len(partial)} row(s) found)")
+        return SampleSearch(partial or None, replays, False,
+                            note + ("; more rows may be bad" if partial else ""))
     except _BatchLevel as batch_level:
         return SampleSearch(None, replays, False, str(batch_level))
     except _Interacting as interacting:
@@ -157,6 +181,14 @@ def batch_level_probe(test: Callable[[list[int]], bool], size: int) -> str | Non
         return (f"rows {probes} each reproduce it alone: the cause is not in particular samples "
                 f"but in the model or the batch as a whole")
     return None
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during the search, carrying what it found so far."""
+
+    def __init__(self, search: SampleSearch):
+        super().__init__(search.note)
+        self.search = search
 
 
 class _BatchLevel(Exception):

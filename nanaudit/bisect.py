@@ -8,13 +8,15 @@ O(log C) checkpoints; training is then replayed from the last good one to the fi
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from nanaudit.batching import infer_layout, select_rows
 from nanaudit.errors import ConfigError, Problem
 from nanaudit.findings import build_finding
 from nanaudit.loader import Session, apply_model_state, load_checkpoint
@@ -26,19 +28,58 @@ SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
 
 
 def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
-    """Audit every batch against the starting weights; localize each one that trips."""
+    """Audit every batch against the starting weights; localize each one that trips.
+
+    A batch can hold bad rows of several kinds (a NaN input in one row, a log(0) in another):
+    once a finding names its rows, the rest of the batch is audited again without them, until
+    it is clean, so the skip list holds every bad row whatever its kind."""
     bad = []
 
     def on_trip(trip, state):
         outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
-        finding = build_finding(session, outcome, session.config.localize.samples)
-        bad.append((finding, _sample_ids(state.batch, finding.samples)))
+        for finding in _every_finding(session, outcome):
+            bad.append((finding, _sample_ids(state.batch, finding.samples)))
 
     outcome = run_steps(session, max_steps, update=False, on_step=on_step, stop_on_trip=False,
                         on_trip=on_trip)
     skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause}
             for f, ids in bad]
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
+
+
+def _every_finding(session: Session, outcome: ScanOutcome) -> list:
+    """The batch's finding, then those of the rows that remain once its rows are set aside."""
+    state = outcome.state
+    findings = [build_finding(session, outcome, session.config.localize.samples)]
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    remaining = list(range(layout.size or 0))
+    while findings[-1].samples and layout.size:
+        taken = set(findings[-1].samples)
+        remaining = [r for r in remaining if r not in taken]
+        if not remaining or not set(taken) <= set(range(layout.size)):
+            break
+        rest = select_rows(state.batch, layout, remaining)
+        # The rest as the only batch at the same step: same weights (no updates), same RNG.
+        probe = replace(session, make_data=lambda: itertools.repeat(rest, state.step + 1))
+        again = run_steps(probe, 1, update=False, start_step=state.step)
+        if again.trip is None:
+            break
+        finding = build_finding(probe, again, session.config.localize.samples)
+        _renumber(finding, remaining, layout.size)
+        findings.append(finding)
+    return findings
+
+
+def _renumber(finding, remaining: list[int], size: int) -> None:
+    """Rows of the reduced batch back to the full batch's numbering."""
+    local = finding.samples or []
+    finding.samples = [remaining[r] for r in local if r < len(remaining)] or None
+    finding.sample_rows = [replace(row, index=remaining[row.index])
+                           for row in finding.sample_rows if row.index < len(remaining)]
+    if finding.samples:
+        finding.explanation += (f" (found once the rows of the earlier finding were set aside: "
+                                f"the row numbers above count the {len(remaining)} remaining of "
+                                f"{size}; in the full batch they are {finding.samples})")
 
 
 def _sample_ids(batch, rows):

@@ -2,6 +2,13 @@
 
 torch is imported lazily inside commands so `nanaudit --help` stays instant. Diagnostics go to
 stderr; stdout carries only machine formats (`--json -`, GitHub annotations).
+
+Signals: the first SIGINT or SIGTERM stops the run at the next Python instruction and the
+partial report is written (exit 130 or 143); while reports are being written it is held until
+they are out; a second signal exits at once (the files are written atomically, so a report is
+the old one or the new one, never half of each). Every requested output is checked before the
+run, and a failure to write one is exit 9 whatever the scan found: CI must never read a stale
+report from an earlier run and pass.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ class Terminal:
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
-        self.err = Console(stderr=True, highlight=False)
+        self.err = Console(stderr=True, highlight=False, width=_log_width())
 
     def error(self, message: str) -> None:
         self.err.print(Text("error: ", style="bold red") + Text(message))
@@ -51,8 +58,47 @@ class Terminal:
                         TimeElapsedColumn(), console=self.err, transient=True)
 
 
+def _log_width() -> int | None:
+    """Not a terminal (a CI log, a pipe) and no COLUMNS: do not wrap at rich's default 80
+    columns, which cuts numbers and paths in half. A terminal, or COLUMNS, decides otherwise."""
+    if os.environ.get("COLUMNS") or sys.stderr.isatty():
+        return None
+    return 1000
+
+
 def _exit(code: ExitCode):
     sys.exit(int(code))
+
+
+class _Stop:
+    """SIGINT/SIGTERM handling for one command (see the module docstring)."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self.holding = False
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if _main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            sys.stderr.write(f"\nnanaudit: second {signal.Signals(signum).name}, exiting now\n")
+            os._exit(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+        if not self.holding:
+            raise KeyboardInterrupt(self.signal_name)
+
+    def hold(self) -> None:
+        """From here on the first signal is noted, not raised: the reports are being written."""
+        self.holding = True
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
@@ -102,9 +148,10 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
          markdown_path, fmt, plot_path, fail_on, quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
-    from nanaudit.pipeline import ScanOptions, exit_code
+    from nanaudit.pipeline import ScanOptions
     from nanaudit.pipeline import scan as run_scan
     terminal = Terminal(quiet or json_path == "-" or not _is_rank_zero())
+    _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     progress, hooks = _progress_hooks(terminal)
     from nanaudit.repro import default_folder
     repro = (None if no_repro else Path(repro_dir) if repro_dir else
@@ -112,16 +159,66 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir, **hooks)
-    try:
-        report = run_scan(config, options)
-    finally:
-        if progress:
-            progress.stop()
-    _leave_early_if_failed(exit_code(report))
-    if _is_rank_zero():
-        _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-    _leave_process_group(exit_code(report))
-    _exit(exit_code(report))
+    with _Stop() as stop:
+        try:
+            report = run_scan(config, options)
+        finally:
+            stop.hold()
+            if progress:
+                progress.stop()
+        _note_signal(report, stop)
+        _leave_early_if_failed(_code(report))
+        failed = []
+        if _is_rank_zero():
+            failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+            if repro_dir and report.extra.get("repro_error"):
+                failed.append(report.extra["repro_error"])
+        code = _final_code(report, failed, terminal)
+        _leave_process_group(code)
+    _exit(code)
+
+
+def _code(report) -> ExitCode:
+    from nanaudit.pipeline import exit_code
+    return exit_code(report)
+
+
+def _note_signal(report, stop: _Stop) -> None:
+    """A signal that arrived after the run's own handling (localizing, or at the very end)
+    still marks the report partial: what the user stopped is not a clean result."""
+    from nanaudit.pipeline import mark_interrupted
+    if stop.signal_name is not None and report.status != "error":
+        mark_interrupted(report, stop.signal_name)
+
+
+def _final_code(report, failed: list, terminal: Terminal) -> ExitCode:
+    """The report's exit code, unless a requested output could not be written."""
+    if not failed:
+        return _code(report)
+    for message in failed:
+        terminal.error(message)
+    terminal.error(f"exit {int(ExitCode.OUTPUT)}: {len(failed)} requested output(s) could not "
+                   f"be written; the scan itself ended {report.status} "
+                   f"(exit {int(_code(report))})")
+    return ExitCode.OUTPUT
+
+
+def _check_outputs(terminal: Terminal, paths: list, plot_path) -> None:
+    """Refuse, before any step runs, outputs that cannot be written."""
+    from nanaudit.output import output_problem
+    problems = [f"cannot write {p}: {output_problem(p)}" for p in paths
+                if p and p != "-" and output_problem(p)]
+    if problems:
+        for problem in problems:
+            terminal.error(problem)
+        _exit(ExitCode.OUTPUT)
+    if plot_path:
+        from nanaudit.render.plot import PlotUnavailable, check_available
+        try:
+            check_available()
+        except PlotUnavailable as exc:
+            terminal.error(str(exc))
+            _exit(ExitCode.USAGE)
 
 
 def _is_rank_zero() -> bool:
@@ -173,49 +270,50 @@ def _progress_hooks(terminal: Terminal):
 
 
 def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt,
-          plot_path=None) -> None:
+          plot_path=None) -> list[str]:
+    """Print the console report and write every requested output; returns the failures."""
     from nanaudit.output import write_atomic
     from nanaudit.render import renderer_for
     from nanaudit.render.console import print_report
-    # Ctrl-C while writing must not leave a half-written file: writes are atomic, and a second
-    # interrupt is deferred until the reports are out.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
-    try:
-        if not terminal.quiet:
-            print_report(report, terminal.err)
-        elif report.status == "error" and report.error:
-            terminal.error(report.error.get("message", ""))
-        outputs = [("json", json_path), ("junit", junit_path), ("markdown", markdown_path)]
-        for name, path in outputs:
-            if not path:
-                continue
-            text = renderer_for(name).render(report)
-            if path == "-":
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            else:
-                try:
-                    write_atomic(path, text)
-                except OSError as exc:
-                    terminal.error(f"cannot write the {name} report to {path}: {exc}")
-        if fmt == "github" or (fmt is None and os.environ.get("GITHUB_ACTIONS") == "true"):
-            sys.stdout.write(renderer_for("github").render(report))
-        if plot_path:
-            _write_plot(report, plot_path, terminal)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+    failed = []
+    if not terminal.quiet:
+        print_report(report, terminal.err)
+    elif report.status == "error" and report.error:
+        terminal.error(report.error.get("message", ""))
+    outputs = [("json", json_path), ("junit", junit_path), ("markdown", markdown_path)]
+    for name, path in outputs:
+        if not path:
+            continue
+        text = renderer_for(name).render(report)
+        if path == "-":
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            continue
+        try:
+            write_atomic(path, text)
+        except OSError as exc:
+            failed.append(f"cannot write the {name} report to {path}: {_os_reason(exc)}")
+    if fmt == "github" or (fmt is None and os.environ.get("GITHUB_ACTIONS") == "true"):
+        sys.stdout.write(renderer_for("github").render(report))
+    if plot_path:
+        failed += _write_plot(report, plot_path)
+    return failed
 
 
-def _write_plot(report, path, terminal: Terminal) -> None:
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _write_plot(report, path) -> list[str]:
     from nanaudit.render.plot import PlotUnavailable, render_png
     from nanaudit.output import write_atomic_bytes
     try:
         write_atomic_bytes(path, render_png(report))
     except PlotUnavailable as exc:
-        terminal.error(str(exc))
+        return [str(exc)]
     except OSError as exc:
-        terminal.error(f"cannot write the plot to {path}: {exc}")
+        return [f"cannot write the plot to {path}: {_os_reason(exc)}"]
+    return []
 
 
 def _main_thread() -> bool:
@@ -238,23 +336,37 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
            markdown_path, fmt, plot_path, fail_on, quiet):
     """Find every non-finite batch of CONFIG's data set against the starting weights (with
     its samples and cause), or with --checkpoints the first bad checkpoint and step."""
-    from nanaudit.pipeline import ScanOptions, exit_code
+    from nanaudit.pipeline import ScanOptions
     from nanaudit.pipeline import bisect as run_bisect
     terminal = Terminal(quiet or json_path == "-")
+    _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path, skip_list_path],
+                   plot_path)
     progress, hooks = _progress_hooks(terminal)
+    with _Stop() as stop:
+        try:
+            report = run_bisect(config, ScanOptions(steps=steps, device=device, fail_on=fail_on,
+                                                    **hooks), checkpoints, pattern)
+        finally:
+            stop.hold()
+            if progress:
+                progress.stop()
+        _note_signal(report, stop)
+        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+        section = report.extra.get("bisect") or {}
+        if skip_list_path and section.get("mode") == "data":
+            failed += _write_skip_list(skip_list_path, section["skip_list"])
+        code = _final_code(report, failed, terminal)
+    _exit(code)
+
+
+def _write_skip_list(path, skip_list) -> list[str]:
+    import json
+    from nanaudit.output import write_atomic
     try:
-        report = run_bisect(config, ScanOptions(steps=steps, device=device, fail_on=fail_on,
-                                                **hooks), checkpoints, pattern)
-    finally:
-        if progress:
-            progress.stop()
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-    section = report.extra.get("bisect") or {}
-    if skip_list_path and section.get("mode") == "data":
-        import json
-        from nanaudit.output import write_atomic
-        write_atomic(skip_list_path, json.dumps({"skip": section["skip_list"]}, indent=2) + "\n")
-    _exit(exit_code(report))
+        write_atomic(path, json.dumps({"skip": skip_list}, indent=2) + "\n")
+    except OSError as exc:
+        return [f"cannot write the skip list to {path}: {_os_reason(exc)}"]
+    return []
 
 
 @main.command(epilog=EXIT_CODE_HELP)
@@ -291,12 +403,18 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
     """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
     same weights, batch and RNG state, without the data pipeline. Exits 1 when the
     non-finite value reproduces."""
-    from nanaudit.pipeline import exit_code
     from nanaudit.pipeline import replay as run_replay
     terminal = Terminal(quiet or json_path == "-")
-    report = run_replay(bundle)
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-    _exit(exit_code(report))
+    _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
+    with _Stop() as stop:
+        try:
+            report = run_replay(bundle)
+        finally:
+            stop.hold()
+        _note_signal(report, stop)
+        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+        code = _final_code(report, failed, terminal)
+    _exit(code)
 
 
 @main.command(epilog=EXIT_CODE_HELP)

@@ -3,11 +3,17 @@
 Every problem is collected with its key path (`optimizer.lr: expected a number, got 'fast'`)
 and raised together as one ConfigError, so a user fixes the whole file in one pass.
 Nothing here imports torch or the user's code: entrypoints are only parsed, not resolved.
+
+Hostile input is bounded before it is built: a file over MAX_CONFIG_BYTES, or YAML whose
+aliases expand past MAX_YAML_NODES (a "billion laughs" bomb) or refer to themselves, is a
+config error, because every report and repro bundle later copies the config's values out.
+Numbers must be finite: `.nan` and `.inf` are YAML floats, never a sensible setting.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +41,9 @@ DISTRIBUTED_KEYS = ("backend", "ddp", "timeout_s", "find_unused_parameters")
 BACKENDS = ("auto", "gloo", "nccl")
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+MAX_CONFIG_BYTES = 1 << 20        # a config is a page of keys, never a data set
+MAX_YAML_NODES = 100_000          # nodes after expanding aliases
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -158,12 +167,21 @@ class Config:
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Read, parse and validate a config file; raise ConfigError listing every problem."""
+    """Read, parse and validate a config file; raise ConfigError listing every problem.
+
+    `overrides` (command-line options such as --device) replace top-level keys before the
+    validation, so they are checked exactly like the key; a problem names the option."""
     path = Path(path)
     raw = read_yaml(path)
-    if overrides:
-        raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
-    return parse_config(raw, path)
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        return parse_config({**raw, **given}, path)
+    except ConfigError as exc:
+        if not given:
+            raise
+        problems = [Problem(f"--{p.key.replace('_', '-')} (overrides `{p.key}`)", p.message)
+                    if p.key in given else p for p in exc.problems]
+        raise ConfigError(problems, source=exc.source) from None
 
 
 def read_yaml(path: Path) -> dict:
@@ -172,13 +190,21 @@ def read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise ConfigError(f"config path is a folder, not a file: {path}")
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"the file is {size} bytes; a config is at most "
+                              f"{MAX_CONFIG_BYTES} bytes (put data in the data factory)",
+                              source=str(path))
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     try:
+        _check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(_yaml_problem(exc), source=str(path)) from None
+    except _YamlTooLarge as exc:
+        raise ConfigError(str(exc), source=str(path)) from None
     if raw is None:
         raise ConfigError("the file is empty: it needs at least `model`, `data` and `loss`",
                           source=str(path))
@@ -186,6 +212,40 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"the top level must be a mapping of keys, got {type(raw).__name__}",
                           source=str(path))
     return raw
+
+
+class _YamlTooLarge(Exception):
+    pass
+
+
+def _check_expansion(root) -> None:
+    """Count the nodes the document expands to (aliases counted at every use), memoised per
+    node so a bomb is measured in the time of its short text, and refuse cycles."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _YamlTooLarge("a YAML alias refers to the node that contains it (a "
+                                "recursive structure); write the values out")
+        open_nodes.add(key)
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        open_nodes.discard(key)
+        sizes[key] = total
+        if total > MAX_YAML_NODES:
+            raise _YamlTooLarge(f"the YAML expands to more than {MAX_YAML_NODES} values through "
+                                f"its aliases (&anchor / *alias); a config this large is refused")
+        return total
+    if root is not None:
+        size(root)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -213,7 +273,7 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
     values = dict(
         optimizer=_optimizer(raw.get("optimizer"), problems),
         steps=_positive_int(raw.get("steps"), "steps", problems),
-        seed=_int(raw.get("seed"), "seed", problems),
+        seed=_seed(raw.get("seed"), problems),
         checkpoint=_checkpoint(raw.get("checkpoint"), path, problems),
         device=_device(raw.get("device", "auto"), problems),
         grad_clip=_positive_float(raw.get("grad_clip"), "grad_clip", problems),
@@ -285,19 +345,53 @@ def _optimizer(value: Any, problems: list[Problem]) -> OptimizerSpec | None:
     kwargs = {k: v for k, v in value.items() if k != "class"}
     for name, arg in kwargs.items():
         if name in ("lr", "eps", "weight_decay", "momentum") and not _is_number(arg):
-            problems.append(Problem(f"optimizer.{name}", f"expected a number, got {arg!r}"))
+            problems.append(Problem(f"optimizer.{name}", f"expected a {_finite_word(arg)}number, "
+                                    f"got {arg!r}"))
+        elif _has_nonfinite(arg):
+            problems.append(Problem(f"optimizer.{name}", f"holds a non-finite number: {arg!r}"))
     return OptimizerSpec(key="optimizer", class_path=class_path, kwargs=kwargs)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (YAML's `.nan` and `.inf` are floats, but never a setting)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
-def _int(value: Any, key: str, problems: list[Problem]) -> int | None:
+def _finite_word(value: Any) -> str:
+    """'finite ' when the value is a number that is NaN or infinite, for the message."""
+    return "finite " if isinstance(value, float) and not math.isfinite(value) else ""
+
+
+def _has_nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(_has_nonfinite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nonfinite(v) for v in value.values())
+    return False
+
+
+def _seed(value: Any, problems: list[Problem]) -> int | None:
+    seed = _int(value, "seed", problems, limit=None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        problems.append(Problem("seed", f"expected an integer from -2**63 to 2**64-1 (what "
+                                f"torch.manual_seed accepts), got {seed}"))
+        return None
+    return seed
+
+
+def _int(value: Any, key: str, problems: list[Problem], limit: int | None = 2**63 - 1):
+    """An integer; within +-limit, the largest count or interval torch and Python's
+    containers take (a larger one fails deep inside them, not here)."""
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         problems.append(Problem(key, f"expected an integer, got {value!r}"))
+        return None
+    if limit is not None and abs(value) > limit:
+        problems.append(Problem(key, f"expected an integer below 2**63, got {value}"))
         return None
     return value
 
@@ -314,7 +408,8 @@ def _positive_float(value: Any, key: str, problems: list[Problem]) -> float | No
     if value is None:
         return None
     if not _is_number(value) or value <= 0:
-        problems.append(Problem(key, f"expected a positive number, got {value!r}"))
+        problems.append(Problem(key, f"expected a positive {_finite_word(value)}number, "
+                                f"got {value!r}"))
         return None
     return float(value)
 
@@ -340,13 +435,14 @@ def _batch_dim(value: Any, problems: list[Problem]) -> dict[str, int]:
     """`batch_dim: 1` for every leaf, or `{"[0]": 1, "['mask']": 0}` per batch path."""
     if value is None:
         return {}
-    if isinstance(value, int) and not isinstance(value, bool):
+    def is_dim(v):   # a tensor has at most 64 dimensions
+        return isinstance(v, int) and not isinstance(v, bool) and -64 <= v < 64
+    if is_dim(value):
         return {"*": value}
-    if isinstance(value, dict) and all(isinstance(v, int) and not isinstance(v, bool)
-                                       for v in value.values()):
+    if isinstance(value, dict) and all(is_dim(v) for v in value.values()):
         return {str(k): v for k, v in value.items()}
-    problems.append(Problem("batch_dim", "expected an integer, or a mapping from batch path "
-                            "(such as `[0]` or `[\"audio\"]`) to an integer"))
+    problems.append(Problem("batch_dim", "expected a dimension (an integer from -64 to 63), or "
+                            "a mapping from batch path (such as `[0]` or `[\"audio\"]`) to one"))
     return {}
 
 
@@ -424,7 +520,7 @@ def _every(value: Any, key: str, problems: list[Problem], default):
         return 0
     if value is True:
         return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
         problems.append(Problem(key, f"expected a step interval (0 for off), got {value!r}"))
         return default
     return value

@@ -69,6 +69,15 @@ class NothingAuditedError(NanauditError):
     exit_code = ExitCode.NOTHING_AUDITED
 
 
+class FindingInterrupted(KeyboardInterrupt):
+    """A signal arrived while a finding was being completed (its sample search): the finding
+    so far travels with the interruption, so the partial report still names the op."""
+
+    def __init__(self, finding):
+        super().__init__("interrupted during the sample search")
+        self.finding = finding
+
+
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of the exception's traceback that are not nanaudit's own."""
     frames = traceback.extract_tb(exc.__traceback__)

@@ -1,30 +1,37 @@
-"""The process exit codes: one meaning each, documented in the README and `--help`."""
+"""The process exit codes: one meaning each. `--help` and the README table are generated from
+(and tested against) this enum, so the three texts cannot drift (pytest documents its own
+`ExitCode` the same way)."""
 
 from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    CLEAN = 0            # every audited step was finite
-    NONFINITE = 1        # a non-finite value was found (the finding is in the report)
-    USAGE = 2            # bad command-line usage
-    CONFIG = 3           # the config file or an entrypoint it names is wrong
-    USER_CODE = 4        # the user's code (model, data, loss, optimizer) raised
-    NOTHING_AUDITED = 5  # the data yielded no batches
-    INTERNAL = 6         # nanaudit itself failed: a bug, please report it
-    WARNING = 7          # --fail-on warning: no non-finite value, but an early warning fired
-    DISTRIBUTED = 8      # under torchrun: a peer rank failed or timed out without a report
-    INTERRUPTED = 130    # Ctrl-C: the partial report is still valid
+    def __new__(cls, value: int, doc: str):
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.doc = doc
+        return member
+
+    CLEAN = 0, "clean: every audited step was finite"
+    NONFINITE = 1, "a non-finite value was found (the finding is in the report)"
+    USAGE = 2, "usage error (a command-line option, a missing optional package)"
+    CONFIG = 3, "config error (file, key, entrypoint, checkpoint, device)"
+    USER_CODE = 4, "the user's code raised an exception (its frames are shown)"
+    NOTHING_AUDITED = 5, "nothing was audited (the data yielded no batches)"
+    INTERNAL = 6, "internal error: a bug in nanaudit, please report it"
+    WARNING = 7, "an early warning fired and --fail-on is `warning` (values stayed finite)"
+    DISTRIBUTED = 8, "torchrun: a peer rank died or timed out (the process group could not go on)"
+    OUTPUT = 9, ("a requested output (report, plot, repro bundle, skip list) could not be "
+                 "written, whatever the scan found")
+    INTERRUPTED = 130, "interrupted by Ctrl-C (SIGINT): the partial report is valid"
+    TERMINATED = 143, "stopped by SIGTERM (CI timeout, Kubernetes, `timeout`): the partial " \
+                      "report is valid"
 
 
-EXIT_CODE_HELP = """\b
-Exit codes:
-  0    clean: every audited step was finite
-  1    a non-finite value was found
-  2    usage error
-  3    config error (file, key, entrypoint, checkpoint, device)
-  4    the user's code raised an exception
-  5    nothing was audited (the data yielded no batches)
-  6    internal error in nanaudit
-  7    an early warning fired and --fail-on is `warning` (values stayed finite)
-  8    torchrun: a peer rank died or timed out (the process group could not go on)
-  130  interrupted (the partial report is valid)"""
+def exit_code_help() -> str:
+    lines = ["\b", "Exit codes:"]
+    lines += [f"  {code.value:<4} {code.doc}" for code in ExitCode]
+    return "\n".join(lines)
+
+
+EXIT_CODE_HELP = exit_code_help()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from nanaudit.batching import infer_layout, isolate_rows, nonfinite_rows, select_rows
+from nanaudit.batching import (SearchInterrupted, infer_layout, isolate_rows, nonfinite_rows,
+                               select_rows)
 from nanaudit.causes import fix_for
+from nanaudit.errors import FindingInterrupted
 from nanaudit.loader import Session
 from nanaudit.localize import (forward_input_stats, input_stats, localize,
                                preserved_buffers, replay_reproduces)
@@ -188,8 +190,16 @@ def _isolate(session, state, trip, finding: Finding) -> None:
         sub = select_rows(state.batch, layout, rows)
         return replay_reproduces(session, state, sub, trip.check)
 
-    with preserved_buffers(session.model):
-        search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays)
+    try:
+        with preserved_buffers(session.model):
+            search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays)
+    except SearchInterrupted as stop:
+        _record_search(finding, state, layout, stop.search)
+        raise FindingInterrupted(finding) from stop
+    _record_search(finding, state, layout, search)
+
+
+def _record_search(finding: Finding, state, layout, search) -> None:
     finding.samples = search.samples
     finding.sample_search = {"batch_size": layout.size, "replays": search.replays,
                              "coupled": search.coupled, "note": search.note}

@@ -177,10 +177,26 @@ def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Prob
     if spec.factory:
         problem = _bind_problem(fn, entry.key, ("model",), dict(entry.args),
                                 "the optimizer factory `fn(model, **args) -> Optimizer`")
-    else:
-        problem = _bind_problem(fn, "optimizer", ([],), dict(spec.kwargs),
-                                f"`{spec.class_path}(params, **kwargs)`")
-    return [problem] if problem else []
+        return [problem] if problem else []
+    return _optimizer_class_problems(fn, spec)
+
+
+def _optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
+    """The class path's keyword arguments, bound and then tried on one throwaway parameter:
+    `torch.optim.SGD(lr=-1)` raises only when built, and must be a config error (exit 3) in
+    `validate` and `scan` alike, not the user's code raising."""
+    import torch
+    problem = _bind_problem(cls, "optimizer", ([],), dict(spec.kwargs),
+                            f"`{spec.class_path}(params, **kwargs)`")
+    if problem:
+        return [problem]
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **dict(spec.kwargs))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return [Problem("optimizer", f"`{spec.class_path}` rejects these arguments: {exc}")]
+    except Exception:  # noqa: BLE001 - a user class may refuse a dummy parameter: build tells
+        return []
+    return []
 
 
 def _class_target(class_path: str) -> str:
@@ -327,6 +343,9 @@ def build_optimizer(config: Config, model):
     else:
         cls = resolve_callable(Entrypoint(_class_target(spec.class_path), "optimizer.class"),
                                config.base_dir)
+        problems = _optimizer_class_problems(cls, spec)
+        if problems:
+            raise ConfigError(problems, source=str(config.path))
         opt = call_user(f"optimizer `{spec.class_path}`", cls, model.parameters(),
                         **dict(spec.kwargs))
         where, target = "optimizer.class", spec.class_path

@@ -1,4 +1,10 @@
-"""Write report files atomically: a temporary file in the same folder, then os.replace."""
+"""Write report files atomically and safely: never over a folder, never a half-written file.
+
+A file is written to a temporary name in its own folder and renamed into place, so a reader
+(a CI system collecting artifacts, a second signal) sees the old file or the new one, never a
+mix. `tempfile` creates files 0600 and folders 0700; they are widened to what the umask allows,
+as `open()` and `mkdir` would have, so artifacts uploaded by another user stay readable.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,30 @@ import tempfile
 from pathlib import Path
 
 
+class OutputError(OSError):
+    """A requested output cannot be written; the message names the path and the reason."""
+
+
+def current_umask() -> int:
+    # os.umask can only be read by setting it; set it straight back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | Path, directory: bool = False) -> None:
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     write_atomic_bytes(path, text.encode("utf-8"))
 
 
 def write_atomic_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
+    problem = output_problem(path)
+    if problem:
+        raise OutputError(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -20,8 +44,29 @@ def write_atomic_bytes(path: str | Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def output_problem(path: str | Path) -> str | None:
+    """Why `path` cannot receive a file, or None: checked before a run, so a scan never spends
+    its steps only to fail at the end."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; give a file name"
+    parent = path.parent
+    while not parent.exists():
+        if parent == parent.parent:
+            break
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        return f"{parent} is a file, so {path} cannot be created under it"
+    if parent.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    if path.exists() and not os.access(path, os.W_OK) and not os.access(path.parent, os.W_OK):
+        return f"{path} is not writable"
+    return None

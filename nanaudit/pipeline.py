@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from nanaudit import __version__
 from nanaudit.config import Config, load_config
-from nanaudit.errors import NanauditError, NothingAuditedError, UsageError
+from nanaudit.errors import FindingInterrupted, NanauditError, NothingAuditedError, UsageError
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report import Report
 
@@ -40,8 +40,18 @@ def exit_code(report: Report) -> ExitCode:
     if report.status == "nonfinite":
         return ExitCode.NONFINITE
     if report.status == "interrupted":
-        return ExitCode.INTERRUPTED
+        return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERRUPTED))
     return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERNAL))
+
+
+def mark_interrupted(report: Report, signal_name: str) -> None:
+    """A run stopped by SIGINT or SIGTERM: the report keeps what it has, marked partial."""
+    import signal
+    report.status = "interrupted"
+    code = ExitCode.TERMINATED if signal_name == signal.SIGTERM.name else ExitCode.INTERRUPTED
+    report.error = {"type": "Interrupted", "signal": signal_name, "exit_code": int(code),
+                    "message": f"stopped by {signal_name} after {report.steps_run} step(s); "
+                               f"this report is partial"}
 
 
 def _base_report(config_path, config: Config | None) -> Report:
@@ -51,13 +61,20 @@ def _base_report(config_path, config: Config | None) -> Report:
                   status="error", steps_run=0)
 
 
+BUG_REPORT = ("this is a bug in nanaudit, not in your code; please report it with this "
+              "message, the full traceback (`error.traceback` in the --json report) and the "
+              "output of `nanaudit --version` and `python -c 'import torch; "
+              "print(torch.__version__)'`")
+
+
 def error_dict(exc: BaseException) -> dict:
     if isinstance(exc, NanauditError):
         body = exc.to_dict()
         body["exit_code"] = int(exc.exit_code)
         return body
     return {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
-            "exit_code": int(ExitCode.INTERNAL), "traceback": traceback.format_exc()}
+            "exit_code": int(ExitCode.INTERNAL), "hint": BUG_REPORT,
+            "traceback": traceback.format_exc()}
 
 
 def _guarded(report: Report, body: Callable[[], None],
@@ -123,17 +140,9 @@ def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
 
 
 def _configured(config_path, options: ScanOptions) -> Config:
-    config = load_config(config_path)
-    changes: dict[str, Any] = {}
-    if options.steps is not None:
-        changes["steps"] = options.steps
-    if options.device is not None:
-        changes["device"] = options.device
-    if options.seed is not None:
-        changes["seed"] = options.seed
-    if options.fail_on is not None:
-        changes["fail_on"] = options.fail_on
-    return replace(config, **changes) if changes else config
+    """The config with the command-line overrides, each validated like the key it replaces."""
+    return load_config(config_path, {"steps": options.steps, "device": options.device,
+                                     "seed": options.seed, "fail_on": options.fail_on})
 
 
 def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
@@ -166,7 +175,11 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
                 # Replays run on the local module: no DDP, no collectives with waiting peers.
                 session.model = session.local_model
                 samples = config.localize.samples if options.samples is None else options.samples
-                report.finding = build_finding(session, outcome, samples)
+                try:
+                    report.finding = build_finding(session, outcome, samples)
+                except FindingInterrupted as stop:
+                    report.finding = stop.finding   # the op is named; the sample search was cut
+                    raise
                 report.finding.rank = outcome.trip.rank
                 attach_warnings(report.finding, outcome.warnings, session.precision.name)
                 _write_repro(session, outcome, report, options)

@@ -13,6 +13,11 @@
 `nanaudit replay DIR` re-runs the localization from a bundle. Everything is loaded with
 `torch.load(..., weights_only=True)`, and the bundle is written to a temporary folder first
 and renamed into place, so a bundle is complete or absent.
+
+nanaudit never deletes what it did not create: a bundle carries a manifest
+(`nanaudit-bundle.json`, its files and the tool version), and only a folder holding nothing but
+a manifest's files is replaced. Any other existing folder (`--repro .`, a user's results folder)
+receives the bundle in a new subfolder `repro-step<N>` (`-2`, `-3`, ... when that is taken).
 """
 
 from __future__ import annotations
@@ -28,26 +33,69 @@ from typing import Any
 import torch
 
 from nanaudit.errors import ConfigError, Problem
+from nanaudit.output import honour_umask
 
 BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "report.json",
                 "repro.py")
+OPTIONAL_FILES = ("rows.pt",)
+MANIFEST = "nanaudit-bundle.json"
 _TEMPLATE = Path(__file__).with_name("repro_template.py")
 
 
+def bundle_folder(requested: Path, step: int) -> Path:
+    """Where a bundle asked for at `requested` may go without touching anything else:
+    `requested` itself when it is absent or an earlier bundle, else a fresh subfolder."""
+    requested = Path(requested)
+    if not requested.exists() or is_bundle(requested):
+        return requested
+    base = requested / f"repro-step{step}"
+    candidate, n = base, 1
+    while candidate.exists() and not is_bundle(candidate):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def is_bundle(folder: Path) -> bool:
+    """An earlier bundle of ours: a manifest, and nothing in the folder it does not list."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        listed = set(manifest["files"]) | {MANIFEST}
+        present = {p.name for p in folder.iterdir()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return manifest.get("tool") == "nanaudit" and present <= listed
+
+
 def write_bundle(folder: Path, session, state, trip, finding, report_json: str) -> Path:
-    """Write the bundle for `state` (the failing step) into `folder`, atomically."""
+    """Write the bundle for `state` (the failing step) into `folder`, atomically. `folder` must
+    come from `bundle_folder`: absent, or an earlier bundle that is replaced file by file."""
     folder = Path(folder)
+    if folder.exists() and not is_bundle(folder):
+        raise FileExistsError(f"{folder} exists and is not a nanaudit repro bundle; "
+                              f"nothing in it was touched")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
+        honour_umask(tmp, directory=True)
         _fill(tmp, session, state, trip, finding, report_json)
         if folder.exists():
-            shutil.rmtree(folder)
+            _remove_bundle(folder)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _remove_bundle(folder: Path) -> None:
+    """Delete an earlier bundle: only the files its manifest lists, then the empty folder."""
+    listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+    for name in [*listed, MANIFEST]:
+        target = folder / Path(name).name
+        if target.is_file() and not target.is_symlink():
+            target.unlink()
+    folder.rmdir()   # fails, keeping everything, if anything unlisted appeared meanwhile
 
 
 def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
@@ -78,6 +126,16 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "report.json").write_text(report_json, encoding="utf-8")
     shutil.copyfile(_TEMPLATE, tmp / "repro.py")
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
+                                            "files": files}, indent=2) + "\n", encoding="utf-8")
+    for path in tmp.iterdir():
+        honour_umask(path)
+
+
+def _version() -> str:
+    from nanaudit import __version__
+    return __version__
 
 
 def _cpu(tree: Any) -> Any:

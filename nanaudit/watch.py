@@ -16,6 +16,7 @@ Each warning names the step it was seen at and the step its growth began.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from functools import partial
 
@@ -127,12 +128,24 @@ class UpdateWatch:
         return (step, norm, base) if norm is not None else (None, None, 0.0)
 
 
+SPIKE_SIGMAS = 6.0     # a jump inside the loss's own noise is not a spike
+SPIKE_FLOOR = 1e-3     # ... nor one below this fraction of the loss's starting magnitude
+
+
+def _noise(values) -> float:
+    """The standard deviation of the values' noise, from successive differences (von Neumann),
+    so that a steady trend (a loss still falling, or growing geometrically) is not noise."""
+    diffs = [b - a for a, b in zip(values, list(values)[1:])]
+    return statistics.pstdev(diffs) / math.sqrt(2) if len(diffs) > 1 else 0.0
+
+
 class GrowthWatch:
     """Loss spikes and geometric gradient growth, from the timeline's values (host only)."""
 
     def __init__(self, options: WatchOptions):
         self.options = options
         self.losses: deque = deque(maxlen=options.spike_window)
+        self._reference: list[float] = []   # |loss| over the first window: its own scale
         self._in_spike = False
         self._run_start: tuple[int, float] | None = None
         self._run = 0
@@ -149,20 +162,41 @@ class GrowthWatch:
         return warnings
 
     def _spike(self, step: int, loss: float) -> list:
+        """A loss above the window's level by more than its own noise and scale allow.
+
+        Lightning's SpikeDetection compares the jump with `rtol * mean` only, which calls any
+        noise a spike when the mean is near zero (its users add an `atol` by hand). Here the
+        jump must exceed `rtol` times the level, SPIKE_SIGMAS standard deviations of the
+        window's noise, and SPIKE_FLOOR of the loss's starting magnitude (a change that small
+        cannot diverge). A positive loss is judged on a log scale, where its noise is
+        multiplicative: a loss near zero that wanders by factors of two is noise, not a spike."""
         rtol = self.options.loss_spike
         found = []
+        if len(self._reference) < self.options.spike_window:
+            self._reference.append(abs(loss))
         if rtol and len(self.losses) >= min(5, self.options.spike_window):
-            mean = sum(self.losses) / len(self.losses)
-            spiking = loss - mean > rtol * abs(mean) and loss > mean
+            threshold = self._spike_threshold(rtol)
+            spiking = loss > threshold
             if spiking and not self._in_spike:
+                mean = statistics.fmean(self.losses)
                 found.append(EarlyWarning(
-                    kind="loss-spike", step=step, began=step, value=loss,
-                    threshold=mean + rtol * abs(mean),
+                    kind="loss-spike", step=step, began=step, value=loss, threshold=threshold,
                     message=(f"the loss jumped to {loss:.6g} against a mean of {mean:.6g} over "
-                             f"the last {len(self.losses)} steps")))
+                             f"the last {len(self.losses)} steps (above {threshold:.6g}, the "
+                             f"window's level plus its noise)")))
             self._in_spike = spiking
         self.losses.append(loss)
         return found
+
+    def _spike_threshold(self, rtol: float) -> float:
+        floor = SPIKE_FLOOR * max(self._reference)
+        if min(self.losses) > 0:
+            logs = [math.log(v) for v in self.losses]
+            level = statistics.fmean(logs)
+            jump = max(math.log1p(rtol), SPIKE_SIGMAS * _noise(logs))
+            return max(math.exp(level + jump), math.exp(level) + floor)
+        mean = statistics.fmean(self.losses)
+        return mean + max(rtol * abs(mean), SPIKE_SIGMAS * _noise(self.losses), floor)
 
     def _growth(self, step: int, gnorm: float) -> list:
         factor = self.options.grad_growth

@@ -23,7 +23,7 @@ def _bundle(tmp_path, name="log_negative"):
 def test_bundle_holds_state_batch_rows_config_and_report(tmp_path):
     folder, finding = _bundle(tmp_path)
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["batch.pt", "config.yaml", "meta.json", "report.json", "repro.py",
+    assert names == ["batch.pt", "config.yaml", "meta.json", "nanaudit-bundle.json", "report.json", "repro.py",
                      "rng.pt", "rows.pt", "state.pt"]
     meta = json.loads((folder / "meta.json").read_text())
     assert (meta["step"], meta["check"], meta["samples"]) == (finding["step"], "loss", [2])

@@ -176,7 +176,15 @@ def test_optimizer_update_attributed_to_parameter(case, tmp_path):
             def forward(self, x):
                 return self.lin(x)
         """
-    result = scan(_case(case, body, lr=float("inf")), tmp_path=tmp_path)
+    # An infinite lr from the user's optimizer factory (a config `lr: .inf` is refused up front).
+    body += """
+        def make_optimizer(model):
+            return torch.optim.SGD(model.parameters(), lr=float("inf"))
+        """
+    path = _case(case, body)
+    path.write_text(path.read_text().replace("class: torch.optim.SGD\n  lr: 0.01",
+                                             "entrypoint: case:make_optimizer"))
+    result = scan(path, tmp_path=tmp_path)
     f = result.finding
     assert result.code == 1
     assert (f["step"], f["where"], f["cause"]) == (0, "optimizer", "optimizer-update")

@@ -31,13 +31,18 @@ def _panels(report: Report):
            [e.act_ratio for e in report.timeline], "log")
 
 
+def check_available() -> None:
+    """Raise PlotUnavailable now, before a scan, rather than after all its steps."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'nanaudit[plot]'")
+
+
 def render_png(report: Report) -> bytes:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'nanaudit[plot]'") from None
+    check_available()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 9), constrained_layout=True)
     first_warning = min((w.step for w in report.warnings), default=None)
     finding = report.finding.step if report.finding is not None else None
