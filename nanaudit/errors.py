@@ -102,7 +102,9 @@ class UserCodeError(NanauditError):
         Exception.__init__(self, str(self))
 
     def __str__(self) -> str:
-        return f"{self.what} raised {type(self.exception).__name__}: {self.exception}"
+        # The first line only: a dispatcher error lists every backend in 300 lines.
+        first = (str(self.exception).strip().splitlines() or [""])[0][:500]
+        return f"{self.what} raised {type(self.exception).__name__}: {first}"
 
     def formatted_traceback(self) -> str:
         lines = ["Traceback (user code, nanaudit frames removed):\n"]

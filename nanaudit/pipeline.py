@@ -72,7 +72,8 @@ def error_dict(exc: BaseException) -> dict:
         body = exc.to_dict()
         body["exit_code"] = int(exc.exit_code)
         return body
-    return {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
+    first = (str(exc).strip().splitlines() or [""])[0][:500]   # torch's can run 300 lines
+    return {"type": "InternalError", "message": f"{type(exc).__name__}: {first}",
             "exit_code": int(ExitCode.INTERNAL), "hint": BUG_REPORT,
             "traceback": traceback.format_exc()}
 

@@ -371,8 +371,8 @@ def confirm_norms(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[floa
     """Replace a non-finite norm by the exact one when no element is actually non-finite."""
     if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
         norm = exact_norm(sentinels.state_tensors())
-    if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grads()):
-        gnorm = exact_norm(sentinels.grads())
+    if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grad_values()):
+        gnorm = exact_norm(sentinels.grad_values())
     return norm, gnorm
 
 

@@ -90,13 +90,18 @@ class Sentinels:
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
+    def grad_values(self) -> list[torch.Tensor]:
+        """Each gradient as a dense tensor of its values: a sparse gradient
+        (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
+        such as `_foreach_norm` would take whole."""
+        return [_values(p.grad.detach()) for p in self.params if p.grad is not None]
+
     def grad_norm(self) -> torch.Tensor:
-        return finite_norm([g.detach() for g in self.grads()], self.device)
+        return finite_norm(self.grad_values(), self.device)
 
     def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(state norm, gradient norm) from one fused reduction."""
-        state, grads = finite_norms([self.state_tensors(), [g.detach() for g in self.grads()]],
-                                    self.device)
+        state, grads = finite_norms([self.state_tensors(), self.grad_values()], self.device)
         return state, grads
 
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
@@ -110,14 +115,23 @@ class Sentinels:
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    if t.layout is torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values()
+    return t
+
+
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the tensors holding a non-finite element: for the report, after a trip (syncs)."""
-    return [name for name, t in named if t is not None and not bool(torch.isfinite(t).all())]
+    return [name for name, t in named
+            if t is not None and not bool(torch.isfinite(_values(t.detach())).all())]
 
 
 def value_kind(t: torch.Tensor) -> str:
     """'nan', 'inf' or '-inf': the kind of non-finite value a tensor holds, NaN first (syncs)."""
-    t = t.detach()
+    t = _values(t.detach())
     if bool(torch.isnan(t).any()):
         return "nan"
     if bool((t == float("inf")).any()):

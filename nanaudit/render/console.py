@@ -21,7 +21,8 @@ def print_report(report: Report, console: Console) -> None:
     mark = {"clean": "✓", "nonfinite": "✗"}.get(report.status, "!")
     console.print(Text(f"{mark} {headline(report)}", style=style))
     if report.finding is not None:
-        console.print(_finding_panel(report.finding))
+        # A terminal gets a full-width panel; a CI log one as wide as its longest line.
+        console.print(_finding_panel(report.finding, expand=console.is_terminal))
     if report.extra.get("bisect"):
         console.print(_bisect_summary(report.extra["bisect"]))
     if report.extra.get("distributed", {}).get("ranks"):
@@ -32,6 +33,9 @@ def print_report(report: Report, console: Console) -> None:
         console.print(_timeline(report))
     if report.error and report.error.get("frames"):
         console.print(Text(_user_traceback(report.error), style="red"))
+    if report.error and report.error.get("type") == "InternalError":
+        console.print(Text(_short_traceback(report.error.get("traceback", "")), style="red"))
+        console.print(Text(report.error.get("hint", ""), style="bold"))
     console.print(_next_steps(report))
 
 
@@ -75,7 +79,7 @@ def _header(report: Report) -> Text:
     return text
 
 
-def _finding_panel(f: Finding) -> Panel:
+def _finding_panel(f: Finding, expand: bool = True) -> Panel:
     parts = [_facts(f)]
     if f.source:
         parts.append(_source(f))
@@ -94,7 +98,7 @@ def _finding_panel(f: Finding) -> Panel:
     fix.append(f.fix)
     parts += [why, fix]
     return Panel(Group(*parts), title=Text(f"finding: {f.cause}", style="bold red"),
-                 border_style="red")
+                 border_style="red", expand=expand)
 
 
 def _facts(f: Finding) -> Table:
@@ -207,22 +211,44 @@ def _user_traceback(error: dict) -> str:
     return "\n".join(lines)
 
 
+def _short_traceback(text: str, frames: int = 3) -> str:
+    """The last few frames of our own traceback: enough to recognise a bug; the JSON has all."""
+    lines = text.rstrip().splitlines()
+    if not lines:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    keep = starts[-frames:] if starts else []
+    return "\n".join(["Traceback (last frames; the full one is in the --json report):"]
+                     + (lines[keep[0]:] if keep else lines[-1:]))
+
+
+def _clean_hint(report: Report) -> str:
+    """Whether more steps would audit more: not when the data ran out before the step limit."""
+    limit = report.config.get("steps")
+    if limit is not None and report.steps_run >= limit:
+        return (f"next: the {limit}-step limit was reached; raise `steps:` (or --steps) to "
+                f"audit longer, or run this in CI with --junit-xml")
+    return (f"next: every batch the data yielded was audited ({report.steps_run}); run this in "
+            f"CI with --junit-xml")
+
+
 def _next_steps(report: Report) -> Text:
     f = report.finding
     if report.status == "clean":
-        return Text("next: raise `steps:` to audit longer, or run this in CI with --junit-xml",
-                    style="dim")
+        return Text(_clean_hint(report), style="dim")
     if f is None:
         return Text("")
     hints = []
-    if f.source:
+    if f.source and f.reproduced is not False:
         hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
-    if f.samples:
+    if f.samples and report.command != "bisect":
         hints.append(f"inspect batch rows {f.samples} of step {f.step}")
+    elif f.samples:
+        hints.append(f"inspect rows {f.samples} of batch {f.step} (and the skip list)")
     if f.cause == "nonfinite-parameter":
         hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
     repro = report.extra.get("repro")
-    if repro and report.command == "scan":
+    if repro and report.command == "scan" and os.path.isdir(repro):
         hints.append(f"repro bundle in {repro} (python {repro}/repro.py; nanaudit replay "
                      f"{repro})")
     elif report.extra.get("repro_error"):
