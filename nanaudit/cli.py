@@ -175,7 +175,7 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
                 failed.append(report.extra["repro_error"])
         code = _final_code(report, failed, terminal)
         _leave_process_group(code)
-    _exit(code)
+        _exit(code)     # inside: a signal now still finds our handler, not the default
 
 
 def _code(report) -> ExitCode:
@@ -355,8 +355,7 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
         section = report.extra.get("bisect") or {}
         if skip_list_path and section.get("mode") == "data":
             failed += _write_skip_list(skip_list_path, section["skip_list"])
-        code = _final_code(report, failed, terminal)
-    _exit(code)
+        _exit(_final_code(report, failed, terminal))
 
 
 def _write_skip_list(path, skip_list) -> list[str]:
@@ -413,8 +412,7 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
             stop.hold()
         _note_signal(report, stop)
         failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-        code = _final_code(report, failed, terminal)
-    _exit(code)
+        _exit(_final_code(report, failed, terminal))
 
 
 @main.command(epilog=EXIT_CODE_HELP)

@@ -189,22 +189,25 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
 
 
 def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None:
-    """The repro bundle of the finding; a failure to write it is noted, not fatal."""
+    """The repro bundle of the finding, in a folder that holds nothing of the user's (see
+    repro.bundle_folder); a failure is recorded for the CLI (exit 9 when --repro asked)."""
     if options.repro_dir is None or outcome.state is None:
         return
     from nanaudit.render import renderer_for
-    from nanaudit.repro import write_bundle
+    from nanaudit.repro import bundle_folder, write_bundle
     folder = Path(options.repro_dir)
     if options.repro_per_step:
         rank = f"-rank{outcome.trip.rank}" if outcome.trip.rank is not None else ""
         folder = folder / f"repro-step{outcome.trip.step}{rank}"
-    report.extra["repro"] = str(folder)
     try:
+        folder = bundle_folder(folder, outcome.trip.step)
+        report.extra["repro"] = str(folder)
         write_bundle(folder, session, outcome.state, outcome.trip, report.finding,
                      renderer_for("json").render(report))
     except Exception as exc:  # noqa: BLE001 - the finding stands without its bundle
         report.extra["repro"] = None
-        report.extra["repro_error"] = f"cannot write the repro bundle to {folder}: {exc}"
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        report.extra["repro_error"] = f"cannot write the repro bundle to {folder}: {reason}"
 
 
 def _localizes_here(coordinator, trip) -> bool:
