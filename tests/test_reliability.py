@@ -443,3 +443,71 @@ def test_readme_ci_recipe_installs_from_the_repository_not_an_index():
     ci = readme[readme.index("## In CI"):readme.index("## Repro bundles")]
     assert "pip install nanaudit" not in ci
     assert "pip install ./tools/nanaudit" in ci
+
+
+# --- warnings that do not cry wolf ------------------------------------------------------------
+
+@pytest.mark.parametrize("noise", ["half-normal", "log-normal", "uniform", "signed"])
+def test_a_long_clean_run_of_a_noisy_loss_near_zero_raises_no_spike(noise):
+    import math
+    from nanaudit.config import WatchOptions
+    from nanaudit.watch import GrowthWatch
+    draw = {"half-normal": lambda r: abs(r.gauss(0, 1)) * 1e-4,
+            "log-normal": lambda r: 1e-3 * math.exp(r.gauss(0, 0.5)),
+            "uniform": lambda r: r.random() * 1e-3,
+            "signed": lambda r: r.gauss(0, 1e-4)}[noise]
+    rng, watch = random.Random(0), GrowthWatch(WatchOptions())
+    warnings = [w for step in range(5000) for w in watch.observe(step, draw(rng), None)]
+    assert warnings == []
+
+
+def test_a_real_spike_is_still_caught_near_zero():
+    from nanaudit.config import WatchOptions
+    from nanaudit.watch import GrowthWatch
+    rng, watch = random.Random(0), GrowthWatch(WatchOptions())
+    seen = [w.step for step in range(300) for w in watch.observe(
+        step, 5e-2 if step == 200 else 1e-3 * (1 + 0.1 * rng.gauss(0, 1)), None)]
+    assert seen == [200]
+
+
+# --- the sample search does not give up early -------------------------------------------------
+
+def test_three_bad_rows_in_a_batch_of_4096_are_all_found():
+    from nanaudit.batching import isolate_rows
+    bad = {17, 2048, 4000}
+    search = isolate_rows(lambda rows: bool(bad & set(rows)), 4096, max_replays=64)
+    assert search.samples == sorted(bad) and search.note == ""
+    assert 64 < search.replays < 120
+
+
+TWO_KINDS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build_model():
+        model = nn.Linear(3, 1)
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+            model.bias.fill_(0.1)
+        return model
+
+    def batches():
+        x = torch.rand(8, 3)
+        x[2, 1] = float("nan")     # a missing value in row 2
+        x[5] = -4.0                # a sensor fault in row 5: log of a negative rate
+        yield {"x": x, "id": torch.arange(100, 108)}
+
+    def loss(model, batch):
+        return -torch.log(model(batch["x"])).mean()
+""")
+
+
+def test_two_bad_rows_of_different_kinds_both_reach_the_skip_list(tmp_path):
+    (tmp_path / "case.py").write_text(TWO_KINDS)
+    (tmp_path / "config.yaml").write_text("model: case:build_model\ndata: case:batches\n"
+                                          "loss: case:loss\n")
+    result = run_cli("bisect", tmp_path / "config.yaml", "-q", "--skip-list", tmp_path / "s.json")
+    assert result.code == 1
+    skip = json.loads((tmp_path / "s.json").read_text())["skip"]
+    assert [(s["rows"], s["sample_ids"], s["cause"]) for s in skip] == [
+        ([2], [102], "nonfinite-input"), ([5], [105], "log-domain")]
