@@ -28,14 +28,20 @@ def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool 
     return localized_finding(session, outcome.state, trip, outcome.timeline, isolate_samples)
 
 
+MAX_LEAVES_SHOWN = 16
+
+
 def input_finding(session: Session, state: StepState) -> Finding:
     layout = infer_layout(state.batch, session.config.batch_dim)
     bad = [(path, t) for path, t in float_leaves(state.batch) if not bool(torch.isfinite(t).all())]
     path, first = bad[0]
     rows = sorted({r for p, t in bad for r in nonfinite_rows(t, layout.dims.get(p))})
-    stats = [tensor_stats(f"batch{p}", t) for p, t in bad]
+    # A batch of thousands of leaves must not make a report of thousands of tables.
+    stats = [tensor_stats(f"batch{p}", t) for p, t in bad[:MAX_LEAVES_SHOWN]]
     counts = ", ".join(f"batch{p}: {s.nan} NaN, {s.posinf} +inf, {s.neginf} -inf"
                        for (p, _), s in zip(bad, stats))
+    if len(bad) > MAX_LEAVES_SHOWN:
+        counts += f", and {len(bad) - MAX_LEAVES_SHOWN} more leaves"
     row_text = f" in row(s) {_short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
@@ -211,7 +217,7 @@ def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
     shown = []
     for row in rows[:limit]:
         leaves = []
-        for path, t in float_leaves(batch) + _int_leaves(batch):
+        for path, t in (float_leaves(batch) + _int_leaves(batch))[:MAX_LEAVES_SHOWN]:
             dim = layout.dims.get(path)
             if dim is not None and row < t.shape[dim]:
                 leaves.append((f"batch{path}", tensor_stats(f"batch{path}", t.select(dim, row))))

@@ -511,3 +511,26 @@ def test_two_bad_rows_of_different_kinds_both_reach_the_skip_list(tmp_path):
     skip = json.loads((tmp_path / "s.json").read_text())["skip"]
     assert [(s["rows"], s["sample_ids"], s["cause"]) for s in skip] == [
         ([2], [102], "nonfinite-input"), ([5], [105], "log-domain")]
+
+
+def test_a_batch_of_thousands_of_bad_leaves_gives_a_bounded_report(tmp_path):
+    (tmp_path / "case.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def build_model():
+            return nn.Linear(2, 1)
+
+        def batches():
+            yield [torch.full((4, 2), float("nan")) for _ in range(3000)]
+
+        def loss(model, batch):
+            return sum(model(x).mean() for x in batch[:2])
+    """))
+    (tmp_path / "config.yaml").write_text("model: case:build_model\ndata: case:batches\n"
+                                          "loss: case:loss\n")
+    result = scan(tmp_path / "config.yaml", "--no-repro", tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1 and f["cause"] == "nonfinite-input"
+    assert len(f["inputs"]) == 16 and "and 2984 more leaves" in f["explanation"]
+    assert (tmp_path / "report.json").stat().st_size < 400_000
