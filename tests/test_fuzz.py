@@ -58,21 +58,28 @@ BASE = {"model": "case:build_model", "data": "case:batches", "loss": "case:loss"
         "optimizer": {"class": "torch.optim.SGD", "lr": 0.1}, "steps": 2}
 
 
+# Values at the edges users hit: the limits of int64, non-finite floats, empty and odd types.
+edges = st.sampled_from([None, True, 0, -1, 1, 2**63, 2**64, 2**70, -(2**70), 1e308, 1e-320,
+                         math.nan, math.inf, -math.inf, "", "x", [], {}, [1, 2], {"a": 1}])
+
+
 @st.composite
 def configs(draw):
     """A valid config with a few keys replaced, removed or added: near misses, as users make."""
     config = dict(BASE)
     for _ in range(draw(st.integers(1, 3))):
-        key = draw(st.one_of(st.sampled_from(KNOWN_KEYS), st.text(min_size=1, max_size=8)))
-        action = draw(st.sampled_from(["set", "set", "section", "drop"]))
+        key = draw(st.one_of(st.sampled_from(KNOWN_KEYS), st.sampled_from(KNOWN_KEYS),
+                             st.text(min_size=1, max_size=8)))
+        value = st.one_of(edges, values)
+        action = draw(st.sampled_from(["set", "set", "section", "section", "drop"]))
         if action == "drop":
             config.pop(key, None)
         elif action == "section" and key in SECTION_KEYS:
             section = dict(config.get(key) or {}) if isinstance(config.get(key), dict) else {}
-            section[draw(st.sampled_from(SECTION_KEYS[key]))] = draw(values)
+            section[draw(st.sampled_from(SECTION_KEYS[key]))] = draw(value)
             config[key] = section
         else:
-            config[key] = draw(values)
+            config[key] = draw(value)
     return config
 
 
@@ -101,7 +108,7 @@ def test_validate_never_fails_internally(tmp_path, config):
 
 
 @pytest.mark.slow
-@settings(max_examples=40 * SCALE, **FUZZ)
+@settings(max_examples=60 * SCALE, **FUZZ)
 @given(config=configs())
 def test_scan_never_fails_internally(tmp_path, config):
     out = tmp_path / "r.json"
@@ -110,6 +117,20 @@ def test_scan_never_fails_internally(tmp_path, config):
     report = json.loads(out.read_text())
     assert report["status"] in ("clean", "nonfinite", "error")
     _assert_documented(result, report)
+
+
+@pytest.mark.slow
+@settings(max_examples=40 * SCALE, **FUZZ)
+@given(option=st.sampled_from(["--seed", "--device", "--steps"]),
+       value=st.one_of(st.integers(-(2**70), 2**70).map(str), st.text(max_size=8),
+                       st.sampled_from(["tpu", "cuda:99", "cuda:-1", "mps", str(2**64),
+                                        str(-(2**63) - 1), "nan", "1e400", "0", ""])))
+def test_command_line_overrides_never_fail_internally(tmp_path, option, value):
+    out = tmp_path / "r.json"
+    out.unlink(missing_ok=True)
+    config = _write(tmp_path, BASE)
+    result = run_cli("scan", config, "-q", "--no-repro", "--json", out, option, value)
+    _assert_documented(result, json.loads(out.read_text()) if out.exists() else None)
 
 
 @pytest.mark.slow
