@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,13 +31,8 @@ TOP_LEVEL_KEYS = (
     "fail_on", "distributed",
 )
 ENTRYPOINT_KEYS = ("entrypoint", "args")
-LOCALIZE_KEYS = ("samples", "max_replays")
 PRECISIONS = ("fp32", "fp16", "bf16")
-AMP_KEYS = ("grad_scaler", "init_scale", "growth_interval", "scale_floor", "max_skipped")
-WATCH_KEYS = ("activations", "near_overflow", "loss_spike", "spike_window", "grad_growth",
-              "growth_steps", "update_ratio", "update_every")
 FAIL_ON = ("nonfinite", "warning")
-DISTRIBUTED_KEYS = ("backend", "ddp", "timeout_s", "find_unused_parameters")
 BACKENDS = ("auto", "gloo", "nccl")
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -117,6 +112,17 @@ class DistributedOptions:
     ddp: bool = True                  # wrap the model in DistributedDataParallel
     timeout_s: float = 600.0          # a peer silent this long is an error, not a hang
     find_unused_parameters: bool = False
+
+
+def _keys(options) -> tuple[str, ...]:
+    """A section's YAML keys are its dataclass's fields: one list, never a hand-kept copy."""
+    return tuple(f.name for f in fields(options))
+
+
+LOCALIZE_KEYS = _keys(LocalizeOptions)
+AMP_KEYS = _keys(AmpOptions)
+WATCH_KEYS = _keys(WatchOptions)
+DISTRIBUTED_KEYS = _keys(DistributedOptions)
 
 
 @dataclass(frozen=True)

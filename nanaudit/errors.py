@@ -78,13 +78,19 @@ class FindingInterrupted(KeyboardInterrupt):
         self.finding = finding
 
 
+_DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo") + os.sep
+
+
+def is_own_file(filename: str) -> bool:
+    """Is this file nanaudit's own code? The bundled demo counts as the user's: it plays one.
+    The one test of "user code or ours", for tracebacks and for the op tracer's source lines."""
+    path = os.path.abspath(filename)
+    return path.startswith(_PACKAGE_DIR + os.sep) and not path.startswith(_DEMO_DIR)
+
+
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of the exception's traceback that are not nanaudit's own."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    demo = os.path.join(_PACKAGE_DIR, "demo") + os.sep
-    return [f for f in frames
-            if not os.path.abspath(f.filename).startswith(_PACKAGE_DIR + os.sep)
-            or os.path.abspath(f.filename).startswith(demo)]
+    return [f for f in traceback.extract_tb(exc.__traceback__) if not is_own_file(f.filename)]
 
 
 @dataclass
@@ -105,12 +111,6 @@ class UserCodeError(NanauditError):
         # The first line only: a dispatcher error lists every backend in 300 lines.
         first = (str(self.exception).strip().splitlines() or [""])[0][:500]
         return f"{self.what} raised {type(self.exception).__name__}: {first}"
-
-    def formatted_traceback(self) -> str:
-        lines = ["Traceback (user code, nanaudit frames removed):\n"]
-        lines += traceback.format_list(self.frames)
-        lines += traceback.format_exception_only(type(self.exception), self.exception)
-        return "".join(lines)
 
     def to_dict(self) -> dict:
         return {

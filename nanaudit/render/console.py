@@ -11,7 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from nanaudit.render.text import headline, sparkline, step_marks, warning_line
+from nanaudit.render.text import finding_facts, headline, sparkline, step_marks, warning_line
 from nanaudit.report import Finding, Report
 
 
@@ -105,14 +105,8 @@ def _facts(f: Finding) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    rows = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value),
-            ("op", f.op),
-            ("forward op", f.forward_op), ("module", f.module if f.module != "" else "(root)"
-                                           if f.module is not None else None),
-            ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
-    for key, value in rows:
-        if value not in (None, []):
-            table.add_row(key, Text(str(value)))
+    for label, value in finding_facts(f):
+        table.add_row(label, Text(value))
     if f.sample_search:
         s = f.sample_search
         note = f" ({s['note']})" if s.get("note") else ""

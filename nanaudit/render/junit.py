@@ -9,7 +9,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from nanaudit.render import Renderer
-from nanaudit.render.text import finding_message, headline, warning_line
+from nanaudit.render.text import finding_facts, finding_message, headline, warning_line
 from nanaudit.report import Report
 
 # The sentinel checks, in step order, and the finding `where` each one covers.
@@ -63,11 +63,9 @@ class JunitRenderer(Renderer):
 
     @staticmethod
     def _details(f) -> str:
-        lines = [finding_message(f), f"step: {f.step}", f"where: {f.where}"]
-        for key in ("op", "forward_op", "module", "tensor"):
-            if getattr(f, key) not in (None, ""):
-                lines.append(f"{key}: {getattr(f, key)}")
+        facts = finding_facts(f)
+        lines = [finding_message(f)] + [f"{label}: {value}" for label, value in facts[:-1]]
         if f.source:
             lines.append(f"source: {f.source.file}:{f.source.line}: {f.source.code}")
-        lines.append(f"cause: {f.cause}")
+        lines.append(f"{facts[-1][0]}: {facts[-1][1]}")     # the cause, last
         return "\n".join(lines)

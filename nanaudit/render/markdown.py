@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanaudit.render import Renderer
-from nanaudit.render.text import headline, sparkline, step_marks, warning_line
+from nanaudit.render.text import finding_facts, headline, sparkline, step_marks, warning_line
 from nanaudit.report import Report
 from nanaudit.stats import describe
 
@@ -21,10 +21,8 @@ class MarkdownRenderer(Renderer):
         f = report.finding
         if f is not None:
             out += ["| | |", "|---|---|"]
-            rows = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value), ("op", f.op),
-                    ("forward op", f.forward_op), ("module", f.module), ("tensor", f.tensor),
-                    ("samples", f.samples), ("cause", f"`{f.cause}`")]
-            out += [f"| {k} | {_cell(v)} |" for k, v in rows if v not in (None, "", [])]
+            out += [f"| {label} | {_cell(f'`{value}`' if label == 'cause' else value)} |"
+                    for label, value in finding_facts(f)]
             out.append("")
             if f.source:
                 out += [f"**Source** `{f.source.file}:{f.source.line}`", "", "```python",

@@ -42,13 +42,15 @@ def headline(report: Report) -> str:
     return f"non-finite {f.value} at step {f.step} ({f.where}{rank}): {f.cause}"
 
 
-def finding_title(f: Finding) -> str:
-    parts = [f"step {f.step}", f.where]
-    if f.op:
-        parts.append(f.op)
-    if f.module:
-        parts.append(f"in {f.module}")
-    return ", ".join(parts)
+def finding_facts(f: Finding) -> list[tuple[str, str]]:
+    """The finding's facts as (label, text), in one order, for every renderer that lists them
+    (console, Markdown, JUnit): the one place that decides what a fact is called and how the
+    root module reads."""
+    module = None if f.module is None else (f.module or "(root)")
+    facts = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value),
+             ("op", f.op), ("forward op", f.forward_op), ("module", module),
+             ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
+    return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
 
 
 def finding_message(f: Finding) -> str:
