@@ -23,6 +23,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,32 +31,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.diagnose import keeps_inputs, op_base, scalar_infinities
 from nanaudit.report import SourceLine
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DEMO_DIR = _OWN_DIR + "demo" + os.sep     # the bundled demo is user code, not ours
-
-# Forward ops whose backward can create a non-finite value from finite inputs (a domain edge):
-# their inputs are kept by reference so the diagnosis can read them. Everything else keeps none.
-DOMAIN_OPS = frozenset({
-    "sqrt", "rsqrt", "pow", "div", "reciprocal", "log", "log2", "log10", "log1p", "xlogy",
-    "exp", "exp2", "expm1", "cosh", "sinh", "acos", "asin", "atan2", "atanh", "acosh",
-    "linalg_vector_norm", "norm", "frobenius_norm", "cdist", "_cdist_forward", "_euclidean_dist",
-    "dist", "std", "var", "std_mean", "var_mean", "_softmax", "_log_softmax", "ctc_loss",
-    "_ctc_loss", "nll_loss_forward", "nll_loss2d_forward", "linalg_svd", "_linalg_svd",
-    "_linalg_eigh", "sigmoid", "tanh", "binary_cross_entropy", "prod", "cumprod",
-})
-
-
-def op_base(op_name: str) -> str:
-    """`aten.log_.default` -> `log` (in-place folded in); `aten._softmax.default` -> `_softmax`."""
-    parts = op_name.split(".")
-    base = parts[1] if len(parts) > 1 else parts[0]
-    if base.endswith("_") and not base.endswith("__"):
-        base = base[:-1]
-    return base
-
 
 def user_source() -> SourceLine | None:
     """The innermost stack frame outside torch and nanaudit: the user's line."""
@@ -113,13 +94,15 @@ class ForwardRecord:
 
     index: int
     op: str
-    module: str | None
+    module: str | None             # None: outside every module's forward (the loss callable)
     source: SourceLine | None
     out_kinds: frozenset = frozenset()
-    args: Any = None               # kept for DOMAIN_OPS only
+    args: Any = None               # kept only for ops the diagnosis reads (diagnose.keeps_inputs)
     kwargs: Any = None
     arg_names: tuple = ()
     event: int | None = None       # the OpEvent index, when this op's output went bad
+    func: Any = None               # the aten OpOverload
+    in_producers: tuple = ()       # events that made a bad value among its inputs (no sync)
 
 
 @dataclass
@@ -139,6 +122,9 @@ class OpEvent:
     args: Any = None
     kwargs: Any = None
     arg_names: tuple = ()
+    func: Any = None               # the aten OpOverload
+    untracked: dict = field(default_factory=dict)   # input position -> where an untraced bad
+    #                                                 input came from (an autograd.Function ...)
 
     def created(self) -> set:
         """Kinds in the output that no input carried: this op made them."""
@@ -148,6 +134,15 @@ class OpEvent:
         if self.out_kinds & {"inf", "-inf"} and not any(carries(k, "inf") for k in self.in_kinds):
             made.add("inf")
         return made
+
+    def infinite_inputs(self) -> list:
+        """(position, producing event or None) of each tensor input that carried +-inf."""
+        return [(i, p) for i, (k, p) in enumerate(zip(self.in_kinds, self.in_producers))
+                if carries(k, "inf")]
+
+    def scalar_infinities(self) -> list:
+        """Non-finite Python numbers among the arguments (`masked_fill(m, float('-inf'))`)."""
+        return scalar_infinities(self.args, self.kwargs)
 
 
 class _ModuleStack:
@@ -178,8 +173,9 @@ class _ModuleStack:
             self.stack.pop()
 
     @property
-    def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
+    def current(self) -> str | None:
+        """The innermost running module; None outside every module's forward (the loss)."""
+        return self.stack[-1] if self.stack else None
 
 
 @dataclass
@@ -189,10 +185,18 @@ class Trace:
     events: list = field(default_factory=list)          # [OpEvent]
     forward_records: list = field(default_factory=list)  # [ForwardRecord]
     producer: dict = field(default_factory=dict)         # id(tensor) -> event index
+    makers: dict = field(default_factory=dict)           # id(tensor) -> (weakref, record index)
     ops_seen: int = 0
 
     def producer_of(self, t: torch.Tensor) -> int | None:
         return self.producer.get(id(t))
+
+    def maker_of(self, t: torch.Tensor) -> ForwardRecord | None:
+        """The forward op that made a tensor (bad or not), while the tensor is alive."""
+        entry = self.makers.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return self.forward_records[entry[1]]
 
 
 class OpTracer(TorchDispatchMode):
@@ -241,6 +245,8 @@ class OpTracer(TorchDispatchMode):
         if not backward:
             record = self._forward_record(func, name, args, kwargs)
             self._pending += [(t, record) for t in outputs]
+            for t in outputs:
+                self.trace.makers[id(t)] = (weakref.ref(t), record.index)
         out_kinds = frozenset().union(*(kinds_of(t) for t in outputs)) if outputs else frozenset()
         if record is not None:
             record.out_kinds = out_kinds
@@ -252,10 +258,13 @@ class OpTracer(TorchDispatchMode):
         return out
 
     def _forward_record(self, func, name, args, kwargs) -> ForwardRecord:
-        keep = op_base(name) in DOMAIN_OPS
+        keep = keeps_inputs(func)
+        inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
         record = ForwardRecord(len(self.trace.forward_records), name, self.modules.current,
                                user_source(), args=args if keep else None,
-                               kwargs=kwargs if keep else None, arg_names=schema_names(func))
+                               kwargs=kwargs if keep else None, arg_names=schema_names(func),
+                               func=func,
+                               in_producers=tuple(self.trace.producer.get(id(t)) for t in inputs))
         self.trace.forward_records.append(record)
         return record
 
@@ -273,7 +282,9 @@ class OpTracer(TorchDispatchMode):
             source=(forward.source if forward else None) if backward else record.source,
             out_kinds=out_kinds, in_kinds=in_kinds, in_producers=in_producers,
             forward=forward, node=node.name() if node is not None else None,
-            args=args, kwargs=kwargs, arg_names=schema_names(func))
+            args=args, kwargs=kwargs, arg_names=schema_names(func), func=func,
+            untracked={i: untracked_origin(t) for i, (t, k, p)
+                       in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None})
         self.trace.events.append(event)
         if record is not None:
             record.event = event.index
@@ -281,6 +292,19 @@ class OpTracer(TorchDispatchMode):
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+
+
+def untracked_origin(t: torch.Tensor) -> str:
+    """Where a non-finite input that no traced op produced came from, as far as torch knows."""
+    node = t.grad_fn
+    forward_cls = getattr(node, "_forward_cls", None)
+    if forward_cls is not None:           # the output of a custom autograd.Function
+        return f"the autograd.Function {forward_cls.__qualname__}"
+    if node is not None:
+        return f"the autograd node {node.name()}"
+    if t.is_leaf and t.requires_grad:
+        return "a leaf tensor (a parameter or an input that requires grad)"
+    return "a tensor made outside the traced ops (a constant, numpy, the batch, .item())"
 
 
 def walk_back(trace: Trace, start: int, kind: str) -> tuple[OpEvent, list]:
