@@ -506,6 +506,12 @@ def _amax(t) -> float:
     return float(t.detach().abs().double().nan_to_num(0, 0, 0).max())
 
 
+def _amin(t) -> float:
+    if not isinstance(t, torch.Tensor) or not t.numel():
+        return 0.0
+    return float(t.detach().abs().double().nan_to_num(0, 0, 0).min())
+
+
 def _arg(args, kwargs, i, name, default=None):
     return args[i] if len(args) > i else kwargs.get(name, default)
 
@@ -591,6 +597,10 @@ def overflow_bound(op: str, args, kwargs, out_dtype: torch.dtype | None) -> Boun
         e = 2.0 if base == "square" else _arg(args, kwargs, 1, "exponent", None)
         if isinstance(e, (int, float)) and isinstance(args[0], torch.Tensor) and e > 0:
             bound, how = _amax(args[0]) ** float(e), f"|x| {_amax(args[0]):.4g} ** {e:g}"
+        elif isinstance(e, (int, float)) and isinstance(args[0], torch.Tensor) and e < 0:
+            small = _amin(args[0])
+            bound = small ** float(e) if small > 0 else math.inf
+            how = f"the smallest |x| {small:.4g} ** {e:g}"
         elif isinstance(e, torch.Tensor) and isinstance(args[0], torch.Tensor):
             bound = _amax(args[0]) ** max(float(e.max()), 0.0)
             how = f"|x| {_amax(args[0]):.4g} ** {float(e.max()):.4g}"
@@ -598,6 +608,10 @@ def overflow_bound(op: str, args, kwargs, out_dtype: torch.dtype | None) -> Boun
         x = args[0]
         bound = _amax(x) ** max(x.numel(), 1) if _amax(x) > 1 else _amax(x)
         how = f"|x| {_amax(x):.4g} ** {x.numel()}"
+    elif base == "reciprocal":
+        small = _amin(args[0])
+        bound = 1 / small if small > 0 else math.inf
+        how = f"1 / the smallest |x| {small:.4g}"
     elif base in ("div", "true_divide"):
         den = _arg(args, kwargs, 1, "other", 1.0)
         small = abs(float(den)) if isinstance(den, (int, float)) else (
@@ -688,7 +702,7 @@ def _dst_dtype(event) -> torch.dtype | None:
 def overflow_reason(event, timeline) -> Reason:
     base = op_base(event.op)
     bound = overflow_bound(event.op, event.args, event.kwargs, _dst_dtype(event))
-    made = signed(event.out_kinds - {"nan"}) if event.out_kinds - {"nan"} else "inf"
+    made = signed(event.out_kinds - {"nan"}) if event.out_kinds - {"nan"} else "NaN"
     if bound is None:
         return _no_bound(event, base, made)
     name = dtype_name(bound.dtype)
@@ -705,8 +719,9 @@ def overflow_reason(event, timeline) -> Reason:
                                     f"({bound.how} can reach {bound.bound:.4g}); the "
                                     f"{metric.replace('_', ' ')} grew {factor:.3g}x from step "
                                     f"{start} before this step")
-    return Reason("dtype-overflow", f"{base} produced {made} from finite inputs: {numbers}, and "
-                                    f"{bound.how} can reach {bound.bound:.4g}")
+    return Reason("dtype-overflow", f"{base} produced {made} from finite inputs: {numbers}; "
+                                    f"{bound.how} can reach {bound.bound:.4g}, and {name} holds "
+                                    f"at most {bound.limit:.6g}")
 
 
 def _no_bound(event, base, made) -> Reason:
@@ -738,13 +753,21 @@ def diagnose(event, kind: str, timeline) -> Diagnosis:
             text += f" (backward of {op_base(forward.op)} computed {op_base(event.op)})"
         return Diagnosis(reason.cause, text, reason.fix or fix_for(reason.cause), reason.operand,
                          reason.mask)
-    infinite = any(k & {"inf", "-inf"} for k in event.in_kinds)
+    infinite = any(k & {"inf", "-inf"} for k in event.in_kinds) or \
+        bool(scalar_infinities(event.args, event.kwargs))
     if kind == "inf" and not infinite and not any("nan" in k for k in event.in_kinds):
         return as_diagnosis(overflow_reason(event, timeline))
     if kind == "nan" and infinite:
         text = (f"{op_base(event.op)} combined infinite inputs into NaN (inf - inf, 0 * inf or "
                 f"inf / inf)")
         return Diagnosis("inf-arithmetic", text, fix_for("inf-arithmetic"))
+    if kind == "nan" and not infinite and not any(event.in_kinds):
+        found = overflow_reason(event, timeline)
+        if found.cause != "unknown":       # partial results overflowed to +inf and -inf and met
+            return as_diagnosis(found, found.text.replace(
+                "produced nan", "produced NaN").replace(
+                "from finite inputs", "from finite inputs (its partial results overflowed to "
+                                      "+inf and -inf, and inf - inf = NaN)", 1))
     held = sorted(set().union(*event.in_kinds)) if event.in_kinds else []
     inputs = (f"inputs that already held {', '.join(held)}" if held
               else "inputs that were all finite")

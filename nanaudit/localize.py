@@ -21,7 +21,8 @@ from nanaudit.loader import Session
 from nanaudit.runner import StepState, Trip, forward_backward
 from nanaudit.sentinels import Sentinels, value_kind
 from nanaudit.stats import tensor_stats
-from nanaudit.tracer import OpEvent, OpTracer, Trace, kinds_of, named_tensors, walk_back
+from nanaudit.tracer import (OpEvent, OpTracer, Trace, carries, kinds_of, named_tensors,
+                             walk_back)
 
 
 @contextlib.contextmanager
@@ -120,6 +121,11 @@ def _from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) ->
 #             round trips, constants): cause unknown, "created outside torch ops".
 
 SPECIFIC_EXCLUDED = ("unknown", "inf-arithmetic")
+# Ops that write a given value (rather than compute with it): a non-finite Python number there
+# is a deliberate infinity, a mask or a log-space initial state.
+WRITES = {"full", "full_like", "new_full", "fill", "masked_fill", "index_fill", "where",
+          "scalar_tensor", "constant_pad_nd", "index_put", "scatter", "masked_scatter", "clamp",
+          "clamp_min", "clamp_max", "fill_diagonal", "new_empty", "empty"}
 
 
 @dataclass
@@ -157,6 +163,13 @@ class _Walk:
     def blame(self, creator: OpEvent, chain: list, kind: str) -> Blame:
         if creator.phase == "backward":
             return self._backward(creator, chain, kind)
+        untracked = [i for i, (k, p) in enumerate(zip(creator.in_kinds, creator.in_producers))
+                     if p is None and carries(k, kind)]
+        if untracked:               # the value reached its first traced op already bad
+            source = Source("outside", creator, [creator],
+                            origin=creator.untracked.get(untracked[0]))
+            return self._blame_source(source, chain[1:], None) or \
+                self._outside(source, chain, signed(set().union(*creator.in_kinds)))
         if kind == "nan":
             if creator.infinite_inputs() or creator.scalar_infinities():
                 return self._nan_from_infinity(creator, chain)
@@ -326,7 +339,10 @@ class _Walk:
         event, base = source.event, op_base(source.event.op)
         if source.how == "written":
             values = ", ".join(sorted({_fmt_scalar(v) for v in event.scalar_infinities()}))
-            return f"{base}{_line(event)}, which wrote {values} on purpose (a Python constant)"
+            if base in WRITES:
+                return f"{base}{_line(event)}, which wrote {values} on purpose (a Python constant)"
+            return (f"the Python number {values} given to {base}{_line(event)} (a constant, or "
+                    f"a value computed outside torch ops, e.g. through .item())")
         if source.how == "outside":
             return (f"outside torch ops ({source.origin or 'an untraced tensor'}, first seen by "
                     f"{base}{_line(event)})")
@@ -385,6 +401,9 @@ def _nan_arithmetic(event: OpEvent) -> str:
         return "inf / inf = NaN"
     if base in ("_softmax", "_log_softmax", "softmax", "log_softmax"):
         return "exp(x - max) with x = max = inf, inf - inf = NaN"
+    if base in ("native_layer_norm", "layer_norm", "native_group_norm", "native_batch_norm",
+                "_native_batch_norm_legit", "_fused_rms_norm", "rms_norm"):
+        return "x - mean(x) = inf - inf and inf / sqrt(var = inf) = NaN"
     return "inf - inf, 0 * inf or inf / inf = NaN"
 
 

@@ -38,6 +38,14 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DEMO_DIR = _OWN_DIR + "demo" + os.sep     # the bundled demo is user code, not ours
 
+# Ops that hand a value on unchanged: "where it came from" looks through them.
+PASS_THROUGH = frozenset({
+    "view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "expand", "transpose", "t",
+    "permute", "select", "slice", "alias", "clone", "contiguous", "detach", "flatten",
+    "_to_copy", "lift_fresh", "index", "narrow", "as_strided",
+})
+
+
 def user_source() -> SourceLine | None:
     """The innermost stack frame outside torch and nanaudit: the user's line."""
     frame = sys._getframe(2)
@@ -103,6 +111,7 @@ class ForwardRecord:
     event: int | None = None       # the OpEvent index, when this op's output went bad
     func: Any = None               # the aten OpOverload
     in_producers: tuple = ()       # events that made a bad value among its inputs (no sync)
+    input_makers: tuple = ()       # the forward records that made its tensor inputs
 
 
 @dataclass
@@ -191,12 +200,18 @@ class Trace:
     def producer_of(self, t: torch.Tensor) -> int | None:
         return self.producer.get(id(t))
 
-    def maker_of(self, t: torch.Tensor) -> ForwardRecord | None:
-        """The forward op that made a tensor (bad or not), while the tensor is alive."""
+    def maker_index(self, t: torch.Tensor) -> int | None:
         entry = self.makers.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return None
-        return self.forward_records[entry[1]]
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def maker_of(self, t: torch.Tensor) -> ForwardRecord | None:
+        """The forward op that made a tensor (bad or not), looking through views and copies."""
+        index = self.maker_index(t)
+        record = self.forward_records[index] if index is not None else None
+        while record is not None and op_base(record.op) in PASS_THROUGH and record.input_makers \
+                and record.input_makers[0] is not None:
+            record = self.forward_records[record.input_makers[0]]
+        return record
 
 
 class OpTracer(TorchDispatchMode):
@@ -264,7 +279,8 @@ class OpTracer(TorchDispatchMode):
                                user_source(), args=args if keep else None,
                                kwargs=kwargs if keep else None, arg_names=schema_names(func),
                                func=func,
-                               in_producers=tuple(self.trace.producer.get(id(t)) for t in inputs))
+                               in_producers=tuple(self.trace.producer.get(id(t)) for t in inputs),
+                               input_makers=tuple(self.trace.maker_index(t) for t in inputs))
         self.trace.forward_records.append(record)
         return record
 
@@ -296,15 +312,28 @@ class OpTracer(TorchDispatchMode):
 
 def untracked_origin(t: torch.Tensor) -> str:
     """Where a non-finite input that no traced op produced came from, as far as torch knows."""
-    node = t.grad_fn
-    forward_cls = getattr(node, "_forward_cls", None)
+    forward_cls = getattr(t.grad_fn, "_forward_cls", None)
     if forward_cls is not None:           # the output of a custom autograd.Function
-        return f"the autograd.Function {forward_cls.__qualname__}"
-    if node is not None:
-        return f"the autograd node {node.name()}"
-    if t.is_leaf and t.requires_grad:
-        return "a leaf tensor (a parameter or an input that requires grad)"
+        return f"the output of the autograd.Function {forward_cls.__qualname__}"
+    function = _running_function()
+    if function is not None:              # made inside a Function's forward (numpy, C code)
+        return f"code inside the forward of the autograd.Function {function}"
+    if t.grad_fn is not None:
+        return f"the autograd node {t.grad_fn.name()}"
     return "a tensor made outside the traced ops (a constant, numpy, the batch, .item())"
+
+
+def _running_function() -> str | None:
+    """The custom autograd.Function whose forward is on the stack, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        qualname = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        if frame.f_code.co_name == "forward" and "." in qualname:
+            owner = frame.f_globals.get(qualname.split(".")[0])
+            if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+                return owner.__qualname__
+        frame = frame.f_back
+    return None
 
 
 def walk_back(trace: Trace, start: int, kind: str) -> tuple[OpEvent, list]:
