@@ -89,8 +89,21 @@ def op_base(op_name: str) -> str:
     return base
 
 
-def scalar_infinities(args, kwargs) -> list:
-    """Non-finite Python numbers among an op's arguments (`float('-inf')` given to masked_fill)."""
+# Ops whose Python-number arguments are values written or computed with (not parameters such
+# as `norm(p=inf)` or `nan_to_num(posinf=...)`): a non-finite one there is a source of infinity.
+VALUE_SCALAR_OPS = frozenset({
+    "full", "full_like", "new_full", "fill", "masked_fill", "index_fill", "where",
+    "scalar_tensor", "constant_pad_nd", "index_put", "scatter", "fill_diagonal",
+    "add", "sub", "rsub", "mul", "div", "true_divide", "pow", "float_power", "addcmul", "lerp",
+    "maximum", "minimum", "fmax", "fmin",
+})
+
+
+def scalar_infinities(args, kwargs, op: str | None = None) -> list:
+    """Non-finite Python numbers among an op's value arguments (`float('-inf')` given to
+    masked_fill); parameters such as `norm(p=inf)` are not values."""
+    if op is not None and op_base(op) not in VALUE_SCALAR_OPS:
+        return []
     found = []
     for value in list(args or ()) + list((kwargs or {}).values()):
         values = value if isinstance(value, (list, tuple)) else (value,)
@@ -754,7 +767,7 @@ def diagnose(event, kind: str, timeline) -> Diagnosis:
         return Diagnosis(reason.cause, text, reason.fix or fix_for(reason.cause), reason.operand,
                          reason.mask)
     infinite = any(k & {"inf", "-inf"} for k in event.in_kinds) or \
-        bool(scalar_infinities(event.args, event.kwargs))
+        bool(scalar_infinities(event.args, event.kwargs, event.op))
     if kind == "inf" and not infinite and not any("nan" in k for k in event.in_kinds):
         return as_diagnosis(overflow_reason(event, timeline))
     if kind == "nan" and infinite:

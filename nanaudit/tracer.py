@@ -151,7 +151,7 @@ class OpEvent:
 
     def scalar_infinities(self) -> list:
         """Non-finite Python numbers among the arguments (`masked_fill(m, float('-inf'))`)."""
-        return scalar_infinities(self.args, self.kwargs)
+        return scalar_infinities(self.args, self.kwargs, self.op)
 
 
 class _ModuleStack:

@@ -431,3 +431,29 @@ def test_overflow_is_claimed_only_when_the_result_can_exceed_the_range():
     cast = overflow_bound("aten._to_copy.default", (torch.tensor([1e5]),), {},
                           torch.float16)
     assert cast.bound > cast.limit and cast.dtype == torch.float16
+
+
+def test_masked_out_empty_bag_nan_in_backward_blames_the_softmax(case, tmp_path):
+    """Attention MIL pooling: the empty bag's output is masked out, so the loss is finite, but
+    the softmax over its all -inf row made NaN that backward multiplies into the gradients. The
+    -inf is the mask's: softmax-all-masked at the softmax, not an overflow, not masked_fill."""
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Linear(8, 8)
+                self.score = nn.Linear(8, 1)
+            def forward(self, x):
+                tiles = self.embed(x).view(2, 2, 8)
+                valid = torch.tensor([[True, True], [False, False]])
+                scores = self.score(tiles).squeeze(-1).masked_fill(~valid, float("-inf"))
+                pooled = (torch.softmax(scores, dim=1).unsqueeze(-1) * tiles).sum(1)
+                return torch.where(valid.any(1, keepdim=True), pooled, torch.zeros_like(pooled))
+        """
+    result = scan(_case(case, body, loss="out.square().mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1 and result.report["timeline"][0]["loss"] != "nan"
+    assert (f["where"], f["op"], f["cause"]) == (
+        "forward", "aten._softmax.default", "softmax-all-masked")
+    assert f["chain"][-1]["where"] == "backward"             # the hops into backward are shown
+    assert "masked_fill" in f["explanation"] and "overflow" not in f["explanation"]
