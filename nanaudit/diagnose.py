@@ -806,5 +806,6 @@ def masked_gradient(event, forward, reason: Reason | None, origin_text: str | No
             f"0 * inf = NaN (pytorch issue 4132)")
     fix = fix_for("masked-nonfinite-gradient")
     if reason:
-        fix += f"; or remove the {reason.cause} at its source: {reason.fix or fix_for(reason.cause)}"
+        source_fix = reason.fix or fix_for(reason.cause)
+        fix += f"; or remove the {reason.cause} at its source: {source_fix}"
     return Diagnosis("masked-nonfinite-gradient", text, fix)

@@ -91,7 +91,7 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
     if not loc.reproduced:
         return _not_reproduced(trip)
     event = loc.event
-    loss_name = session.config.loss.target
+    loss_name = _loss_name(session)
     finding = Finding(
         step=trip.step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
         explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
@@ -137,6 +137,15 @@ def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> 
     began = f" (growing since step {first.began})" if first.began < first.step else ""
     finding.explanation += (f"; nanaudit warned at step {first.step}{began}: {first.kind}, "
                             f"{first.message}")
+
+
+def _loss_name(session) -> str:
+    """The loss callable as the config names it; under `Sentinel`, the function's own name."""
+    target = session.config.loss.target
+    fn = session.loss_fn
+    if target.startswith("<") and getattr(fn, "__qualname__", None):
+        return f"{getattr(fn, '__module__', None) or '?'}:{fn.__qualname__}"
+    return target
 
 
 def module_name(event, loss_name: str) -> str | None:

@@ -396,7 +396,9 @@ def _nan_arithmetic(event: OpEvent) -> str:
         if zero or not any(not k for k in event.in_kinds):
             return f"{signed(signs - {'nan'})} * 0 = NaN"
     if base in ("add", "sub", "sum", "cumsum", "mean", "addmm", "mm", "bmm", "matmul", "linear"):
-        return "inf - inf = NaN" if base in ("add", "sub") else             "a sum of +inf and -inf terms (or inf * 0 inside it) = NaN"
+        if base in ("add", "sub"):
+            return "inf - inf = NaN"
+        return "a sum of +inf and -inf terms (or inf * 0 inside it) = NaN"
     if base in ("div", "true_divide"):
         return "inf / inf = NaN"
     if base in ("_softmax", "_log_softmax", "softmax", "log_softmax"):
