@@ -111,6 +111,19 @@ def scalar_infinities(args, kwargs, op: str | None = None) -> list:
     return found
 
 
+def scalar_overflows(args, kwargs, op: str | None = None) -> list:
+    """Finite Python numbers among an op's value arguments that the op's floating dtype cannot
+    hold (a statistic computed on the host through `.item()`): inf once the op casts them."""
+    if op is not None and op_base(op) not in VALUE_SCALAR_OPS:
+        return []
+    values = list(args or ()) + list((kwargs or {}).values())
+    floats = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not floats:
+        return []
+    limit = torch.finfo(floats[0].dtype).max
+    return [v for v in values if isinstance(v, float) and math.isfinite(v) and abs(v) > limit]
+
+
 # --- helpers ---------------------------------------------------------------------------------
 
 def _fmt(x: float) -> str:

@@ -171,7 +171,8 @@ class _Walk:
             return self._blame_source(source, chain[1:], None) or \
                 self._outside(source, chain, signed(set().union(*creator.in_kinds)))
         if kind == "nan":
-            if creator.infinite_inputs() or creator.scalar_infinities():
+            if creator.infinite_inputs() or creator.scalar_infinities() \
+                    or creator.scalar_overflows():
                 return self._nan_from_infinity(creator, chain)
             return Blame(creator, chain, diagnose(creator, kind, self.timeline))
         source = self._classify(creator, [creator])
@@ -186,6 +187,8 @@ class _Walk:
             return Source("outside", event, chain, origin=event.untracked.get(untracked[0]))
         if event.phase == "forward" and event.scalar_infinities():
             return Source("written", event, chain)
+        if event.phase == "forward" and event.scalar_overflows():
+            return Source("outside", event, chain, origin=_host_number(event))
         return Source("computed", event, chain, infinity_reason(event, self.timeline))
 
     def _trace_infinity(self, producer: int) -> Source:
@@ -234,6 +237,8 @@ class _Walk:
                 sources.append(self._trace_infinity(producer))
         if creator.scalar_infinities():
             sources.append(Source("written", creator, []))
+        if creator.scalar_overflows():
+            sources.append(Source("outside", creator, [], origin=_host_number(creator)))
         if only_phase is not None:
             sources = [s for s in sources if s.event.phase == only_phase and s.specific]
         for source in sorted(sources, key=lambda s: not s.specific):
@@ -270,8 +275,13 @@ class _Walk:
         where = event.source
         at = (f" at {where.file}:{where.line} (in {where.function})" if where is not None else "")
         origin = source.origin or "a tensor no traced op produced"
-        text = (f"created outside torch ops: {op_base(event.op)} received "
-                f"{signed(set().union(*event.in_kinds))} already in its input, from {origin}{at}; "
+        if source.origin is not None and source.origin.startswith("the Python number"):
+            received = origin
+        else:
+            held = set().union(*event.in_kinds) if event.in_kinds else {made}
+            received = (f"{op_base(event.op)} received {signed(held)} already in its input, "
+                        f"from {origin}")
+        text = (f"created outside torch ops: {received}{at}; "
                 f"no torch op that nanaudit traced computed it (numpy or Python inside a custom "
                 f"autograd.Function, a C extension, a value round-tripped through .item()), so "
                 f"this is not an overflow of any op")
@@ -364,6 +374,15 @@ class _Walk:
         if lead:
             return f"{base}{_line(event)} turned an infinity into NaN: {how}"
         return f"; the infinity then reached {base}{_line(event)}, which computed {how}"
+
+
+def _host_number(event: OpEvent) -> str:
+    values = ", ".join(f"{v:.4g}" for v in event.scalar_overflows())
+    dtype = next((t.dtype for _, t in named_tensors(event.arg_names, event.args, event.kwargs)
+                  if t.is_floating_point()), None)
+    kind = dtype_name(dtype) if dtype is not None else "the op's dtype"
+    return (f"the Python number {values} given to {op_base(event.op)}{_line(event)}, beyond the "
+            f"range of {kind} (a value computed on the host, e.g. through .item())")
 
 
 def _plain(diagnosis: Diagnosis) -> Diagnosis:

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanaudit.diagnose import keeps_inputs, op_base, scalar_infinities
+from nanaudit.diagnose import keeps_inputs, op_base, scalar_infinities, scalar_overflows
 from nanaudit.report import SourceLine
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -152,6 +152,10 @@ class OpEvent:
     def scalar_infinities(self) -> list:
         """Non-finite Python numbers among the arguments (`masked_fill(m, float('-inf'))`)."""
         return scalar_infinities(self.args, self.kwargs, self.op)
+
+    def scalar_overflows(self) -> list:
+        """Finite Python numbers too large for the op's dtype (host values, `.item()`)."""
+        return scalar_overflows(self.args, self.kwargs, self.op)
 
 
 class _ModuleStack:
