@@ -10,6 +10,7 @@ finding says `reproduced: false` and names no op: a guess is never presented as 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -152,8 +153,11 @@ class Source:
 
 
 def _line(event) -> str:
+    """` in model.norm (modeling_llama.py:65)`: where an op ran, for explanations."""
     src = event.source
-    return f" (line {src.line})" if src is not None else ""
+    module = f" in {event.module}" if event.module else ""
+    at = f" ({os.path.basename(src.file)}:{src.line})" if src is not None else ""
+    return module + at
 
 
 class _Walk:

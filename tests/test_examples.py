@@ -40,7 +40,7 @@ EXPECTED = {
     "llama_fp16_massive_activation": dict(step=1, where="forward", value="nan",
                                           op="aten.mm.default",
                                           module="model.layers.0.mlp.down_proj",
-                                          cause="dtype-overflow", samples=[4]),
+                                          cause="dtype-overflow", samples=[2]),
     "softmax_backward_overflow": dict(step=1, where="forward", value="nan",
                                       op="aten.exp.default", module="", cause="exp-overflow",
                                       samples=[5]),
