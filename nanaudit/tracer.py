@@ -65,6 +65,20 @@ def schema_names(func) -> tuple:
     return tuple(a.name for a in schema.arguments) if schema is not None else ()
 
 
+def written_arguments(func) -> set:
+    """Positions of the tensor arguments an op writes to (`self` of `masked_fill_`, `out=`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return set()
+    positions, index = set(), 0
+    for argument in schema.arguments:
+        if argument.type.kind() in ("TensorType", "OptionalType") or "Tensor" in str(argument.type):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                positions.add(index)
+            index += 1
+    return positions
+
+
 def named_tensors(arg_names, args, kwargs) -> list:
     """(name, tensor) for each tensor argument, named by the op's schema (`self`, `other`)."""
     named = []
@@ -294,6 +308,12 @@ class OpTracer(TorchDispatchMode):
         in_kinds = [kinds_of(t) for t in inputs]
         in_producers = [self.trace.producer_of(t) if k else None
                         for t, k in zip(inputs, in_kinds)]
+        written = written_arguments(func)
+        for i, (t, p) in enumerate(zip(inputs, in_producers)):
+            # An in-place op's target is read after the op wrote it: it only carried a bad value
+            # in if an earlier op had made it bad (then it has a producer).
+            if i in written and p is None:
+                in_kinds[i] = frozenset()
         forward = node.metadata.get("nanaudit") if node is not None else None
         event = OpEvent(
             index=len(self.trace.events), op=name,

@@ -457,3 +457,42 @@ def test_masked_out_empty_bag_nan_in_backward_blames_the_softmax(case, tmp_path)
         "forward", "aten._softmax.default", "softmax-all-masked")
     assert f["chain"][-1]["where"] == "backward"             # the hops into backward are shown
     assert "masked_fill" in f["explanation"] and "overflow" not in f["explanation"]
+
+
+def test_multihead_attention_over_a_fully_padded_sequence(case, tmp_path):
+    """Real-world 17: nn.MultiheadAttention writes -inf for padded keys itself (masked_fill_ in
+    place); a sequence with every key padded is softmax-all-masked, its -inf written on purpose."""
+    code = """
+        import torch
+        from torch import nn
+
+        def batches():
+            g = torch.Generator().manual_seed(0)
+            for step in range(3):
+                pad = torch.zeros(4, 5, dtype=torch.bool)
+                pad[:, 3:] = True
+                if step == 1:
+                    pad[2] = True                      # an empty sequence
+                yield torch.randn(4, 5, 8, generator=g), pad
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            def forward(self, x, pad):
+                return self.attn(x, x, x, key_padding_mask=pad)[0]
+
+        def build_model():
+            torch.manual_seed(0)
+            return M()
+
+        def loss(model, batch):
+            return model(*batch).square().mean()
+        """
+    result = scan(case(code, optimizer={"class": "torch.optim.SGD", "lr": 0.01}),
+                  tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["step"], f["op"], f["module"], f["cause"], f["samples"]) == (
+        1, "aten._softmax.default", "attn", "softmax-all-masked", [2])
+    assert "masked_fill" in f["explanation"] and "on purpose" in f["explanation"]
