@@ -208,10 +208,12 @@ class _Walk:
                          _plain(as_diagnosis(source.reason, text)))
         if source.how in ("written", "outside") or (source.reason is None
                                                     or source.reason.cause == "unknown"):
-            found = self._masked_consumer(source.chain[1:] + downstream)
+            # a writer is not its own consumer; an op that first saw an outside value may be
+            path = (source.chain if source.how == "outside" else source.chain[1:]) + downstream
+            found = self._masked_consumer(path)
             if found is not None:
                 index, event, reason = found
-                rest = (source.chain[1:] + downstream)[index:]
+                rest = path[index:]
                 text = reason.text + f"; the -inf came from {self._describe(source)}"
                 if nan_maker is not None and nan_maker is not event:
                     text += self._how_nan(nan_maker)
@@ -267,7 +269,8 @@ class _Walk:
                                  else chain, signed(source.event.out_kinds))
         event = source.event
         if source.how == "written":
-            text = (f"{self._describe(source)}, and it reached the "
+            lead = "" if op_base(event.op) in WRITES else "created outside torch ops: "
+            text = (f"{lead}{self._describe(source)}, and it reached the "
                     f"{'loss' if chain[-1].phase == 'forward' else 'gradient'} without being "
                     f"masked out again: no op along the way turned it back into a finite value")
             return Blame(event, chain, Diagnosis("unknown", text, fix_for("unknown")))

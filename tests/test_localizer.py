@@ -496,3 +496,25 @@ def test_multihead_attention_over_a_fully_padded_sequence(case, tmp_path):
     assert (f["step"], f["op"], f["module"], f["cause"], f["samples"]) == (
         1, "aten._softmax.default", "attn", "softmax-all-masked", [2])
     assert "masked_fill" in f["explanation"] and "on purpose" in f["explanation"]
+
+
+def test_softmax_over_a_numpy_built_minus_inf_mask_is_all_masked(case, tmp_path):
+    """A causal mask built with numpy (np.triu of -inf) is a deliberate -inf from outside torch:
+    a fully masked row is softmax-all-masked, never an overflow."""
+    body = """
+        import numpy as np
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(8, 8)
+            def forward(self, x):
+                mask = np.triu(np.full((4, 4), -np.inf, dtype=np.float32), k=1)
+                mask[0, 0] = -np.inf                     # the first query sees nothing
+                scores = self.q(x) @ self.q(x).T
+                return torch.softmax(scores + torch.from_numpy(mask), dim=-1)
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["op"], f["cause"]) == ("aten._softmax.default", "softmax-all-masked")
+    assert "outside torch" in f["explanation"]
