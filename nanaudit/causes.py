@@ -42,6 +42,12 @@ CAUSES = {
         "a reduction over too few elements: std/var with degrees of freedom <= 0, a mean over "
         "nothing (every target ignored)",
         "use `correction=0`, `drop_last=True`, or skip batches with no valid element"),
+    "pole": (
+        "a function evaluated at (or rounded onto) a pole: lgamma / digamma / polygamma at 0 or a "
+        "negative integer, tan at pi/2, x ** -k at 0; often the argument underflowed onto it",
+        "keep the argument off the pole: `F.softplus(x) + eps` or `x.clamp(min=eps)` before "
+        "lgamma / digamma / a negative power; fix what put the value there (a softplus or exp "
+        "of a large negative number underflows to exactly 0)"),
     "dtype-overflow": (
         "a finite computation exceeded the dtype's range",
         "compute that part in float32, scale it down, or use a GradScaler with AMP"),

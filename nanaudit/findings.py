@@ -99,15 +99,16 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
     if not loc.reproduced:
         return _not_reproduced(trip)
     event = loc.event
+    loss_name = _loss_name(session)
     finding = Finding(
         step=trip.step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
         explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
         forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
-        module=event.module, source=event.source, inputs=input_stats(event),
+        module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
         forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
         reproduced=True, tensors=loc.bad_tensors or [],
         tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
-        chain=[_chain_link(e) for e in loc.chain])
+        chain=[_chain_link(e, loss_name) for e in loc.chain])
     if trip.note:
         finding.explanation += f"; {trip.note}"
     if finding.cause == "divergence":
@@ -146,8 +147,27 @@ def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> 
                             f"{first.message}")
 
 
-def _chain_link(event) -> dict:
-    return {"op": event.op, "where": event.phase, "module": event.module,
+def _loss_name(session) -> str:
+    """The loss callable as the config names it; under `Sentinel`, the function's own name."""
+    target = session.config.loss.target
+    fn = session.loss_fn
+    if target.startswith("<") and getattr(fn, "__qualname__", None):
+        return f"{getattr(fn, '__module__', None) or '?'}:{fn.__qualname__}"
+    return target
+
+
+def module_name(event, loss_name: str) -> str | None:
+    """The module an op ran in; ops outside every module's forward ran in the loss callable,
+    named as the config names it (`train:compute_loss`), not as the root module."""
+    if event.module is not None:
+        return event.module
+    if event.phase == "forward" or event.forward is not None:
+        return loss_name
+    return None
+
+
+def _chain_link(event, loss_name: str) -> dict:
+    return {"op": event.op, "where": event.phase, "module": module_name(event, loss_name),
             "value": sorted(event.out_kinds),
             "line": event.source.line if event.source else None}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,31 +31,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.diagnose import keeps_inputs, op_base, scalar_infinities, scalar_overflows
 from nanaudit.report import SourceLine
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DEMO_DIR = _OWN_DIR + "demo" + os.sep     # the bundled demo is user code, not ours
 
-# Forward ops whose backward can create a non-finite value from finite inputs (a domain edge):
-# their inputs are kept by reference so the diagnosis can read them. Everything else keeps none.
-DOMAIN_OPS = frozenset({
-    "sqrt", "rsqrt", "pow", "div", "reciprocal", "log", "log2", "log10", "log1p", "xlogy",
-    "exp", "exp2", "expm1", "cosh", "sinh", "acos", "asin", "atan2", "atanh", "acosh",
-    "linalg_vector_norm", "norm", "frobenius_norm", "cdist", "_cdist_forward", "_euclidean_dist",
-    "dist", "std", "var", "std_mean", "var_mean", "_softmax", "_log_softmax", "ctc_loss",
-    "_ctc_loss", "nll_loss_forward", "nll_loss2d_forward", "linalg_svd", "_linalg_svd",
-    "_linalg_eigh", "sigmoid", "tanh", "binary_cross_entropy", "prod", "cumprod",
+# Ops that hand a value on unchanged: "where it came from" looks through them.
+PASS_THROUGH = frozenset({
+    "view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "expand", "transpose", "t",
+    "permute", "select", "slice", "alias", "clone", "contiguous", "detach", "flatten",
+    "_to_copy", "lift_fresh", "index", "narrow", "as_strided",
 })
-
-
-def op_base(op_name: str) -> str:
-    """`aten.log_.default` -> `log` (in-place folded in); `aten._softmax.default` -> `_softmax`."""
-    parts = op_name.split(".")
-    base = parts[1] if len(parts) > 1 else parts[0]
-    if base.endswith("_") and not base.endswith("__"):
-        base = base[:-1]
-    return base
 
 
 def user_source() -> SourceLine | None:
@@ -74,6 +63,20 @@ def user_source() -> SourceLine | None:
 def schema_names(func) -> tuple:
     schema = getattr(func, "_schema", None)
     return tuple(a.name for a in schema.arguments) if schema is not None else ()
+
+
+def written_arguments(func) -> set:
+    """Positions of the tensor arguments an op writes to (`self` of `masked_fill_`, `out=`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return set()
+    positions, index = set(), 0
+    for argument in schema.arguments:
+        if argument.type.kind() in ("TensorType", "OptionalType") or "Tensor" in str(argument.type):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                positions.add(index)
+            index += 1
+    return positions
 
 
 def named_tensors(arg_names, args, kwargs) -> list:
@@ -113,13 +116,16 @@ class ForwardRecord:
 
     index: int
     op: str
-    module: str | None
+    module: str | None             # None: outside every module's forward (the loss callable)
     source: SourceLine | None
     out_kinds: frozenset = frozenset()
-    args: Any = None               # kept for DOMAIN_OPS only
+    args: Any = None               # kept only for ops the diagnosis reads (diagnose.keeps_inputs)
     kwargs: Any = None
     arg_names: tuple = ()
     event: int | None = None       # the OpEvent index, when this op's output went bad
+    func: Any = None               # the aten OpOverload
+    in_producers: tuple = ()       # events that made a bad value among its inputs (no sync)
+    input_makers: tuple = ()       # the forward records that made its tensor inputs
 
 
 @dataclass
@@ -139,6 +145,9 @@ class OpEvent:
     args: Any = None
     kwargs: Any = None
     arg_names: tuple = ()
+    func: Any = None               # the aten OpOverload
+    untracked: dict = field(default_factory=dict)   # input position -> where an untraced bad
+    #                                                 input came from (an autograd.Function ...)
 
     def created(self) -> set:
         """Kinds in the output that no input carried: this op made them."""
@@ -148,6 +157,19 @@ class OpEvent:
         if self.out_kinds & {"inf", "-inf"} and not any(carries(k, "inf") for k in self.in_kinds):
             made.add("inf")
         return made
+
+    def infinite_inputs(self) -> list:
+        """(position, producing event or None) of each tensor input that carried +-inf."""
+        return [(i, p) for i, (k, p) in enumerate(zip(self.in_kinds, self.in_producers))
+                if carries(k, "inf")]
+
+    def scalar_infinities(self) -> list:
+        """Non-finite Python numbers among the arguments (`masked_fill(m, float('-inf'))`)."""
+        return scalar_infinities(self.args, self.kwargs, self.op)
+
+    def scalar_overflows(self) -> list:
+        """Finite Python numbers too large for the op's dtype (host values, `.item()`)."""
+        return scalar_overflows(self.args, self.kwargs, self.op)
 
 
 class _ModuleStack:
@@ -178,8 +200,9 @@ class _ModuleStack:
             self.stack.pop()
 
     @property
-    def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
+    def current(self) -> str | None:
+        """The innermost running module; None outside every module's forward (the loss)."""
+        return self.stack[-1] if self.stack else None
 
 
 @dataclass
@@ -189,10 +212,24 @@ class Trace:
     events: list = field(default_factory=list)          # [OpEvent]
     forward_records: list = field(default_factory=list)  # [ForwardRecord]
     producer: dict = field(default_factory=dict)         # id(tensor) -> event index
+    makers: dict = field(default_factory=dict)           # id(tensor) -> (weakref, record index)
     ops_seen: int = 0
 
     def producer_of(self, t: torch.Tensor) -> int | None:
         return self.producer.get(id(t))
+
+    def maker_index(self, t: torch.Tensor) -> int | None:
+        entry = self.makers.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def maker_of(self, t: torch.Tensor) -> ForwardRecord | None:
+        """The forward op that made a tensor (bad or not), looking through views and copies."""
+        index = self.maker_index(t)
+        record = self.forward_records[index] if index is not None else None
+        while record is not None and op_base(record.op) in PASS_THROUGH and record.input_makers \
+                and record.input_makers[0] is not None:
+            record = self.forward_records[record.input_makers[0]]
+        return record
 
 
 class OpTracer(TorchDispatchMode):
@@ -241,6 +278,8 @@ class OpTracer(TorchDispatchMode):
         if not backward:
             record = self._forward_record(func, name, args, kwargs)
             self._pending += [(t, record) for t in outputs]
+            for t in outputs:
+                self.trace.makers[id(t)] = (weakref.ref(t), record.index)
         out_kinds = frozenset().union(*(kinds_of(t) for t in outputs)) if outputs else frozenset()
         if record is not None:
             record.out_kinds = out_kinds
@@ -252,10 +291,14 @@ class OpTracer(TorchDispatchMode):
         return out
 
     def _forward_record(self, func, name, args, kwargs) -> ForwardRecord:
-        keep = op_base(name) in DOMAIN_OPS
+        keep = keeps_inputs(func)
+        inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
         record = ForwardRecord(len(self.trace.forward_records), name, self.modules.current,
                                user_source(), args=args if keep else None,
-                               kwargs=kwargs if keep else None, arg_names=schema_names(func))
+                               kwargs=kwargs if keep else None, arg_names=schema_names(func),
+                               func=func,
+                               in_producers=tuple(self.trace.producer.get(id(t)) for t in inputs),
+                               input_makers=tuple(self.trace.maker_index(t) for t in inputs))
         self.trace.forward_records.append(record)
         return record
 
@@ -265,6 +308,12 @@ class OpTracer(TorchDispatchMode):
         in_kinds = [kinds_of(t) for t in inputs]
         in_producers = [self.trace.producer_of(t) if k else None
                         for t, k in zip(inputs, in_kinds)]
+        written = written_arguments(func)
+        for i, (t, p) in enumerate(zip(inputs, in_producers)):
+            # An in-place op's target is read after the op wrote it: it only carried a bad value
+            # in if an earlier op had made it bad (then it has a producer).
+            if i in written and p is None:
+                in_kinds[i] = frozenset()
         forward = node.metadata.get("nanaudit") if node is not None else None
         event = OpEvent(
             index=len(self.trace.events), op=name,
@@ -273,7 +322,9 @@ class OpTracer(TorchDispatchMode):
             source=(forward.source if forward else None) if backward else record.source,
             out_kinds=out_kinds, in_kinds=in_kinds, in_producers=in_producers,
             forward=forward, node=node.name() if node is not None else None,
-            args=args, kwargs=kwargs, arg_names=schema_names(func))
+            args=args, kwargs=kwargs, arg_names=schema_names(func), func=func,
+            untracked={i: untracked_origin(t) for i, (t, k, p)
+                       in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None})
         self.trace.events.append(event)
         if record is not None:
             record.event = event.index
@@ -281,6 +332,32 @@ class OpTracer(TorchDispatchMode):
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+
+
+def untracked_origin(t: torch.Tensor) -> str:
+    """Where a non-finite input that no traced op produced came from, as far as torch knows."""
+    forward_cls = getattr(t.grad_fn, "_forward_cls", None)
+    if forward_cls is not None:           # the output of a custom autograd.Function
+        return f"the output of the autograd.Function {forward_cls.__qualname__}"
+    function = _running_function()
+    if function is not None:              # made inside a Function's forward (numpy, C code)
+        return f"code inside the forward of the autograd.Function {function}"
+    if t.grad_fn is not None:
+        return f"the autograd node {t.grad_fn.name()}"
+    return "a tensor made outside the traced ops (a constant, numpy, the batch, .item())"
+
+
+def _running_function() -> str | None:
+    """The custom autograd.Function whose forward is on the stack, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        qualname = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        if frame.f_code.co_name == "forward" and "." in qualname:
+            owner = frame.f_globals.get(qualname.split(".")[0])
+            if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+                return owner.__qualname__
+        frame = frame.f_back
+    return None
 
 
 def walk_back(trace: Trace, start: int, kind: str) -> tuple[OpEvent, list]:

@@ -34,12 +34,34 @@ EXPECTED = {
     "fp16_adam_eps": dict(step=0, where="optimizer", cause="optimizer-update", tensor="weight"),
     "fp16_activation_growth": dict(step=24, where="forward", op="aten.mm.default",
                                    module="proj", cause="dtype-overflow"),
+    # Issue 16: follow every infinity to where it was made; causes from the op's mathematics.
+    "fp16_ffn_overflow": dict(step=2, where="forward", value="nan", op="aten.addmm.default",
+                              module="block.ffn.wo", cause="dtype-overflow", samples=[3]),
+    "llama_fp16_massive_activation": dict(step=1, where="forward", value="nan",
+                                          op="aten.mm.default",
+                                          module="model.layers.0.mlp.down_proj",
+                                          cause="dtype-overflow", samples=[2]),
+    "softmax_backward_overflow": dict(step=1, where="forward", value="nan",
+                                      op="aten.exp.default", module="", cause="exp-overflow",
+                                      samples=[5]),
+    "learned_temperature": dict(step=2, where="forward", value="nan", op="aten.exp.default",
+                                module="", cause="exp-overflow", samples=[9]),
+    "nb_dispersion_pole": dict(step=1, where="forward", op="aten.lgamma.default",
+                               module="nb_dispersion_pole:loss", cause="pole", samples=[6]),
+    "empty_bag_logsumexp": dict(step=2, where="forward", value="nan",
+                                op="aten.logsumexp.default", module="",
+                                cause="softmax-all-masked", samples=[4]),
+    "numpy_function": dict(step=1, where="forward", value="inf", module="", cause="unknown",
+                           samples=[2]),
+    "gem_negative_base": dict(step=0, where="forward", value="nan", op="aten.pow.Tensor_Tensor",
+                              module="pool", cause="sqrt-domain", samples=None),
 }
 CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean"}
 # Run under two ranks in test_distributed.py (and as one process there too).
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader"}
-SHARED_SOURCE = {"amp_scale_collapse": "mixed_precision.py",
+SHARED_SOURCE = {"llama_fp16_massive_activation": "transformers/models/llama/modeling_llama.py",
+                 "amp_scale_collapse": "mixed_precision.py",
                  "fp16_activation_growth": "mixed_precision.py"}
 
 

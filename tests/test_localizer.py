@@ -228,3 +228,301 @@ def test_dropout_replay_uses_the_same_rng(case, tmp_path):
     f = result.finding
     assert result.code == 1
     assert f["reproduced"] is True and f["op"] == "aten.log.default"
+
+
+# --- issue 16: follow every infinity to where it was made -----------------------------------
+
+def test_log_space_dp_over_nothing_but_minus_inf_blames_logsumexp(case, tmp_path):
+    """A log-space forward algorithm: torch.full(-inf) as the initial state (on purpose); one
+    sample's allowed states are empty, so logsumexp reduces nothing but -inf."""
+    body = """
+        class Aligner(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emit = nn.Linear(8, 3)
+            def forward(self, x):
+                scores = self.emit(x).log_softmax(-1)               # (4, 3)
+                alpha = torch.full((4, 3), float("-inf"))
+                alpha[:, 0] = 0.0
+                allowed = torch.ones(4, 3, dtype=torch.bool)
+                allowed[2] = False                                  # no state is allowed
+                alpha = alpha + scores
+                alpha = alpha.masked_fill(~allowed, float("-inf"))
+                return torch.logsumexp(alpha, dim=1)
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.aligner = Aligner()
+            def forward(self, x):
+                return self.aligner(x)
+        """
+    result = scan(_case(case, body, loss="-out.mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["where"], f["value"], f["op"], f["module"], f["cause"]) == (
+        "forward", "inf", "aten.logsumexp.default", "aligner", "softmax-all-masked")
+    assert "overflow" not in f["explanation"] and "on purpose" in f["explanation"]
+    assert f["chain"][0]["op"] == "aten.logsumexp.default"
+
+
+def test_deliberate_minus_inf_dp_that_stays_finite_scans_clean(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emit = nn.Linear(8, 3)
+            def forward(self, x):
+                alpha = torch.full((4, 3), float("-inf"))
+                alpha[:, 0] = 0.0
+                for _ in range(3):
+                    shifted = torch.cat([torch.full((4, 1), float("-inf")), alpha[:, :-1]], 1)
+                    alpha = torch.logaddexp(alpha, shifted) + self.emit(x).log_softmax(-1)
+                return alpha[:, -1]
+        """
+    result = scan(_case(case, body, loss="-out.mean()"), tmp_path=tmp_path)
+    assert result.code == 0, result.report["finding"]
+
+
+def test_negative_power_at_zero_is_a_pole_with_its_origin(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+            def forward(self, x):
+                d = torch.relu(self.lin(x))          # distances; relu makes exact zeros
+                return d.pow(-2.0)                   # inverse-square weights
+        """
+    result = scan(_case(case, body, loss="out.mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["where"], f["op"], f["cause"]) == ("forward", "aten.pow.Tensor_Scalar", "pole")
+    assert "pole at 0" in f["explanation"] and "came from relu" in f["explanation"]
+
+
+def test_digamma_at_zero_from_exp_underflow_is_a_pole(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 3)
+            def forward(self, x):
+                alpha = torch.exp(self.lin(x) - 200.0)      # Dirichlet concentrations
+                return torch.digamma(alpha) - torch.digamma(alpha.sum(-1, keepdim=True))
+        """
+    result = scan(_case(case, body, loss="out.mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["op"], f["cause"]) == ("aten.digamma.default", "pole")
+    assert "came from exp" in f["explanation"] and "underflows to exactly 0" in f["explanation"]
+
+
+def test_float32_overflow_turned_into_nan_by_layer_norm_blames_the_matmul(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(8, 8)
+                self.norm = nn.LayerNorm(8)
+                with torch.no_grad():
+                    self.up.weight.fill_(1e37)
+            def forward(self, x):
+                return self.norm(self.up(x.abs() * 100))
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["where"], f["value"], f["op"], f["module"], f["cause"]) == (
+        "forward", "nan", "aten.addmm.default", "up", "dtype-overflow")
+    assert "float32 holds at most" in f["explanation"]
+    assert "native_layer_norm" in f["explanation"]
+    assert [c["op"] for c in f["chain"][:1]] == ["aten.addmm.default"]
+    assert any(c["op"] == "aten.native_layer_norm.default" for c in f["chain"])
+
+
+def test_minus_inf_from_log_of_zero_keeps_its_sign_and_names_the_loss(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 1)
+            def forward(self, x):
+                return torch.sigmoid(self.lin(x) * 0 - 200.0).squeeze(1)   # saturates to 0
+        """
+    result = scan(_case(case, body, loss="torch.log(out).mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["value"], f["op"], f["cause"], f["module"]) == (
+        "-inf", "aten.log.default", "log-domain", "case:loss")
+    assert "-inf" in f["explanation"] and "came from sigmoid" in f["explanation"]
+    assert f["chain"][0]["module"] == "case:loss"
+
+
+def test_python_inf_scalar_times_zero_is_inf_arithmetic_not_all_finite(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(8, 8)
+            def forward(self, x):
+                keep = torch.ones(4, 4)
+                keep[:, 3] = 0.0
+                bias = (1 - keep) * float("-inf")        # 0 * -inf = NaN where kept
+                return torch.softmax(self.q(x) @ self.q(x).T + bias, dim=-1)
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["op"], f["cause"]) == ("aten.mul.Tensor", "inf-arithmetic")
+    assert "all finite" not in f["explanation"] and "-inf * 0" in f["explanation"]
+
+
+def test_nan_from_numpy_in_the_forward_is_created_outside_torch(case, tmp_path):
+    body = """
+        import numpy as np
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+            def forward(self, x):
+                ratio = np.log(np.array([1.0, 0.0, 2.0, 3.0], dtype=np.float32))
+                return self.lin(x) * torch.tensor(ratio).unsqueeze(1)
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert f["cause"] == "unknown" and f["where"] == "forward"
+    assert "created outside torch ops" in f["explanation"]
+    assert "overflow" in f["explanation"] and "not an overflow" in f["explanation"]
+    assert "inputs that were all finite" not in f["explanation"]
+
+
+def test_rsqrt_at_zero_in_forward_keeps_sqrt_domain_with_a_true_text(case, tmp_path):
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+            def forward(self, x):
+                h = self.lin(x) * torch.tensor([1., 0., 1., 1.]).unsqueeze(1)   # a padding row
+                return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))           # RMSNorm, no eps
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["op"], f["cause"]) == ("aten.rsqrt.default", "sqrt-domain")
+    assert "rsqrt(0) = 1/sqrt(0) is inf" in f["explanation"]
+    assert "-inf * 0" not in f["explanation"] and "mul" in f["explanation"]
+
+
+def test_one_op_registry_keys_rules_on_overload_packets():
+    import torch
+    from nanaudit import diagnose
+    assert diagnose.RULES[torch.ops.aten.log] is diagnose.RULES[torch.ops.aten.log_]
+    assert diagnose.keeps_inputs(torch.ops.aten.lgamma.default)
+    assert diagnose.keeps_inputs(torch.ops.aten.softplus.default)       # named as an origin
+    assert not diagnose.keeps_inputs(torch.ops.aten.relu.default)
+    with pytest.raises(ValueError, match="two domain rules"):
+        diagnose.domain_rule("log")(lambda *a: None)
+
+
+def test_overflow_is_claimed_only_when_the_result_can_exceed_the_range():
+    import torch
+    from nanaudit.diagnose import overflow_bound
+    a = torch.full((2, 64), 3.1e4, dtype=torch.float16)
+    b = torch.full((64, 2), 1.0, dtype=torch.float16)
+    big = overflow_bound("aten.mm.default", (a, b), {}, None)
+    assert big.bound > big.limit == 65504
+    small = overflow_bound("aten.mm.default", (a / 1e4, b), {}, None)
+    assert small.bound < small.limit
+    cast = overflow_bound("aten._to_copy.default", (torch.tensor([1e5]),), {},
+                          torch.float16)
+    assert cast.bound > cast.limit and cast.dtype == torch.float16
+
+
+def test_masked_out_empty_bag_nan_in_backward_blames_the_softmax(case, tmp_path):
+    """Attention MIL pooling: the empty bag's output is masked out, so the loss is finite, but
+    the softmax over its all -inf row made NaN that backward multiplies into the gradients. The
+    -inf is the mask's: softmax-all-masked at the softmax, not an overflow, not masked_fill."""
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Linear(8, 8)
+                self.score = nn.Linear(8, 1)
+            def forward(self, x):
+                tiles = self.embed(x).view(2, 2, 8)
+                valid = torch.tensor([[True, True], [False, False]])
+                scores = self.score(tiles).squeeze(-1).masked_fill(~valid, float("-inf"))
+                pooled = (torch.softmax(scores, dim=1).unsqueeze(-1) * tiles).sum(1)
+                return torch.where(valid.any(1, keepdim=True), pooled, torch.zeros_like(pooled))
+        """
+    result = scan(_case(case, body, loss="out.square().mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1 and result.report["timeline"][0]["loss"] != "nan"
+    assert (f["where"], f["op"], f["cause"]) == (
+        "forward", "aten._softmax.default", "softmax-all-masked")
+    assert f["chain"][-1]["where"] == "backward"             # the hops into backward are shown
+    assert "masked_fill" in f["explanation"] and "overflow" not in f["explanation"]
+
+
+def test_multihead_attention_over_a_fully_padded_sequence(case, tmp_path):
+    """Real-world 17: nn.MultiheadAttention writes -inf for padded keys itself (masked_fill_ in
+    place); a sequence with every key padded is softmax-all-masked, its -inf written on purpose."""
+    code = """
+        import torch
+        from torch import nn
+
+        def batches():
+            g = torch.Generator().manual_seed(0)
+            for step in range(3):
+                pad = torch.zeros(4, 5, dtype=torch.bool)
+                pad[:, 3:] = True
+                if step == 1:
+                    pad[2] = True                      # an empty sequence
+                yield torch.randn(4, 5, 8, generator=g), pad
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            def forward(self, x, pad):
+                return self.attn(x, x, x, key_padding_mask=pad)[0]
+
+        def build_model():
+            torch.manual_seed(0)
+            return M()
+
+        def loss(model, batch):
+            return model(*batch).square().mean()
+        """
+    result = scan(case(code, optimizer={"class": "torch.optim.SGD", "lr": 0.01}),
+                  tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["step"], f["op"], f["module"], f["cause"], f["samples"]) == (
+        1, "aten._softmax.default", "attn", "softmax-all-masked", [2])
+    assert "masked_fill" in f["explanation"] and "on purpose" in f["explanation"]
+
+
+def test_softmax_over_a_numpy_built_minus_inf_mask_is_all_masked(case, tmp_path):
+    """A causal mask built with numpy (np.triu of -inf) is a deliberate -inf from outside torch:
+    a fully masked row is softmax-all-masked, never an overflow."""
+    body = """
+        import numpy as np
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = nn.Linear(8, 8)
+            def forward(self, x):
+                mask = np.triu(np.full((4, 4), -np.inf, dtype=np.float32), k=1)
+                mask[0, 0] = -np.inf                     # the first query sees nothing
+                scores = self.q(x) @ self.q(x).T
+                return torch.softmax(scores + torch.from_numpy(mask), dim=-1)
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["op"], f["cause"]) == ("aten._softmax.default", "softmax-all-masked")
+    assert "outside torch" in f["explanation"]
