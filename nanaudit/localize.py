@@ -444,7 +444,7 @@ def origin_note(trace: Trace, diagnosis) -> str:
     if maker is None:
         return ""
     try:
-        values = operand[mask]
+        values = operand.detach()[mask]
         shown = _fmt_scalar(float(values[0])) if not torch.isfinite(values[0]) else \
             f"{float(values[0]):.6g}"
     except (IndexError, RuntimeError):

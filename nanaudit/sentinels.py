@@ -94,7 +94,7 @@ class Sentinels:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        return [_values(p.grad.detach()) for p in self.params if p.grad is not None]
+        return [dense_values(p.grad.detach()) for p in self.params if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
         return finite_norm(self.grad_values(), self.device)
@@ -115,7 +115,9 @@ class Sentinels:
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
+def dense_values(t: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's stored values as a dense tensor (itself when dense): what the
+    finiteness checks and statistics read, since most kernels take no sparse layout."""
     if t.layout is torch.sparse_coo:
         return t.coalesce().values()
     if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
@@ -126,12 +128,12 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the tensors holding a non-finite element: for the report, after a trip (syncs)."""
     return [name for name, t in named
-            if t is not None and not bool(torch.isfinite(_values(t.detach())).all())]
+            if t is not None and not bool(torch.isfinite(dense_values(t.detach())).all())]
 
 
 def value_kind(t: torch.Tensor) -> str:
     """'nan', 'inf' or '-inf': the kind of non-finite value a tensor holds, NaN first (syncs)."""
-    t = _values(t.detach())
+    t = dense_values(t.detach())
     if bool(torch.isnan(t).any()):
         return "nan"
     if bool((t == float("inf")).any()):

@@ -7,6 +7,7 @@ import math
 import torch
 
 from nanaudit.report import TensorStats
+from nanaudit.sentinels import dense_values
 
 SMALL_TENSOR = 16   # at most this many elements: show the values themselves
 
@@ -17,7 +18,7 @@ def _num(x) -> float | None:
 
 def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
     """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives."""
-    t = t.detach()
+    t = dense_values(t.detach())
     if t.is_complex():
         t = t.abs()
     shape, dtype, numel = tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel()

@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.sentinels import dense_values
 from nanaudit.diagnose import keeps_inputs, op_base, scalar_infinities, scalar_overflows
 from nanaudit.report import SourceLine
 
@@ -94,6 +95,7 @@ def named_tensors(arg_names, args, kwargs) -> list:
 
 def kinds_of(t: torch.Tensor) -> frozenset:
     """The non-finite kinds a floating tensor holds: subset of {'nan', 'inf', '-inf'} (syncs)."""
+    t = dense_values(t)
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return frozenset()
     if bool(torch.isfinite(t).all()):

@@ -538,3 +538,21 @@ def test_a_batch_of_thousands_of_bad_leaves_gives_a_bounded_report(tmp_path):
     assert result.code == 1 and f["cause"] == "nonfinite-input"
     assert len(f["inputs"]) == 16 and "and 2984 more leaves" in f["explanation"]
     assert (tmp_path / "report.json").stat().st_size < 400_000
+
+
+def test_a_nan_behind_a_sparse_embedding_is_replayed_and_localized(tmp_path):
+    code = SPARSE_CASE.replace(
+        "return self.head(self.emb(ids).mean(1))",
+        "h = self.emb(ids).mean(1)\n        return self.head(torch.log(h.abs() * (ids[:, :1] != 7)))"
+    ).replace("yield torch.randint(0, 50, (4, 6), generator=g), torch.randn(4, 1, generator=g)",
+              "ids = torch.randint(8, 50, (4, 6), generator=g)\n"
+              "        if _ == 2:\n            ids[1, 0] = 7       # a padding id: an all-zero row\n"
+              "        yield ids, torch.randn(4, 1, generator=g)")
+    (tmp_path / "case.py").write_text(code)
+    (tmp_path / "config.yaml").write_text("model: case:build_model\ndata: case:batches\n"
+                                          "loss: case:loss\noptimizer: case:optimizers\n")
+    result = scan(tmp_path / "config.yaml", "--no-repro", tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1, result.report["error"]
+    assert (f["step"], f["where"], f["op"], f["cause"], f["samples"]) == (
+        2, "forward", "aten.log.default", "log-domain", [1])
