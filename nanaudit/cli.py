@@ -299,6 +299,40 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
     _exit(exit_code(report))
 
 
+@main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
+                                                      "allow_interspersed_args": False})
+@click.option("-m", "module", metavar="MODULE", help="Run a module as `python -m MODULE` does.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed Python, NumPy and torch before the script (its own seeds win).")
+@click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
+@click.option("--max-rerun-steps", type=click.IntRange(min=1),
+              help="Do not re-run when localizing would repeat more than this many steps.")
+@_report_outputs
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(module, seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
+        plot_path, fail_on, quiet, script_args):
+    """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]...) under nanaudit's
+    checks at every optimizer step; on the first non-finite value stop it before the update,
+    then re-run it from the start to that step with full instruments to name the op."""
+    from nanaudit.pipeline import exit_code
+    from nanaudit.script_run import RunOptions, ScriptTarget, run_script
+    terminal = Terminal(quiet or json_path == "-")
+    if module:
+        target = ScriptTarget(module=module, args=tuple(script_args))
+    elif script_args:
+        target = ScriptTarget(path=script_args[0], args=tuple(script_args[1:]))
+    else:
+        terminal.error("nothing to run: give a script (`nanaudit run train.py ARGS...`) or "
+                       "a module (`nanaudit run -m pkg.train ARGS...`)")
+        _exit(ExitCode.USAGE)
+    options = RunOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
+                         fail_on=fail_on)
+    report = run_script(target, options)
+    if _is_rank_zero() or report.status != "clean":
+        _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _exit(exit_code(report))
+
+
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 def validate(config):
