@@ -79,7 +79,7 @@ def _caller_kwargs() -> dict:
     Trainer calls it): PyTorch passes global pre-hooks only the positional ones, and this runs
     once per step, not per module."""
     frame = sys._getframe(2)
-    if frame is not None and frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):
+    if frame is not None and frame.f_code.co_name in ("_call_impl", "inner"):
         kwargs = frame.f_locals.get("kwargs")
         return kwargs if isinstance(kwargs, dict) else {}
     return {}
@@ -92,6 +92,15 @@ def _leading_size(args, kwargs) -> int | None:
     return None
 
 
+def same_value(a, b) -> bool:
+    """Two runs' losses agree (NaN equals NaN; float noise of 1e-6 relative allowed)."""
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+
+
 def _hyper(optimizer) -> str:
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "eps", "momentum", "weight_decay")
@@ -102,12 +111,14 @@ def _hyper(optimizer) -> str:
 class ScriptAuditor:
     """The hooks of one script run; `install()` / `remove()` (see the module docstring)."""
 
-    def __init__(self, rerun_step: int | None = None, rank: int | None = None):
+    def __init__(self, rerun_step: int | None = None, rank: int | None = None,
+                 expected_losses: list | None = None):
         self.step = 0                    # optimizer steps completed
         self.timeline: list[TimelineEntry] = []
         self.trip: ScriptTrip | None = None
         self.rank = rank
         self.rerun_step = rerun_step
+        self.expected_losses = expected_losses   # the first run's, to stop a re-run that left it
         self.armed: Armed | None = None
         self.localized = None            # set by the re-run at step N: (auditor, optimizer)
         self.host_reads = 0
@@ -247,11 +258,19 @@ class ScriptAuditor:
             param_norm=norm, lr=float(lr) if isinstance(lr, (int, float)) else None,
             time_ms=round((now - self._last_check) * 1000, 3)))
         self._last_check = now
+        if self._left_first_run(loss_value if had_loss else None):
+            raise ScriptStopped()          # a re-run that already differs: no use going on
         trip = self._classify(optimizer, ok, norm, loss_value if had_loss else 0.0, grad_norm,
                               params, inputs)
         if trip is not None:
             self.trip = trip
             raise ScriptStopped()
+
+    def _left_first_run(self, loss) -> bool:
+        expected = self.expected_losses
+        if expected is None or self.step >= len(expected):
+            return False
+        return not same_value(expected[self.step], loss)
 
     def _classify(self, optimizer, ok, norm, loss, grad_norm, params, inputs):
         step, name = self.step, self._name

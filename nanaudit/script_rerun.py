@@ -74,7 +74,7 @@ def main(spec_path: str) -> int:
     from nanaudit.script_run import execute, rerun_failure
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
-    auditor = ScriptAuditor(rerun_step=spec["step"])
+    auditor = ScriptAuditor(rerun_step=spec["step"], expected_losses=spec["losses"])
     result = {"timeline": [], "finding": None, "reached": False, "trip": None, "error": None}
     try:
         execute(spec["target"], auditor, spec["seed"])

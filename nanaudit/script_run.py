@@ -31,7 +31,7 @@ from nanaudit import __version__
 from nanaudit.causes import fix_for
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.report import Finding, Report
-from nanaudit.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip
+from nanaudit.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
 
 _RUNPY = os.path.abspath(runpy.__file__)
 
@@ -233,7 +233,8 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
     return Finding(step=trip.step, where="forward" if trip.check == "loss" else "backward",
                    value=trip.value, cause="unknown", fix=fix_for("unknown"),
                    explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
-                                f"(loss {trip.loss}, gradient norm {trip.grad_norm}){grads}"),
+                                f"(loss {_fmt(trip.loss)}, gradient norm {_fmt(trip.grad_norm)})"
+                                f"{grads}"),
                    tensor="loss" if trip.check == "loss" else (trip.tensors or [None])[0],
                    tensors=trip.tensors, rank=trip.rank)
 
@@ -291,7 +292,7 @@ def _rerun_process(target, options, trip, timeline):
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
         spec = {"target": target, "seed": options.seed, "step": trip.step, "check": trip.check,
-                "result": str(result_path)}
+                "result": str(result_path), "losses": [e.loss for e in timeline[:trip.step]]}
         spec_path.write_bytes(pickle.dumps(spec))
         with open(log_path, "wb") as log:
             try:
@@ -308,20 +309,16 @@ def _rerun_process(target, options, trip, timeline):
         return pickle.loads(result_path.read_bytes()), tail
 
 
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+def _fmt(x) -> str:
+    return "none" if x is None else f"{x:.6g}"
 
 
 def compare_losses(first: list, rerun: list, step: int, rerun_trip, reached: bool) -> str | None:
     """None when the re-run followed the first run to `step`; else what differed."""
     for old, new in zip(first[:step], rerun[:step]):
-        if not _same(old.loss, new.loss):
-            return (f"the loss at step {old.step} was {old.loss} in the first run and "
-                    f"{new.loss} in the re-run")
+        if not same_value(old.loss, new.loss):
+            return (f"the loss at step {old.step} was {_fmt(old.loss)} in the first run and "
+                    f"{_fmt(new.loss)} in the re-run")
     if rerun_trip is not None:
         return (f"the re-run went non-finite earlier, at step {rerun_trip.step} "
                 f"({rerun_trip.check})")

@@ -2,7 +2,7 @@
 
 Planted bug: the encoder takes log() of raw counts; one row of the batch at --poison-step has a
 zero count, log(0) = -inf, and the loss goes non-finite. (The fix: log1p.) --poison-step -1 is
-the clean run.
+the clean run; --accumulate N steps the optimizer every N batches (gradient accumulation).
 """
 
 import argparse
@@ -45,7 +45,8 @@ def main():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--poison-step", type=int, default=5)
+    parser.add_argument("--poison-step", type=int, default=5, help="the batch with a zero count")
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -53,11 +54,13 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(1)
     for epoch in range(args.epochs):
-        for counts, target in batches(args.steps, args.batch_size, args.poison_step, generator):
-            optimizer.zero_grad()
+        data = batches(args.steps, args.batch_size, args.poison_step, generator)
+        for index, (counts, target) in enumerate(data):
             loss = nn.functional.mse_loss(model(counts), target)
-            loss.backward()
-            optimizer.step()
+            (loss / args.accumulate).backward()
+            if (index + 1) % args.accumulate == 0:
+                optimizer.step()
+                optimizer.zero_grad()
         print(f"epoch {epoch}: loss {loss.item():.4f}")
 
 
