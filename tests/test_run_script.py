@@ -230,3 +230,18 @@ def test_trainer_script_poisoned_sample():
     assert f.reproduced is True and len(f.samples) == 1
     clean = script("trainer_zero_sample.py", "--poison-sample", "-1", "--max-steps", "3")
     assert clean.status == "clean" and clean.steps_run == 3
+
+
+@pytest.mark.slow
+def test_accelerate_script_backward_finding_names_the_forward_op():
+    pytest.importorskip("accelerate")
+    report = script("accelerate_zero_norm.py")
+    f = report.finding
+    path = SCRIPTS / "accelerate_zero_norm.py"
+    assert (f.step, f.where, f.forward_op, f.module, f.cause) == (5, "backward",
+                                                                 "aten.sqrt.default", "length",
+                                                                 "sqrt-domain")
+    assert f.source.line == line_of(path, "return torch.sqrt(") and f.tensors == ["proj.weight"]
+    # Accelerate's wrapped optimizer steps the real one once: one check per step, not two.
+    clean = script("accelerate_zero_norm.py", "--poison-sample", "-1", "--epochs", "2")
+    assert clean.status == "clean" and clean.steps_run == 16
