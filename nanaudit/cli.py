@@ -315,7 +315,7 @@ def run(module, seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown
     checks at every optimizer step; on the first non-finite value stop it before the update,
     then re-run it from the start to that step with full instruments to name the op."""
     from nanaudit.pipeline import exit_code
-    from nanaudit.script_run import RunOptions, ScriptTarget, run_script
+    from nanaudit.script_run import RunOptions, ScriptTarget, rank_path, run_script
     terminal = Terminal(quiet or json_path == "-")
     if module:
         target = ScriptTarget(module=module, args=tuple(script_args))
@@ -328,8 +328,15 @@ def run(module, seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown
     options = RunOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
                          fail_on=fail_on)
     report = run_script(target, options)
-    if _is_rank_zero() or report.status != "clean":
-        _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    rank = report.extra.get("run", {}).get("rank")
+    if rank:
+        # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
+        json_path, junit_path, markdown_path, plot_path = (
+            rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
+    if rank is not None and _main_thread():
+        # torchrun stops the other ranks with SIGTERM once one exits: finish the reports first.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
     _exit(exit_code(report))
 
 

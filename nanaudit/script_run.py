@@ -156,9 +156,9 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
             auditor.finish()
         _record(report, auditor)
         first_run_s = time.perf_counter() - started
-        report.extra["run"] = {"first_run": {"steps": len(auditor.timeline),
-                                             "duration_s": round(first_run_s, 3),
-                                             "host_reads": auditor.host_reads}}
+        report.extra["run"]["first_run"] = {"steps": len(auditor.timeline),
+                                            "duration_s": round(first_run_s, 3),
+                                            "host_reads": auditor.host_reads}
         if auditor.trip is None:
             if auditor.step == 0:
                 raise NothingAuditedError(
@@ -185,10 +185,21 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
     return _done(report, started)
 
 
+def rank_path(path: str | None, rank: int) -> str | None:
+    """Where rank `rank` writes a report file given as PATH (stdout stays rank 0's)."""
+    if not path or path == "-":
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
 def _record(report: Report, auditor: ScriptAuditor) -> None:
     report.timeline = auditor.timeline
     report.steps_run = len(auditor.timeline)
     report.device = auditor.device or report.device
+    report.extra.setdefault("run", {})
+    if auditor.rank is not None:
+        report.extra.setdefault("run", {})["rank"] = auditor.rank
 
 
 def _done(report: Report, started: float) -> Report:

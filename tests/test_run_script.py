@@ -245,3 +245,39 @@ def test_accelerate_script_backward_finding_names_the_forward_op():
     # Accelerate's wrapped optimizer steps the real one once: one check per step, not two.
     clean = script("accelerate_zero_norm.py", "--poison-sample", "-1", "--epochs", "2")
     assert clean.status == "clean" and clean.steps_run == 16
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_checks_and_reports_its_rank(tmp_path):
+    import os
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "report.json"
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+               "LOCAL_RANK": str(rank)}
+        env.pop("GITHUB_ACTIONS", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "nanaudit", "run", "-q", "--json", str(out),
+             str(SCRIPTS / "ddp_log_counts.py")], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [proc.returncode for proc in procs] == [1, 1], outputs
+    rank0 = json.loads(out.read_text())
+    rank1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    # DDP all-reduces the gradients: every rank stops at step 3 before the update; rank 1,
+    # whose batch held the zero, saw its own loss go non-finite.
+    assert (rank0["finding"]["step"], rank0["finding"]["rank"]) == (3, 0)
+    assert (rank1["finding"]["step"], rank1["finding"]["where"], rank1["finding"]["rank"]) == (
+        3, "forward", 1)
+    assert rank1["run"]["rerun"]["status"] == "skipped"
