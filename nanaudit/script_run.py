@@ -12,7 +12,6 @@ exits (cli.py does).
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import random
