@@ -38,7 +38,8 @@ LOOP = """
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=float(sys.argv[1]) if len(sys.argv) > 1 else 0.1)
+    lr = float(sys.argv[1]) if len(sys.argv) > 1 else 0.1
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(6):
         x = torch.randn(5, 4)
         {poison}
