@@ -326,7 +326,9 @@ def run(module, seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown
                        "a module (`nanaudit run -m pkg.train ARGS...`)")
         _exit(ExitCode.USAGE)
     options = RunOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
-                         fail_on=fail_on)
+                         fail_on=fail_on, on_rerun=lambda step: terminal.info(
+                             f"non-finite at optimizer step {step}: re-running the script from "
+                             f"the start to localize it (--no-rerun skips this)"))
     report = run_script(target, options)
     rank = report.extra.get("run", {}).get("rank")
     if rank:

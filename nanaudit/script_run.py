@@ -25,6 +25,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from nanaudit import __version__
 from nanaudit.causes import fix_for
@@ -55,6 +56,7 @@ class RunOptions:
     max_rerun_steps: int | None = None     # do not re-run past this many steps
     fail_on: str | None = None
     rerun_timeout_s: float | None = None
+    on_rerun: Callable[[int], None] | None = None   # told the step the re-run goes to
 
 
 def seed_everything(seed: int) -> None:
@@ -75,20 +77,35 @@ def _rank() -> int | None:
     return None
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM during the script: unwound like Ctrl-C, so the partial report is written."""
+class _Interrupts:
+    """Ctrl-C and SIGTERM during the script raise KeyboardInterrupt (so the partial report is
+    written) and are remembered: a framework that catches it and returns normally (Lightning's
+    graceful shutdown) still ends as interrupted."""
 
+    def __init__(self):
+        self.seen = False
+        self._previous: dict = {}
 
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _raise(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt()
 
 
 def execute(target: ScriptTarget, auditor: ScriptAuditor, seed: int) -> None:
     """Run the script as `__main__` under the auditor's hooks; ScriptStopped ends it quietly.
     The script's exceptions become UserCodeError with its frames (runpy's and ours removed)."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    interrupts = _Interrupts().__enter__()
     auditor.install()
     try:
         seed_everything(seed)
@@ -113,8 +130,9 @@ def execute(target: ScriptTarget, auditor: ScriptAuditor, seed: int) -> None:
     finally:
         auditor.remove()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        interrupts.__exit__()
+    if interrupts.seen:
+        raise KeyboardInterrupt()
 
 
 def _user_error(target: ScriptTarget, exc: BaseException, note: str = "") -> UserCodeError:
@@ -269,6 +287,8 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
                 "process, or move to a YAML config (`nanaudit scan`), to name the op")
         report.finding.explanation += f"; {note}"
         return {"status": "skipped", "note": note}
+    if options.on_rerun is not None:
+        options.on_rerun(trip.step)
     started = time.perf_counter()
     result, log_tail = _rerun_process(target, options, trip, timeline)
     section = {"steps": steps, "duration_s": round(time.perf_counter() - started, 3)}

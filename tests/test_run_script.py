@@ -190,6 +190,19 @@ def test_interrupt_leaves_a_valid_partial_report(tmp_path):
     assert report["steps_run"] == 3
 
 
+def test_sigterm_caught_by_a_framework_still_ends_as_interrupted(tmp_path):
+    # Lightning catches KeyboardInterrupt for a graceful shutdown and returns normally.
+    path = write(tmp_path, LOOP.format(poison="""
+        if step == 2:
+            import os, signal
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except KeyboardInterrupt:
+                break"""))
+    report = run_script(ScriptTarget(path=str(path)))
+    assert report.status == "interrupted" and report.steps_run == 2
+
+
 def test_usage_and_missing_script(tmp_path):
     assert run_cli("run").code == 2
     out = tmp_path / "r.json"
