@@ -78,6 +78,15 @@ def test_clean_script_exits_0_through_the_cli_with_its_own_flags(tmp_path):
     assert report["config"]["argv"] == ["--poison-step", "-1", "--steps", "7"]
 
 
+def test_ci_outputs_of_a_finding(tmp_path):
+    junit, markdown = tmp_path / "r.xml", tmp_path / "r.md"
+    result = run_cli("run", "-q", "--no-rerun", "--format", "github", "--junit-xml", junit,
+                     "--markdown", markdown, SCRIPTS / "plain_log_counts.py")
+    assert result.code == 1
+    assert result.stdout.startswith("::error") and "step 5" in result.stdout
+    assert "<failure" in junit.read_text() and "step 5" in markdown.read_text()
+
+
 def test_no_rerun_and_max_rerun_steps_report_the_first_run_only():
     report = script("plain_log_counts.py", rerun=False)
     f = report.finding
