@@ -79,6 +79,7 @@ def main(spec_path: str) -> int:
     try:
         execute(spec["target"], auditor, spec["seed"])
         result["reached"] = auditor.localized is not None
+        result["traced"] = auditor.armed is not None
         if result["reached"]:
             result["finding"], result["ops_traced"] = localized_finding(auditor, spec["step"],
                                                                         spec["check"])

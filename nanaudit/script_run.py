@@ -303,6 +303,12 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         _not_deterministic(report.finding, mismatch)
         return {**section, "status": "nondeterministic", "note": mismatch}
     finding = result.get("finding")
+    if finding is None and not result.get("traced"):
+        note = (f"the re-run reached step {trip.step} but no module was called between step "
+                f"{trip.step - 1}'s update and step {trip.step}'s optimizer step: nothing was "
+                f"traced, so the op is not named")
+        report.finding.explanation += f"; {note}"
+        return {**section, "status": "not-traced", "note": note}
     if finding is None:
         note = (f"the re-run matched the first run's losses up to step {trip.step}, but its "
                 f"step {trip.step} came out finite under the tracer: a non-deterministic kernel "
