@@ -301,7 +301,6 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
 
 @main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
                                                       "allow_interspersed_args": False})
-@click.option("-m", "module", metavar="MODULE", help="Run a module as `python -m MODULE` does.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed Python, NumPy and torch before the script (its own seeds win).")
 @click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
@@ -309,17 +308,18 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
               help="Do not re-run when localizing would repeat more than this many steps.")
 @_report_outputs
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def run(module, seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
+def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
         plot_path, fail_on, quiet, script_args):
-    """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]...) under nanaudit's
-    checks at every optimizer step; on the first non-finite value stop it before the update,
-    then re-run it from the start to that step with full instruments to name the op."""
+    """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
+    under nanaudit's checks at every optimizer step; on the first non-finite value stop it
+    before the update, then re-run it from the start to that step with full instruments to
+    name the op. nanaudit's options go before the script; everything after it is the script's."""
     from nanaudit.pipeline import exit_code
     from nanaudit.script_run import RunOptions, ScriptTarget, rank_path, run_script
     terminal = Terminal(quiet or json_path == "-")
-    if module:
-        target = ScriptTarget(module=module, args=tuple(script_args))
-    elif script_args:
+    if script_args[:1] == ("-m",) and len(script_args) > 1:
+        target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
+    elif script_args and script_args[0] != "-m":
         target = ScriptTarget(path=script_args[0], args=tuple(script_args[1:]))
     else:
         terminal.error("nothing to run: give a script (`nanaudit run train.py ARGS...`) or "

@@ -133,11 +133,16 @@ def test_module_target_runs_like_python_dash_m(tmp_path, monkeypatch):
     write(package, LOOP.format(poison="x[2, 1] = float('inf') if step == 4 else 0.0"),
           "train.py")
     monkeypatch.chdir(tmp_path)
-    report = run_script(ScriptTarget(module="mypkg.train", args=("0.1",)))
-    f = report.finding
-    assert (f.step, f.where, f.cause, f.samples, f.value) == (4, "input", "nonfinite-input",
-                                                             [2], "inf")
-    assert report.config["path"] == "-m mypkg.train"
+    out = tmp_path / "r.json"
+    # After `-m MODULE` every argument is the module's, even one named like nanaudit's.
+    result = run_cli("run", "-q", "--json", out, "-m", "mypkg.train", "0.1", "--seed", "7")
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert result.code == 1
+    assert (f["step"], f["where"], f["cause"], f["samples"], f["value"]) == (
+        4, "input", "nonfinite-input", [2], "inf")
+    assert report["config"]["path"] == "-m mypkg.train" and report["config"]["seed"] == 0
+    assert report["config"]["argv"] == ["0.1", "--seed", "7"]
 
 
 def test_one_host_read_per_optimizer_step(tmp_path, host_reads):
