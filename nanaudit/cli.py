@@ -415,6 +415,49 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
         _exit(_final_code(report, failed, terminal))
 
 
+@main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
+                                                      "allow_interspersed_args": False})
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed Python, NumPy and torch before the script (its own seeds win).")
+@click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
+@click.option("--max-rerun-steps", type=click.IntRange(min=1),
+              help="Do not re-run when localizing would repeat more than this many steps.")
+@_report_outputs
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
+        plot_path, fail_on, quiet, script_args):
+    """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
+    under nanaudit's checks at every optimizer step; on the first non-finite value stop it
+    before the update, then re-run it from the start to that step with full instruments to
+    name the op. nanaudit's options go before the script; everything after it is the script's."""
+    from nanaudit.pipeline import exit_code
+    from nanaudit.script_run import RunOptions, ScriptTarget, rank_path, run_script
+    terminal = Terminal(quiet or json_path == "-")
+    if script_args[:1] == ("-m",) and len(script_args) > 1:
+        target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
+    elif script_args and script_args[0] != "-m":
+        target = ScriptTarget(path=script_args[0], args=tuple(script_args[1:]))
+    else:
+        terminal.error("nothing to run: give a script (`nanaudit run train.py ARGS...`) or "
+                       "a module (`nanaudit run -m pkg.train ARGS...`)")
+        _exit(ExitCode.USAGE)
+    options = RunOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
+                         fail_on=fail_on, on_rerun=lambda step: terminal.info(
+                             f"non-finite at optimizer step {step}: re-running the script from "
+                             f"the start to localize it (--no-rerun skips this)"))
+    report = run_script(target, options)
+    rank = report.extra.get("run", {}).get("rank")
+    if rank:
+        # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
+        json_path, junit_path, markdown_path, plot_path = (
+            rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
+    if rank is not None and _main_thread():
+        # torchrun stops the other ranks with SIGTERM once one exits: finish the reports first.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _exit(exit_code(report))
+
+
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 def validate(config):
