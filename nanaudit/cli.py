@@ -430,9 +430,9 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
     name the op. nanaudit's options go before the script; everything after it is the script's."""
-    from nanaudit.pipeline import exit_code
     from nanaudit.script_run import RunOptions, ScriptTarget, rank_path, run_script
     terminal = Terminal(quiet or json_path == "-")
+    _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     if script_args[:1] == ("-m",) and len(script_args) > 1:
         target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
     elif script_args and script_args[0] != "-m":
@@ -445,17 +445,22 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
                          fail_on=fail_on, on_rerun=lambda step: terminal.info(
                              f"non-finite at optimizer step {step}: re-running the script from "
                              f"the start to localize it (--no-rerun skips this)"))
-    report = run_script(target, options)
-    rank = report.extra.get("run", {}).get("rank")
-    if rank:
-        # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
-        json_path, junit_path, markdown_path, plot_path = (
-            rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
-    if rank is not None and _main_thread():
-        # torchrun stops the other ranks with SIGTERM once one exits: finish the reports first.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-    _exit(exit_code(report))
+    with _Stop() as stop:
+        try:
+            report = run_script(target, options)
+        finally:
+            stop.hold()
+        _note_signal(report, stop)
+        rank = report.extra.get("run", {}).get("rank")
+        if rank:
+            # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
+            json_path, junit_path, markdown_path, plot_path = (
+                rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
+        if rank is not None and _main_thread():
+            # torchrun stops the other ranks with SIGTERM once one exits: finish the reports.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+        _exit(_final_code(report, failed, terminal))
 
 
 @main.command(epilog=EXIT_CODE_HELP)

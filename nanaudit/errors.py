@@ -112,6 +112,12 @@ class UserCodeError(NanauditError):
         first = (str(self.exception).strip().splitlines() or [""])[0][:500]
         return f"{self.what} raised {type(self.exception).__name__}: {first}"
 
+    def formatted_traceback(self) -> str:
+        lines = ["Traceback (user code, nanaudit frames removed):\n"]
+        lines += traceback.format_list(self.frames)
+        lines += traceback.format_exception_only(type(self.exception), self.exception)
+        return "".join(lines)
+
     def to_dict(self) -> dict:
         return {
             "type": "UserCodeError",

@@ -98,6 +98,11 @@ class _Interrupts:
 
     def _raise(self, signum, frame):
         self.seen = True
+        # The command's own handler (the CLI's) learns of it too: it names the signal in the
+        # report and makes a second one exit at once.
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
         raise KeyboardInterrupt()
 
 

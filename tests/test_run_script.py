@@ -217,6 +217,18 @@ def test_sigterm_caught_by_a_framework_still_ends_as_interrupted(tmp_path):
     assert report.status == "interrupted" and report.steps_run == 2
 
 
+def test_sigterm_is_exit_143_with_the_signal_in_the_report(tmp_path):
+    path = write(tmp_path, LOOP.format(poison="""
+        if step == 2:
+            import os, signal
+            os.kill(os.getpid(), signal.SIGTERM)"""))
+    out = tmp_path / "r.json"
+    result = run_cli("run", "-q", "--json", out, path)
+    report = json.loads(out.read_text())
+    assert result.code == 143 and report["status"] == "interrupted"
+    assert report["error"]["signal"] == "SIGTERM" and report["steps_run"] == 2
+
+
 def test_usage_and_missing_script(tmp_path):
     assert run_cli("run").code == 2
     out = tmp_path / "r.json"
