@@ -97,11 +97,20 @@ def _finding_panel(f: Finding) -> Panel:
                  border_style="red")
 
 
+def _batch_text(f: Finding) -> str | None:
+    """The batch index (and micro-batch) an integration named, under gradient accumulation."""
+    if f.batch_index is None:
+        return None
+    micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
+    return f"{f.batch_index}{micro}"
+
+
 def _facts(f: Finding) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    rows = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value),
+    rows = [("step", f.step), ("batch", _batch_text(f)), ("rank", f.rank), ("where", f.where),
+            ("value", f.value),
             ("op", f.op),
             ("forward op", f.forward_op), ("module", f.module if f.module != "" else "(root)"
                                            if f.module is not None else None),

@@ -21,7 +21,8 @@ class MarkdownRenderer(Renderer):
         f = report.finding
         if f is not None:
             out += ["| | |", "|---|---|"]
-            rows = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value), ("op", f.op),
+            rows = [("step", f.step), ("batch index", f.batch_index),
+                    ("micro-batch", f.micro_batch), ("rank", f.rank), ("where", f.where), ("value", f.value), ("op", f.op),
                     ("forward op", f.forward_op), ("module", f.module), ("tensor", f.tensor),
                     ("samples", f.samples), ("cause", f"`{f.cause}`")]
             out += [f"| {k} | {_cell(v)} |" for k, v in rows if v not in (None, "", [])]
