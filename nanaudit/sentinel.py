@@ -141,6 +141,7 @@ class Sentinel:
         self.steps_checked = 0
         self.timeline: list[TimelineEntry] = []
         self.report: Report | None = None    # the last trip's report
+        self.tripped: tuple[Trip, StepState] | None = None
 
     # --- recording --------------------------------------------------------------------------
 
@@ -265,6 +266,7 @@ class Sentinel:
         micro = window[where] if where is not None else None
         state = StepState(trip.step, micro.batch if micro else None,
                           micro.rng if micro else self._rng, scale)
+        self.tripped = (trip, state)         # for integrations writing a repro bundle
         outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
                               state=state)
         if trip.check in ("loss", "gradient") and (self.loss_fn is None or micro is None):
