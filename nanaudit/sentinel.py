@@ -193,6 +193,8 @@ class Sentinel:
         trip, where = self._classify(step, window, flags, losses, norm, gnorm, scale)
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
         self._record(step, mean_loss, gnorm, norm, started, scale)
+        self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
+                                     and (trip is None or trip.note is not None))
         if trip is not None:
             self.report = self._report(trip, window, where, scale)
             raise NonFiniteError(self.report)
