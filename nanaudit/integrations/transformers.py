@@ -73,7 +73,12 @@ class NanauditCallback(TrainerCallback):
         self._batches_seen = 0
         self._wrap_compute_loss(trainer)
 
+    def _unwrap(self) -> None:
+        if self.trainer is not None and "compute_loss" in self.trainer.__dict__:
+            del self.trainer.compute_loss        # back to the class's method
+
     def _wrap_compute_loss(self, trainer: Trainer) -> None:
+        self._unwrap()
         original = trainer.compute_loss          # the bound method (a user override included)
         self._original = original
         callback = self
@@ -102,8 +107,7 @@ class NanauditCallback(TrainerCallback):
             return self._original(self._loss_model or model, dict(batch), **kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer is not None and "compute_loss" in self.trainer.__dict__:
-            del self.trainer.compute_loss        # back to the class's method
+        self._unwrap()
         if self.sentinel is not None and self.report is None:
             from nanaudit.integrations._output import write_reports
             write_reports(self.sentinel.make_report("clean"), self._folder(args), echo=False)
@@ -119,6 +123,7 @@ class NanauditCallback(TrainerCallback):
         except NonFiniteError as error:
             self._write(args, state, error.report)
             if self.on_finding == "raise":
+                self._unwrap()                   # on_train_end does not run after a raise
                 raise
             for p in self.trainer.model.parameters():
                 p.grad = None                   # the optimizer step updates nothing
