@@ -61,7 +61,7 @@ class NanauditCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         from nanaudit.sentinel import Sentinel
-        trainer = self.trainer or _calling_trainer()
+        trainer = _calling_trainer() or self.trainer
         if trainer is None:
             raise RuntimeError("NanauditCallback: no transformers.Trainer called on_train_begin; "
                                "pass it as NanauditCallback(trainer=trainer)")
