@@ -135,6 +135,7 @@ class Sentinel:
         self._checked_once = False
         self._rng = RngState.capture()
         self._window: list[MicroBatch] = []
+        self._last_window: list[MicroBatch] = []
         self._seen = 0                       # micro-batches recorded so far (default index)
         self.skipped_in_row = 0
         self.skipped = 0
@@ -142,6 +143,7 @@ class Sentinel:
         self.timeline: list[TimelineEntry] = []
         self.report: Report | None = None    # the last trip's report
         self.tripped: tuple[Trip, StepState] | None = None
+        self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
 
     # --- recording --------------------------------------------------------------------------
 
@@ -149,15 +151,17 @@ class Sentinel:
         """Take the RNG state for the next micro-batch now (call right before its forward)."""
         self._rng = RngState.capture()
 
-    def micro_batch(self, batch: Any, loss: torch.Tensor, index: int | None = None) -> None:
+    def micro_batch(self, batch: Any, loss: torch.Tensor, index: int | None = None) -> MicroBatch:
         """Record one micro-batch after its backward: its batch, loss and RNG state. No host
-        read; `check_update` reads every recorded micro-batch at once."""
+        read; `check_update` reads every recorded micro-batch at once. Returns the record."""
         finite = all_finite([t for _, t in float_leaves(batch)], self.device)
         value = loss.detach().reshape(()).to(torch.float64).to(self.device)
-        self._window.append(MicroBatch(self._seen if index is None else index, batch, self._rng,
-                                       finite, value))
+        record = MicroBatch(self._seen if index is None else index, batch, self._rng, finite,
+                            value)
+        self._window.append(record)
         self._seen += 1
         self._rng = RngState.capture()
+        return record
 
     def check(self, step: int, batch: Any, loss: torch.Tensor) -> None:
         """Check the batch, weights, loss and gradients of `step`; call after backward and
@@ -165,17 +169,15 @@ class Sentinel:
         self.micro_batch(batch, loss)
         self.check_update(step)
 
-    def discard_window(self) -> None:
-        """Forget the recorded micro-batches (a framework skipped their update)."""
-        self._window = []
-
     # --- the check --------------------------------------------------------------------------
 
     def check_update(self, step: int, optimizer=None) -> None:
         """Check the window's micro-batches, the weights and the accumulated gradients before
         the optimizer step of `step`: one host read. Raises NonFiniteError before the update."""
         started = time.perf_counter()
-        window, self._window = self._window, []
+        # Several optimizers stepping after one backward share its micro-batches.
+        window = self._window or self._last_window
+        self._window, self._last_window = [], window
         scope = self._scope(optimizer)
         state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grads()], self.device)
         head = [state_norm, grad_norm]
@@ -266,6 +268,7 @@ class Sentinel:
         if where is None:
             where = len(window) - 1 if window else None
         micro = window[where] if where is not None else None
+        self.replaying = micro
         state = StepState(trip.step, micro.batch if micro else None,
                           micro.rng if micro else self._rng, scale)
         self.tripped = (trip, state)         # for integrations writing a repro bundle
@@ -302,6 +305,7 @@ class Sentinel:
         from nanaudit.localize import preserved_buffers, replay_reproduces
         with preserved_buffers(self.model):
             for i, micro in enumerate(window):
+                self.replaying = micro
                 state = StepState(trip.step, micro.batch, micro.rng, scale)
                 if replay_reproduces(session, state, micro.batch, "gradient"):
                     return i, None
@@ -315,6 +319,7 @@ class Sentinel:
         self.model.zero_grad(set_to_none=True)
         try:
             for micro in window:
+                self.replaying = micro
                 micro.rng.restore()
                 loss = scalar_loss(self.loss_fn(self.model, micro.batch))
                 (loss * scale if scale is not None else loss).backward()

@@ -137,7 +137,9 @@ class TwoOptimizers(lightning.LightningModule):
     def training_step(self, batch, batch_idx):
         opt_encoder, opt_head = self.optimizers()
         x, y = batch
-        loss = (self.head(torch.tanh(self.encoder(x))) - y).pow(2).mean()
+        pred = self.head(torch.tanh(self.encoder(x)))
+        self.manual_backward(pred.pow(2).mean() * 0.0, retain_graph=True)   # two backwards
+        loss = (pred - torch.log(y.abs() + 0.1 * (batch_idx != 5))).pow(2).mean()
         opt_encoder.zero_grad()
         opt_head.zero_grad()
         self.manual_backward(loss)
@@ -168,3 +170,16 @@ def test_manual_optimization_with_two_optimizers_clean_and_poisoned():
     assert (f.where, f.batch_index, f.tensor, f.samples, f.cause) == (
         "input", 2, "batch[0]", [2], "nonfinite-input")
     assert f.step == 4
+
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    y[22] = 0.0                                 # batch_idx 5, row 2: log(0)
+    x[10, 2] = 0.0
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(TwoOptimizers(), loader)
+    f = raised.value.report.finding
+    # The replay ran training_step with the optimizers disabled and took the second
+    # manual_backward's loss, as in the step that tripped.
+    assert (f.step, f.batch_index, f.where, f.op, f.cause, f.samples) == (
+        10, 5, "forward", "aten.log.default", "log-domain", [2])

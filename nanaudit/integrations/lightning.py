@@ -50,8 +50,7 @@ class NanauditCallback(Callback):
         self._batch: Any = None
         self._batch_idx = 0
         self._backward_calls = 0       # manual_backward calls in this batch so far
-        self._replay_call = 0          # which of them the replay returns
-        self._batch_idx_of: dict = {}
+        self._call_of: dict = {}       # id(micro-batch record) -> its manual_backward call
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -67,15 +66,15 @@ class NanauditCallback(Callback):
         """The replay's loss: the module's own training_step, under the precision plugin's
         autocast; under manual optimization the k-th manual_backward's loss, nothing stepped."""
         trainer = self._trainer
-        batch_idx = self._batch_idx_of.get(id(batch), self._batch_idx)
+        micro = self.sentinel.replaying
+        batch_idx = micro.index if micro is not None else self._batch_idx
         with trainer.precision_plugin.train_step_context():
             if model.automatic_optimization:
                 return model.training_step(batch, batch_idx)
             with _manual_replay(model, trainer) as losses:
                 model.training_step(batch, batch_idx)
-            if len(losses) <= self._replay_call:
-                return None
-            return losses[self._replay_call]
+            call = self._call_of.get(id(micro), len(losses) - 1)
+            return losses[call] if 0 <= call < len(losses) else None
 
     # --- recording --------------------------------------------------------------------------
 
@@ -95,16 +94,11 @@ class NanauditCallback(Callback):
             value = value / scaler._scale      # the hook sees the scaled loss (device op)
         if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             value = value * trainer.accumulate_grad_batches    # Lightning divided it
-        self._batch_idx_of[id(self._batch)] = self._batch_idx
-        self.sentinel.micro_batch(self._batch, value, index=self._batch_idx)
-        self._last_call = self._backward_calls
+        record = self.sentinel.micro_batch(self._batch, value, index=self._batch_idx)
+        if len(self._call_of) > 1024:
+            self._call_of.clear()               # only the open window's records are needed
+        self._call_of[id(record)] = self._backward_calls
         self._backward_calls += 1
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Batches whose window is still open stay referenced by the sentinel; the index map
-        # only needs the open window's batches.
-        if self.sentinel is not None and not self.sentinel._window:
-            self._batch_idx_of.clear()
 
     # --- the check --------------------------------------------------------------------------
 
@@ -114,7 +108,6 @@ class NanauditCallback(Callback):
             return
         inner = getattr(optimizer, "optimizer", optimizer)      # a LightningOptimizer
         scoped = inner if len(trainer.optimizers) > 1 else None
-        self._replay_call = getattr(self, "_last_call", 0)
         try:
             self.sentinel.check_update(trainer.global_step, optimizer=scoped)
         except NonFiniteError as error:
