@@ -132,7 +132,7 @@ class Sentinel:
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._scopes: dict = {}
-        self._checked_once = False
+        self._last_step: int | None = None   # the step of the last check that passed
         self._rng = RngState.capture()
         self._window: list[MicroBatch] = []
         self._last_window: list[MicroBatch] = []
@@ -200,7 +200,7 @@ class Sentinel:
         if trip is not None:
             self.report = self._report(trip, window, where, scale)
             raise NonFiniteError(self.report)
-        self._checked_once = True
+        self._last_step = step
 
     def _scope(self, optimizer) -> _Scope:
         key = id(optimizer) if optimizer is not None else None
@@ -219,8 +219,8 @@ class Sentinel:
         if first_bad is not None:
             return Trip(step, "input", losses[first_bad], gnorm), first_bad
         if not math.isfinite(norm):
-            # The weights were fine at the last check; an optimizer step ran since: blame it.
-            return (Trip(step - 1, "optimizer") if self._checked_once
+            # The weights were fine at the last check; the update after it made them bad.
+            return (Trip(self._last_step, "optimizer") if self._last_step is not None
                     else Trip(step, "parameter")), None
         bad_loss = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
         if bad_loss is not None:

@@ -100,3 +100,20 @@ def test_clean_bf16_accumulation_reads_the_host_once_per_optimizer_step(host_rea
     # AdamW reading its CPU step counter and the DataLoader drawing its seed, not nanaudit's.
     assert host_reads["tolist"] == 4
     assert sentinel.timeline[0].lr > sentinel.timeline[-1].lr
+
+
+def test_readme_accelerate_recipe_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- accelerate-example -->\s*```python\n(.*?)```", readme, re.S)
+    assert match, "the README has an Accelerate recipe marked <!-- accelerate-example -->"
+    script = tmp_path / "recipe.py"
+    script.write_text(match.group(1))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 2 batch 5 micro-batch 1: aten.log.default log-domain rows [1]" in proc.stdout

@@ -14,6 +14,15 @@ from nanaudit.integrations.transformers import NanauditCallback  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """The Trainer's accelerator state is process-wide; no test leaves its own behind."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 class Rows(torch.utils.data.Dataset):
     """Token rows with a float target per row (regression on log-scale targets)."""
 
@@ -158,3 +167,35 @@ def test_gpt2_bf16_poisoned_embedding_row_is_named(tmp_path):
     f = raised.value.report.finding
     assert (f.step, f.where, f.tensor, f.cause) == (
         0, "parameter", "transformer.wte.weight", "nonfinite-parameter")
+
+
+def _emulate_fp16_on_cpu(trainer, init_scale):
+    """What `fp16=True` sets up on a GPU, on the CPU: accelerate runs fp16 there without
+    autocast or GradScaler, so give its accelerator both before train() prepares the model
+    and optimizer (CPU autocast does float16)."""
+    accelerator = trainer.accelerator
+    accelerator.state._mixed_precision = "fp16"
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return accelerator.scaler
+
+
+def test_fp16_grad_scaler_skips_are_not_findings_but_a_later_log_zero_is(tmp_path):
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0,
+                                  max_steps=8),
+        train_dataset=Rows(zero_target=53), compute_loss_func=log_target_loss,
+        callbacks=[callback])
+    scaler = _emulate_fp16_on_cpu(trainer, init_scale=2.0 ** 30)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()
+    assert callback.sentinel.scaler is scaler
+    timeline = raised.value.report.timeline
+    # 2**30 overflows float16 gradients: the first steps are skipped and back the scale off.
+    assert timeline[0].skipped and timeline[0].scale == 2.0 ** 30
+    assert timeline[1].scale == 2.0 ** 29
+    f = raised.value.report.finding
+    # Row 53: batch 13 (rows 52..55), row 1: micro-batch 1 of optimizer step 6.
+    assert (f.step, f.batch_index, f.micro_batch, f.op, f.cause, f.samples) == (
+        6, 13, 1, "aten.log.default", "log-domain", [1])

@@ -308,3 +308,22 @@ def test_sentinel_checks_the_gradients_of_the_optimizer_about_to_step():
     f = raised.value.report.finding
     assert (f.step, f.where, f.cause) == (0, "backward", "unknown")
     assert "loss_fn=" in f.explanation
+
+
+def test_sentinel_blames_the_update_after_the_last_passing_check():
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e38)     # the update overflows
+    sentinel = Sentinel(model, optimizer)
+    x = torch.randn(4, 3) * 1e3
+    with pytest.raises(NonFiniteError) as raised:
+        for step in range(3):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            sentinel.check(10 + step, x, loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.cause) == (10, "optimizer", "optimizer-update")
+    assert "SGD.step()" in f.explanation
