@@ -142,8 +142,8 @@ class OwnTime:
     def __init__(self):
         from nanaudit.sentinel import Sentinel
         self.total, self.checks = 0.0, 0
-        for name in self.METHODS:
-            original = getattr(Sentinel, name)
+        self.originals = {name: getattr(Sentinel, name) for name in self.METHODS}
+        for name, original in self.originals.items():
 
             def timed(*args, _original=original, _name=name, **kwargs):
                 started = time.perf_counter()
@@ -154,6 +154,11 @@ class OwnTime:
                     self.checks += _name == "check_update"
             setattr(Sentinel, name, timed)
 
+    def close(self) -> None:
+        from nanaudit.sentinel import Sentinel
+        for name, original in self.originals.items():
+            setattr(Sentinel, name, original)
+
     def per_step(self) -> float:
         return self.total / max(self.checks, 1)
 
@@ -162,11 +167,14 @@ def measure(name, shape, rounds, steps, accumulation, batch, warmup=2):
     run, variants = WORKLOADS[name]
     raw = {v: [] for v in variants}
     own = OwnTime()
-    with tempfile.TemporaryDirectory() as folder:
-        for _ in range(rounds):
-            for variant in variants:
-                raw[variant].extend(run(variant, shape, steps + warmup, accumulation, batch,
-                                        folder)[warmup:])
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            for _ in range(rounds):
+                for variant in variants:
+                    raw[variant].extend(run(variant, shape, steps + warmup, accumulation, batch,
+                                            folder)[warmup:])
+    finally:
+        own.close()
     median = {v: statistics.median(t) for v, t in raw.items()}
     params = sum(p.numel() for p in gpt2(*shape).parameters())
     return {"workload": name, "params": params, "shape": {"n_embd": shape[0],
@@ -186,15 +194,27 @@ def main(argv=None):
     parser.add_argument("--only", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--shape", help="GPT-2 n_embd,n_layer,seq (default 256,4,128)")
+    parser.add_argument("--batch", type=int)
     options = parser.parse_args(argv)
-    logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(torch.get_num_threads())
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)           # the frameworks' banners and tips
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run(options)
+    finally:
+        logging.disable(quiet)
+
+
+def run(options):
     if options.quick:
         shape, rounds, steps, accumulation, batch = (64, 2, 32), 1, 3, 2, 2
     else:
         shape, rounds, steps, accumulation, batch = (256, 4, 128), 5, 8, 2, 8
     rounds, steps = options.rounds or rounds, options.steps or steps
+    shape = tuple(int(v) for v in options.shape.split(",")) if options.shape else shape
+    batch = options.batch or batch
     names = [options.only] if options.only else list(WORKLOADS)
     results = [measure(n, shape, rounds, steps, accumulation, batch) for n in names]
     print(f"median optimizer-step time ratio to no callback ({rounds} interleaved rounds x "

@@ -199,3 +199,27 @@ def test_fp16_grad_scaler_skips_are_not_findings_but_a_later_log_zero_is(tmp_pat
     # Row 53: batch 13 (rows 52..55), row 1: micro-batch 1 of optimizer step 6.
     assert (f.step, f.batch_index, f.micro_batch, f.op, f.cause, f.samples) == (
         6, 13, 1, "aten.log.default", "log-domain", [1])
+
+
+def test_bench_trainer_quick_writes_ratios_and_own_time(tmp_path, capsys, monkeypatch):
+    import importlib
+    import sys
+
+    from conftest import ROOT
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_trainer")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--json", str(out)])         # in-process: no second import of torch
+    assert "median optimizer-step time ratio to no callback" in capsys.readouterr().out
+    body = json.loads(out.read_text())
+    variants = {"Trainer": {"plain", "nanaudit", "debug=underflow_overflow"},
+                "Lightning": {"plain", "nanaudit"}}
+    for result in body["results"]:
+        assert set(result["ratio"]) == variants[result["workload"]]
+        assert result["ratio"]["plain"] == 1.0 and result["own_s_per_step"] > 0
+        assert all(len(v) == result["rounds"] * result["steps"]
+                   for v in result["raw_step_s"].values())
+    from nanaudit.sentinel import Sentinel
+    assert not hasattr(Sentinel.check_update, "__wrapped__") and (
+        Sentinel.check_update.__name__ == "check_update"), "the timing wrappers are removed"
+    sys.modules.pop("bench_trainer", None)

@@ -155,7 +155,8 @@ def test_readme_sentinel_example_runs(tmp_path):
 
 def test_importing_nanaudit_imports_no_optional_dependency():
     code = ("import sys, nanaudit, nanaudit.integrations; "
-            "bad = [m for m in ('lightning', 'pytorch_lightning', 'matplotlib', 'torch') "
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'matplotlib', 'torch', "
+            "'transformers', 'accelerate') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
