@@ -1,7 +1,9 @@
 """The report data model: what every renderer reads, and the JSON contract (schema version 1).
 
 Glossary:
-  step      the 0-based index of the batch in the data (the training step that consumed it)
+  step      the 0-based index of the batch in the data (the training step that consumed it);
+            with gradient accumulation (Sentinel, integrations) the 0-based optimizer step, the
+            batch being named by `batch_index` and `micro_batch`
   batch     the tree of tensors the data yields for one step
   sample    one row of the batch along its batch dimension
   where     the phase that made the value: input, parameter, forward, backward, optimizer
@@ -94,6 +96,8 @@ class Finding:
     rank: int | None = None
     tensors: list = field(default_factory=list)       # every parameter / batch path involved
     first_warning: EarlyWarning | None = None         # the earliest warning before the finding
+    batch_index: int | None = None    # integrations: the data's batch index of the bad batch
+    micro_batch: int | None = None    # ... its position in the accumulation window (0-based)
 
 
 @dataclass

@@ -155,7 +155,8 @@ def test_readme_sentinel_example_runs(tmp_path):
 
 def test_importing_nanaudit_imports_no_optional_dependency():
     code = ("import sys, nanaudit, nanaudit.integrations; "
-            "bad = [m for m in ('lightning', 'pytorch_lightning', 'matplotlib', 'torch') "
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'matplotlib', 'torch', "
+            "'transformers', 'accelerate') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
@@ -240,3 +241,90 @@ def test_sentinel_lets_a_grad_scaler_skip_but_catches_a_nan_loss():
     assert skipped >= 1, "the scaler skipped steps without a finding"
     f = raised.value.report.finding
     assert (f.step, f.where, f.tensor, f.samples) == (10, "input", "batch", [2])
+
+
+def _accumulating_loop(bad_batch, accumulation=4, batches=12):
+    """A hand-written loop accumulating gradients over `accumulation` micro-batches, with
+    sqrt(0) (finite loss, NaN gradient) in row 2 of batch `bad_batch`."""
+    from nanaudit import Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def compute_loss(model, batch):
+        x, y = batch
+        return torch.sqrt(y * model(x).pow(2)).mean()
+
+    sentinel = Sentinel(model, optimizer, loss_fn=compute_loss)
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    for index in range(batches):
+        x, y = torch.randn(4, 3, generator=g), torch.rand(4, 1, generator=g) + 0.5
+        if index == bad_batch:
+            y[2] = 0.0
+        loss = compute_loss(model, (x, y)) / accumulation
+        loss.backward()
+        sentinel.micro_batch((x, y), loss, index=index)
+        if (index + 1) % accumulation == 0:
+            sentinel.check_update(step)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+    return sentinel
+
+
+def test_sentinel_accumulation_names_the_early_micro_batch_not_a_transient():
+    from nanaudit import NonFiniteError
+    with pytest.raises(NonFiniteError) as raised:
+        _accumulating_loop(bad_batch=4)        # micro-batch 0 of optimizer step 1
+    f = raised.value.report.finding
+    assert (f.step, f.batch_index, f.micro_batch, f.where, f.forward_op, f.cause, f.samples,
+            f.reproduced) == (1, 4, 0, "backward", "aten.sqrt.default", "sqrt-domain", [2], True)
+    assert "micro-batch 0 of the 4" in f.explanation
+
+
+def test_sentinel_accumulation_reads_the_host_once_per_optimizer_step(host_reads):
+    sentinel = _accumulating_loop(bad_batch=None)
+    assert sentinel.steps_checked == 3 and len(sentinel.timeline) == 3
+    assert host_reads == {"tolist": 3, "item": 0}
+
+
+def test_sentinel_checks_the_gradients_of_the_optimizer_about_to_step():
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    encoder, head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    model = torch.nn.Sequential(encoder, head)
+    opt_encoder = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    opt_head = torch.optim.SGD(head.parameters(), lr=0.1)
+    sentinel = Sentinel(model, [opt_encoder, opt_head])
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    head.weight.grad[0, 1] = float("nan")      # only the head's gradient is bad
+    sentinel.micro_batch(x, torch.tensor(1.0))
+    sentinel.check_update(0, optimizer=opt_encoder)     # the encoder's gradients are finite
+    opt_encoder.step()
+    with pytest.raises(NonFiniteError) as raised:
+        sentinel.check_update(0, optimizer=opt_head)
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.cause) == (0, "backward", "unknown")
+    assert "loss_fn=" in f.explanation
+
+
+def test_sentinel_blames_the_update_after_the_last_passing_check():
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e38)     # the update overflows
+    sentinel = Sentinel(model, optimizer)
+    x = torch.randn(4, 3) * 1e3
+    with pytest.raises(NonFiniteError) as raised:
+        for step in range(3):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            sentinel.check(10 + step, x, loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.cause) == (10, "optimizer", "optimizer-update")
+    assert "SGD.step()" in f.explanation

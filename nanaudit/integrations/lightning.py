@@ -3,16 +3,30 @@
     from nanaudit.integrations.lightning import NanauditCallback
     trainer = lightning.Trainer(callbacks=[NanauditCallback()])
 
-The batch is kept from `on_train_batch_start`, the loss from `on_before_backward`, and the
-check runs in `on_before_optimizer_step` (gradients ready, weights not yet updated), so a
-non-finite value stops training with `NonFiniteError(report)` before the bad update. The
-replay calls the LightningModule's own `training_step`, so the op, module, line and samples are
-named as in `nanaudit scan`. With `report_path`, the JSON report is written before raising.
-Works with `lightning` and with the older `pytorch_lightning` package.
+Each batch's RNG state is taken in `on_train_batch_start`, each backward's loss is recorded
+from `on_before_backward` (no host read), and the check runs in `on_before_optimizer_step`
+(gradients accumulated and unscaled, weights not yet updated, before `gradient_clip_val`
+clips): one host read per optimizer step, covering the whole `accumulate_grad_batches` window.
+A non-finite value stops training with `NonFiniteError(report)` before the bad update.
+
+- Step numbers: the finding's `step` is `trainer.global_step` at the check (the 0-based
+  optimizer step, the CLI's step when nothing accumulates); `batch_index` is the `batch_idx`
+  your `training_step` received, `micro_batch` its place in the accumulation window.
+- Mixed precision: the precision plugin's GradScaler (`16-mixed`) is the Sentinel's scaler: a
+  step it skips is not a finding unless the scale collapses; a NaN input or loss still is.
+  Replays run `training_step` inside the plugin's autocast context, at the step's loss scale.
+- Manual optimization: each `optimizer.step()` checks the gradients of that optimizer's
+  parameters; the replay runs `training_step` with `manual_backward` recording the loss (the
+  k-th call's, as in the step that tripped) and the optimizers' `step`/`zero_grad` disabled.
+- With `output_dir`, the console, JSON and Markdown reports and the step's data (weights, RNG
+  state, batch, offending rows) are written there before raising; `report_path` writes the
+  JSON alone. Works with `lightning` and with the older `pytorch_lightning` package.
 """
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 try:
@@ -22,39 +36,131 @@ except ImportError:  # pragma: no cover - the older package name
 
 
 class NanauditCallback(Callback):
-    def __init__(self, report_path: str | None = None, isolate_samples: bool = True):
+    def __init__(self, report_path: str | None = None, output_dir: str | None = None,
+                 isolate_samples: bool = True, max_skipped: int = 10, scale_floor: float = 1.0,
+                 echo: bool = True):
         super().__init__()
         self.report_path = report_path
+        self.output_dir = output_dir
         self.isolate_samples = isolate_samples
-        self._sentinel = None
+        self.max_skipped, self.scale_floor = max_skipped, scale_floor
+        self.echo = echo
+        self.sentinel = None
+        self.report = None
         self._batch: Any = None
-        self._loss = None
+        self._batch_idx = 0
+        self._backward_calls = 0       # manual_backward calls in this batch so far
+        self._call_of: dict = {}       # id(micro-batch record) -> its manual_backward call
+
+    # --- setup ------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from nanaudit.sentinel import Sentinel
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.sentinel = Sentinel(pl_module, list(trainer.optimizers), loss_fn=self._replay_loss,
+                                 scaler=scaler, isolate_samples=self.isolate_samples,
+                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor)
+        self._trainer = trainer
 
-        def replay_loss(model, batch):
-            # Replays call the module's own training_step, as Lightning's loop does.
-            return model.training_step(batch, 0)
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self._sentinel = Sentinel(pl_module, optimizer, loss_fn=replay_loss,
-                                  isolate_samples=self.isolate_samples)
+    def _replay_loss(self, model, batch):
+        """The replay's loss: the module's own training_step, under the precision plugin's
+        autocast; under manual optimization the k-th manual_backward's loss, nothing stepped."""
+        trainer = self._trainer
+        micro = self.sentinel.replaying
+        batch_idx = micro.index if micro is not None else self._batch_idx
+        with trainer.precision_plugin.train_step_context():
+            if model.automatic_optimization:
+                return model.training_step(batch, batch_idx)
+            with _manual_replay(model, trainer) as losses:
+                model.training_step(batch, batch_idx)
+            call = self._call_of.get(id(micro), len(losses) - 1)
+            return losses[call] if 0 <= call < len(losses) else None
+
+    # --- recording --------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._batch = batch
+        if self.sentinel is None:
+            return
+        self.sentinel.capture_rng()
+        self._batch, self._batch_idx = batch, batch_idx
+        self._backward_calls = 0
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._loss = loss
+        if self.sentinel is None or self._batch is None:
+            return
+        scaler = self.sentinel.scaler
+        value = loss.detach()
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            value = value / scaler._scale      # the hook sees the scaled loss (device op)
+        if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            value = value * trainer.accumulate_grad_batches    # Lightning divided it
+        record = self.sentinel.micro_batch(self._batch, value, index=self._batch_idx)
+        if len(self._call_of) > 1024:
+            self._call_of.clear()               # only the open window's records are needed
+        self._call_of[id(record)] = self._backward_calls
+        self._backward_calls += 1
+
+    # --- the check --------------------------------------------------------------------------
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         from nanaudit.sentinel import NonFiniteError
-        if self._sentinel is None or self._loss is None:
+        if self.sentinel is None:
             return
+        inner = getattr(optimizer, "optimizer", optimizer)      # a LightningOptimizer
+        scoped = inner if len(trainer.optimizers) > 1 else None
         try:
-            self._sentinel.check(trainer.global_step, self._batch, self._loss)
+            self.sentinel.check_update(trainer.global_step, optimizer=scoped)
         except NonFiniteError as error:
-            if self.report_path:
-                from nanaudit.output import write_atomic
-                from nanaudit.render import renderer_for
-                write_atomic(self.report_path, renderer_for("json").render(error.report))
+            self._on_finding(trainer, pl_module, inner, error)
             raise
+
+    def _on_finding(self, trainer, pl_module, optimizer, error) -> None:
+        report = error.report
+        finding = report.finding
+        self.report = report
+        report.config = {"path": None, "api": "lightning.NanauditCallback",
+                         "precision": str(trainer.precision),
+                         "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                         "gradient_clip_val": trainer.gradient_clip_val,
+                         "epoch": trainer.current_epoch}
+        if finding is not None and finding.batch_index is not None:
+            finding.explanation += (f" (epoch {trainer.current_epoch}, batch_idx "
+                                    f"{finding.batch_index}, trainer.global_step "
+                                    f"{trainer.global_step})")
+        from nanaudit.output import write_atomic
+        from nanaudit.render import renderer_for
+        text = renderer_for("json").render(report)
+        if self.report_path:
+            write_atomic(self.report_path, text)
+        if self.output_dir:
+            from nanaudit.integrations._output import write_reports, write_step_bundle
+            write_reports(report, self.output_dir, echo=self.echo)
+            trip, state = self.sentinel.tripped
+            write_step_bundle(Path(self.output_dir) / f"repro-step{trip.step}", pl_module,
+                              optimizer, trip, state, finding, text,
+                              {"module": type(pl_module).__qualname__,
+                               "batch_index": finding.batch_index if finding else None})
+
+
+@contextlib.contextmanager
+def _manual_replay(model, trainer):
+    """During a manual-optimization replay: `manual_backward` records its loss instead of
+    backpropagating, and the optimizers neither step nor zero their gradients."""
+    losses: list = []
+    model.manual_backward = lambda loss, *args, **kwargs: losses.append(loss)
+    wrappers = model.optimizers(use_pl_optimizer=True)
+    wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
+    patched = []
+    for optimizer in list(trainer.optimizers) + wrappers:
+        for name in ("step", "zero_grad"):
+            patched.append((optimizer, name, optimizer.__dict__.get(name)))
+            setattr(optimizer, name, lambda *args, **kwargs: None)
+    try:
+        yield losses
+    finally:
+        del model.manual_backward          # back to the class's method
+        for optimizer, name, original in patched:
+            if original is None:
+                delattr(optimizer, name)
+            else:
+                setattr(optimizer, name, original)

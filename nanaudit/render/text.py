@@ -47,7 +47,12 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
     (console, Markdown, JUnit): the one place that decides what a fact is called and how the
     root module reads."""
     module = None if f.module is None else (f.module or "(root)")
-    facts = [("step", f.step), ("rank", f.rank), ("where", f.where), ("value", f.value),
+    batch = None
+    if f.batch_index is not None:   # under gradient accumulation: which batch of the data
+        micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
+        batch = f"{f.batch_index}{micro}"
+    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("where", f.where),
+             ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]

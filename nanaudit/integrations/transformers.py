@@ -1,0 +1,177 @@
+"""A Hugging Face `transformers` TrainerCallback running nanaudit's Sentinel on every step.
+
+    from nanaudit.integrations.transformers import NanauditCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[NanauditCallback()])
+    trainer.train()            # raises nanaudit.NonFiniteError(report) before a bad update
+
+What the callback API does not expose, it takes with one reversible wrap: at `on_train_begin`
+it finds the Trainer (the frame that called the hook) and wraps that instance's
+`compute_loss`, so each micro-batch's inputs (after `_prepare_inputs`, as a dict), the RNG
+state right before its forward, `num_items_in_batch` and the loss are recorded without a host
+read. `on_pre_optimizer_step` (after the Trainer's `max_grad_norm` clipping and, under fp16,
+its unscaling; before `optimizer.step()`) runs one check over the whole
+`gradient_accumulation_steps` window: one host read per optimizer step. `on_train_end`
+removes the wrap.
+
+On a trip the step is replayed through the Trainer's own `compute_loss` (your override or
+`compute_loss_func` included) with the batch, RNG state and weights of that step, under its
+autocast; the console, JSON and Markdown reports and the step's data (weights, RNG state,
+batch, offending rows) go to `<args.output_dir>/nanaudit/`. Then, with `on_finding="raise"`
+(the default), `NonFiniteError` propagates out of `trainer.train()`; with `"stop"`, the
+step's gradients are dropped (the optimizer step updates nothing), `control.should_training_stop`
+ends training, and `callback.report` / `callback.exit_code` (1) tell the caller.
+
+Step numbers: `step` is `state.global_step` at the check (the 0-based optimizer step);
+`batch_index` counts the micro-batches fed to training since `train()` began (0-based);
+`micro_batch` is the position in the accumulation window. Under fp16 the accelerator's
+GradScaler is the Sentinel's scaler: a skipped step is not a finding unless the scale collapses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+
+class NanauditCallback(TrainerCallback):
+    def __init__(self, output_dir: str | None = None, on_finding: str = "raise",
+                 isolate_samples: bool = True, max_skipped: int = 10, scale_floor: float = 1.0,
+                 echo: bool = True, trainer: Trainer | None = None):
+        if on_finding not in ("raise", "stop"):
+            raise ValueError(f"on_finding must be 'raise' or 'stop', not {on_finding!r}")
+        self.output_dir = output_dir
+        self.on_finding = on_finding
+        self.isolate_samples = isolate_samples
+        self.max_skipped, self.scale_floor = max_skipped, scale_floor
+        self.echo = echo
+        self.trainer = trainer
+        self.sentinel = None
+        self.report = None
+        self.exit_code = 0
+        self._batches_seen = 0
+        self._num_items: Any = None
+        self._loss_model = None
+        self._original = None
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from nanaudit.sentinel import Sentinel
+        trainer = _calling_trainer() or self.trainer
+        if trainer is None:
+            raise RuntimeError("NanauditCallback: no transformers.Trainer called on_train_begin; "
+                               "pass it as NanauditCallback(trainer=trainer)")
+        self.trainer = trainer
+        self.sentinel = Sentinel(trainer.model, trainer.optimizer, loss_fn=self._replay_loss,
+                                 scaler=getattr(trainer.accelerator, "scaler", None),
+                                 isolate_samples=self.isolate_samples,
+                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor)
+        self._batches_seen = 0
+        self._wrap_compute_loss(trainer)
+
+    def _unwrap(self) -> None:
+        if self.trainer is not None and "compute_loss" in self.trainer.__dict__:
+            del self.trainer.compute_loss        # back to the class's method
+
+    def _wrap_compute_loss(self, trainer: Trainer) -> None:
+        self._unwrap()
+        original = trainer.compute_loss          # the bound method (a user override included)
+        self._original = original
+        callback = self
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            if not (model.training and torch.is_grad_enabled()):
+                return original(model, inputs, *args, **kwargs)      # evaluation
+            batch = dict(inputs)                 # BatchEncoding -> dict; compute_loss pops labels
+            callback._num_items = kwargs.get("num_items_in_batch")
+            callback._loss_model = model
+            callback.sentinel.capture_rng()
+            out = original(model, inputs, *args, **kwargs)
+            loss = out[0] if isinstance(out, tuple) else out
+            callback.sentinel.micro_batch(batch, loss, index=callback._batches_seen)
+            callback._batches_seen += 1
+            return out
+        trainer.compute_loss = compute_loss
+
+    def _replay_loss(self, model, batch):
+        """The Trainer's own compute_loss on the recorded inputs, under its autocast."""
+        trainer = self.trainer
+        kwargs = {}
+        if self._num_items is not None:
+            kwargs["num_items_in_batch"] = self._num_items
+        with trainer.compute_loss_context_manager():
+            return self._original(self._loss_model or model, dict(batch), **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._unwrap()
+        if self.sentinel is not None and self.report is None:
+            from nanaudit.integrations._output import write_reports
+            write_reports(self.sentinel.make_report("clean"), self._folder(args), echo=False)
+
+    # --- the check --------------------------------------------------------------------------
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        from nanaudit.sentinel import NonFiniteError
+        if self.sentinel is None:
+            return
+        try:
+            self.sentinel.check_update(state.global_step)
+        except NonFiniteError as error:
+            self._write(args, state, error.report)
+            if self.on_finding == "raise":
+                self._unwrap()                   # on_train_end does not run after a raise
+                raise
+            for p in self.trainer.model.parameters():
+                p.grad = None                   # the optimizer step updates nothing
+            control.should_training_stop = True
+            if self.echo:
+                sys.stderr.write(f"nanaudit: training stopped before the update of step "
+                                 f"{state.global_step}; see {self._folder(args)}\n")
+
+    def _folder(self, args) -> Path:
+        return Path(self.output_dir or args.output_dir) / "nanaudit"
+
+    def _write(self, args, state, report) -> None:
+        from nanaudit.integrations._output import write_reports, write_step_bundle
+        from nanaudit.render import renderer_for
+        self.report, self.exit_code = report, 1
+        report.config = {"path": None, "api": "transformers.NanauditCallback",
+                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                         "fp16": args.fp16, "bf16": args.bf16,
+                         "max_grad_norm": args.max_grad_norm, "epoch": state.epoch}
+        folder = self._folder(args)
+        write_reports(report, folder, echo=self.echo)
+        trip, step_state = self.sentinel.tripped
+        model = self.trainer.model
+        write_step_bundle(folder / f"repro-step{trip.step}", model, self.trainer.optimizer,
+                          trip, step_state, report.finding, renderer_for("json").render(report),
+                          {"model_class": type(model).__name__,
+                           "model_config": _model_config(model),
+                           "num_items_in_batch": _plain_number(self._num_items),
+                           "batch_index": getattr(report.finding, "batch_index", None)})
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose training loop called the hook (found once, at on_train_begin)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _model_config(model) -> dict | None:
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else None
+
+
+def _plain_number(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value

@@ -1,0 +1,185 @@
+"""Lightning: mixed precision (the plugin's GradScaler), accumulation windows, clipping,
+schedulers and manual optimization with several optimizers, each with a planted bug."""
+
+import json
+
+import pytest
+import torch
+
+lightning = pytest.importorskip("lightning", reason="the lightning extra is not installed")
+
+from nanaudit import NonFiniteError  # noqa: E402
+from nanaudit.integrations.lightning import NanauditCallback  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Regressor(lightning.LightningModule):
+    """y ~ exp(layer(x)): the loss is a hand-written log-likelihood, log(0) when a target is 0."""
+
+    def __init__(self, loss="log"):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.loss = loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.layer(x).float()
+        if self.loss == "log":
+            return (pred - torch.log(y)).pow(2).mean()
+        # sqrt(0) is finite, its gradient is not: only the backward goes bad.
+        return torch.sqrt(y * (y - 0.5) * pred.pow(2)).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
+                                 "interval": "step"}}
+
+
+def _loader(bad_row=None, n=64, batch_size=4, scale=1.0):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g) * scale, torch.rand(n, 1, generator=g) + 0.5
+    if bad_row is not None:
+        y[bad_row] = 0.0
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                       batch_size=batch_size)
+
+
+def _trainer(callback, **kwargs):
+    return lightning.Trainer(max_epochs=1, accelerator="cpu", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[callback], **kwargs)
+
+
+def _fp16_plugin(init_scale=2.0 ** 16):
+    from lightning.pytorch.plugins import MixedPrecision
+    # Lightning maps "16-mixed" on CPU to bf16; this is its 16-mixed plugin with a GradScaler.
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu",
+                                                                        init_scale=init_scale))
+
+
+def test_16_mixed_with_accumulation_skips_overflow_but_names_the_bad_micro_batch(tmp_path):
+    torch.manual_seed(0)
+    callback = NanauditCallback(output_dir=tmp_path, echo=False)
+    # Rows 24..27 are batch_idx 6: micro-batch 0 of optimizer step 3 (windows of 2).
+    trainer = _trainer(callback, plugins=[_fp16_plugin(init_scale=2.0 ** 40)],
+                       accumulate_grad_batches=2, gradient_clip_val=1.0)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(Regressor(), _loader(bad_row=25))
+    f = raised.value.report.finding
+    assert (f.step, f.batch_index, f.micro_batch, f.where, f.op, f.cause, f.samples) == (
+        3, 6, 0, "forward", "aten.log.default", "log-domain", [1])
+    # 2**40 overflows float16 gradients: the scaler skipped steps, none was a finding.
+    assert callback.sentinel.skipped >= 1
+    assert trainer.global_step == 3, "stopped before the update of step 3"
+    body = json.loads((tmp_path / "nanaudit.json").read_text())
+    assert body["finding"]["batch_index"] == 6 and body["finding"]["micro_batch"] == 0
+    assert (tmp_path / "nanaudit.md").is_file() and (tmp_path / "nanaudit.txt").is_file()
+    rows = torch.load(tmp_path / "repro-step3" / "rows.pt", weights_only=True)
+    assert float(rows[1][0]) == 0.0
+
+
+def test_accumulation_gradient_bug_in_an_early_micro_batch_is_reproduced():
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    # Row 13 is batch_idx 3: micro-batch 0 of optimizer step 1 (windows of 3).
+    trainer = _trainer(callback, accumulate_grad_batches=3)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.fit(Regressor(loss="sqrt"), _loader(bad_row=13))
+    f = raised.value.report.finding
+    assert f.reproduced is True, f.explanation
+    assert (f.step, f.batch_index, f.micro_batch, f.where, f.cause, f.samples) == (
+        1, 3, 0, "backward", "sqrt-domain", [1])
+    assert "non-deterministic" not in f.explanation
+
+
+def test_fp16_overflow_collapses_the_scale_and_names_the_op():
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False, max_skipped=3)
+    trainer = _trainer(callback, plugins=[_fp16_plugin()], accumulate_grad_batches=2)
+    with pytest.raises(NonFiniteError) as raised:
+        # Unnormalized inputs (|x| ~ 1e4): x^T dL/dy overflows float16 whatever the scale.
+        trainer.fit(Regressor(), _loader(scale=1e4))
+    f = raised.value.report.finding
+    # Every step overflowed: 3 skips in a row (max_skipped) make the finding, replayed at the
+    # step's loss scale; the op is the weight gradient's matmul of `layer`.
+    assert (f.step, f.where, f.op, f.module, f.reproduced) == (
+        2, "backward", "aten.mm.default", "layer", True)
+    assert f.cause in ("dtype-overflow", "inf-arithmetic")
+    assert "skipped 3 steps in a row" in f.explanation
+    timeline = raised.value.report.timeline
+    assert [e.skipped for e in timeline] == [True, True, True]
+    assert [e.scale for e in timeline] == [65536.0, 32768.0, 16384.0]
+
+
+def test_bf16_mixed_accumulation_clip_and_scheduler_stay_clean():
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    trainer = _trainer(callback, precision="bf16-mixed", accumulate_grad_batches=2,
+                       gradient_clip_val=0.5)
+    trainer.fit(Regressor(), _loader())
+    assert callback.report is None and callback.sentinel.steps_checked == 8
+    assert trainer.global_step == 8
+    lrs = [e.lr for e in callback.sentinel.timeline]
+    assert lrs[0] == 0.01 and lrs[-1] < 0.01, "the StepLR schedule shows in the timeline"
+
+
+class TwoOptimizers(lightning.LightningModule):
+    """Manual optimization: an encoder and a head, each with its own optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.encoder = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_encoder, opt_head = self.optimizers()
+        x, y = batch
+        pred = self.head(torch.tanh(self.encoder(x)))
+        self.manual_backward(pred.pow(2).mean() * 0.0, retain_graph=True)   # two backwards
+        loss = (pred - torch.log(y.abs() + 0.1 * (batch_idx != 5))).pow(2).mean()
+        opt_encoder.zero_grad()
+        opt_head.zero_grad()
+        self.manual_backward(loss)
+        opt_encoder.step()
+        opt_head.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.encoder.parameters(), lr=0.01),
+                torch.optim.Adam(self.head.parameters(), lr=0.01))
+
+
+def test_manual_optimization_with_two_optimizers_clean_and_poisoned():
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    _trainer(callback).fit(TwoOptimizers(), _loader())
+    assert callback.report is None and callback.sentinel.steps_checked == 32
+
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    x[10, 2] = float("nan")                     # batch_idx 2, row 2
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(TwoOptimizers(), loader)
+    f = raised.value.report.finding
+    # Two optimizer steps per batch: trainer.global_step counts both.
+    assert (f.where, f.batch_index, f.tensor, f.samples, f.cause) == (
+        "input", 2, "batch[0]", [2], "nonfinite-input")
+    assert f.step == 4
+
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    y[22] = 0.0                                 # batch_idx 5, row 2: log(0)
+    x[10, 2] = 0.0
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(TwoOptimizers(), loader)
+    f = raised.value.report.finding
+    # The replay ran training_step with the optimizers disabled and took the second
+    # manual_backward's loss, as in the step that tripped.
+    assert (f.step, f.batch_index, f.where, f.op, f.cause, f.samples) == (
+        10, 5, "forward", "aten.log.default", "log-domain", [2])

@@ -1,0 +1,225 @@
+"""Hugging Face Trainer: NanauditCallback on tiny models built from configs (no downloads)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+
+from nanaudit import NonFiniteError  # noqa: E402
+from nanaudit.integrations.transformers import NanauditCallback  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """The Trainer's accelerator state is process-wide; no test leaves its own behind."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows with a float target per row (regression on log-scale targets)."""
+
+    def __init__(self, n=64, length=12, zero_target=None, nan_target=None):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+        self.y = torch.rand(n, generator=g) + 0.5
+        if zero_target is not None:
+            self.y[zero_target] = 0.0
+        if nan_target is not None:
+            self.y[nan_target] = float("nan")
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]),
+                "labels": self.y[i]}
+
+
+def log_target_loss(outputs, labels, num_items_in_batch=None):
+    # The model predicts log(y): log(0) for a zero target.
+    return ((outputs.logits.squeeze(-1) - torch.log(labels)) ** 2).mean()
+
+
+def _bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=32, num_labels=1)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _args(tmp_path, **kwargs):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6,
+                report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                disable_tqdm=True, train_sampling_strategy="sequential")
+    base.update(kwargs)
+    return transformers.TrainingArguments(**base)
+
+
+def test_trainer_log_zero_in_an_accumulated_micro_batch(tmp_path):
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0,
+                                  lr_scheduler_type="linear"),
+        train_dataset=Rows(zero_target=21), compute_loss_func=log_target_loss,
+        callbacks=[callback])
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()
+    f = raised.value.report.finding
+    # Row 21 is row 1 of batch 5 (rows 20..23): micro-batch 1 of optimizer step 2.
+    assert (f.step, f.batch_index, f.micro_batch, f.where, f.op, f.cause, f.samples) == (
+        2, 5, 1, "forward", "aten.log.default", "log-domain", [1])
+    assert f.source.function == "log_target_loss" and f.reproduced is True
+    assert trainer.state.global_step == 2
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in after.values()), "stopped before the update"
+    assert not torch.equal(before["classifier.weight"], after["classifier.weight"])
+    folder = tmp_path / "nanaudit"
+    body = json.loads((folder / "nanaudit.json").read_text())
+    assert body["finding"]["cause"] == "log-domain" and body["finding"]["batch_index"] == 5
+    assert body["config"]["gradient_accumulation_steps"] == 2
+    assert "log-domain" in (folder / "nanaudit.md").read_text()
+    bundle = folder / "repro-step2"
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "batch.pt", "meta.json", "report.json", "rng.pt", "rows.pt", "state.pt"]
+    rows = torch.load(bundle / "rows.pt", weights_only=True)
+    assert rows["labels"].tolist() == [0.0]
+    assert json.loads((bundle / "meta.json").read_text())["model_class"] == (
+        "BertForSequenceClassification")
+    assert "compute_loss" not in trainer.__dict__, "the wrap is removed after training"
+
+
+def test_trainer_stop_mode_ends_training_on_a_poisoned_sample(tmp_path):
+    callback = NanauditCallback(echo=False, on_finding="stop")
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, max_grad_norm=1.0),
+        train_dataset=Rows(nan_target=14), compute_loss_func=log_target_loss,
+        callbacks=[callback])
+    trainer.train()                            # returns: training stopped, no exception
+    f = callback.report.finding
+    assert (f.step, f.batch_index, f.where, f.tensor, f.samples, f.cause) == (
+        3, 3, "input", 'batch["labels"]', [2], "nonfinite-input")
+    assert callback.exit_code == 1 and trainer.state.global_step == 4
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Causal LM rows with -100 label padding at the end of each row."""
+
+    def __init__(self, n=48, length=16):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[-(i % 5) - 1:] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def test_gpt2_bf16_accumulation_cosine_schedule_stays_clean(tmp_path):
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        model=_gpt2(), args=_args(tmp_path, bf16=True, gradient_accumulation_steps=3,
+                                  max_steps=4, lr_scheduler_type="cosine",
+                                  learning_rate=1e-3),
+        train_dataset=Tokens(), callbacks=[callback])
+    trainer.train()
+    assert callback.report is None and callback.exit_code == 0
+    assert callback.sentinel.steps_checked == 4
+    timeline = callback.sentinel.timeline
+    assert all(math.isfinite(e.loss) and math.isfinite(e.grad_norm) for e in timeline)
+    assert timeline[0].lr > timeline[-1].lr, "the cosine schedule shows in the timeline"
+    body = json.loads((tmp_path / "nanaudit" / "nanaudit.json").read_text())
+    assert body["status"] == "clean" and body["steps_run"] == 4
+
+
+def test_gpt2_bf16_poisoned_embedding_row_is_named(tmp_path):
+    """A NaN planted in one embedding row: every sequence using that token goes bad, and the
+    finding names the embedding weight before any update (not a transient)."""
+    model = _gpt2()
+    with torch.no_grad():
+        model.transformer.wte.weight[7, 3] = float("nan")
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path, bf16=True, gradient_accumulation_steps=2),
+        train_dataset=Tokens(), callbacks=[callback])
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.tensor, f.cause) == (
+        0, "parameter", "transformer.wte.weight", "nonfinite-parameter")
+
+
+def _emulate_fp16_on_cpu(trainer, init_scale):
+    """What `fp16=True` sets up on a GPU, on the CPU: accelerate runs fp16 there without
+    autocast or GradScaler, so give its accelerator both before train() prepares the model
+    and optimizer (CPU autocast does float16)."""
+    accelerator = trainer.accelerator
+    accelerator.state._mixed_precision = "fp16"
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return accelerator.scaler
+
+
+def test_fp16_grad_scaler_skips_are_not_findings_but_a_later_log_zero_is(tmp_path):
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0,
+                                  max_steps=8),
+        train_dataset=Rows(zero_target=53), compute_loss_func=log_target_loss,
+        callbacks=[callback])
+    scaler = _emulate_fp16_on_cpu(trainer, init_scale=2.0 ** 30)
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()
+    assert callback.sentinel.scaler is scaler
+    timeline = raised.value.report.timeline
+    # 2**30 overflows float16 gradients: the first steps are skipped and back the scale off.
+    assert timeline[0].skipped and timeline[0].scale == 2.0 ** 30
+    assert timeline[1].scale == 2.0 ** 29
+    f = raised.value.report.finding
+    # Row 53: batch 13 (rows 52..55), row 1: micro-batch 1 of optimizer step 6.
+    assert (f.step, f.batch_index, f.micro_batch, f.op, f.cause, f.samples) == (
+        6, 13, 1, "aten.log.default", "log-domain", [1])
+
+
+def test_bench_trainer_quick_writes_ratios_and_own_time(tmp_path, capsys, monkeypatch):
+    import importlib
+    import sys
+
+    from conftest import ROOT
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_trainer")
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--json", str(out)])         # in-process: no second import of torch
+    assert "median optimizer-step time ratio to no callback" in capsys.readouterr().out
+    body = json.loads(out.read_text())
+    variants = {"Trainer": {"plain", "nanaudit", "debug=underflow_overflow"},
+                "Lightning": {"plain", "nanaudit"}}
+    for result in body["results"]:
+        assert set(result["ratio"]) == variants[result["workload"]]
+        assert result["ratio"]["plain"] == 1.0 and result["own_s_per_step"] > 0
+        assert all(len(v) == result["rounds"] * result["steps"]
+                   for v in result["raw_step_s"].values())
+    from nanaudit.sentinel import Sentinel
+    assert not hasattr(Sentinel.check_update, "__wrapped__") and (
+        Sentinel.check_update.__name__ == "check_update"), "the timing wrappers are removed"
+    sys.modules.pop("bench_trainer", None)
