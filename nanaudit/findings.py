@@ -151,6 +151,10 @@ def _loss_name(session) -> str:
     """The loss callable as the config names it; under `Sentinel`, the function's own name."""
     target = session.config.loss.target
     fn = session.loss_fn
+    # An integration's replay wrapper names the user's code it runs (`Model.training_step`).
+    label = getattr(getattr(fn, "__self__", None), "loss_label", None)
+    if label:
+        return label
     if target.startswith("<") and getattr(fn, "__qualname__", None):
         return f"{getattr(fn, '__module__', None) or '?'}:{fn.__qualname__}"
     return target

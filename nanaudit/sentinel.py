@@ -52,7 +52,7 @@ import torch
 from nanaudit.config import Config, Entrypoint
 from nanaudit.report import Finding, Report, TimelineEntry
 from nanaudit.runner import RngState, ScanOutcome, StepState, Trip, confirm_norms, timeline_entry
-from nanaudit.sentinels import all_finite, finite_norms
+from nanaudit.sentinels import all_finite, dense_values, finite_norms
 from nanaudit.tree import float_leaves
 
 
@@ -109,6 +109,9 @@ class _Scope:
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad.detach() for p in self.params if p.grad is not None]
+
+    def grad_values(self) -> list[torch.Tensor]:
+        return [dense_values(g) for g in self.grads()]
 
 
 class Sentinel:
@@ -179,7 +182,7 @@ class Sentinel:
         window = self._window or self._last_window
         self._window, self._last_window = [], window
         scope = self._scope(optimizer)
-        state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grads()], self.device)
+        state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grad_values()], self.device)
         head = [state_norm, grad_norm]
         live_scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
         if live_scale is not None:

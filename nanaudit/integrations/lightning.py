@@ -61,6 +61,9 @@ class NanauditCallback(Callback):
                                  scaler=scaler, isolate_samples=self.isolate_samples,
                                  max_skipped=self.max_skipped, scale_floor=self.scale_floor)
         self._trainer = trainer
+        cls = type(pl_module)
+        # What a finding names for ops outside every submodule: the user's step, not ours.
+        self.loss_label = f"{cls.__module__}:{cls.__qualname__}.training_step"
 
     def _replay_loss(self, model, batch):
         """The replay's loss: the module's own training_step, under the precision plugin's

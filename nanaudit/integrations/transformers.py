@@ -66,6 +66,8 @@ class NanauditCallback(TrainerCallback):
             raise RuntimeError("NanauditCallback: no transformers.Trainer called on_train_begin; "
                                "pass it as NanauditCallback(trainer=trainer)")
         self.trainer = trainer
+        # What a finding names for ops outside every submodule: the Trainer's loss computation.
+        self.loss_label = f"{type(trainer).__qualname__}.compute_loss"
         self.sentinel = Sentinel(trainer.model, trainer.optimizer, loss_fn=self._replay_loss,
                                  scaler=getattr(trainer.accelerator, "scaler", None),
                                  isolate_samples=self.isolate_samples,
