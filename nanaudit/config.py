@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = (
     "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
     "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
-    "fail_on", "distributed",
+    "fail_on", "distributed", "sentinel_read",
 )
 ENTRYPOINT_KEYS = ("entrypoint", "args")
 LOCALIZE_KEYS = ("samples", "max_replays")
@@ -33,6 +33,7 @@ WATCH_KEYS = ("activations", "near_overflow", "loss_spike", "spike_window", "gra
 FAIL_ON = ("nonfinite", "warning")
 DISTRIBUTED_KEYS = ("backend", "ddp", "timeout_s", "find_unused_parameters")
 BACKENDS = ("auto", "gloo", "nccl")
+SENTINEL_READS = ("auto", "sync", "deferred")   # see nanaudit/deferred.py
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -129,6 +130,7 @@ class Config:
     watch: WatchOptions = field(default_factory=WatchOptions)
     fail_on: str = "nonfinite"
     distributed: DistributedOptions = field(default_factory=DistributedOptions)
+    sentinel_read: str = "auto"       # auto: deferred on CUDA when the optimizer can skip
 
     @property
     def uses_grad_scaler(self) -> bool:
@@ -224,6 +226,8 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         watch=_watch(raw.get("watch"), problems),
         fail_on=_choice(raw.get("fail_on", "nonfinite"), "fail_on", FAIL_ON, problems),
         distributed=_distributed(raw.get("distributed"), problems),
+        sentinel_read=_choice(raw.get("sentinel_read", "auto"), "sentinel_read",
+                              SENTINEL_READS, problems),
     )
     if raw.get("amp") is not None and values["precision"] == "fp32":
         problems.append(Problem("amp", "only used with `precision: fp16` or `bf16`; this run "

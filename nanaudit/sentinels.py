@@ -27,26 +27,39 @@ def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device) -> list[torch
     """finite_norm of each group, from one fused `_foreach_norm` over all of them: one call
     instead of one per group is what a small model's step notices."""
     flat = [t for group in groups for t in group]
+    device = torch.device(device)
+    if flat and all(t.dtype in _FLOAT64_SAFE and t.device == device for t in flat):
+        # The common case, kept to a handful of ops: one fused pass, one stack, one norm per group.
+        per_tensor = torch.stack(torch._foreach_norm(flat, 2.0, dtype=torch.float32))
+    else:
+        per_tensor = torch.stack(_mixed_norms(flat, device)) if flat else None
+    out, start = [], 0
+    for group in groups:
+        if group:
+            out.append(torch.linalg.vector_norm(per_tensor[start:start + len(group)],
+                                                dtype=torch.float64))
+        else:
+            out.append(torch.zeros((), dtype=torch.float64, device=device))
+        start += len(group)
+    return out
+
+
+def _mixed_norms(flat: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """Per-tensor float64 norms on `device` when dtypes or devices differ."""
     safe_index = [i for i, t in enumerate(flat) if t.dtype in _FLOAT64_SAFE]
     per_tensor: list = [None] * len(flat)
     if safe_index:
         norms = torch._foreach_norm([flat[i] for i in safe_index], 2.0, dtype=torch.float32)
         for i, n in zip(safe_index, norms):
-            per_tensor[i] = n.to(device)
+            per_tensor[i] = n.to(device=device, dtype=torch.float64)
     for i, t in enumerate(flat):
         if per_tensor[i] is None:
             # float64 squares could overflow: keep the norm finite (clamped) and add NaN only
             # when an element really is non-finite.
             bad = (~torch.isfinite(t)).any()
             norm = torch.where(bad, float("nan"), t.detach().abs().double().norm().clamp(max=1e150))
-            per_tensor[i] = norm.to(device)
-    out, start = [], 0
-    for group in groups:
-        part = per_tensor[start:start + len(group)]
-        start += len(group)
-        out.append(torch.stack(part).to(torch.float64).norm() if part
-                   else torch.zeros((), dtype=torch.float64, device=device))
-    return out
+            per_tensor[i] = norm.to(device=device, dtype=torch.float64)
+    return per_tensor
 
 
 def exact_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -80,24 +93,37 @@ class Sentinels:
         self.device = torch.device(device)
         self.params = [p for p in model.parameters()]
         self.state = self.params + [b for b in model.buffers() if b.is_floating_point()]
+        # Detached once: aliases of the same storage, which in-place updates keep current.
+        self._state = [t.detach() for t in self.state]
 
     def state_norm(self) -> torch.Tensor:
-        return finite_norm([t.detach() for t in self.state], self.device)
+        return finite_norm(self._state, self.device)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t.detach() for t in self.state]
+        return list(self._state)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
-        return finite_norm([g.detach() for g in self.grads()], self.device)
+        return finite_norm(self.grads(), self.device)
 
     def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(state norm, gradient norm) from one fused reduction."""
-        state, grads = finite_norms([self.state_tensors(), [g.detach() for g in self.grads()]],
-                                    self.device)
+        state, grads = finite_norms([self._state, self.grads()], self.device)
         return state, grads
+
+    def step_norms(self, batch_leaves: Sequence[torch.Tensor]):
+        """(batch norm, state norm, gradient norm) from one fused reduction: a non-finite
+        batch norm flags the batch the way a non-finite state norm flags the weights."""
+        batch, state, grads = finite_norms([batch_leaves, self._state, self.grads()],
+                                           self.device)
+        return batch, state, grads
+
+    def zero_grad(self) -> None:
+        """`model.zero_grad(set_to_none=True)` without walking the module tree each step."""
+        for p in self.params:
+            p.grad = None
 
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale gradients by max_norm / total_norm when above it, without a host sync."""

@@ -1,0 +1,155 @@
+"""The deferred read: a step's sentinel values reach the host one step later, never idling the GPU.
+
+With one synchronous read per step the host waits for the step to finish before it queues the
+next one, and the GPU idles while the next step's first kernels are launched. In the deferred
+mode the step's readout is copied to pinned host memory without blocking and read after the next
+step has been queued. Meanwhile the device itself keeps a bad update from landing: a sticky flag,
+set on the device when any of the step's values is non-finite, is passed to the optimizer as
+`found_inf` (the way a GradScaler does for fused optimizers), so that step's update and every
+later one are skipped until the host has read the flag. What a replay needs is then still the
+pre-step state: parameters and optimizer state (skipped updates), the buffers a step changes
+(copied before each step, two steps kept), the RNG state and the batch (kept one step longer).
+
+An optimizer that cannot skip on the device (only fused ones take `found_inf`), a GradScaler
+(whose skipped steps are normal AMP behaviour the host must count) and torchrun (every rank
+decides together each step) keep the synchronous read; `choose_read` says which mode and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+READ_MODES = ("auto", "sync", "deferred")
+
+
+@dataclass(frozen=True)
+class ReadMode:
+    """How a run reads its sentinels: "sync" (each step) or "deferred" (one step later)."""
+
+    mode: str
+    reason: str
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "reason": self.reason}
+
+
+def skips_on_device(optimizer) -> bool:
+    """Can this optimizer skip its update on the device given a `found_inf` tensor?"""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def choose_read(requested: str, device: torch.device, optimizer, grad_scaler,
+                distributed: bool) -> ReadMode:
+    """The read mode of a run: `requested` is the config's `sentinel_read` (auto | sync |
+    deferred); auto defers on CUDA only, where there is a device queue to keep busy."""
+    if requested == "sync":
+        return ReadMode("sync", "sentinel_read: sync")
+    why_not = None
+    if optimizer is None:
+        why_not = "no optimizer update to skip (the weights never change)"
+    elif grad_scaler is not None:
+        why_not = "a GradScaler drives the update: its skipped steps are read each step"
+    elif distributed:
+        why_not = "under torchrun the ranks decide together at each step"
+    elif not skips_on_device(optimizer):
+        why_not = (f"{type(optimizer).__name__} cannot skip its update on the device (only "
+                   f"fused optimizers take found_inf: pass fused=True)")
+    if why_not is not None:
+        return ReadMode("sync", why_not)
+    if requested == "auto" and device.type != "cuda":
+        return ReadMode("sync", f"on {device.type} there is no device queue to keep busy")
+    return ReadMode("deferred", f"{type(optimizer).__name__} skips a bad update on the device "
+                                f"until the host reads the step one step later")
+
+
+class DeviceSkip:
+    """The sticky device flag: 1.0 once any step's readout held a non-finite value."""
+
+    def __init__(self, device):
+        self.halt = torch.zeros((), dtype=torch.float32, device=device)
+
+    def note(self, readout: torch.Tensor) -> None:
+        """Raise the flag when a value of the readout is non-finite (on the device, no sync).
+        The sum is non-finite exactly when an element is: the values are norms and a loss,
+        far from float64's range."""
+        torch.maximum(self.halt, (~torch.isfinite(readout.sum())).to(torch.float32),
+                      out=self.halt)
+
+    def step(self, optimizer, step_fn) -> None:
+        """Run the optimizer's step with the flag as its `found_inf`, as GradScaler.step does
+        for an optimizer with `_step_supports_amp_scaling`."""
+        optimizer.grad_scale, optimizer.found_inf = None, self.halt
+        try:
+            step_fn()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
+    def clear(self) -> None:
+        self.halt.zero_()
+
+
+class BufferKeeper:
+    """The buffers as they were before each of the last two steps (BatchNorm's running
+    statistics change in every forward, so a rewind must put them back).
+
+    Only buffers seen changing (their version counter moved) are copied each step; the others
+    are kept once, as they were at the start, for the step where one changes first."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = [b.detach() for b in model.buffers()]
+        self.start_versions = [b._version for b in self.buffers]
+        self.initial: list | None = None
+        self.changing: list[int] = []
+        self._slots: list[dict] = [{}, {}]
+        self._turn = 0
+
+    def save(self) -> tuple[dict, int]:
+        """Copy the changing buffers (on the device, no sync); returns what `restore` needs."""
+        if self.initial is None:
+            self.initial = [b.clone() for b in self.buffers]
+        known = set(self.changing)
+        for i, b in enumerate(self.buffers):
+            if i not in known and b._version != self.start_versions[i]:
+                self.changing.append(i)
+        slot = self._slots[self._turn]
+        self._turn ^= 1
+        for i in self.changing:
+            kept = slot.get(i)
+            if kept is None:
+                slot[i] = self.buffers[i].clone()
+            else:
+                kept.copy_(self.buffers[i])
+        return slot, len(self.changing)
+
+    def restore(self, saved: tuple[dict, int]) -> None:
+        """Put every buffer back as it was when `saved` was taken."""
+        slot, count = saved
+        with torch.no_grad():
+            for n, i in enumerate(self.changing):
+                source = slot[i] if n < count else self.initial[i]
+                self.buffers[i].copy_(source)
+
+
+class HostReader:
+    """Readouts copied to pinned host memory without blocking, read when they are needed."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def send(self, values: torch.Tensor):
+        if not self.cuda:
+            return values            # CPU ops are done when they return: nothing in flight
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def receive(self, handle) -> list[float]:
+        if not self.cuda:
+            return handle.tolist()
+        host, done = handle
+        done.synchronize()           # the one wait: long done unless the device is behind
+        return host.tolist()
