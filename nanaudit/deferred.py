@@ -91,45 +91,30 @@ class DeviceSkip:
 
 
 class BufferKeeper:
-    """The buffers as they were before each of the last two steps (BatchNorm's running
-    statistics change in every forward, so a rewind must put them back).
-
-    Only buffers seen changing (their version counter moved) are copied each step; the others
-    are kept once, as they were at the start, for the step where one changes first."""
+    """The buffers as they were before each of the last two steps: BatchNorm's running
+    statistics change in every forward (inside the kernel, which moves no version counter, so
+    every buffer is copied: two device-side copies of them, no sync)."""
 
     def __init__(self, model: torch.nn.Module):
         self.buffers = [b.detach() for b in model.buffers()]
-        self.start_versions = [b._version for b in self.buffers]
-        self.initial: list | None = None
-        self.changing: list[int] = []
-        self._slots: list[dict] = [{}, {}]
+        self._slots: list[list | None] = [None, None]
         self._turn = 0
 
-    def save(self) -> tuple[dict, int]:
-        """Copy the changing buffers (on the device, no sync); returns what `restore` needs."""
-        if self.initial is None:
-            self.initial = [b.clone() for b in self.buffers]
-        known = set(self.changing)
-        for i, b in enumerate(self.buffers):
-            if i not in known and b._version != self.start_versions[i]:
-                self.changing.append(i)
+    def save(self) -> list:
+        """Copy the buffers into the older of the two slots; returns it for `restore`."""
         slot = self._slots[self._turn]
+        if slot is None:
+            slot = self._slots[self._turn] = [b.clone() for b in self.buffers]
+        elif slot:
+            torch._foreach_copy_(slot, self.buffers)
         self._turn ^= 1
-        for i in self.changing:
-            kept = slot.get(i)
-            if kept is None:
-                slot[i] = self.buffers[i].clone()
-            else:
-                kept.copy_(self.buffers[i])
-        return slot, len(self.changing)
+        return slot
 
-    def restore(self, saved: tuple[dict, int]) -> None:
+    def restore(self, saved: list) -> None:
         """Put every buffer back as it was when `saved` was taken."""
-        slot, count = saved
-        with torch.no_grad():
-            for n, i in enumerate(self.changing):
-                source = slot[i] if n < count else self.initial[i]
-                self.buffers[i].copy_(source)
+        if saved:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, saved)
 
 
 class HostReader:
