@@ -30,9 +30,17 @@ class ReadMode:
 
     mode: str
     reason: str
+    sync_from: int | None = None   # deferred until a value was non-finite at this step
+
+    @property
+    def defers(self) -> bool:
+        return self.mode == "deferred" and self.sync_from is None
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "reason": self.reason}
+        body = {"mode": self.mode, "reason": self.reason}
+        if self.sync_from is not None:
+            body["sync_from_step"] = self.sync_from
+        return body
 
 
 def skips_on_device(optimizer) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -293,7 +293,7 @@ class _StepLoop:
             if raw_batch is _END:
                 break
             last = max_steps is not None and step + 1 >= start_step + max_steps
-            if self.read.mode == "deferred":
+            if self.read.defers:
                 trip, state = self._deferred_step(step, raw_batch)
             else:
                 trip, state = self._step(step, raw_batch, last)
@@ -420,8 +420,7 @@ class _StepLoop:
         self.keeper.restore(previous.buffers)
         previous.rng.restore()
         self.updated = previous.updated
-        self.read = ReadMode("sync", f"{self.read.reason}; read synchronously from step "
-                                     f"{previous.step}, where a value was non-finite")
+        self.read = replace(self.read, sync_from=previous.step)
         self.outcome.read_mode = self.read
         trip, state = self._step(previous.step, previous.batch, last=False)
         if trip is not None or current is None:
