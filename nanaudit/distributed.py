@@ -210,10 +210,11 @@ class Coordinator:
 
     # --- the per-step exchange -------------------------------------------------------------
 
-    def local_gradient_flag(self, grad_norm: torch.Tensor) -> torch.Tensor:
-        """1.0 when this rank's own gradients (before averaging) held a non-finite value."""
+    def local_gradient_flag(self, grad_norm) -> torch.Tensor:
+        """1.0 when this rank's own gradients (before averaging) held a non-finite value;
+        `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
         if self.local_grad_bad is None:      # no DDP: the gradients are the local ones
-            return (~torch.isfinite(grad_norm)).to(torch.float64)
+            return (~torch.isfinite(grad_norm())).to(torch.float64)
         flag, self.local_grad_bad = self.local_grad_bad, torch.zeros_like(self.local_grad_bad)
         return flag
 

@@ -96,7 +96,7 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
     if not value.requires_grad:
         raise ConfigError([Problem(entry_key, "the loss does not require grad: it is not "
                                    "connected to any trainable parameter")])
-    return value.reshape(())
+    return value.reshape(()) if value.dim() else value
 
 
 def forward_backward(session: Session, batch: Any,
@@ -244,6 +244,7 @@ class _Pending:
     batch: Any
     rng: RngState
     buffers: Any
+    readout: Any                        # its StepReadout: where each value sits
     handle: Any
     extras: _Extras
     started: float
@@ -334,38 +335,38 @@ class _StepLoop:
         scale = self.precision.scale if self.precision.scaler is not None else None
         # The batch, the weights as this step's forward saw them (a bad last update shows
         # here) and this step's gradients, in one fused reduction.
-        batch_norm, state_norm, grad_norm = self.sentinels.step_norms(leaves)
-        read, table, extras = self._readout(batch_norm, state_norm, loss, grad_norm, last)
-        ok_batch = _batch_ok(read[0], leaves)
-        norm, gnorm = confirm_norms(self.sentinels, read[1], read[3])
-        loss_value = read[2]
+        readout = self.sentinels.step_readout(loss, leaves)
+        read, table, extras = self._readout(readout, loss, last)
+        batch_norm, norm, loss_value, gnorm = readout.read(read)
+        ok_batch = _batch_ok(batch_norm, leaves)
+        norm, gnorm = confirm_norms(self.sentinels, norm, gnorm)
         if scale is not None:
             gnorm = gnorm / scale
         self.outcome.steps_run = step + 1
         trip = self._classify(step, table, ok_batch, norm, loss_value, gnorm)
-        trip, scaler_step = self._advance(step, trip, norm, grad_norm, scale, loss_value, gnorm)
-        fields = self.watches.observe(step, read[4 + len(table):], self.outcome.timeline,
+        trip, scaler_step = self._advance(step, trip, norm, readout, scale, loss_value, gnorm)
+        fields = self.watches.observe(step, read[len(readout) + len(table):],
+                                      self.outcome.timeline,
                                       loss_value, gnorm, extras)
         self.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
                                                     self.optimizer, started, scale, scaler_step,
                                                     **fields))
         return (trip, StepState(step, batch, rng, scale)) if trip is not None else (None, None)
 
-    def _readout(self, batch_norm, state_norm, loss, grad_norm, last: bool):
+    def _readout(self, readout, loss, last: bool):
         """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
         and the watches' sampled values, in one tensor."""
-        parts = [torch.stack([batch_norm, state_norm, loss.detach().to(torch.float64),
-                              grad_norm])]
+        parts = [readout.values]
         if self.coord is not None:
             self.ahead = _END if last else _next_batch(self.iterator, self.what)
-            row = _rank_row(self.coord, batch_norm, loss, grad_norm, self.ahead is _END)
+            row = _rank_row(self.coord, readout, loss, self.ahead is _END)
             parts.append(self.coord.exchange(row).reshape(-1))
         extra, extras = self.watches.extra_readout()
         values = torch.cat(parts + extra) if len(parts) + len(extra) > 1 else parts[0]
         read = self.coord.read(values) if self.coord is not None else values.tolist()
         self.outcome.host_syncs += 1
         width = self.coord.world_size * len(FLAGS) if self.coord is not None else 0
-        return read, read[4:4 + width], extras
+        return read, read[len(readout):len(readout) + width], extras
 
     def _deferred_step(self, step: int, raw_batch):
         """One training step whose readout is read at the next step (or at the end); the
@@ -379,20 +380,21 @@ class _StepLoop:
         leaves = [t for _, t in float_leaves(batch)]
         self.watches.activations.begin(step)
         loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
-        batch_norm, state_norm, grad_norm = self.sentinels.step_norms(leaves)
-        core = torch.stack([batch_norm, state_norm, loss.detach().to(torch.float64), grad_norm])
-        self.skip.note(core)
+        readout = self.sentinels.step_readout(loss, leaves)
+        self.skip.note(readout.values)
         if self.session.config.grad_clip:
-            self.sentinels.clip_(grad_norm, self.session.config.grad_clip)
-        self.watches.updates.before_update(step, state_norm)
+            self.sentinels.clip_(readout.grad_norm(), self.session.config.grad_clip)
+        if _samples_update(self.watches.updates, step):
+            self.watches.updates.before_update(step, readout.state_norm())
         self.skip.step(self.optimizer, lambda: call_user(self.optimizer_what,
                                                          self.optimizer.step))
         self.watches.updates.after_update()
         self.updated = True
         extra, extras = self.watches.extra_readout()
-        handle = self.reader.send(torch.cat([core] + extra) if extra else core)
+        values = readout.values
+        handle = self.reader.send(torch.cat([values] + extra) if extra else values)
         previous, self.pending = self.pending, _Pending(
-            step, batch, rng, saved, handle, extras, started, time.perf_counter(),
+            step, batch, rng, saved, readout, handle, extras, started, time.perf_counter(),
             updated)
         if previous is None:
             return None, None
@@ -406,10 +408,11 @@ class _StepLoop:
         synchronously too."""
         read = self.reader.receive(previous.handle)
         self.outcome.host_syncs += 1
-        batch_norm, norm, loss_value, gnorm = read[:4]
+        batch_norm, norm, loss_value, gnorm = previous.readout.read(read)
         if math.isfinite(batch_norm + norm + loss_value + gnorm):
             self.outcome.steps_run = previous.step + 1
-            fields = self.watches.observe(previous.step, read[4:], self.outcome.timeline,
+            fields = self.watches.observe(previous.step, read[len(previous.readout):],
+                                          self.outcome.timeline,
                                           loss_value, gnorm, previous.extras)
             self.outcome.timeline.append(timeline_entry(
                 previous.step, loss_value, gnorm, norm, self.optimizer, previous.started,
@@ -436,7 +439,7 @@ class _StepLoop:
             self.ahead = _END            # a rank ran out of data: all stop after this step
         return _classify_ranks(step, table, norm, loss_value, gnorm, self.updated)
 
-    def _advance(self, step, trip, norm, grad_norm, scale, loss_value, gnorm):
+    def _advance(self, step, trip, norm, readout, scale, loss_value, gnorm):
         """The update, when the read said all is finite; under a GradScaler, non-finite
         gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step)."""
         precision, optimizer = self.precision, self.optimizer
@@ -451,7 +454,8 @@ class _StepLoop:
             return trip, None
         scaler_step = precision.after_readout(optimizer, grads_finite=True)
         if self.session.config.grad_clip:
-            total = grad_norm / scale if scale is not None else grad_norm
+            total = readout.grad_norm()
+            total = total / scale if scale is not None else total
             self.sentinels.clip_(total, self.session.config.grad_clip)
         self.watches.updates.before_update(step, norm)
         call_user(self.optimizer_what, optimizer.step)
@@ -473,13 +477,18 @@ class _StepLoop:
 _NOTHING, _END = object(), object()
 
 
-def _rank_row(coord, batch_norm, loss, grad_norm, exhausted: bool) -> torch.Tensor:
+def _rank_row(coord, readout, loss, exhausted: bool) -> torch.Tensor:
     """This rank's flags for the exchange, in FLAGS order, all on the device (no sync)."""
-    bad_batch = (~torch.isfinite(batch_norm)).to(torch.float64)
     bad_loss = (~torch.isfinite(loss.detach())).to(torch.float64).reshape(())
-    return torch.stack([bad_batch, bad_loss, coord.local_gradient_flag(grad_norm),
+    grad_flag = coord.local_gradient_flag(readout.grad_norm)
+    return torch.stack([readout.batch_bad(), bad_loss, grad_flag.reshape(()),
                         torch.tensor(float(exhausted), dtype=torch.float64,
-                                     device=batch_norm.device)])
+                                     device=readout.values.device)])
+
+
+def _samples_update(updates, step: int) -> bool:
+    """Does the update-ratio watch sample this step? (its base norm is then worth computing)"""
+    return bool(updates.every and step % updates.every == 0 and updates.params)
 
 
 def _batch_ok(batch_norm: float, leaves) -> float:

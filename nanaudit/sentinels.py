@@ -11,6 +11,8 @@ step that trips. Nothing here calls `.item()` on the common path.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -86,6 +88,48 @@ def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
     return torch.stack(flags).all().to(torch.float64)
 
 
+@dataclass
+class StepReadout:
+    """A step's loss and norms in one device tensor: [loss, batch norms, state norms, gradient
+    norms], per tensor (the host combines them: no per-group reductions on the device, which a
+    small model's step would notice) or one norm per group when dtypes or devices are mixed."""
+
+    values: torch.Tensor
+    n_batch: int
+    n_state: int
+    n_grads: int
+
+    def __len__(self) -> int:
+        return 1 + self.n_batch + self.n_state + self.n_grads
+
+    def read(self, host: Sequence[float]) -> tuple[float, float, float, float]:
+        """(batch norm, state norm, loss, gradient norm) from the host copy of `values`."""
+        a, b = 1 + self.n_batch, 1 + self.n_batch + self.n_state
+        return (_combine(host[1:a]), _combine(host[a:b]), host[0],
+                _combine(host[b:b + self.n_grads]))
+
+    def grad_norm(self) -> torch.Tensor:
+        """The gradients' float64 norm on the device (for clipping: no sync)."""
+        start = 1 + self.n_batch + self.n_state
+        return torch.linalg.vector_norm(self.values[start:start + self.n_grads],
+                                        dtype=torch.float64)
+
+    def state_norm(self) -> torch.Tensor:
+        start = 1 + self.n_batch
+        return torch.linalg.vector_norm(self.values[start:start + self.n_state],
+                                        dtype=torch.float64)
+
+    def batch_bad(self) -> torch.Tensor:
+        """1.0 (float64, on the device) when a batch norm is non-finite."""
+        part = self.values[1:1 + self.n_batch]
+        return (~torch.isfinite(part.sum(dtype=torch.float64))).to(torch.float64)
+
+
+def _combine(norms: Sequence[float]) -> float:
+    """The L2 norm of per-tensor norms, in float64 on the host (NaN and Inf carry through)."""
+    return math.sqrt(sum(v * v for v in norms))
+
+
 class Sentinels:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
@@ -95,6 +139,10 @@ class Sentinels:
         self.state = self.params + [b for b in model.buffers() if b.is_floating_point()]
         # Detached once: aliases of the same storage, which in-place updates keep current.
         self._state = [t.detach() for t in self.state]
+        # One fused float32 pass covers them (gradients share their parameter's dtype and
+        # device); float64 or scattered tensors take the per-group path.
+        self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
+                          for t in self._state)
 
     def state_norm(self) -> torch.Tensor:
         return finite_norm(self._state, self.device)
@@ -113,12 +161,19 @@ class Sentinels:
         state, grads = finite_norms([self._state, self.grads()], self.device)
         return state, grads
 
-    def step_norms(self, batch_leaves: Sequence[torch.Tensor]):
-        """(batch norm, state norm, gradient norm) from one fused reduction: a non-finite
-        batch norm flags the batch the way a non-finite state norm flags the weights."""
-        batch, state, grads = finite_norms([batch_leaves, self._state, self.grads()],
-                                           self.device)
-        return batch, state, grads
+    def step_readout(self, loss: torch.Tensor, batch_leaves: list) -> StepReadout:
+        """The step's loss and the norms of its batch, weights and gradients: one fused
+        `_foreach_norm` and one stack on the common path."""
+        grads = self.grads()
+        if self._fused and all(t.dtype in _FLOAT64_SAFE and t.device == self.device
+                               for t in batch_leaves):
+            norms = torch._foreach_norm(batch_leaves + self._state + grads, 2.0,
+                                        dtype=torch.float32)
+            return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
+                               len(self._state), len(grads))
+        batch, state, grad = finite_norms([batch_leaves, self._state, grads], self.device)
+        values = torch.stack([loss.detach().to(torch.float64), batch, state, grad])
+        return StepReadout(values, 1, 1, 1)
 
     def zero_grad(self) -> None:
         """`model.zero_grad(set_to_none=True)` without walking the module tree each step."""
