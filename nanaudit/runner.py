@@ -24,7 +24,6 @@ from nanaudit.loader import Session
 from nanaudit.report import TimelineEntry
 from nanaudit.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode, choose_read
 from nanaudit.sentinels import Sentinels, confirm_nonfinite, exact_norm
-from nanaudit.tree import float_leaves, to_device
 from nanaudit.distributed import FLAGS
 from nanaudit.watch import MAX_WARNINGS, ActivationWatch, GrowthWatch, UpdateWatch
 
@@ -328,8 +327,8 @@ class _StepLoop:
             raise KeyboardInterrupt      # torchrun is stopping the group: partial report
         started = time.perf_counter()
         rng = RngState.capture()
-        batch = to_device(raw_batch, self.session.device)
-        leaves = [t for _, t in float_leaves(batch)]
+        leaves: list = []
+        batch = _move(raw_batch, self.session.device, leaves)
         self.watches.activations.begin(step)
         loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
         scale = self.precision.scale if self.precision.scaler is not None else None
@@ -375,9 +374,9 @@ class _StepLoop:
         started = time.perf_counter()
         updated = self.updated
         rng = RngState.capture()
-        batch = to_device(raw_batch, self.session.device)
+        leaves: list = []
+        batch = _move(raw_batch, self.session.device, leaves)
         saved = self.keeper.save()
-        leaves = [t for _, t in float_leaves(batch)]
         self.watches.activations.begin(step)
         loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
         readout = self.sentinels.step_readout(loss, leaves)
@@ -484,6 +483,23 @@ def _rank_row(coord, readout, loss, exhausted: bool) -> torch.Tensor:
     return torch.stack([readout.batch_bad(), bad_loss, grad_flag.reshape(()),
                         torch.tensor(float(exhausted), dtype=torch.float64,
                                      device=readout.values.device)])
+
+
+def _move(tree: Any, device, leaves: list) -> Any:
+    """`to_device(tree, device)` that also collects the floating-point leaves (the batch check's
+    tensors) in the same walk: one pass over the batch per step instead of two."""
+    if isinstance(tree, torch.Tensor):
+        moved = tree.to(device, non_blocking=True)
+        if moved.is_floating_point() or moved.is_complex():
+            leaves.append(moved)
+        return moved
+    if isinstance(tree, dict):
+        return type(tree)((k, _move(v, device, leaves)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_move(v, device, leaves) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_move(v, device, leaves) for v in tree)
+    return tree
 
 
 def _samples_update(updates, step: int) -> bool:
