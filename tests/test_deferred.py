@@ -148,16 +148,16 @@ def test_read_mode_choice():
 
 
 def test_clean_run_reads_the_same_values_once_per_step(host_reads, case):
-    path = _write(case)
+    path = _write(case, watch={"activations": 1}, grad_clip=0.5)
     sync_session, sync = _run(path, "sync")
     calls_sync = dict(host_reads)
     session, deferred = _run(path, "deferred")
     assert deferred.read_mode.mode == "deferred" and sync.read_mode.mode == "sync"
     assert deferred.trip is None and deferred.steps_run == sync.steps_run == 6
     for a, b in zip(sync.timeline, deferred.timeline):
-        assert (a.step, a.loss, a.grad_norm, a.param_norm, a.update_ratio) == (
-            b.step, b.loss, b.grad_norm, b.param_norm, b.update_ratio)
-    assert sync.timeline[0].update_ratio is not None
+        assert (a.step, a.loss, a.grad_norm, a.param_norm, a.update_ratio, a.act_max) == (
+            b.step, b.loss, b.grad_norm, b.param_norm, b.update_ratio, b.act_max)
+    assert sync.timeline[0].update_ratio is not None and sync.timeline[5].act_max > 0
     _same(_state(sync_session), _state(session))
     # One host read per step in both modes, plus the final check of the last update.
     assert calls_sync["tolist"] == 6 and host_reads["tolist"] == 12
