@@ -214,6 +214,9 @@ def make_optimizer(model, kind: str):
 
 # --- measurement -----------------------------------------------------------------------------
 
+CLOCK = time.perf_counter     # --clock cpu: time.process_time (this process's CPU time)
+
+
 def measure(name, factory, device, rounds, steps, variants, optimizer="fused"):
     torch.manual_seed(0)
     model, make_batch, loss = factory()
@@ -227,9 +230,9 @@ def measure(name, factory, device, rounds, steps, variants, optimizer="fused"):
     times = {v: [] for v in variants}
     for _ in range(rounds):
         for v, fn in variants.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn(model, opt, loss, batches, device)
-            times[v].append((time.perf_counter() - start) / steps)
+            times[v].append((CLOCK() - start) / steps)
     medians = {v: statistics.median(t) for v, t in times.items()}
     base = medians["plain"]
     syncs, modes = {}, {}
@@ -411,12 +414,22 @@ def main(argv=None):
     parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: time "
+                        "this process's CPU time (a shared CPU machine; never for CUDA)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
     device = torch.device(args.device)
+    global CLOCK
+    if args.clock == "cpu":
+        if device.type == "cuda":
+            parser.error("--clock cpu does not see GPU time: use the wall clock on CUDA")
+        CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds, steps = (3, 1) if args.quick else (args.rounds, args.steps)
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     names = CUDA_WORKLOADS if device.type == "cuda" else CPU_WORKLOADS
@@ -452,7 +465,7 @@ def main(argv=None):
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"machine: {machine}")
     print(f"median step time ratio to the plain loop ({rounds} interleaved rounds x {steps} "
-          f"step(s), {args.optimizer} SGD):")
+          f"step(s), {args.optimizer} SGD, {args.clock} clock):")
     if results:
         print(table(results))
         print("\nfixed cost per step over the plain loop (ms), host syncs per step:")
@@ -470,7 +483,7 @@ def main(argv=None):
           f"-> samples {replay['samples']}")
     print(f"memory: {memory}")
     if args.json_path:
-        body = {"machine": machine, "results": results, "sweep": sweep, "replay": replay,
+        body = {"machine": machine, "clock": args.clock, "results": results, "sweep": sweep, "replay": replay,
                 "whole_process": processes, "memory": memory, "quick": args.quick}
         Path(args.json_path).write_text(json.dumps(body, indent=2))
     return 0

@@ -13,12 +13,13 @@ from conftest import ROOT
 def test_bench_quick_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--clock", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "median step time ratio to the plain loop" in done.stdout
     assert "replay of one bad step" in done.stdout
-    assert "host syncs per step" in done.stdout
+    assert "host syncs per step" in done.stdout and "cpu clock" in done.stdout
     body = json.loads(out.read_text())
+    assert body["clock"] == "cpu"
     variants = {"plain", "nanaudit", "nanaudit sync", "nanaudit deferred", "sentinels only",
                 "+activation watch", "detect_anomaly", "hook .item() (HF)"}
     assert [r["workload"] for r in body["results"]] == ["transformer (small)", "tiny mlp"]
