@@ -28,12 +28,13 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = (
     "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
     "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
-    "fail_on", "distributed",
+    "fail_on", "distributed", "sentinel_read",
 )
 ENTRYPOINT_KEYS = ("entrypoint", "args")
 PRECISIONS = ("fp32", "fp16", "bf16")
 FAIL_ON = ("nonfinite", "warning")
 BACKENDS = ("auto", "gloo", "nccl")
+SENTINEL_READS = ("auto", "sync", "deferred")   # see nanaudit/deferred.py
 _ENTRYPOINT_RE = re.compile(r"^[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 MAX_CONFIG_BYTES = 1 << 20        # a config is a page of keys, never a data set
@@ -144,6 +145,7 @@ class Config:
     watch: WatchOptions = field(default_factory=WatchOptions)
     fail_on: str = "nonfinite"
     distributed: DistributedOptions = field(default_factory=DistributedOptions)
+    sentinel_read: str = "auto"       # auto: deferred on CUDA when the optimizer can skip
 
     @property
     def uses_grad_scaler(self) -> bool:
@@ -290,6 +292,8 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         watch=_watch(raw.get("watch"), problems),
         fail_on=_choice(raw.get("fail_on", "nonfinite"), "fail_on", FAIL_ON, problems),
         distributed=_distributed(raw.get("distributed"), problems),
+        sentinel_read=_choice(raw.get("sentinel_read", "auto"), "sentinel_read",
+                              SENTINEL_READS, problems),
     )
     if raw.get("amp") is not None and values["precision"] == "fp32":
         problems.append(Problem("amp", "only used with `precision: fp16` or `bf16`; this run "

@@ -30,9 +30,10 @@ import time
 from typing import Any
 
 import torch
+from dataclasses import dataclass
 
 from nanaudit.config import Config, DistributedOptions
-from nanaudit.errors import NanauditError
+from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
 
 FLAGS = ("input", "loss", "gradient", "exhausted")
@@ -55,13 +56,54 @@ def is_collective_failure(exc: BaseException) -> bool:
     for candidate in (exc, inner):
         if candidate is None:
             continue
-        if isinstance(candidate, getattr(dist, "DistError", ())):
+        if isinstance(candidate, (DistributedError, getattr(dist, "DistError", ()))):
             return True
         text = str(candidate)
         if any(mark in text for mark in ("Connection closed by peer", "Connection reset",
-                                         "Timed out", "gloo", "NCCL", "ProcessGroup")):
+                                         "Timed out", "gloo", "NCCL", "ProcessGroup",
+                                         "Watchdog", "watchdog")):
             return True
     return False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank runs: the backend, its device (None: the config's device as resolved), and
+    why, when it is not what `auto` would give on a machine with a GPU per rank."""
+
+    backend: str
+    device: torch.device | None
+    note: str | None = None
+
+
+def choose_placement(backend: str, device: str, local_rank: int, local_world: int,
+                     gpus: int) -> Placement:
+    """NCCL only when every local rank has a GPU of its own (LOCAL_WORLD_SIZE <= GPUs), each
+    on cuda:LOCAL_RANK; otherwise gloo on the CPU, or a config error when CUDA was asked for.
+    Ranks sharing one GPU under NCCL never finish joining; ranks of a node decide alike."""
+    fits = gpus > 0 and local_rank < gpus and local_world <= gpus
+    lacking = (f"local rank {local_rank} of {local_world} on this node has no GPU of its own "
+               f"({gpus} visible)")
+    if device == "cpu":
+        if backend == "nccl":
+            raise ConfigError([Problem("distributed.backend", "nccl needs CUDA tensors, but "
+                                       "`device: cpu` was asked for; use gloo (or auto)")])
+        return Placement("gloo" if backend == "auto" else backend, torch.device("cpu"))
+    if device.startswith("cuda") or backend == "nccl":
+        if not fits:
+            key = "device" if device.startswith("cuda") else "distributed.backend"
+            raise ConfigError([Problem(key, f"`{device if key == 'device' else 'nccl'}` asked "
+                                       f"for under torchrun, but {lacking}: run at most {gpus} "
+                                       f"process(es) per node, or use `device: cpu` (gloo)")])
+        return Placement("nccl" if backend == "auto" else backend,
+                         torch.device("cuda", local_rank))
+    if device != "auto":                              # mps and the like: as resolved
+        return Placement("gloo" if backend == "auto" else backend, None)
+    if fits:
+        return Placement("nccl" if backend == "auto" else backend,
+                         torch.device("cuda", local_rank))
+    note = f"{lacking}: every rank runs on the CPU with gloo" if gpus else None
+    return Placement("gloo" if backend == "auto" else backend, torch.device("cpu"), note)
 
 
 def launched_by_torchrun() -> bool:
@@ -79,6 +121,7 @@ class Coordinator:
         self.options = options
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.backend = ""
+        self.placement: Placement | None = None
         self.store = None
         self.local_grad_bad: torch.Tensor | None = None
         self.failed = False
@@ -90,10 +133,20 @@ class Coordinator:
         global _CURRENT
         import torch.distributed as dist
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        coord = cls(config.distributed, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
-        coord.backend = coord._backend(device_name)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        coord = cls(config.distributed, rank, world, local_rank)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        coord.placement = choose_placement(config.distributed.backend, device_name, local_rank,
+                                           local_world, gpus)
+        coord.backend = coord.placement.backend
         if coord.backend == "nccl":
             torch.cuda.set_device(coord.local_rank)
+            # torchrun asks NCCL's watchdog to kill the process on a collective timeout
+            # (SIGABRT, no report). Abort the communicators only: the timed-out collective
+            # then raises here, and a stalled peer is exit 8 like under gloo.
+            if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1") in ("1", "3"):
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         timeout = datetime.timedelta(seconds=config.distributed.timeout_s)
         try:
             if not dist.is_initialized():
@@ -119,15 +172,10 @@ class Coordinator:
             self.terminated = True
         signal.signal(signal.SIGTERM, note)
 
-    def _backend(self, device_name: str) -> str:
-        if self.options.backend != "auto":
-            return self.options.backend
-        wants_cuda = device_name.startswith("cuda") or (device_name == "auto"
-                                                        and torch.cuda.is_available())
-        return "nccl" if wants_cuda else "gloo"
-
     def device(self, resolved: torch.device) -> torch.device:
-        """Each rank on its own GPU (LOCAL_RANK); CPU ranks share the CPU."""
+        """Each rank on its own GPU (cuda:LOCAL_RANK) under NCCL; CPU ranks share the CPU."""
+        if self.placement is not None and self.placement.device is not None:
+            return self.placement.device
         if resolved.type == "cuda":
             return torch.device("cuda", self.local_rank)
         return resolved
@@ -162,10 +210,11 @@ class Coordinator:
 
     # --- the per-step exchange -------------------------------------------------------------
 
-    def local_gradient_flag(self, grad_norm: torch.Tensor) -> torch.Tensor:
-        """1.0 when this rank's own gradients (before averaging) held a non-finite value."""
+    def local_gradient_flag(self, grad_norm) -> torch.Tensor:
+        """1.0 when this rank's own gradients (before averaging) held a non-finite value;
+        `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
         if self.local_grad_bad is None:      # no DDP: the gradients are the local ones
-            return (~torch.isfinite(grad_norm)).to(torch.float64)
+            return (~torch.isfinite(grad_norm())).to(torch.float64)
         flag, self.local_grad_bad = self.local_grad_bad, torch.zeros_like(self.local_grad_bad)
         return flag
 
@@ -174,8 +223,20 @@ class Coordinator:
         import torch.distributed as dist
         table = torch.zeros(self.world_size, len(FLAGS), dtype=torch.float64, device=row.device)
         table[self.rank] = row
-        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        except Exception as exc:  # noqa: BLE001 - any backend's failure: a peer is gone
+            raise DistributedError(f"rank {self.rank}: the step's exchange of flags failed: "
+                                   f"{exc}") from None
         return table
+
+    def read(self, values: torch.Tensor) -> list[float]:
+        """The step's one host read, which is where a failed NCCL collective shows."""
+        try:
+            return values.tolist()
+        except Exception as exc:  # noqa: BLE001 - an aborted communicator's error
+            raise DistributedError(f"rank {self.rank}: reading the step's exchanged flags "
+                                   f"failed: {exc}") from None
 
     def gather(self, payload: dict) -> list[dict]:
         import torch.distributed as dist
@@ -228,8 +289,11 @@ class Coordinator:
             pass
 
     def describe(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
+        body = {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
                 "host": socket.gethostname(), "local_rank": self.local_rank}
+        if self.placement is not None and self.placement.note:
+            body["note"] = self.placement.note
+        return body
 
 
 def _flag_then_allreduce(coord: Coordinator, bucket):

@@ -163,6 +163,8 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.steps_run = outcome.steps_run
             report.timeline = outcome.timeline
             report.warnings = outcome.warnings
+            if outcome.read_mode is not None:
+                report.extra["sentinel_read"] = outcome.read_mode.describe()
         if outcome.interrupted:
             report.status = "interrupted"
         elif outcome.trip is None:

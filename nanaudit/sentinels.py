@@ -11,6 +11,8 @@ step that trips. Nothing here calls `.item()` on the common path.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -27,26 +29,39 @@ def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device) -> list[torch
     """finite_norm of each group, from one fused `_foreach_norm` over all of them: one call
     instead of one per group is what a small model's step notices."""
     flat = [t for group in groups for t in group]
+    device = torch.device(device)
+    if flat and all(t.dtype in _FLOAT64_SAFE and t.device == device for t in flat):
+        # The common case, kept to a handful of ops: one fused pass, one stack, one norm per group.
+        per_tensor = torch.stack(torch._foreach_norm(flat, 2.0, dtype=torch.float32))
+    else:
+        per_tensor = torch.stack(_mixed_norms(flat, device)) if flat else None
+    out, start = [], 0
+    for group in groups:
+        if group:
+            out.append(torch.linalg.vector_norm(per_tensor[start:start + len(group)],
+                                                dtype=torch.float64))
+        else:
+            out.append(torch.zeros((), dtype=torch.float64, device=device))
+        start += len(group)
+    return out
+
+
+def _mixed_norms(flat: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """Per-tensor float64 norms on `device` when dtypes or devices differ."""
     safe_index = [i for i, t in enumerate(flat) if t.dtype in _FLOAT64_SAFE]
     per_tensor: list = [None] * len(flat)
     if safe_index:
         norms = torch._foreach_norm([flat[i] for i in safe_index], 2.0, dtype=torch.float32)
         for i, n in zip(safe_index, norms):
-            per_tensor[i] = n.to(device)
+            per_tensor[i] = n.to(device=device, dtype=torch.float64)
     for i, t in enumerate(flat):
         if per_tensor[i] is None:
             # float64 squares could overflow: keep the norm finite (clamped) and add NaN only
             # when an element really is non-finite.
             bad = (~torch.isfinite(t)).any()
             norm = torch.where(bad, float("nan"), t.detach().abs().double().norm().clamp(max=1e150))
-            per_tensor[i] = norm.to(device)
-    out, start = [], 0
-    for group in groups:
-        part = per_tensor[start:start + len(group)]
-        start += len(group)
-        out.append(torch.stack(part).to(torch.float64).norm() if part
-                   else torch.zeros((), dtype=torch.float64, device=device))
-    return out
+            per_tensor[i] = norm.to(device=device, dtype=torch.float64)
+    return per_tensor
 
 
 def exact_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -73,6 +88,48 @@ def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
     return torch.stack(flags).all().to(torch.float64)
 
 
+@dataclass
+class StepReadout:
+    """A step's loss and norms in one device tensor: [loss, batch norms, state norms, gradient
+    norms], per tensor (the host combines them: no per-group reductions on the device, which a
+    small model's step would notice) or one norm per group when dtypes or devices are mixed."""
+
+    values: torch.Tensor
+    n_batch: int
+    n_state: int
+    n_grads: int
+
+    def __len__(self) -> int:
+        return 1 + self.n_batch + self.n_state + self.n_grads
+
+    def read(self, host: Sequence[float]) -> tuple[float, float, float, float]:
+        """(batch norm, state norm, loss, gradient norm) from the host copy of `values`."""
+        a, b = 1 + self.n_batch, 1 + self.n_batch + self.n_state
+        return (_combine(host[1:a]), _combine(host[a:b]), host[0],
+                _combine(host[b:b + self.n_grads]))
+
+    def grad_norm(self) -> torch.Tensor:
+        """The gradients' float64 norm on the device (for clipping: no sync)."""
+        start = 1 + self.n_batch + self.n_state
+        return torch.linalg.vector_norm(self.values[start:start + self.n_grads],
+                                        dtype=torch.float64)
+
+    def state_norm(self) -> torch.Tensor:
+        start = 1 + self.n_batch
+        return torch.linalg.vector_norm(self.values[start:start + self.n_state],
+                                        dtype=torch.float64)
+
+    def batch_bad(self) -> torch.Tensor:
+        """1.0 (float64, on the device) when a batch norm is non-finite."""
+        part = self.values[1:1 + self.n_batch]
+        return (~torch.isfinite(part.sum(dtype=torch.float64))).to(torch.float64)
+
+
+def _combine(norms: Sequence[float]) -> float:
+    """The L2 norm of per-tensor norms, in float64 on the host (NaN and Inf carry through)."""
+    return math.sqrt(sum(v * v for v in norms))
+
+
 class Sentinels:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
@@ -80,12 +137,18 @@ class Sentinels:
         self.device = torch.device(device)
         self.params = [p for p in model.parameters()]
         self.state = self.params + [b for b in model.buffers() if b.is_floating_point()]
+        # Detached once: aliases of the same storage, which in-place updates keep current.
+        self._state = [t.detach() for t in self.state]
+        # One fused float32 pass covers them (gradients share their parameter's dtype and
+        # device); float64 or scattered tensors take the per-group path.
+        self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
+                          for t in self._state)
 
     def state_norm(self) -> torch.Tensor:
-        return finite_norm([t.detach() for t in self.state], self.device)
+        return finite_norm(self._state, self.device)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t.detach() for t in self.state]
+        return list(self._state)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -94,15 +157,36 @@ class Sentinels:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        return [dense_values(p.grad.detach()) for p in self.params if p.grad is not None]
+        strided = torch.strided
+        return [g if g.layout is strided else dense_values(g.detach())
+                for g in (p.grad for p in self.params) if g is not None]
 
     def grad_norm(self) -> torch.Tensor:
         return finite_norm(self.grad_values(), self.device)
 
     def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(state norm, gradient norm) from one fused reduction."""
-        state, grads = finite_norms([self.state_tensors(), self.grad_values()], self.device)
+        state, grads = finite_norms([self._state, self.grad_values()], self.device)
         return state, grads
+
+    def step_readout(self, loss: torch.Tensor, batch_leaves: list) -> StepReadout:
+        """The step's loss and the norms of its batch, weights and gradients: one fused
+        `_foreach_norm` and one stack on the common path."""
+        grads = self.grads()
+        if self._fused and all(t.dtype in _FLOAT64_SAFE and t.device == self.device
+                               for t in batch_leaves):
+            norms = torch._foreach_norm(batch_leaves + self._state + grads, 2.0,
+                                        dtype=torch.float32)
+            return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
+                               len(self._state), len(grads))
+        batch, state, grad = finite_norms([batch_leaves, self._state, grads], self.device)
+        values = torch.stack([loss.detach().to(torch.float64), batch, state, grad])
+        return StepReadout(values, 1, 1, 1)
+
+    def zero_grad(self) -> None:
+        """`model.zero_grad(set_to_none=True)` without walking the module tree each step."""
+        for p in self.params:
+            p.grad = None
 
     def clip_(self, total_norm: torch.Tensor, max_norm: float) -> None:
         """Scale gradients by max_norm / total_norm when above it, without a host sync."""

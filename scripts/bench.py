@@ -1,16 +1,22 @@
 """Benchmark nanaudit's sentinels against a plain training loop and torch.autograd.detect_anomaly.
 
 Workloads are built here (no downloads): a transformer encoder (~3M parameters, batch 16 x 64
-tokens), a CNN on 32x32 images and an MLP; `--sizes` sweeps the transformer over ~1M, 10M and
-50M parameters. Variants run the same steps on the same batches, interleaved round by round in
-one process; the table shows each variant's median step time over rounds as a ratio to the
-plain loop. Also reported: the replay (localization) time of one bad step as a multiple of a
-plain step, the replays sample isolation used, and the sentinels' extra memory.
+tokens), a CNN on 32x32 images, an MLP and a tiny MLP whose step is mostly fixed cost; on CUDA
+also an 8-layer d=768 transformer (batch 32 x 256, ~80 ms per step on an H100). `--sizes`
+sweeps the transformer over ~1M, 10M and 50M parameters. Variants run the same steps on the
+same batches with the same optimizer (fused SGD unless `--optimizer foreach`), interleaved round
+by round in one process; the table shows each variant's median step time over rounds as a
+ratio to the plain loop, and the fixed cost per step in ms. nanaudit runs in its default read
+mode (deferred on CUDA with a fused optimizer, sync on the CPU) and in each mode explicitly;
+the host syncs per step of each are counted (nanaudit's own count, and on CUDA torch's sync
+debug mode). `--processes N` adds whole-process ratios: N interleaved fresh processes per
+variant, timed from start to exit. Also reported: the replay (localization) time of one bad
+step as a multiple of a plain step, the replays sample isolation used, and the extra memory.
 
-    python scripts/bench.py                 # the three workloads on the CPU
+    python scripts/bench.py                 # the CPU workloads
     python scripts/bench.py --sizes         # overhead against model size
     python scripts/bench.py --quick         # a smoke run in well under a minute
-    python scripts/bench.py --device cuda --json bench.json
+    python scripts/bench.py --device cuda --processes 4 --json bench-cuda.json
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import json
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -78,20 +86,33 @@ def cnn(batch=32):
     return model, make_batch, loss
 
 
-def mlp(batch=64):
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10))
+def mlp(batch=64, width=512, features=256):
+    model = nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, width),
+                          nn.ReLU(), nn.Linear(width, 10))
 
     def make_batch(g):
-        return torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        return (torch.randn(batch, features, generator=g),
+                torch.randint(0, 10, (batch,), generator=g))
 
     def loss(model, b):
         return nn.functional.cross_entropy(model(b[0]), b[1])
     return model, make_batch, loss
 
 
+def tiny_mlp():
+    """A step of a few hundred microseconds: what is left is nanaudit's fixed cost per step."""
+    return mlp(batch=16, width=32, features=32)
+
+
 SIZES = {"1M": dict(d=128, layers=4, ff=512), "10M": dict(d=384, layers=6, ff=1536),
          "50M": dict(d=768, layers=7, ff=3072)}
+# The GPU target of issue 19: ~80 ms per step on one H100.
+GPU_TARGET = dict(d=768, layers=8, ff=3072, batch=32, seq=256)
+WORKLOADS = {"transformer (3M)": lambda: transformer(), "cnn 32x32": cnn, "mlp": mlp,
+             "tiny mlp": tiny_mlp,
+             "transformer 8x768": lambda: transformer(**GPU_TARGET)}
+CPU_WORKLOADS = ("transformer (3M)", "cnn 32x32", "mlp", "tiny mlp")
+CUDA_WORKLOADS = ("transformer 8x768", "transformer (3M)", "cnn 32x32", "tiny mlp")
 
 
 # --- variants: one function per way of running `steps` training steps -----------------------
@@ -132,31 +153,42 @@ def hook_checker(model, opt, loss, batches, device):
             h.remove()
 
 
-def nanaudit_scan(model, opt, loss, batches, device, watch=None):
+def nanaudit_scan(model, opt, loss, batches, device, watch=None, read="auto"):
     """nanaudit's own step loop (runner.run_steps) with its default sentinels and warnings
     (loss spike and gradient growth on the host, the update ratio every 10 steps)."""
-    session = _session(model, opt, loss, batches, device, watch)
+    session = _session(model, opt, loss, batches, device, watch, read)
     outcome = run_steps(session)
     assert outcome.trip is None, outcome.trip
     _sync(device)
+    return outcome
+
+
+def nanaudit_sync(model, opt, loss, batches, device):
+    """The default scan with the sentinels read at each step (the host waits for the step)."""
+    return nanaudit_scan(model, opt, loss, batches, device, read="sync")
+
+
+def nanaudit_deferred(model, opt, loss, batches, device):
+    """The default scan with each step read one step later (needs a fused optimizer)."""
+    return nanaudit_scan(model, opt, loss, batches, device, read="deferred")
 
 
 def nanaudit_activations(model, opt, loss, batches, device):
     """The optional near-overflow watch on every step (on by default only under fp16)."""
-    nanaudit_scan(model, opt, loss, batches, device, WatchOptions(activations=1))
+    return nanaudit_scan(model, opt, loss, batches, device, WatchOptions(activations=1))
 
 
 def nanaudit_sentinels_only(model, opt, loss, batches, device):
     """The sentinels alone: every early warning off."""
-    nanaudit_scan(model, opt, loss, batches, device,
-                  WatchOptions(activations=0, loss_spike=False, grad_growth=False,
-                               update_ratio=False, update_every=0))
+    return nanaudit_scan(model, opt, loss, batches, device,
+                         WatchOptions(activations=0, loss_spike=False, grad_growth=False,
+                                      update_ratio=False, update_every=0))
 
 
-def _session(model, opt, loss, batches, device, watch=None) -> Session:
+def _session(model, opt, loss, batches, device, watch=None, read="auto") -> Session:
     entry = Entrypoint("bench:x", "bench")
     config = Config(path=Path("bench.yaml"), model=entry, data=entry, loss=entry,
-                    watch=watch or WatchOptions())
+                    watch=watch or WatchOptions(), sentinel_read=read)
     return Session(config, torch.device(device), model, opt, lambda m, b: loss(m, b),
                    lambda: batches, {id(p): n for n, p in model.named_parameters()})
 
@@ -166,18 +198,30 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan,
+VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan, "nanaudit sync": nanaudit_sync,
+            "nanaudit deferred": nanaudit_deferred,
             "sentinels only": nanaudit_sentinels_only, "+activation watch": nanaudit_activations,
             "detect_anomaly": detect_anomaly, "hook .item() (HF)": hook_checker}
+NANAUDIT_VARIANTS = ("nanaudit", "nanaudit sync", "nanaudit deferred", "sentinels only",
+                     "+activation watch")
+
+
+def make_optimizer(model, kind: str):
+    """The same optimizer for every variant: fused SGD (it can skip an update on the device,
+    which the deferred read needs) or the default foreach SGD (the sync read only)."""
+    return torch.optim.SGD(model.parameters(), lr=1e-4, fused=(kind == "fused"))
 
 
 # --- measurement -----------------------------------------------------------------------------
 
-def measure(name, factory, device, rounds, steps, variants):
+CLOCK = time.perf_counter     # --clock cpu: time.process_time (this process's CPU time)
+
+
+def measure(name, factory, device, rounds, steps, variants, optimizer="fused"):
     torch.manual_seed(0)
     model, make_batch, loss = factory()
     model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model, optimizer)
     g = torch.Generator().manual_seed(0)
     batches = [make_batch(g) for _ in range(steps)]
     params = sum(p.numel() for p in model.parameters())
@@ -186,14 +230,76 @@ def measure(name, factory, device, rounds, steps, variants):
     times = {v: [] for v in variants}
     for _ in range(rounds):
         for v, fn in variants.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn(model, opt, loss, batches, device)
-            times[v].append((time.perf_counter() - start) / steps)
+            times[v].append((CLOCK() - start) / steps)
     medians = {v: statistics.median(t) for v, t in times.items()}
     base = medians["plain"]
+    syncs, modes = {}, {}
+    for v, fn in variants.items():        # counted outside the timed rounds
+        syncs[v], outcome = count_syncs(fn, model, opt, loss, batches, device)
+        if outcome is not None and outcome.read_mode is not None:
+            modes[v] = outcome.read_mode.describe()
     return {"workload": name, "params": params, "device": str(device), "rounds": rounds,
-            "steps_per_round": steps, "median_step_s": medians,
-            "ratio": {v: m / base for v, m in medians.items()}, "raw_step_s": times}
+            "steps_per_round": steps, "optimizer": optimizer, "median_step_s": medians,
+            "ratio": {v: m / base for v, m in medians.items()},
+            "overhead_ms_per_step": {v: (m - base) * 1e3 for v, m in medians.items()},
+            "syncs_per_step": syncs, "read_mode": modes, "raw_step_s": times}
+
+
+def count_syncs(fn, model, opt, loss, batches, device):
+    """Host syncs per step of one run: nanaudit's own count of its blocking reads (the final
+    check included) and, on CUDA, the synchronizations torch's sync debug mode reports."""
+    counts, outcome = {}, None
+    cuda = str(device).startswith("cuda")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outcome = fn(model, opt, loss, batches, device)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    if outcome is not None:
+        counts["nanaudit_reads"] = outcome.host_syncs / len(batches)
+    if cuda:
+        found = [w for w in seen if "called a synchronizing" in str(w.message)]
+        counts["cuda_sync_debug"] = len(found) / len(batches)
+    return counts, outcome
+
+
+PROCESS_VARIANTS = ("plain", "nanaudit", "nanaudit sync", "nanaudit deferred", "detect_anomaly")
+
+
+def whole_process(workload, device, optimizer, steps, processes):
+    """Whole-process ratios: `processes` fresh interpreters per variant, interleaved, each
+    importing torch, building the workload and running `steps` steps, timed start to exit."""
+    walls = {v: [] for v in PROCESS_VARIANTS}
+    for _ in range(processes):
+        for v in PROCESS_VARIANTS:
+            command = [sys.executable, __file__, "--child", v, "--workload", workload,
+                       "--device", str(device), "--optimizer", optimizer, "--steps", str(steps)]
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True)
+            walls[v].append(time.perf_counter() - start)
+    medians = {v: statistics.median(w) for v, w in walls.items()}
+    return {"workload": workload, "processes": processes, "steps": steps,
+            "median_process_s": medians,
+            "ratio": {v: m / medians["plain"] for v, m in medians.items()}, "raw_s": walls}
+
+
+def child(args) -> int:
+    """One process of `whole_process`: build, run one variant, exit."""
+    torch.manual_seed(0)
+    model, make_batch, loss = WORKLOADS[args.workload]()
+    model.to(args.device)
+    opt = make_optimizer(model, args.optimizer)
+    g = torch.Generator().manual_seed(0)
+    VARIANTS[args.child](model, opt, loss, [make_batch(g) for _ in range(args.steps)],
+                         torch.device(args.device))
+    return 0
 
 
 def replay_cost(factory, device, repeats=3):
@@ -210,7 +316,7 @@ def replay_cost(factory, device, repeats=3):
         logits = model(b[0])
         p = torch.softmax(logits[:, -1] * 1e4, dim=-1)
         return loss(model, b) - torch.log(p[:, 0]).mean()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model, "fused")
     session = _session(model, opt, bad_loss, [batch], device)
     state = StepState(0, batch, RngState.capture())
     plain_times, replay_times, replays = [], [], None
@@ -247,12 +353,13 @@ def memory_note(device, factory):
             "note": "the sentinels keep no per-parameter copies: per step they hold the RNG "
                     "state (a few KB), the batch reference and a few 0-dim tensors; the "
                     "update-ratio watch copies the weights for the length of one optimizer "
-                    "step every `update_every` (10) steps, then frees the copy"}
+                    "step every `update_every` (10) steps, then frees the copy; the deferred "
+                    "read also keeps two copies of the buffers and one more step's batch"}
     if str(device).startswith("cuda"):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        opt = make_optimizer(model, "fused")
         batches = [make_batch(torch.Generator().manual_seed(0)) for _ in range(2)]
         peaks = {}
-        for v in ("plain", "sentinels only", "nanaudit"):
+        for v in ("plain", "sentinels only", "nanaudit", "nanaudit deferred"):
             torch.cuda.reset_peak_memory_stats()
             VARIANTS[v](model, opt, loss, batches, device)
             peaks[v] = torch.cuda.max_memory_allocated()
@@ -267,8 +374,27 @@ def table(results) -> str:
     head = f"{'workload':<22}{'params':>10}{'plain ms':>10}" + "".join(f"{n:>20}" for n in names[1:])
     lines = [head, "-" * len(head)]
     for r in results:
-        row = f"{r['workload']:<22}{r['params'] / 1e6:>9.2f}M{r['median_step_s']['plain'] * 1e3:>10.1f}"
+        row = f"{r['workload']:<22}{r['params'] / 1e6:>9.2f}M{r['median_step_s']['plain'] * 1e3:>10.2f}"
         row += "".join(f"{r['ratio'][n]:>19.3f}x" for n in names[1:])
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def cost_table(results) -> str:
+    """nanaudit's fixed cost per step (ms over the plain loop), its host syncs per step and the
+    read mode the default scan chose."""
+    names = [n for n in NANAUDIT_VARIANTS if n in results[0]["ratio"]]
+    head = f"{'workload':<22}" + "".join(f"{n + ' ms':>22}" for n in names) + \
+        f"{'syncs/step (nanaudit)':>24}{'default read':>14}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        row = f"{r['workload']:<22}" + "".join(
+            f"{r['overhead_ms_per_step'][n]:>22.3f}" for n in names)
+        syncs = r["syncs_per_step"].get("nanaudit", {})
+        text = f"{syncs.get('nanaudit_reads', float('nan')):.2f}"
+        if "cuda_sync_debug" in syncs:
+            text += f" (cuda {syncs['cuda_sync_debug']:.2f})"
+        row += f"{text:>24}{r['read_mode'].get('nanaudit', {}).get('mode', '?'):>14}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -279,51 +405,86 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round "
                         "(10: the update-ratio watch samples once per round, as in a run)")
+    parser.add_argument("--workloads", help="comma-separated names (default: per device): "
+                        + ", ".join(WORKLOADS))
+    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
+    parser.add_argument("--processes", type=int, default=0, help="whole-process ratios: this "
+                        "many fresh processes per variant for the first workload")
     parser.add_argument("--sizes", action="store_true", help="sweep transformer sizes")
     parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: time "
+                        "this process's CPU time (a shared CPU machine; never for CUDA)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for the run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
     device = torch.device(args.device)
+    global CLOCK
+    if args.clock == "cpu":
+        if device.type == "cuda":
+            parser.error("--clock cpu does not see GPU time: use the wall clock on CUDA")
+        CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rounds, steps = (3, 1) if args.quick else (args.rounds, args.steps)
-    workloads = {"transformer (3M)": lambda: transformer(), "cnn 32x32": cnn, "mlp": mlp}
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+    names = CUDA_WORKLOADS if device.type == "cuda" else CPU_WORKLOADS
+    if args.workloads:
+        names = tuple(n.strip() for n in args.workloads.split(","))
+    workloads = {n: WORKLOADS[n] for n in names}
     if args.sizes_only:
         workloads = {}
     variants = dict(VARIANTS)
     if args.quick:
         workloads = {"transformer (small)": lambda: transformer(d=64, layers=1, ff=128, seq=16),
-                     "mlp": mlp}
-    results = [measure(n, f, device, rounds, steps, variants) for n, f in workloads.items()]
+                     "tiny mlp": tiny_mlp}
+    results = [measure(n, f, device, rounds, steps, variants, args.optimizer)
+               for n, f in workloads.items()]
     sweep = []
     if args.sizes or args.sizes_only:
         sweep_variants = {k: VARIANTS[k] for k in ("plain", "nanaudit", "sentinels only")}
         for label, kw in SIZES.items():
             sweep.append(measure(f"transformer {label}", lambda kw=kw: transformer(**kw), device,
-                                 max(3, rounds // 2), steps, sweep_variants))
+                                 max(3, rounds // 2), steps, sweep_variants, args.optimizer))
+    processes = None
+    if args.processes and workloads:
+        first = next(n for n in names if n in WORKLOADS) if not args.quick else "tiny mlp"
+        processes = whole_process(first, device, args.optimizer, rounds * steps,
+                                  args.processes)
     replay_factory = (lambda: transformer(d=64, layers=1, ff=128, seq=16)) if args.quick \
         else (lambda: transformer())
     replay = replay_cost(replay_factory, device)
     memory = memory_note(device, replay_factory)
     machine = {"python": platform.python_version(), "torch": torch.__version__,
-               "platform": platform.platform(), "processor": platform.processor(),
-               "threads": torch.get_num_threads(),
+               "cuda": torch.version.cuda, "platform": platform.platform(),
+               "processor": platform.processor(), "threads": torch.get_num_threads(),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"machine: {machine}")
     print(f"median step time ratio to the plain loop ({rounds} interleaved rounds x {steps} "
-          f"step(s)):")
+          f"step(s), {args.optimizer} SGD, {args.clock} clock):")
     if results:
         print(table(results))
+        print("\nfixed cost per step over the plain loop (ms), host syncs per step:")
+        print(cost_table(results))
     if sweep:
         print("\nsize sweep (plain vs nanaudit):")
         print(table(sweep))
+    if processes:
+        print(f"\nwhole process ({processes['processes']} interleaved processes per variant, "
+              f"{processes['steps']} steps of {processes['workload']}): " + ", ".join(
+                  f"{v} {r:.3f}x" for v, r in processes["ratio"].items()))
     print(f"\nreplay of one bad step: {replay['replay_ratio']:.1f}x a plain step "
           f"({replay['replay_s'] * 1e3:.0f} ms vs {replay['plain_step_s'] * 1e3:.0f} ms); found "
           f"{replay['op']}; sample isolation used {replay['isolation_replays']} replays "
           f"-> samples {replay['samples']}")
     print(f"memory: {memory}")
     if args.json_path:
-        body = {"machine": machine, "results": results, "sweep": sweep, "replay": replay,
-                "memory": memory, "quick": args.quick}
+        body = {"machine": machine, "clock": args.clock, "results": results, "sweep": sweep, "replay": replay,
+                "whole_process": processes, "memory": memory, "quick": args.quick}
         Path(args.json_path).write_text(json.dumps(body, indent=2))
     return 0
 

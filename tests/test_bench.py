@@ -13,15 +13,27 @@ from conftest import ROOT
 def test_bench_quick_writes_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--clock", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "median step time ratio to the plain loop" in done.stdout
     assert "replay of one bad step" in done.stdout
+    assert "host syncs per step" in done.stdout and "cpu clock" in done.stdout
     body = json.loads(out.read_text())
-    variants = {"plain", "nanaudit", "sentinels only", "+activation watch", "detect_anomaly",
-                "hook .item() (HF)"}
+    assert body["clock"] == "cpu"
+    variants = {"plain", "nanaudit", "nanaudit sync", "nanaudit deferred", "sentinels only",
+                "+activation watch", "detect_anomaly", "hook .item() (HF)"}
+    assert [r["workload"] for r in body["results"]] == ["transformer (small)", "tiny mlp"]
     for result in body["results"]:
         assert set(result["ratio"]) == variants and result["ratio"]["plain"] == 1.0
+        assert result["overhead_ms_per_step"]["plain"] == 0.0
         assert all(len(v) == result["rounds"] for v in result["raw_step_s"].values())
+        # One read per step plus the final check, in both read modes (1 step per round).
+        syncs = result["syncs_per_step"]
+        assert syncs["nanaudit sync"]["nanaudit_reads"] == 2.0
+        assert syncs["nanaudit deferred"]["nanaudit_reads"] == 2.0
+        assert "nanaudit_reads" not in syncs["plain"]
+        modes = result["read_mode"]
+        assert (modes["nanaudit"]["mode"], modes["nanaudit deferred"]["mode"]) == (
+            "sync", "deferred")                  # the CPU default, and the fused SGD deferring
     assert body["replay"]["op"] == "aten.log.default"
     assert body["replay"]["isolation_replays"] >= 1

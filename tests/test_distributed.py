@@ -1,5 +1,7 @@
-"""Two-rank runs on CPU (gloo), launched the way torchrun launches them: every rank stops at the
-same step, the finding names the rank, every rank exits with the same code, nothing hangs."""
+"""Two-rank runs, launched the way torchrun launches them: every rank stops at the same step, the
+finding names the rank, every rank exits with the same code, nothing hangs. The example configs
+pin `device: cpu` and gloo, so these pass alike on machines with zero, one or several GPUs;
+ddp_auto.yaml checks what `auto` picks on this machine."""
 
 import json
 import os
@@ -35,7 +37,7 @@ def launch(config, tmp_path, nproc=2, *extra):
     procs = []
     for rank in range(nproc):
         env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-                   RANK=str(rank), LOCAL_RANK=str(rank))
+                   RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "nanaudit", "scan", str(config), "--json", str(report),
              *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -103,11 +105,31 @@ def test_raise_on_rank_1_exits_4_on_every_rank(name, exception, tmp_path):
     assert error["frames"][-1]["file"].endswith("ddp.py")
 
 
+def test_auto_picks_a_backend_every_rank_can_use(tmp_path):
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    codes, report, outputs = launch(EXAMPLES / "ddp_auto.yaml", tmp_path)
+    assert codes == [0, 0], outputs
+    section = report["distributed"]
+    # Two local ranks: NCCL only when each has a GPU of its own, else gloo on the CPU.
+    assert section["backend"] == ("nccl" if gpus >= 2 else "gloo")
+    assert [r["device"] for r in section["ranks"]] == (
+        ["cuda:0", "cuda:1"] if gpus >= 2 else ["cpu", "cpu"])
+    assert ("note" in section) == (gpus == 1)
+
+
 def test_stuck_rank_becomes_an_error_not_a_hang(tmp_path):
     codes, report, outputs = launch(EXAMPLES / "ddp_stalled_rank.yaml", tmp_path)
     assert codes == [8, 8], outputs
     assert report["error"]["type"] == "DistributedError"
     assert "timeout_s (2s)" in report["error"]["message"]
+
+
+def test_killed_rank_is_exit_8_on_the_survivor(tmp_path):
+    codes, report, outputs = launch(EXAMPLES / "ddp_dying_rank.yaml", tmp_path)
+    assert codes == [8, -9], outputs
+    assert report["error"]["type"] == "DistributedError" and report["error"]["rank"] == 0
+    assert "peer rank closed its connection" in report["error"]["message"]
 
 
 def test_torchrun_command_line(tmp_path):
@@ -126,7 +148,7 @@ def test_torchrun_command_line(tmp_path):
 @pytest.mark.parametrize("name, code, steps", [
     ("ddp_clean", 0, 6), ("ddp_poisoned_rank", 0, 6), ("ddp_failing_rank", 0, 6),
     ("ddp_failing_loss", 4, 5), ("ddp_stalled_rank", 0, 6), ("ddp_backward_nan", 0, 6),
-    ("ddp_dataloader", 1, 6)])
+    ("ddp_dataloader", 1, 6), ("ddp_auto", 0, 6), ("ddp_dying_rank", 0, 6)])
 def test_without_torchrun_each_config_runs_as_one_process(name, code, steps, tmp_path):
     # One process reads shard 0 alone (unpoisoned, never failing or stalling) with sample ids
     # 0..47, so the loss that rejects sample 40 raises at step 5; the plain DataLoader is

@@ -65,6 +65,16 @@ def stalled_shard(rank: int = 0, world_size: int = 1, stall_rank: int = 1, stall
         yield batch
 
 
+def dying_shard(rank: int = 0, world_size: int = 1, die_rank: int = 1, die_step: int = 1):
+    """Rank `die_rank` is killed at step `die_step` (the OOM killer): no error, no goodbye."""
+    import os
+    import signal
+    for step, batch in enumerate(shard(rank, world_size)):
+        if rank == die_rank and step == die_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield batch
+
+
 def fussy_loss(model, batch, bad_id: int = 40):
     """Raises for the batch that starts at global sample `bad_id` (rank 1, step 2 of 2 ranks):
     an error inside the loss, while the other rank waits in DDP's gradient all-reduce."""
