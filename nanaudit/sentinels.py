@@ -172,7 +172,7 @@ class Sentinels:
     def step_readout(self, loss: torch.Tensor, batch_leaves: list) -> StepReadout:
         """The step's loss and the norms of its batch, weights and gradients: one fused
         `_foreach_norm` and one stack on the common path."""
-        grads = self.grads()
+        grads = self.grad_values()
         if self._fused and all(t.dtype in _FLOAT64_SAFE and t.device == self.device
                                for t in batch_leaves):
             norms = torch._foreach_norm(batch_leaves + self._state + grads, 2.0,
