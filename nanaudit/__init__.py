@@ -13,12 +13,12 @@ __all__ = ["__version__", "audit", "Sentinel", "NonFiniteError"]
 
 def audit(config_or_path, **overrides):
     """Run what `nanaudit scan` runs and return the Report (imports torch on first use)."""
-    from nanaudit.pipeline import audit as _audit
+    from nanaudit.commands.scan import audit as _audit
     return _audit(config_or_path, **overrides)
 
 
 def __getattr__(name):
     if name in ("Sentinel", "NonFiniteError"):
-        from nanaudit import sentinel
+        from nanaudit.integrations import sentinel
         return getattr(sentinel, name)
     raise AttributeError(f"module 'nanaudit' has no attribute {name!r}")

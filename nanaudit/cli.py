@@ -22,7 +22,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from nanaudit import __version__
+from nanaudit._version import __version__
 from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
 
 
@@ -52,8 +52,13 @@ class Terminal:
         """A progress bar on stderr, or None when not a terminal or quiet."""
         if self.quiet or not self.err.is_terminal:
             return None
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
         return Progress(TextColumn("scanning"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=self.err, transient=True)
 
@@ -148,12 +153,12 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
          markdown_path, fmt, plot_path, fail_on, quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
-    from nanaudit.pipeline import ScanOptions
-    from nanaudit.pipeline import scan as run_scan
+    from nanaudit.commands.common import ScanOptions
+    from nanaudit.commands.scan import scan as run_scan
     terminal = Terminal(quiet or json_path == "-" or not _is_rank_zero())
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     progress, hooks = _progress_hooks(terminal)
-    from nanaudit.repro import default_folder
+    from nanaudit.commands.repro import default_folder
     repro = (None if no_repro else Path(repro_dir) if repro_dir else
              default_folder([json_path, junit_path, markdown_path], 0).parent)
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
@@ -179,14 +184,14 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
 
 
 def _code(report) -> ExitCode:
-    from nanaudit.pipeline import exit_code
+    from nanaudit.commands.common import exit_code
     return exit_code(report)
 
 
 def _note_signal(report, stop: _Stop) -> None:
     """A signal that arrived after the run's own handling (localizing, or at the very end)
     still marks the report partial: what the user stopped is not a clean result."""
-    from nanaudit.pipeline import mark_interrupted
+    from nanaudit.commands.common import mark_interrupted
     if stop.signal_name is not None and report.status != "error":
         mark_interrupted(report, stop.signal_name)
 
@@ -205,7 +210,7 @@ def _final_code(report, failed: list, terminal: Terminal) -> ExitCode:
 
 def _check_outputs(terminal: Terminal, paths: list, plot_path) -> None:
     """Refuse, before any step runs, outputs that cannot be written."""
-    from nanaudit.output import output_problem
+    from nanaudit.report.output import output_problem
     problems = [f"cannot write {p}: {output_problem(p)}" for p in paths
                 if p and p != "-" and output_problem(p)]
     if problems:
@@ -213,7 +218,7 @@ def _check_outputs(terminal: Terminal, paths: list, plot_path) -> None:
             terminal.error(problem)
         _exit(ExitCode.OUTPUT)
     if plot_path:
-        from nanaudit.render.plot import PlotUnavailable, check_available
+        from nanaudit.report.plot import PlotUnavailable, check_available
         try:
             check_available()
         except PlotUnavailable as exc:
@@ -229,7 +234,7 @@ def _is_rank_zero() -> bool:
 def _leave_early_if_failed(code: ExitCode) -> None:
     """Under torchrun, a rank other than 0 whose own code failed ends its process now: its
     closed connections are what frees the peers blocked in a collective with it."""
-    from nanaudit.distributed import current
+    from nanaudit.run.distributed import current
     coordinator = current()
     if coordinator is not None and coordinator.failed and coordinator.rank != 0:
         _exit_now(code)
@@ -239,7 +244,7 @@ def _leave_process_group(code: ExitCode) -> None:
     """Under torchrun: meet the other ranks (after rank 0 wrote the report) and exit at once:
     the reports are written and flushed, and a slow interpreter teardown would let torchrun
     see one rank exit first and stop the others with SIGTERM."""
-    from nanaudit.distributed import current
+    from nanaudit.run.distributed import current
     coordinator = current()
     if coordinator is not None:
         coordinator.shutdown()
@@ -272,9 +277,9 @@ def _progress_hooks(terminal: Terminal):
 def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt,
           plot_path=None) -> list[str]:
     """Print the console report and write every requested output; returns the failures."""
-    from nanaudit.output import write_atomic
-    from nanaudit.render import renderer_for
-    from nanaudit.render.console import print_report
+    from nanaudit.report.console import print_report
+    from nanaudit.report.formats import renderer_for
+    from nanaudit.report.output import write_atomic
     failed = []
     if not terminal.quiet:
         print_report(report, terminal.err)
@@ -305,8 +310,8 @@ def _os_reason(exc: OSError) -> str:
 
 
 def _write_plot(report, path) -> list[str]:
-    from nanaudit.render.plot import PlotUnavailable, render_png
-    from nanaudit.output import write_atomic_bytes
+    from nanaudit.report.output import write_atomic_bytes
+    from nanaudit.report.plot import PlotUnavailable, render_png
     try:
         write_atomic_bytes(path, render_png(report))
     except PlotUnavailable as exc:
@@ -336,8 +341,8 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
            markdown_path, fmt, plot_path, fail_on, quiet):
     """Find every non-finite batch of CONFIG's data set against the starting weights (with
     its samples and cause), or with --checkpoints the first bad checkpoint and step."""
-    from nanaudit.pipeline import ScanOptions
-    from nanaudit.pipeline import bisect as run_bisect
+    from nanaudit.commands.bisect import bisect as run_bisect
+    from nanaudit.commands.common import ScanOptions
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path, skip_list_path],
                    plot_path)
@@ -360,7 +365,8 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
 
 def _write_skip_list(path, skip_list) -> list[str]:
     import json
-    from nanaudit.output import write_atomic
+
+    from nanaudit.report.output import write_atomic
     try:
         write_atomic(path, json.dumps({"skip": skip_list}, indent=2) + "\n")
     except OSError as exc:
@@ -374,8 +380,8 @@ def _write_skip_list(path, skip_list) -> list[str]:
 def init(config, force):
     """Write a commented starter CONFIG (default nanaudit.yaml) and the entrypoint module it
     names (nanaudit_entry.py beside it); both run as written."""
-    from nanaudit.output import write_atomic
-    from nanaudit.starter import render
+    from nanaudit.commands.starter import render
+    from nanaudit.report.output import write_atomic
     terminal = Terminal()
     module_path = config.with_name("nanaudit_entry.py")
     existing = [p for p in (config, module_path) if p.exists()]
@@ -402,7 +408,7 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
     """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
     same weights, batch and RNG state, without the data pipeline. Exits 1 when the
     non-finite value reproduces."""
-    from nanaudit.pipeline import replay as run_replay
+    from nanaudit.commands.replay import replay as run_replay
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     with _Stop() as stop:
@@ -430,7 +436,7 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
     name the op. nanaudit's options go before the script; everything after it is the script's."""
-    from nanaudit.script_run import RunOptions, ScriptTarget, rank_path, run_script
+    from nanaudit.commands.run_script import RunOptions, ScriptTarget, rank_path, run_script
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     if script_args[:1] == ("-m",) and len(script_args) > 1:
@@ -468,9 +474,9 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
 def validate(config):
     """Check CONFIG without running anything: keys, types, entrypoints and their signatures,
     checkpoint path and device. Lists every problem at once."""
-    from nanaudit.config import load_config
+    from nanaudit.config.parse import load_config
+    from nanaudit.config.validate import validate_config
     from nanaudit.errors import ConfigError, NanauditError
-    from nanaudit.loader import validate_config
     terminal = Terminal()
     try:
         loaded = load_config(config)

@@ -38,10 +38,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.config import Config, Entrypoint, WatchOptions  # noqa: E402
-from nanaudit.loader import Session  # noqa: E402
-from nanaudit.runner import RngState, StepState, Trip, run_steps  # noqa: E402
-
+from nanaudit.config.schema import Config, Entrypoint, WatchOptions
+from nanaudit.run.loop import run_steps
+from nanaudit.run.session import Session
+from nanaudit.run.step import RngState, StepState, Trip
 
 # --- workloads ------------------------------------------------------------------------------
 
@@ -304,7 +304,7 @@ def child(args) -> int:
 
 def replay_cost(factory, device, repeats=3):
     """Time to localize one bad step (traced replay + diagnosis + sample isolation)."""
-    from nanaudit.findings import localized_finding
+    from nanaudit.localize.findings import localized_finding
     torch.manual_seed(0)
     model, make_batch, loss = factory()
     model.to(device)

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.script_hooks import ScriptAuditor  # noqa: E402
-from nanaudit.script_run import ScriptTarget, execute, seed_everything  # noqa: E402
+from nanaudit.commands.run_script import ScriptTarget, execute, seed_everything
+from nanaudit.run.script_hooks import ScriptAuditor
 
 PLAIN_LOOP = '''
 import argparse

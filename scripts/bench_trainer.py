@@ -59,6 +59,7 @@ class Tokens(torch.utils.data.Dataset):
 def trainer_steps(variant, shape, steps, accumulation, batch, folder):
     """Train `steps` optimizer steps; returns each step's wall time (on_step_begin..end)."""
     import transformers
+
     from nanaudit.integrations.transformers import NanauditCallback
 
     class StepTimer(transformers.TrainerCallback):
@@ -90,6 +91,7 @@ def trainer_steps(variant, shape, steps, accumulation, batch, folder):
 
 def lightning_steps(variant, shape, steps, accumulation, batch, folder):
     import lightning
+
     from nanaudit.integrations.lightning import NanauditCallback
 
     class LM(lightning.LightningModule):
@@ -140,7 +142,7 @@ class OwnTime:
     METHODS = ("capture_rng", "micro_batch", "check_update")
 
     def __init__(self):
-        from nanaudit.sentinel import Sentinel
+        from nanaudit.integrations.sentinel import Sentinel
         self.total, self.checks = 0.0, 0
         self.originals = {name: getattr(Sentinel, name) for name in self.METHODS}
         for name, original in self.originals.items():
@@ -155,7 +157,7 @@ class OwnTime:
             setattr(Sentinel, name, timed)
 
     def close(self) -> None:
-        from nanaudit.sentinel import Sentinel
+        from nanaudit.integrations.sentinel import Sentinel
         for name, original in self.originals.items():
             setattr(Sentinel, name, original)
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import LINEAR_CASE, ROOT, run_cli
 
-from nanaudit.bisect import first_bad_checkpoint, list_checkpoints
+from nanaudit.commands.bisect import first_bad_checkpoint, list_checkpoints
 
 
 def _bisect(*args, tmp_path):

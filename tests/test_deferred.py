@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conftest import scan
-from nanaudit.config import load_config
-from nanaudit.deferred import BufferKeeper, DeviceSkip, choose_read
-from nanaudit.loader import build_session, user_import_path
-from nanaudit.runner import run_steps
+from nanaudit.config.parse import load_config
+from nanaudit.run.deferred import BufferKeeper, DeviceSkip, choose_read
+from nanaudit.run.session import build_session
+from nanaudit.config.entrypoints import user_import_path
+from nanaudit.run.loop import run_steps
 
 BN_CASE = textwrap.dedent("""
     import torch

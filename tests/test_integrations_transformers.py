@@ -219,7 +219,7 @@ def test_bench_trainer_quick_writes_ratios_and_own_time(tmp_path, capsys, monkey
         assert result["ratio"]["plain"] == 1.0 and result["own_s_per_step"] > 0
         assert all(len(v) == result["rounds"] * result["steps"]
                    for v in result["raw_step_s"].values())
-    from nanaudit.sentinel import Sentinel
+    from nanaudit.integrations.sentinel import Sentinel
     assert not hasattr(Sentinel.check_update, "__wrapped__") and (
         Sentinel.check_update.__name__ == "check_update"), "the timing wrappers are removed"
     sys.modules.pop("bench_trainer", None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nanaudit.distributed import choose_placement
+from nanaudit.run.distributed import choose_placement
 from nanaudit.errors import ConfigError
 
 

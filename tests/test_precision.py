@@ -135,9 +135,10 @@ def test_update_ratio_is_the_sgd_step_over_the_weights(case, tmp_path):
 
 
 def test_host_scale_mirror_matches_the_grad_scaler():
-    from nanaudit.config import load_config
-    from nanaudit.loader import build_session, user_import_path
-    from nanaudit.runner import run_steps
+    from nanaudit.config.parse import load_config
+    from nanaudit.run.session import build_session
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.run.loop import run_steps
     config = load_config(EXAMPLES / "amp_fp16_clean.yaml")
     with user_import_path(config.base_dir):
         session = build_session(config)

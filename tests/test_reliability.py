@@ -87,14 +87,14 @@ def test_json_path_that_is_a_folder_fails_before_any_step(tmp_path):
 def test_disk_full_is_exit_9_and_leaves_the_old_report_and_no_temp_file(tmp_path, monkeypatch,
                                                                        option):
     import errno
-    import nanaudit.output
+    import nanaudit.report.output
     out = tmp_path / "reports" / "out.txt"
     out.parent.mkdir()
     out.write_text("last run's report")
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(nanaudit.output.os, "fsync", full)
+    monkeypatch.setattr(nanaudit.report.output.os, "fsync", full)
     result = run_cli("scan", ROOT / "configs" / "clean.yaml", "-q", option, out)
     assert result.code == 9, "a clean scan must not pass when its report was not written"
     assert "No space left on device" in result.stderr
@@ -103,11 +103,11 @@ def test_disk_full_is_exit_9_and_leaves_the_old_report_and_no_temp_file(tmp_path
 
 
 def test_unwritable_explicit_repro_is_exit_9_default_bundle_only_a_note(tmp_path, monkeypatch):
-    import nanaudit.repro
+    import nanaudit.commands.repro
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(nanaudit.repro.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(nanaudit.commands.repro.tempfile, "mkdtemp", refuse)
     explicit = scan(EXAMPLES / "log_negative.yaml", "--repro", tmp_path / "b", tmp_path=tmp_path)
     assert explicit.code == 9 and "Permission denied" in explicit.stderr
     assert explicit.report["finding"]["op"] == "aten.log.default"   # the report is still out
@@ -354,11 +354,11 @@ def test_hostile_yaml_is_a_quick_config_error(tmp_path, text, message):
 # --- internal errors --------------------------------------------------------------------------
 
 def test_an_internal_error_says_it_is_our_bug_with_a_short_trace(tmp_path, monkeypatch):
-    import nanaudit.findings
+    import nanaudit.localize.findings
 
     def broken(*args, **kwargs):
         raise RuntimeError("an invariant broke")
-    monkeypatch.setattr(nanaudit.findings, "localized_finding", broken)
+    monkeypatch.setattr(nanaudit.localize.findings, "localized_finding", broken)
     out = tmp_path / "r.json"
     result = run_cli("scan", EXAMPLES / "log_negative.yaml", "--json", out, "--no-repro")
     assert result.code == 6
@@ -454,8 +454,8 @@ def test_readme_ci_recipe_installs_from_the_repository_not_an_index():
 @pytest.mark.parametrize("noise", ["half-normal", "log-normal", "uniform", "signed"])
 def test_a_long_clean_run_of_a_noisy_loss_near_zero_raises_no_spike(noise):
     import math
-    from nanaudit.config import WatchOptions
-    from nanaudit.watch import GrowthWatch
+    from nanaudit.config.schema import WatchOptions
+    from nanaudit.run.watch import GrowthWatch
     draw = {"half-normal": lambda r: abs(r.gauss(0, 1)) * 1e-4,
             "log-normal": lambda r: 1e-3 * math.exp(r.gauss(0, 0.5)),
             "uniform": lambda r: r.random() * 1e-3,
@@ -466,8 +466,8 @@ def test_a_long_clean_run_of_a_noisy_loss_near_zero_raises_no_spike(noise):
 
 
 def test_a_real_spike_is_still_caught_near_zero():
-    from nanaudit.config import WatchOptions
-    from nanaudit.watch import GrowthWatch
+    from nanaudit.config.schema import WatchOptions
+    from nanaudit.run.watch import GrowthWatch
     rng, watch = random.Random(0), GrowthWatch(WatchOptions())
     seen = [w.step for step in range(300) for w in watch.observe(
         step, 5e-2 if step == 200 else 1e-3 * (1 + 0.1 * rng.gauss(0, 1)), None)]
@@ -477,7 +477,7 @@ def test_a_real_spike_is_still_caught_near_zero():
 # --- the sample search does not give up early -------------------------------------------------
 
 def test_three_bad_rows_in_a_batch_of_4096_are_all_found():
-    from nanaudit.batching import isolate_rows
+    from nanaudit.localize.samples import isolate_rows
     bad = {17, 2048, 4000}
     search = isolate_rows(lambda rows: bool(bad & set(rows)), 4096, max_replays=64)
     assert search.samples == sorted(bad) and search.note == ""

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from nanaudit.render import renderer_for
-from nanaudit.render.console import print_report
-from nanaudit.report import (EarlyWarning, Finding, Report, SourceLine, TensorStats,
-                             TimelineEntry)
+from nanaudit.report.formats import renderer_for
+from nanaudit.report.console import print_report
+from nanaudit.report.model import (
+    EarlyWarning, Finding, Report, SourceLine, TensorStats, TimelineEntry)
 
 GOLDEN = Path(__file__).parent / "golden"
 FORMATS = {"json": "report.json", "junit": "report.xml", "github": "report.github.txt",

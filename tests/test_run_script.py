@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from nanaudit.pipeline import exit_code
-from nanaudit.script_run import RunOptions, ScriptTarget, run_script
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script
 
 SCRIPTS = ROOT / "configs" / "examples" / "scripts"
 

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from nanaudit.batching import infer_layout, isolate_rows, select_rows
+from nanaudit.run.batch import infer_layout, select_rows
+from nanaudit.localize.samples import isolate_rows
 from conftest import scan
 
 
@@ -87,7 +88,7 @@ def test_bad_row_values_shown_in_report(tmp_path):
 
 
 def test_every_row_bad_is_called_batch_level_in_a_few_replays():
-    from nanaudit.batching import isolate_rows
+    from nanaudit.localize.samples import isolate_rows
     result = isolate_rows(lambda rows: bool(rows), 256)
     assert result.samples is None and result.replays <= 5
     assert "model or the batch as a whole" in result.note

@@ -2,7 +2,7 @@
 
 import torch
 
-from nanaudit.sentinels import Sentinels, finite_norm
+from nanaudit.run.checks import Sentinels, finite_norm
 from conftest import LINEAR_CASE, scan
 
 

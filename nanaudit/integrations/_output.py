@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
-from nanaudit.output import write_atomic
-from nanaudit.report import Report
+from nanaudit.report.model import Report
+from nanaudit.report.output import write_atomic
 
 REPORT_FILES = {"json": "nanaudit.json", "markdown": "nanaudit.md", "console": "nanaudit.txt"}
 
 
 def console_text(report: Report, color: bool = False, width: int = 100) -> str:
     from rich.console import Console
-    from nanaudit.render.console import print_report
+
+    from nanaudit.report.console import print_report
     buffer = io.StringIO()
     print_report(report, Console(file=buffer, width=width, force_terminal=color,
                                  color_system="standard" if color else None))
@@ -32,7 +33,7 @@ def write_reports(report: Report, folder: str | Path, echo: bool = True) -> dict
     """Write nanaudit.json, nanaudit.md and nanaudit.txt into `folder`; with `echo`, print the
     console report to stderr too. Returns {format: path}."""
     folder = Path(folder)
-    from nanaudit.render import renderer_for
+    from nanaudit.report.formats import renderer_for
     paths = {}
     for fmt, name in REPORT_FILES.items():
         text = console_text(report) if fmt == "console" else renderer_for(fmt).render(report)
@@ -48,7 +49,7 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
     """The failing step's data, written atomically: state.pt (model and optimizer state before
     the update), rng.pt, batch.pt, rows.pt (the offending rows), meta.json, report.json.
     Everything loads with torch.load(weights_only=True)."""
-    from nanaudit.repro import _cpu, _plain
+    from nanaudit.commands.repro import _cpu, _plain
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -62,7 +63,7 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
                     "python": _plain(state.rng.python)}, tmp / "rng.pt")
         torch.save(_cpu(state.batch), tmp / "batch.pt")
         if finding is not None and finding.samples and state.batch is not None:
-            from nanaudit.batching import infer_layout, select_rows
+            from nanaudit.run.batch import infer_layout, select_rows
             layout = infer_layout(state.batch, None)
             torch.save(_cpu(select_rows(state.batch, layout, list(finding.samples))),
                        tmp / "rows.pt")

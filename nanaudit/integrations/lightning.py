@@ -55,7 +55,7 @@ class NanauditCallback(Callback):
     # --- setup ------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from nanaudit.sentinel import Sentinel
+        from nanaudit.integrations.sentinel import Sentinel
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.sentinel = Sentinel(pl_module, list(trainer.optimizers), loss_fn=self._replay_loss,
                                  scaler=scaler, isolate_samples=self.isolate_samples,
@@ -106,7 +106,7 @@ class NanauditCallback(Callback):
     # --- the check --------------------------------------------------------------------------
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        from nanaudit.sentinel import NonFiniteError
+        from nanaudit.integrations.sentinel import NonFiniteError
         if self.sentinel is None:
             return
         inner = getattr(optimizer, "optimizer", optimizer)      # a LightningOptimizer
@@ -130,8 +130,8 @@ class NanauditCallback(Callback):
             finding.explanation += (f" (epoch {trainer.current_epoch}, batch_idx "
                                     f"{finding.batch_index}, trainer.global_step "
                                     f"{trainer.global_step})")
-        from nanaudit.output import write_atomic
-        from nanaudit.render import renderer_for
+        from nanaudit.report.formats import renderer_for
+        from nanaudit.report.output import write_atomic
         text = renderer_for("json").render(report)
         if self.report_path:
             write_atomic(self.report_path, text)

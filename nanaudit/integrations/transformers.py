@@ -60,7 +60,7 @@ class NanauditCallback(TrainerCallback):
     # --- setup ------------------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from nanaudit.sentinel import Sentinel
+        from nanaudit.integrations.sentinel import Sentinel
         trainer = _calling_trainer() or self.trainer
         if trainer is None:
             raise RuntimeError("NanauditCallback: no transformers.Trainer called on_train_begin; "
@@ -117,7 +117,7 @@ class NanauditCallback(TrainerCallback):
     # --- the check --------------------------------------------------------------------------
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        from nanaudit.sentinel import NonFiniteError
+        from nanaudit.integrations.sentinel import NonFiniteError
         if self.sentinel is None:
             return
         try:
@@ -139,7 +139,7 @@ class NanauditCallback(TrainerCallback):
 
     def _write(self, args, state, report) -> None:
         from nanaudit.integrations._output import write_reports, write_step_bundle
-        from nanaudit.render import renderer_for
+        from nanaudit.report.formats import renderer_for
         self.report, self.exit_code = report, 1
         report.config = {"path": None, "api": "transformers.NanauditCallback",
                          "gradient_accumulation_steps": args.gradient_accumulation_steps,

@@ -1,0 +1,266 @@
+"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
+
+Expected failures (a bad config, the user's code raising, no data) come back as a Report with
+status "error" and the error's exit code, so every caller renders and exits the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from nanaudit.commands.common import ScanOptions, _base_report, _configured, _guarded
+from nanaudit.config.schema import Config
+from nanaudit.errors import (
+    ConfigError,
+    NothingAuditedError,
+    Problem,
+    UsageError,
+)
+from nanaudit.localize.findings import build_finding
+from nanaudit.report.model import Report
+from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
+from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
+from nanaudit.run.loop import run_steps
+from nanaudit.run.session import Session
+from nanaudit.run.step import ScanOutcome
+
+
+def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
+           checkpoints: Path | None = None, pattern: str | None = None) -> Report:
+    """`nanaudit bisect`: every bad batch of the data set, or the first bad checkpoint."""
+    report = _base_report(config_path, None)
+    report.command = "bisect"
+
+    def body():
+        from nanaudit.run.distributed import launched_by_torchrun
+        if launched_by_torchrun():
+            raise UsageError("bisect runs in one process: run it without torchrun (it replays "
+                             "batches one by one against fixed weights)")
+        config = _configured(config_path, options)
+        report.config = config.summary()
+        if checkpoints is None:
+            _bisect_data(config, options, report)
+        else:
+            _bisect_checkpoints(config, options, report, checkpoints, pattern)
+    return _guarded(report, body)
+
+
+def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.run.session import build_session
+    with user_import_path(config.base_dir):
+        session = build_session(config)
+        report.device = str(session.device)
+        if options.on_start:
+            options.on_start(config.steps)
+        result = bisect_data(session, config.steps, on_step=options.on_step)
+    outcome = result["outcome"]
+    report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+    if outcome.steps_run == 0:
+        raise NothingAuditedError(f"the data from `{config.data.target}` yielded no batches")
+    findings = result["findings"]
+    report.status = "interrupted" if outcome.interrupted else ("nonfinite" if findings else "clean")
+    report.finding = findings[0] if findings else None
+    report.extra["bisect"] = {"mode": "data", "batches_audited": outcome.steps_run,
+                              "bad_batches": findings, "skip_list": result["skip_list"]}
+
+
+def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.localize.findings import build_finding, state_finding
+    from nanaudit.run.session import build_session
+    from nanaudit.run.step import Trip
+    files = list_checkpoints(Path(folder), pattern)
+    with user_import_path(config.base_dir):
+        session = build_session(config)
+        report.device = str(session.device)
+        result = bisect_checkpoints(session, files)
+        outcome = result.pop("outcome")
+        result["note"] = result.get("note") or linear_cost_note(result)
+        report.extra["bisect"] = {"mode": "checkpoints", **result}
+        if result["first_bad"] is None:
+            report.status = "clean"
+            return
+        report.status = "nonfinite"
+        if outcome is not None:
+            report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+        if outcome is not None and outcome.trip is not None:
+            report.finding = build_finding(session, outcome, config.localize.samples)
+        else:
+            from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
+            bad = result["first_bad"]
+            apply_model_state(session.model, load_checkpoint(Path(bad["path"])), "--checkpoints",
+                              bad["path"])
+            report.finding = state_finding(session, Trip(bad["step"], "parameter"))
+            report.finding.explanation += (
+                f" ({bad['path']}; the replay from the last good checkpoint did not reach a "
+                f"non-finite value" + ("" if result["optimizer_state"] else
+                                       ": the checkpoint holds no optimizer state, so a fresh "
+                                       "optimizer may not follow the original trajectory") + ")"
+                if result["last_good"] else f" ({bad['path']}: the first checkpoint)")
+
+
+DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
+
+
+SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
+
+
+def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
+    """Audit every batch against the starting weights; localize each one that trips.
+
+    A batch can hold bad rows of several kinds (a NaN input in one row, a log(0) in another):
+    once a finding names its rows, the rest of the batch is audited again without them, until
+    it is clean, so the skip list holds every bad row whatever its kind."""
+    bad = []
+
+    def on_trip(trip, state):
+        outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
+        for finding in _every_finding(session, outcome):
+            bad.append((finding, _sample_ids(state.batch, finding.samples)))
+
+    outcome = run_steps(session, max_steps, update=False, on_step=on_step, stop_on_trip=False,
+                        on_trip=on_trip)
+    skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause}
+            for f, ids in bad]
+    return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
+
+
+def _every_finding(session: Session, outcome: ScanOutcome) -> list:
+    """The batch's finding, then those of the rows that remain once its rows are set aside."""
+    state = outcome.state
+    findings = [build_finding(session, outcome, session.config.localize.samples)]
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    remaining = list(range(layout.size or 0))
+    while findings[-1].samples and layout.size:
+        taken = set(findings[-1].samples)
+        remaining = [r for r in remaining if r not in taken]
+        if not remaining or not set(taken) <= set(range(layout.size)):
+            break
+        rest = select_rows(state.batch, layout, remaining)
+        # The rest as the only batch at the same step: same weights (no updates), same RNG.
+        probe = replace(session, make_data=lambda: itertools.repeat(rest, state.step + 1))
+        again = run_steps(probe, 1, update=False, start_step=state.step)
+        if again.trip is None:
+            break
+        finding = build_finding(probe, again, session.config.localize.samples)
+        _renumber(finding, remaining, layout.size)
+        findings.append(finding)
+    return findings
+
+
+def _renumber(finding, remaining: list[int], size: int) -> None:
+    """Rows of the reduced batch back to the full batch's numbering."""
+    local = finding.samples or []
+    finding.samples = [remaining[r] for r in local if r < len(remaining)] or None
+    finding.sample_rows = [replace(row, index=remaining[row.index])
+                           for row in finding.sample_rows if row.index < len(remaining)]
+    if finding.samples:
+        finding.explanation += (f" (found once the rows of the earlier finding were set aside: "
+                                f"the row numbers above count the {len(remaining)} remaining of "
+                                f"{size}; in the full batch they are {finding.samples})")
+
+
+def _sample_ids(batch, rows):
+    """The data set's own ids for the offending rows, when the batch carries an id leaf."""
+    if not rows:
+        return None
+    for path, t in tensor_leaves(batch):
+        key = path.strip('[]"').lower()
+        if key in SAMPLE_ID_KEYS and t.dim() == 1 and not t.is_floating_point():
+            return [int(t[r]) for r in rows if r < t.shape[0]]
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    step: int
+    path: Path
+
+
+def list_checkpoints(folder: Path, pattern: str | None = None) -> list[CheckpointFile]:
+    if not folder.is_dir():
+        raise ConfigError([Problem("--checkpoints", f"not a folder: {folder}")])
+    regex = re.compile(pattern or DEFAULT_PATTERN)
+    found, unmatched = [], []
+    for path in sorted(folder.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        match = regex.search(path.name)
+        if match is None:
+            unmatched.append(path.name)
+            continue
+        try:
+            found.append(CheckpointFile(int(match.group(1)), path))
+        except (IndexError, ValueError):
+            raise ConfigError([Problem("--pattern", f"the pattern must capture the step number "
+                                       f"as its first group, got {regex.pattern!r}")]) from None
+    if not found:
+        hint = f" (files without a step in the name: {', '.join(unmatched[:5])})" if unmatched else ""
+        raise ConfigError([Problem("--checkpoints", f"no checkpoint files with a step number in "
+                                   f"{folder}{hint}; names like step_000100.pt or ckpt-2000.pt, "
+                                   f"or pass --pattern")])
+    steps = [c.step for c in found]
+    if len(set(steps)) != len(steps):
+        raise ConfigError([Problem("--checkpoints", f"two files carry the same step in {folder}")])
+    return sorted(found, key=lambda c: c.step)
+
+
+def _state_is_finite(checkpoint) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in checkpoint.model_state.values()
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
+
+
+def first_bad_checkpoint(files: list[CheckpointFile]):
+    """Binary search, assuming once non-finite always non-finite. Returns (index, loads)."""
+    loads = []
+
+    def bad(i):
+        loads.append(files[i].step)
+        return not _state_is_finite(load_checkpoint(files[i].path, key="--checkpoints"))
+
+    lo, hi = 0, len(files)          # invariant: files[:lo] good, files[hi:] bad
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bad(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return (lo if lo < len(files) else None), loads
+
+
+def bisect_checkpoints(session: Session, files: list[CheckpointFile]) -> dict:
+    index, loads = first_bad_checkpoint(files)
+    result = {"checkpoints": len(files), "checkpoints_loaded": len(loads), "loaded_steps": loads,
+              "linear_loads": len(files) if index is None else index + 1,
+              "first_bad": None, "last_good": None, "steps_replayed": 0, "optimizer_state": None}
+    if index is None:
+        return result | {"outcome": None}
+    result["first_bad"] = {"step": files[index].step, "path": str(files[index].path)}
+    if index == 0:
+        return result | {"outcome": None, "note": "the first checkpoint is already non-finite"}
+    good = files[index - 1]
+    result["last_good"] = {"step": good.step, "path": str(good.path)}
+    checkpoint = load_checkpoint(good.path, key="--checkpoints")
+    apply_model_state(session.model, checkpoint, "--checkpoints", str(good.path))
+    session.model.to(session.device)
+    has_optimizer = "optimizer" in checkpoint.raw and session.optimizer is not None
+    if has_optimizer:
+        session.optimizer.load_state_dict(checkpoint.raw["optimizer"])
+    result["optimizer_state"] = has_optimizer
+    outcome = run_steps(session, files[index].step - good.step, start_step=good.step)
+    result["steps_replayed"] = outcome.steps_run - good.step if outcome.steps_run else 0
+    result["reproduced"] = outcome.trip is not None
+    return result | {"outcome": outcome}
+
+
+def linear_cost_note(result: dict) -> str:
+    c = result["checkpoints"]
+    return (f"loaded {result['checkpoints_loaded']} of {c} checkpoints (a linear scan loads up "
+            f"to {c}; binary search needs at most {math.ceil(math.log2(c + 1))})")

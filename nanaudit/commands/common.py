@@ -1,0 +1,103 @@
+"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
+
+Expected failures (a bad config, the user's code raising, no data) come back as a Report with
+status "error" and the error's exit code, so every caller renders and exits the same way.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from nanaudit._version import __version__
+from nanaudit.config.parse import load_config
+from nanaudit.config.schema import Config
+from nanaudit.errors import NanauditError
+from nanaudit.exitcodes import ExitCode
+from nanaudit.report.model import Report
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    steps: int | None = None
+    device: str | None = None
+    seed: int | None = None
+    samples: bool | None = None       # None: the config's localize.samples
+    fail_on: str | None = None        # None: the config's fail_on
+    repro_dir: Path | None = None     # write a repro bundle on a finding (None: don't)
+    repro_per_step: bool = False      # ... into repro_dir/repro-step<N> rather than repro_dir
+    on_step: Callable[[int], None] | None = None
+    on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
+
+
+def exit_code(report: Report) -> ExitCode:
+    if report.status == "clean":
+        if report.warnings and report.config.get("fail_on") == "warning":
+            return ExitCode.WARNING
+        return ExitCode.CLEAN
+    if report.status == "nonfinite":
+        return ExitCode.NONFINITE
+    if report.status == "interrupted":
+        return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERRUPTED))
+    return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERNAL))
+
+
+def mark_interrupted(report: Report, signal_name: str) -> None:
+    """A run stopped by SIGINT or SIGTERM: the report keeps what it has, marked partial."""
+    import signal
+    report.status = "interrupted"
+    code = ExitCode.TERMINATED if signal_name == signal.SIGTERM.name else ExitCode.INTERRUPTED
+    report.error = {"type": "Interrupted", "signal": signal_name, "exit_code": int(code),
+                    "message": f"stopped by {signal_name} after {report.steps_run} step(s); "
+                               f"this report is partial"}
+
+
+def _base_report(config_path, config: Config | None) -> Report:
+    import torch
+    return Report(tool_version=__version__, config=config.summary() if config else
+                  {"path": str(config_path)}, torch_version=torch.__version__, device="",
+                  status="error", steps_run=0)
+
+
+BUG_REPORT = ("this is a bug in nanaudit, not in your code; please report it with this "
+              "message, the full traceback (`error.traceback` in the --json report) and the "
+              "output of `nanaudit --version` and `python -c 'import torch; "
+              "print(torch.__version__)'`")
+
+
+def error_dict(exc: BaseException) -> dict:
+    if isinstance(exc, NanauditError):
+        body = exc.to_dict()
+        body["exit_code"] = int(exc.exit_code)
+        return body
+    first = (str(exc).strip().splitlines() or [""])[0][:500]   # torch's can run 300 lines
+    return {"type": "InternalError", "message": f"{type(exc).__name__}: {first}",
+            "exit_code": int(ExitCode.INTERNAL), "hint": BUG_REPORT,
+            "traceback": traceback.format_exc()}
+
+
+def _guarded(report: Report, body: Callable[[], None],
+             on_error: Callable[[BaseException], None] | None = None) -> Report:
+    """Run a command's body: every failure becomes the report's error, Ctrl-C a partial
+    report, and the duration is recorded either way."""
+    started = time.perf_counter()
+    try:
+        body()
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
+        report.status = "error"
+        report.error = error_dict(exc)
+        if on_error is not None:
+            on_error(exc)
+    report.duration_s = time.perf_counter() - started
+    return report
+
+
+def _configured(config_path, options: ScanOptions) -> Config:
+    """The config with the command-line overrides, each validated like the key it replaces."""
+    return load_config(config_path, {"steps": options.steps, "device": options.device,
+                                     "seed": options.seed, "fail_on": options.fail_on})

@@ -1,0 +1,231 @@
+"""Repro bundles: a folder that reproduces a finding without the user's data pipeline.
+
+    state.pt     the model (and optimizer) state before the failing step
+    rng.pt       the RNG states captured before the step's forward
+    batch.pt     the step's batch; rows.pt the offending rows alone (when isolated)
+    config.yaml  a copy of the config; meta.json what the step needs (entrypoints, precision,
+                 loss scale, the config's folder)
+    report.json  the report
+    repro.py     plain PyTorch, no nanaudit import: rebuilds the model from the user's own
+                 factory, loads the files with `weights_only=True`, runs the step and prints
+                 the non-finite values (exit 1 when they reproduce)
+
+`nanaudit replay DIR` re-runs the localization from a bundle. Everything is loaded with
+`torch.load(..., weights_only=True)`, and the bundle is written to a temporary folder first
+and renamed into place, so a bundle is complete or absent.
+
+nanaudit never deletes what it did not create: a bundle carries a manifest
+(`nanaudit-bundle.json`, its files and the tool version), and only a folder holding nothing but
+a manifest's files is replaced. Any other existing folder (`--repro .`, a user's results folder)
+receives the bundle in a new subfolder `repro-step<N>` (`-2`, `-3`, ... when that is taken).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanaudit.errors import ConfigError, Problem
+from nanaudit.report.output import honour_umask
+
+BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "report.json",
+                "repro.py")
+OPTIONAL_FILES = ("rows.pt",)
+MANIFEST = "nanaudit-bundle.json"
+_TEMPLATE = Path(__file__).with_name("repro_template.py")
+
+
+def bundle_folder(requested: Path, step: int) -> Path:
+    """Where a bundle asked for at `requested` may go without touching anything else:
+    `requested` itself when it is absent or an earlier bundle, else a fresh subfolder."""
+    requested = Path(requested)
+    if not requested.exists() or is_bundle(requested):
+        return requested
+    base = requested / f"repro-step{step}"
+    candidate, n = base, 1
+    while candidate.exists() and not is_bundle(candidate):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def is_bundle(folder: Path) -> bool:
+    """An earlier bundle of ours: a manifest, and nothing in the folder it does not list."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        listed = set(manifest["files"]) | {MANIFEST}
+        present = {p.name for p in folder.iterdir()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return manifest.get("tool") == "nanaudit" and present <= listed
+
+
+def write_bundle(folder: Path, session, state, trip, finding, report_json: str) -> Path:
+    """Write the bundle for `state` (the failing step) into `folder`, atomically. `folder` must
+    come from `bundle_folder`: absent, or an earlier bundle that is replaced file by file."""
+    folder = Path(folder)
+    if folder.exists() and not is_bundle(folder):
+        raise FileExistsError(f"{folder} exists and is not a nanaudit repro bundle; "
+                              f"nothing in it was touched")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        honour_umask(tmp, directory=True)
+        _fill(tmp, session, state, trip, finding, report_json)
+        if folder.exists():
+            _remove_bundle(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _remove_bundle(folder: Path) -> None:
+    """Delete an earlier bundle: only the files its manifest lists, then the empty folder."""
+    listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+    for name in [*listed, MANIFEST]:
+        target = folder / Path(name).name
+        if target.is_file() and not target.is_symlink():
+            target.unlink()
+    folder.rmdir()   # fails, keeping everything, if anything unlisted appeared meanwhile
+
+
+def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
+    config = session.config
+    model = session.local_model
+    optimizer = session.optimizer
+    torch.save({"model": _cpu(model.state_dict()),
+                "optimizer": _cpu(optimizer.state_dict()) if optimizer is not None else None},
+               tmp / "state.pt")
+    rng = state.rng
+    torch.save({"torch_cpu": rng.torch_cpu, "cuda": rng.cuda,
+                "python": _plain(rng.python)}, tmp / "rng.pt")
+    torch.save(_cpu(state.batch), tmp / "batch.pt")
+    if finding is not None and finding.samples:
+        from nanaudit.run.batch import infer_layout, select_rows
+        layout = infer_layout(state.batch, config.batch_dim)
+        torch.save(_cpu(select_rows(state.batch, layout, list(finding.samples))),
+                   tmp / "rows.pt")
+    (tmp / "config.yaml").write_text(config.path.read_text(encoding="utf-8"), encoding="utf-8")
+    meta = {
+        "step": state.step, "check": trip.check, "rank": trip.rank,
+        "config_path": str(config.path), "base_dir": str(config.base_dir),
+        "model": config.model.target, "model_args": dict(config.model.args),
+        "loss": config.loss.target, "loss_args": dict(config.loss.args),
+        "precision": config.precision, "scale": state.scale, "device": str(session.device),
+        "torch": torch.__version__, "samples": list(finding.samples or []) if finding else [],
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    (tmp / "report.json").write_text(report_json, encoding="utf-8")
+    shutil.copyfile(_TEMPLATE, tmp / "repro.py")
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
+                                            "files": files}, indent=2) + "\n", encoding="utf-8")
+    for path in tmp.iterdir():
+        honour_umask(path)
+
+
+def _version() -> str:
+    from nanaudit._version import __version__
+    return __version__
+
+
+def _cpu(tree: Any) -> Any:
+    """Tensors to the CPU, containers to plain dict/list/tuple (what weights_only loads)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_cpu(v) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree
+
+
+def _plain(value: Any) -> Any:
+    """Python's random state as nested lists (weights_only loads lists, ints and None)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tupled(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tupled(v) for v in value)
+    return value
+
+
+# --- reading a bundle -----------------------------------------------------------------------
+
+@dataclass
+class Bundle:
+    folder: Path
+    meta: dict
+    state: dict
+    rng: dict
+    batch: Any
+
+
+def load_bundle(folder: Path) -> Bundle:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"repro bundle not found: {folder} is not a folder")
+    missing = [name for name in BUNDLE_FILES if not (folder / name).exists()]
+    if missing:
+        raise ConfigError(f"{folder} is not a complete nanaudit repro bundle: missing "
+                          f"{', '.join(missing)}")
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        state, rng, batch = (torch.load(folder / name, map_location="cpu", weights_only=True)
+                             for name in ("state.pt", "rng.pt", "batch.pt"))
+    except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
+        raise ConfigError(f"cannot read the repro bundle {folder}: {exc}") from None
+    return Bundle(folder, meta, state, rng, batch)
+
+
+def replay_bundle(bundle: Bundle):
+    """Rebuild the session from a loaded bundle's config and set up its step again.
+    Returns (session, ScanOutcome) ready for `build_finding`."""
+    from nanaudit.config.parse import parse_config, read_yaml
+    from nanaudit.run.batch import to_device
+    from nanaudit.run.checkpoint import Checkpoint, apply_model_state
+    from nanaudit.run.session import build_session
+    from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip
+    meta = bundle.meta
+    # Entrypoints resolve against the original config's folder, as in the original run.
+    config = parse_config(read_yaml(bundle.folder / "config.yaml"), Path(meta["config_path"]))
+    config = replace(config, checkpoint=None)
+    session = build_session(config)
+    model = session.local_model
+    apply_model_state(model, Checkpoint(bundle.state["model"], bundle.state, str(bundle.folder)),
+                      "repro bundle",
+                      str(bundle.folder / "state.pt"))
+    model.to(session.device)
+    if session.optimizer is not None and bundle.state.get("optimizer"):
+        session.optimizer.load_state_dict(bundle.state["optimizer"])
+    if session.precision.scaler is not None and meta.get("scale"):
+        session.precision.scale = float(meta["scale"])
+    rng = RngState(_tupled(bundle.rng["python"]), bundle.rng["torch_cpu"],
+                   bundle.rng.get("cuda") if torch.cuda.is_available() else None)
+    state = StepState(meta["step"], to_device(bundle.batch, session.device), rng, meta["scale"])
+    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"))
+    if trip.check not in ("input", "parameter", "optimizer", "loss", "gradient"):
+        raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
+    outcome = ScanOutcome(steps_run=meta["step"] + 1, trip=trip, state=state)
+    return session, outcome
+
+
+def default_folder(report_paths: list, step: int) -> Path:
+    """Where a bundle goes without --repro: beside the first file report, else ./nanaudit-reports."""
+    files = [Path(p) for p in report_paths if p and p != "-"]
+    base = files[0].parent if files else Path("nanaudit-reports")
+    return base / f"repro-step{step}"
+

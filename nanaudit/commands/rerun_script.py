@@ -1,0 +1,95 @@
+"""The re-run of `nanaudit run`: `python -m nanaudit.commands.rerun_script SPEC` runs the script again from
+the start with the OpTracer armed for the bad step only, and writes back the finding and the
+losses it saw (to check the re-run followed the first run)."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+from nanaudit.localize.replay import _from_sink, forward_input_stats, input_stats
+from nanaudit.localize.tracer import kinds_of
+from nanaudit.report.model import Finding
+from nanaudit.run.batch import nonfinite_rows
+from nanaudit.run.script_hooks import ScriptAuditor
+
+
+def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Finding | None, int]:
+    """The finding of the traced step N (None when it came out finite) and the ops traced."""
+    armed, optimizer = auditor.armed, auditor.localized
+    if armed is None or optimizer is None:
+        return None, 0
+    trace = armed.tracer.trace
+    names = None
+    if check == "loss":
+        sinks = [s for s in armed.sinks if kinds_of(s)]
+        if not sinks:
+            return None, trace.ops_seen
+        loc = _from_sink(trace, sinks[0], "forward", auditor.timeline, None)
+    else:
+        bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
+               for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
+        if not bad:
+            return None, trace.ops_seen
+        names = [n for n, _ in bad]
+        loc = _from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
+    if not loc.reproduced:
+        return None, trace.ops_seen
+    event = loc.event
+    finding = Finding(
+        step=step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
+        explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
+        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        module=event.module, source=event.source, inputs=input_stats(event),
+        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        reproduced=True, tensors=names or [],
+        tensor=names[0] if names else "loss",
+        chain=[{"op": e.op, "where": e.phase, "module": e.module, "value": sorted(e.out_kinds),
+                "line": e.source.line if e.source else None} for e in loc.chain])
+    rows = created_rows(armed, event)
+    if rows:
+        finding.samples = rows
+        finding.sample_search = {
+            "batch_size": armed.batch_size, "replays": 0, "coupled": False,
+            "note": f"the rows whose slice of {event.op}'s output went non-finite"}
+    return finding, trace.ops_seen
+
+
+def created_rows(armed, event) -> list[int] | None:
+    """For a forward-created value: the batch rows whose slice of the op's output is bad."""
+    size = armed.batch_size
+    if event.phase != "forward" or not size:
+        return None
+    trace = armed.tracer.trace
+    outputs = [t for t in armed.tracer._keep if trace.producer.get(id(t)) == event.index]
+    rows = set()
+    for t in outputs:
+        if t.dim() >= 1 and t.shape[0] == size:
+            rows.update(nonfinite_rows(t.detach(), 0))
+    return sorted(rows) or None
+
+
+def main(spec_path: str) -> int:
+    from nanaudit.commands.run_script import execute, rerun_failure
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    auditor = ScriptAuditor(rerun_step=spec["step"], expected_losses=spec["losses"])
+    result = {"timeline": [], "finding": None, "reached": False, "trip": None, "error": None}
+    try:
+        execute(spec["target"], auditor, spec["seed"])
+        result["reached"] = auditor.localized is not None
+        result["traced"] = auditor.armed is not None
+        if result["reached"]:
+            result["finding"], result["ops_traced"] = localized_finding(auditor, spec["step"],
+                                                                        spec["check"])
+    except Exception as exc:  # noqa: BLE001 - reported back to the first run
+        result["error"] = rerun_failure(exc)
+    result["timeline"] = auditor.timeline
+    result["trip"] = auditor.trip
+    with open(spec["result"], "wb") as f:
+        pickle.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,157 @@
+"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
+
+Expected failures (a bad config, the user's code raising, no data) come back as a Report with
+status "error" and the error's exit code, so every caller renders and exits the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanaudit.commands.common import ScanOptions, _base_report, _configured, _guarded, error_dict
+from nanaudit.config.schema import Config
+from nanaudit.errors import FindingInterrupted, NothingAuditedError
+from nanaudit.report.model import Report
+
+
+def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
+         config: Config | None = None) -> Report:
+    report = _base_report(config_path, config)
+    coordinator = None
+
+    def body():
+        nonlocal coordinator
+        loaded = config or _configured(config_path, options)
+        report.config = loaded.summary()
+        coordinator = _join(loaded)
+        _run(loaded, options, report, coordinator)
+
+    def on_error(exc):
+        if coordinator is not None:
+            _rank_failed(coordinator, exc, report)
+    _guarded(report, body, on_error)
+    if coordinator is not None:
+        report.extra["distributed"] = {**coordinator.describe(),
+                                       **report.extra.get("distributed", {})}
+    return report
+
+
+def _join(config: Config):
+    """The torchrun coordinator when launched with WORLD_SIZE > 1, else None."""
+    from nanaudit.run.distributed import Coordinator, launched_by_torchrun
+    return Coordinator.start(config, config.device) if launched_by_torchrun() else None
+
+
+def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
+    """Under torchrun: adopt the error of the peer that failed first, or announce our own."""
+    from nanaudit.run.distributed import DistributedError, is_collective_failure
+    peer = coordinator.peer_error(wait_s=0.5)
+    if peer is not None and peer.get("rank") != coordinator.rank:
+        report.error = peer
+        return
+    if is_collective_failure(exc):
+        # Nobody left an error: a peer died without one, or stopped answering.
+        report.error = error_dict(DistributedError(
+            f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
+            f"within distributed.timeout_s ({coordinator.options.timeout_s:g}s): {exc}"))
+    report.error["rank"] = coordinator.rank
+    coordinator.fail(report.error)
+
+
+def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.localize.findings import attach_warnings, build_finding
+    from nanaudit.run.loop import run_steps
+    from nanaudit.run.session import build_session
+    from nanaudit.run.step import ScanOutcome
+    with user_import_path(config.base_dir):
+        session = build_session(config, coordinator)
+        report.device = str(session.device)
+        if options.on_start:
+            options.on_start(config.steps)
+        outcome = ScanOutcome()
+        try:
+            run_steps(session, config.steps, on_step=options.on_step, outcome=outcome)
+        finally:
+            # Kept when the user's code raises mid-run: the steps before it still count.
+            report.steps_run = outcome.steps_run
+            report.timeline = outcome.timeline
+            report.warnings = outcome.warnings
+            if outcome.read_mode is not None:
+                report.extra["sentinel_read"] = outcome.read_mode.describe()
+        if outcome.interrupted:
+            report.status = "interrupted"
+        elif outcome.trip is None:
+            if outcome.steps_run == 0:
+                raise NothingAuditedError(f"the data from `{config.data.target}` yielded no "
+                                          f"batches: nothing was audited")
+            report.status = "clean"
+        else:
+            report.status = "nonfinite"
+            if _localizes_here(coordinator, outcome.trip):
+                # Replays run on the local module: no DDP, no collectives with waiting peers.
+                session.model = session.local_model
+                samples = config.localize.samples if options.samples is None else options.samples
+                try:
+                    report.finding = build_finding(session, outcome, samples)
+                except FindingInterrupted as stop:
+                    report.finding = stop.finding   # the op is named; the sample search was cut
+                    raise
+                report.finding.rank = outcome.trip.rank
+                attach_warnings(report.finding, outcome.warnings, session.precision.name)
+                _write_repro(session, outcome, report, options)
+        if coordinator is not None:
+            _merge_ranks(coordinator, report)
+
+
+def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None:
+    """The repro bundle of the finding, in a folder that holds nothing of the user's (see
+    repro.bundle_folder); a failure is recorded for the CLI (exit 9 when --repro asked)."""
+    if options.repro_dir is None or outcome.state is None:
+        return
+    from nanaudit.commands.repro import bundle_folder, write_bundle
+    from nanaudit.report.formats import renderer_for
+    folder = Path(options.repro_dir)
+    if options.repro_per_step:
+        rank = f"-rank{outcome.trip.rank}" if outcome.trip.rank is not None else ""
+        folder = folder / f"repro-step{outcome.trip.step}{rank}"
+    try:
+        folder = bundle_folder(folder, outcome.trip.step)
+        report.extra["repro"] = str(folder)
+        write_bundle(folder, session, outcome.state, outcome.trip, report.finding,
+                     renderer_for("json").render(report))
+    except Exception as exc:  # noqa: BLE001 - the finding stands without its bundle
+        report.extra["repro"] = None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        report.extra["repro_error"] = f"cannot write the repro bundle to {folder}: {reason}"
+
+
+def _localizes_here(coordinator, trip) -> bool:
+    if coordinator is None:
+        return True
+    return coordinator.rank == (trip.rank if trip.rank is not None else 0)
+
+
+def _merge_ranks(coordinator, report: Report) -> None:
+    """Every rank learns every rank's status and the one finding (the others wait here while
+    the finding's rank localizes, bounded by distributed.timeout_s)."""
+    mine = {"rank": coordinator.rank, "status": report.status, "steps_run": report.steps_run,
+            "device": report.device, "host": coordinator.describe()["host"],
+            "warnings": len(report.warnings), "finding": report.finding,
+            "repro": report.extra.get("repro")}
+    ranks = coordinator.gather(mine)
+    report.finding = next((r["finding"] for r in ranks if r["finding"] is not None), None)
+    repro = next((r["repro"] for r in ranks if r["repro"]), None)
+    if repro:
+        # Written by the rank that localized, on its own host.
+        report.extra["repro"] = repro
+    report.extra["distributed"] = {"ranks": [
+        {k: v for k, v in r.items() if k not in ("finding", "repro")} for r in ranks]}
+
+
+def audit(config_or_path, **overrides) -> Report:
+    """Library entry: a config path (or a loaded Config) plus ScanOptions fields as keywords."""
+    options = ScanOptions(**overrides)
+    if isinstance(config_or_path, Config):
+        return scan(config_or_path.path, options, config=config_or_path)
+    return scan(config_or_path, options)

@@ -1,0 +1,114 @@
+"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
+
+`validate_config` resolves every entrypoint and binds its signature without building anything
+(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
+on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
+nothing leaks into the interpreter after the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from nanaudit.config.schema import Entrypoint
+from nanaudit.errors import ConfigError, Problem, UserCodeError
+
+
+@contextlib.contextmanager
+def user_import_path(base_dir: Path):
+    """Make the config's folder importable for the duration of the run, then restore sys.path."""
+    entry = str(base_dir)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    before = set(sys.modules)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+        # Forget modules imported from the config's folder, so a later run in this process
+        # (the library API, a test) imports its own `case.py`, not this one's.
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules[name], "__file__", None) or ""
+            if origin.startswith(entry + os.sep):
+                del sys.modules[name]
+
+
+def resolve(entry: Entrypoint, base_dir: Path) -> Any:
+    """Import the entrypoint's module and return its attribute; ConfigError when it is not there."""
+    module = _import_module(entry, base_dir)
+    obj = module
+    for part in entry.attr_part.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(module) if not n.startswith("_")]
+            raise ConfigError([Problem(entry.key, f"`{entry.module_part}` has no attribute "
+                                       f"`{entry.attr_part}`" + _did_you_mean(part, names))])
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_callable(entry: Entrypoint, base_dir: Path) -> Callable:
+    obj = resolve(entry, base_dir)
+    if not callable(obj):
+        raise ConfigError([Problem(entry.key, f"`{entry.target}` is a {type(obj).__name__}, "
+                                   f"not a callable")])
+    return obj
+
+
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    import difflib
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _import_module(entry: Entrypoint, base_dir: Path):
+    module_part = entry.module_part
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        return _import_file(entry, base_dir)
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_part == missing or module_part.startswith(missing + "."):
+            raise ConfigError([Problem(entry.key, f"module `{module_part}` not found (looked on "
+                                       f"sys.path and in the config's folder {base_dir})")]) from None
+        raise UserCodeError(f"importing `{module_part}`", exc) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+        raise UserCodeError(f"importing `{module_part}`", exc) from exc
+
+
+def _import_file(entry: Entrypoint, base_dir: Path):
+    path = Path(entry.module_part).expanduser()
+    path = path if path.is_absolute() else (base_dir / path)
+    if not path.is_file():
+        raise ConfigError([Problem(entry.key, f"file `{entry.module_part}` not found "
+                                   f"(resolved to {path})")])
+    # A name unique to the file, so two configs' `model.py` never collide in sys.modules.
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    name = f"_nanaudit_user_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError([Problem(entry.key, f"cannot import {path} as Python")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001
+        del sys.modules[name]
+        raise UserCodeError(f"importing `{entry.module_part}`", exc) from exc
+    return module
+
+
+def _class_target(class_path: str) -> str:
+    module, _, name = class_path.rpartition(".")
+    return f"{module}:{name}"

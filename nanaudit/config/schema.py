@@ -1,0 +1,179 @@
+"""Load and validate the YAML config (schema version 1) into frozen dataclasses.
+
+Every problem is collected with its key path (`optimizer.lr: expected a number, got 'fast'`)
+and raised together as one ConfigError, so a user fixes the whole file in one pass.
+Nothing here imports torch or the user's code: entrypoints are only parsed, not resolved.
+
+Hostile input is bounded before it is built: a file over MAX_CONFIG_BYTES, or YAML whose
+aliases expand past MAX_YAML_NODES (a "billion laughs" bomb) or refer to themselves, is a
+config error, because every report and repro bundle later copies the config's values out.
+Numbers must be finite: `.nan` and `.inf` are YAML floats, never a sensible setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+SCHEMA_VERSION = 1
+
+
+TOP_LEVEL_KEYS = (
+    "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
+    "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
+    "fail_on", "distributed", "sentinel_read",
+)
+
+
+ENTRYPOINT_KEYS = ("entrypoint", "args")
+
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+FAIL_ON = ("nonfinite", "warning")
+
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+SENTINEL_READS = ("auto", "sync", "deferred")   # see nanaudit/deferred.py
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """A callable named in the config: `module.path:attr` or `relative/file.py:attr`, plus kwargs."""
+
+    target: str
+    key: str                      # the config key path it came from, for error messages
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def module_part(self) -> str:
+        return self.target.rsplit(":", 1)[0]
+
+    @property
+    def attr_part(self) -> str:
+        return self.target.rsplit(":", 1)[1]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Either a class path with keyword arguments, or a factory entrypoint called with the model."""
+
+    key: str
+    class_path: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    factory: Entrypoint | None = None
+
+
+@dataclass(frozen=True)
+class LocalizeOptions:
+    samples: bool = True          # isolate the offending batch rows after a finding
+    max_replays: int = 64         # cap on replays spent isolating samples
+
+
+@dataclass(frozen=True)
+class AmpOptions:
+    """The GradScaler under `precision: fp16` and when its skipped steps become a finding."""
+
+    grad_scaler: bool | None = None   # None: on for fp16, off for bf16
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+    scale_floor: float = 1.0          # a finding when the scale falls below this
+    max_skipped: int = 10             # ... or when this many steps in a row are skipped
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """Early-warning detectors. `False` (or 0) turns one off."""
+
+    activations: int | str = "auto"   # sample module outputs every N steps; auto: 1 under fp16
+    near_overflow: float = 0.5        # warn at this fraction of the dtype's largest value
+    loss_spike: float | bool = 2.0    # warn when loss > window mean + this x |window mean|
+    spike_window: int = 20
+    grad_growth: float | bool = 10.0  # warn when the grad norm grew this much ...
+    growth_steps: int = 4             # ... over at least this many consecutive increases
+    update_ratio: float | bool = 0.1  # warn when |update| / |weights| exceeds this
+    update_every: int = 10            # measure the update ratio every N steps (0: never)
+
+    def activation_every(self, precision: str) -> int:
+        if self.activations == "auto":
+            return 1 if precision == "fp16" else 0
+        return int(self.activations)
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """How a run under torchrun (WORLD_SIZE > 1) sets up torch.distributed."""
+
+    backend: str = "auto"             # auto: nccl on CUDA, gloo on CPU
+    ddp: bool = True                  # wrap the model in DistributedDataParallel
+    timeout_s: float = 600.0          # a peer silent this long is an error, not a hang
+    find_unused_parameters: bool = False
+
+
+def _keys(options) -> tuple[str, ...]:
+    """A section's YAML keys are its dataclass's fields: one list, never a hand-kept copy."""
+    return tuple(f.name for f in fields(options))
+
+
+LOCALIZE_KEYS = _keys(LocalizeOptions)
+
+
+AMP_KEYS = _keys(AmpOptions)
+
+
+WATCH_KEYS = _keys(WatchOptions)
+
+
+DISTRIBUTED_KEYS = _keys(DistributedOptions)
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    model: Entrypoint
+    data: Entrypoint
+    loss: Entrypoint
+    optimizer: OptimizerSpec | None = None
+    steps: int | None = None
+    seed: int | None = None
+    checkpoint: Path | None = None
+    device: str = "auto"
+    grad_clip: float | None = None
+    batch_dim: Mapping[str, int] = field(default_factory=dict)
+    localize: LocalizeOptions = field(default_factory=LocalizeOptions)
+    precision: str = "fp32"
+    amp: AmpOptions = field(default_factory=AmpOptions)
+    watch: WatchOptions = field(default_factory=WatchOptions)
+    fail_on: str = "nonfinite"
+    distributed: DistributedOptions = field(default_factory=DistributedOptions)
+    sentinel_read: str = "auto"       # auto: deferred on CUDA when the optimizer can skip
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        if self.precision == "fp32":
+            return False
+        if self.amp.grad_scaler is None:
+            return self.precision == "fp16"   # bf16 has float32's range: no scaling needed
+        return self.amp.grad_scaler
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    def summary(self) -> dict:
+        """The config as it appears in reports: paths and entrypoint names, no live objects."""
+        opt = None
+        if self.optimizer is not None:
+            opt = ({"class": self.optimizer.class_path, **dict(self.optimizer.kwargs)}
+                   if self.optimizer.class_path else {"entrypoint": self.optimizer.factory.target})
+        return {
+            "path": str(self.path), "model": self.model.target, "data": self.data.target,
+            "loss": self.loss.target, "optimizer": opt, "steps": self.steps, "seed": self.seed,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "device": self.device, "grad_clip": self.grad_clip, "precision": self.precision,
+            "grad_scaler": self.uses_grad_scaler, "fail_on": self.fail_on,
+        }

@@ -1,0 +1,117 @@
+"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
+
+`validate_config` resolves every entrypoint and binds its signature without building anything
+(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
+on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
+nothing leaks into the interpreter after the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Callable
+
+from nanaudit.config.entrypoints import _class_target, resolve_callable, user_import_path
+from nanaudit.config.schema import Config, Entrypoint, OptimizerSpec
+from nanaudit.errors import ConfigError, Problem, UserCodeError
+
+
+def _bind_problem(fn: Callable, key: str, args: tuple, kwargs: dict, role: str) -> Problem | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # builtins without a signature: we cannot check, the call will tell
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        return Problem(key, f"cannot be called as {role}: {exc} (signature {fn.__name__}{sig})")
+    return None
+
+
+def data_accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def validate_config(config: Config) -> list[Problem]:
+    """Resolve every entrypoint and check it can be called as nanaudit will call it."""
+    problems: list[Problem] = []
+    checks = [
+        (config.model, (), "the model factory `fn(**args) -> nn.Module`"),
+        (config.data, (), "the data factory `fn(**args) -> iterable of batches`"),
+        (config.loss, ("model", "batch"), "the loss `fn(model, batch, **args) -> scalar tensor`"),
+    ]
+    with user_import_path(config.base_dir):
+        for entry, positional, role in checks:
+            try:
+                fn = resolve_callable(entry, config.base_dir)
+            except ConfigError as exc:
+                problems += exc.problems
+                continue
+            except UserCodeError as exc:
+                problems.append(Problem(entry.key, str(exc)))
+                continue
+            problem = _bind_problem(fn, entry.key, positional, dict(entry.args), role)
+            if problem:
+                problems.append(problem)
+        problems += _validate_optimizer(config.optimizer, config.base_dir)
+    if config.checkpoint is not None and not config.checkpoint.is_file():
+        problems.append(Problem("checkpoint", f"file not found: {config.checkpoint}"))
+    device_problem = _device_problem(config.device)
+    if device_problem:
+        problems.append(device_problem)
+    return problems
+
+
+def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Problem]:
+    if spec is None:
+        return []
+    entry = spec.factory or Entrypoint(target=_class_target(spec.class_path), key="optimizer.class")
+    try:
+        fn = resolve_callable(entry, base_dir)
+    except ConfigError as exc:
+        return exc.problems
+    except UserCodeError as exc:
+        return [Problem(entry.key, str(exc))]
+    if spec.factory:
+        problem = _bind_problem(fn, entry.key, ("model",), dict(entry.args),
+                                "the optimizer factory `fn(model, **args) -> Optimizer`")
+        return [problem] if problem else []
+    return _optimizer_class_problems(fn, spec)
+
+
+def _optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
+    """The class path's keyword arguments, bound and then tried on one throwaway parameter:
+    `torch.optim.SGD(lr=-1)` raises only when built, and must be a config error (exit 3) in
+    `validate` and `scan` alike, not the user's code raising."""
+    import torch
+    problem = _bind_problem(cls, "optimizer", ([],), dict(spec.kwargs),
+                            f"`{spec.class_path}(params, **kwargs)`")
+    if problem:
+        return [problem]
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **dict(spec.kwargs))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return [Problem("optimizer", f"`{spec.class_path}` rejects these arguments: {exc}")]
+    except Exception:  # noqa: BLE001 - a user class may refuse a dummy parameter: build tells
+        return []
+    return []
+
+
+def _device_problem(device: str) -> Problem | None:
+    import torch
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return Problem("device", f"`{device}` requested but CUDA is not available "
+                           f"(torch {torch.__version__}); use `device: auto` or `cpu`")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            return Problem("device", f"`{device}` requested but only "
+                           f"{torch.cuda.device_count()} CUDA device(s) exist")
+    if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        return Problem("device", "`mps` requested but MPS is not available")
+    return None

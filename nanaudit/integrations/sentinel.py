@@ -1,0 +1,341 @@
+"""`Sentinel`: nanaudit's checks inside your own training loop, raising before a bad update.
+
+    sentinel = Sentinel(model, optimizer, loss_fn=compute_loss)
+    for step, batch in enumerate(loader):
+        loss = compute_loss(model, batch)
+        loss.backward()
+        sentinel.check(step, batch, loss)     # raises NonFiniteError(report)
+        optimizer.step(); optimizer.zero_grad()
+
+With gradient accumulation, record each micro-batch after its backward and check once per
+optimizer step:
+
+    for index, batch in enumerate(loader):
+        loss = compute_loss(model, batch) / accumulation
+        loss.backward()
+        sentinel.micro_batch(batch, loss)          # no host read
+        if (index + 1) % accumulation == 0:
+            sentinel.check_update(step)            # one host read; raises before the update
+            optimizer.step(); optimizer.zero_grad(); step += 1
+
+`check` is `micro_batch` + `check_update` for a window of one. `check_update` costs what a
+`scan` step costs: one host read of a few device values (every micro-batch's finiteness flag
+and loss, the weights' norm, the gradient norm, the GradScaler's scale), no per-tensor sync. On a
+trip it builds the same Report as `scan`. With `loss_fn` (called as `loss_fn(model, batch)`)
+the step is replayed under the op tracer to name the op, module, source line and samples; the
+replay covers the whole accumulation window: a bad input or loss names its micro-batch from the
+read itself, and non-finite accumulated gradients are traced to the first micro-batch whose own
+gradients reproduce them, so a bug in an early micro-batch is never called transient. Without
+`loss_fn` the report names the check that tripped and the tensors.
+
+The replay needs each micro-batch's RNG state from before its forward. The sentinel captures it
+at the end of each `micro_batch` / `check` (and when it is created), which is the start of the
+next forward unless the loop draws random numbers in between; integrations call `capture_rng()`
+at the batch start instead. If the replay still differs, the finding says `reproduced: false`.
+
+Under AMP pass `scaler=`: a step whose gradients overflow is the GradScaler's skip, not a
+finding, unless the scale collapses (below `scale_floor`, or `max_skipped` skips in a row), as
+in `scan`; a non-finite input or loss is still a finding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nanaudit.config.schema import Config, Entrypoint
+from nanaudit.report.model import Finding, Report, TimelineEntry
+from nanaudit.run.batch import float_leaves
+from nanaudit.run.checks import all_finite, dense_values, finite_norms
+from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, confirm_norms, timeline_entry
+
+
+class NonFiniteError(RuntimeError):
+    """A sentinel saw a non-finite value; `.report` holds the full nanaudit Report."""
+
+    def __init__(self, report: Report):
+        from nanaudit.report.text import finding_message, headline
+        self.report = report
+        self.finding: Finding | None = report.finding
+        detail = finding_message(report.finding) if report.finding else ""
+        super().__init__(f"{headline(report)}\n{detail}".strip())
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward of an accumulation window, as recorded for the check and replay."""
+
+    index: int                  # the batch index the caller gave (default: a running count)
+    batch: Any
+    rng: RngState               # the RNG state before its forward
+    finite: torch.Tensor        # 0-dim float64 on the device: 1.0 when the batch is finite
+    loss: torch.Tensor          # 0-dim float64 on the device
+
+
+class _ReplayPrecision:
+    """The Session's precision for a Sentinel replay: autocast is the user's (inside loss_fn or
+    the model), and a replay backpropagates the loss times the step's recorded scale."""
+
+    def __init__(self, scaler):
+        self.name = "fp32"
+        self.scaler = scaler
+        self.scale = 1.0
+
+    @staticmethod
+    def autocast():
+        return contextlib.nullcontext()
+
+    def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        return loss * scale if scale is not None else loss
+
+
+class _Scope:
+    """What one `check_update` looks at: every weight and float buffer of the model, and the
+    gradients of the parameters the stepping optimizer owns (all of them by default)."""
+
+    def __init__(self, model: torch.nn.Module, params: list):
+        self.params = params
+        self.state = list(model.parameters()) + [b for b in model.buffers()
+                                                 if b.is_floating_point()]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t.detach() for t in self.state]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad.detach() for p in self.params if p.grad is not None]
+
+    def grad_values(self) -> list[torch.Tensor]:
+        return [dense_values(g) for g in self.grads()]
+
+
+class Sentinel:
+    """Cheap non-finite checks for a hand-written training loop (see the module docstring).
+
+    `optimizer` may be one optimizer or a list (the timeline's lr is the first one's); pass the
+    one about to step to `check_update(step, optimizer=...)` to check only its gradients."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None,
+                 loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+                 scaler: Any = None, isolate_samples: bool = True, history: int = 1000,
+                 max_skipped: int = 10, scale_floor: float = 1.0):
+        if isinstance(optimizer, (list, tuple)):
+            self.optimizers = [o for o in optimizer if o is not None]
+        else:
+            self.optimizers = [optimizer] if optimizer is not None else []
+        self.optimizer = self.optimizers[0] if self.optimizers else None
+        self.model, self.loss_fn, self.scaler = model, loss_fn, scaler
+        self.isolate_samples = isolate_samples
+        self.history = history
+        self.max_skipped, self.scale_floor = max_skipped, scale_floor
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._scopes: dict = {}
+        self._last_step: int | None = None   # the step of the last check that passed
+        self._rng = RngState.capture()
+        self._window: list[MicroBatch] = []
+        self._last_window: list[MicroBatch] = []
+        self._seen = 0                       # micro-batches recorded so far (default index)
+        self.skipped_in_row = 0
+        self.skipped = 0
+        self.steps_checked = 0
+        self.timeline: list[TimelineEntry] = []
+        self.report: Report | None = None    # the last trip's report
+        self.tripped: tuple[Trip, StepState] | None = None
+        self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
+
+    # --- recording --------------------------------------------------------------------------
+
+    def capture_rng(self) -> None:
+        """Take the RNG state for the next micro-batch now (call right before its forward)."""
+        self._rng = RngState.capture()
+
+    def micro_batch(self, batch: Any, loss: torch.Tensor, index: int | None = None) -> MicroBatch:
+        """Record one micro-batch after its backward: its batch, loss and RNG state. No host
+        read; `check_update` reads every recorded micro-batch at once. Returns the record."""
+        finite = all_finite([t for _, t in float_leaves(batch)], self.device)
+        value = loss.detach().reshape(()).to(torch.float64).to(self.device)
+        record = MicroBatch(self._seen if index is None else index, batch, self._rng, finite,
+                            value)
+        self._window.append(record)
+        self._seen += 1
+        self._rng = RngState.capture()
+        return record
+
+    def check(self, step: int, batch: Any, loss: torch.Tensor) -> None:
+        """Check the batch, weights, loss and gradients of `step`; call after backward and
+        before `optimizer.step()`. Raises NonFiniteError with the report on a non-finite value."""
+        self.micro_batch(batch, loss)
+        self.check_update(step)
+
+    # --- the check --------------------------------------------------------------------------
+
+    def check_update(self, step: int, optimizer=None) -> None:
+        """Check the window's micro-batches, the weights and the accumulated gradients before
+        the optimizer step of `step`: one host read. Raises NonFiniteError before the update."""
+        started = time.perf_counter()
+        # Several optimizers stepping after one backward share its micro-batches.
+        window = self._window or self._last_window
+        self._window, self._last_window = [], window
+        scope = self._scope(optimizer)
+        state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grad_values()], self.device)
+        head = [state_norm, grad_norm]
+        live_scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        if live_scale is not None:
+            head.append(live_scale.detach().reshape(()).to(torch.float64).to(self.device))
+        parts = head + [m.finite for m in window] + [m.loss for m in window]
+        values = torch.stack(parts).tolist()           # the one host read of the step
+        norm, gnorm = values[0], values[1]
+        scale = values[2] if live_scale is not None else None
+        flags = values[len(head):len(head) + len(window)]
+        losses = values[len(head) + len(window):]
+        norm, gnorm = confirm_norms(scope, norm, gnorm)
+        self.steps_checked += 1
+        trip, where = self._classify(step, window, flags, losses, norm, gnorm, scale)
+        mean_loss = sum(losses) / len(losses) if losses else float("nan")
+        self._record(step, mean_loss, gnorm, norm, started, scale)
+        self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
+                                     and (trip is None or trip.note is not None))
+        if trip is not None:
+            self.report = self._report(trip, window, where, scale)
+            raise NonFiniteError(self.report)
+        self._last_step = step
+
+    def _scope(self, optimizer) -> _Scope:
+        key = id(optimizer) if optimizer is not None else None
+        if key not in self._scopes:
+            if optimizer is None:
+                params = list(self.model.parameters())
+            else:
+                owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                params = [p for p in self.model.parameters() if id(p) in owned]
+            self._scopes[key] = _Scope(self.model, params)
+        return self._scopes[key]
+
+    def _classify(self, step, window, flags, losses, norm, gnorm, scale):
+        """(Trip, index of the micro-batch it names, or None for a search) or (None, None)."""
+        first_bad = next((i for i, ok in enumerate(flags) if ok < 1.0), None)
+        if first_bad is not None:
+            return Trip(step, "input", losses[first_bad], gnorm), first_bad
+        if not math.isfinite(norm):
+            # The weights were fine at the last check; the update after it made them bad.
+            return (Trip(self._last_step, "optimizer") if self._last_step is not None
+                    else Trip(step, "parameter")), None
+        bad_loss = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad_loss is not None:
+            return Trip(step, "loss", losses[bad_loss], gnorm), bad_loss
+        if math.isfinite(gnorm):
+            if self.scaler is not None:
+                self.skipped_in_row = 0
+            return None, None
+        if self.scaler is None:
+            return Trip(step, "gradient", losses[-1] if losses else None, gnorm), None
+        # The GradScaler will skip this update and back off its scale: AMP's normal course,
+        # unless the scale collapsed, which means the gradients overflow whatever the scale.
+        self.skipped += 1
+        self.skipped_in_row += 1
+        collapsed = self._collapse_reason(scale)
+        if collapsed is None:
+            return None, None
+        return Trip(step, "gradient", losses[-1] if losses else None, gnorm,
+                    note=collapsed), None
+
+    def _collapse_reason(self, scale: float | None) -> str | None:
+        if scale is not None and scale * 0.5 < self.scale_floor:
+            return (f"the loss scale fell to {scale * 0.5:g}, below scale_floor "
+                    f"{self.scale_floor:g}, after {self.skipped_in_row} skipped step(s) in a row")
+        if self.skipped_in_row >= self.max_skipped:
+            return (f"the GradScaler skipped {self.skipped_in_row} steps in a row "
+                    f"(max_skipped)" + (f" at loss scale {scale:g}" if scale is not None else ""))
+        return None
+
+    def _record(self, step, loss_value, gnorm, norm, started, scale) -> None:
+        self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
+                                            started, scale))
+        del self.timeline[:-self.history]
+
+    # --- the report -------------------------------------------------------------------------
+
+    def _report(self, trip: Trip, window: list[MicroBatch], where: int | None,
+                scale: float | None) -> Report:
+        from nanaudit.localize.findings import build_finding, unreplayed_finding
+        started = time.perf_counter()
+        session = self._session()
+        note = None
+        if where is None and trip.check == "gradient" and window and self.loss_fn is not None:
+            where, note = self._search_window(session, trip, window, scale)
+        if where is None:
+            where = len(window) - 1 if window else None
+        micro = window[where] if where is not None else None
+        self.replaying = micro
+        state = StepState(trip.step, micro.batch if micro else None,
+                          micro.rng if micro else self._rng, scale)
+        self.tripped = (trip, state)         # for integrations writing a repro bundle
+        outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
+                              state=state)
+        if trip.check in ("loss", "gradient") and (self.loss_fn is None or micro is None):
+            finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
+                                               "loss_fn(model, batch))")
+        else:
+            finding = build_finding(session, outcome, self.isolate_samples)
+        if micro is not None and trip.check in ("input", "loss", "gradient"):
+            finding.batch_index = micro.index
+            if len(window) > 1:
+                finding.micro_batch = where
+                finding.explanation += (f"; micro-batch {where} of the {len(window)} "
+                                        f"accumulated for optimizer step {trip.step} "
+                                        f"(batch index {micro.index})")
+        if note:
+            finding.explanation += f"; {note}"
+        return self.make_report("nonfinite", finding, time.perf_counter() - started)
+
+    def make_report(self, status: str, finding: Finding | None = None,
+                    duration_s: float = 0.0) -> Report:
+        """The Report of this sentinel's run so far (integrations write a clean one at the end)."""
+        from nanaudit._version import __version__
+        return Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
+                      torch_version=torch.__version__, device=str(self.device),
+                      status=status, steps_run=self.steps_checked, command="sentinel",
+                      finding=finding, timeline=list(self.timeline), duration_s=duration_s)
+
+    def _search_window(self, session, trip: Trip, window: list[MicroBatch], scale):
+        """The first micro-batch whose own gradients reproduce the non-finite accumulated ones
+        (untraced replays, one per micro-batch until found). Returns (index, note)."""
+        from nanaudit.localize.replay import preserved_buffers, replay_reproduces
+        with preserved_buffers(self.model):
+            for i, micro in enumerate(window):
+                self.replaying = micro
+                state = StepState(trip.step, micro.batch, micro.rng, scale)
+                if replay_reproduces(session, state, micro.batch, "gradient"):
+                    return i, None
+            if len(window) > 1 and self._accumulated_reproduces(session, window, scale):
+                return None, (f"each of the {len(window)} micro-batches alone gives finite "
+                              f"gradients, their accumulated sum does not: it overflowed")
+        return None, None
+
+    def _accumulated_reproduces(self, session, window: list[MicroBatch], scale) -> bool:
+        from nanaudit.run.step import scalar_loss
+        self.model.zero_grad(set_to_none=True)
+        try:
+            for micro in window:
+                self.replaying = micro
+                micro.rng.restore()
+                loss = scalar_loss(self.loss_fn(self.model, micro.batch))
+                (loss * scale if scale is not None else loss).backward()
+        except Exception:  # noqa: BLE001 - a replay that cannot run does not reproduce
+            return False
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def _session(self):
+        from nanaudit.run.session import Session
+        entry = Entrypoint("<your loop>:loss_fn", "Sentinel(loss_fn=...)")
+        config = Config(path=Path("<Sentinel>"), model=entry, data=entry, loss=entry)
+        loss_fn = self.loss_fn or (lambda model, batch: None)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return Session(config, self.device, self.model, self.optimizer, loss_fn,
+                       lambda: [], names, precision=_ReplayPrecision(self.scaler))

@@ -1,0 +1,264 @@
+"""Turn what tripped a sentinel into a Finding: direct for input, parameter and optimizer
+checks; through a traced replay (localize) and a sample search for the loss and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from nanaudit.errors import FindingInterrupted
+from nanaudit.localize.causes import fix_for
+from nanaudit.localize.replay import (
+    forward_input_stats,
+    input_stats,
+    localize,
+    preserved_buffers,
+    replay_reproduces,
+)
+from nanaudit.localize.samples import SearchInterrupted, isolate_rows
+from nanaudit.localize.stats import tensor_stats
+from nanaudit.report.model import Finding, SampleRow
+from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
+from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.session import Session
+from nanaudit.run.step import ScanOutcome, StepState, Trip
+
+
+def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
+    trip = outcome.trip
+    if trip.check == "input":
+        return input_finding(session, outcome.state)
+    if trip.check in ("parameter", "optimizer"):
+        return state_finding(session, trip)
+    return localized_finding(session, outcome.state, trip, outcome.timeline, isolate_samples)
+
+
+MAX_LEAVES_SHOWN = 16
+
+
+def input_finding(session: Session, state: StepState) -> Finding:
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    bad = [(path, t) for path, t in float_leaves(state.batch) if not bool(torch.isfinite(t).all())]
+    path, first = bad[0]
+    rows = sorted({r for p, t in bad for r in nonfinite_rows(t, layout.dims.get(p))})
+    # A batch of thousands of leaves must not make a report of thousands of tables.
+    stats = [tensor_stats(f"batch{p}", t) for p, t in bad[:MAX_LEAVES_SHOWN]]
+    counts = ", ".join(f"batch{p}: {s.nan} NaN, {s.posinf} +inf, {s.neginf} -inf"
+                       for (p, _), s in zip(bad, stats))
+    if len(bad) > MAX_LEAVES_SHOWN:
+        counts += f", and {len(bad) - MAX_LEAVES_SHOWN} more leaves"
+    row_text = f" in row(s) {_short(rows)}" if layout.size else ""
+    explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
+                   f"({counts}){row_text}")
+    return Finding(step=state.step, where="input", value=value_kind(first), cause="nonfinite-input",
+                   explanation=explanation, fix=fix_for("nonfinite-input"),
+                   tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
+                   sample_rows=sample_rows(state.batch, layout, rows),
+                   tensors=[f"batch{p}" for p, _ in bad])
+
+
+def state_finding(session: Session, trip: Trip) -> Finding:
+    model = session.model
+    params = nonfinite_names(model.named_parameters())
+    buffers = nonfinite_names((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+    names = params + buffers
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    value = value_kind(tensors[names[0]]) if names else "nan"
+    stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
+    if trip.check == "optimizer" and params:
+        return Finding(step=trip.step, where="optimizer", value=value, cause="optimizer-update",
+                       explanation=_optimizer_text(session, trip.step, params),
+                       fix=fix_for("optimizer-update"), tensor=params[0], inputs=stats,
+                       tensors=names)
+    ckpt = session.config.checkpoint
+    origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
+              else "the model's state")
+    when = "before step 0" if trip.check == "parameter" else f"after step {trip.step}"
+    explanation = (f"{origin} holds non-finite values {when}: "
+                   f"{_short(names)}" + (" (buffers changed by forward, not by the optimizer)"
+                                         if not params else ""))
+    return Finding(step=trip.step, where="parameter", value=value, cause="nonfinite-parameter",
+                   explanation=explanation, fix=fix_for("nonfinite-parameter"),
+                   tensor=names[0] if names else None, inputs=stats, tensors=names)
+
+
+def _optimizer_text(session: Session, step: int, names: list) -> str:
+    optimizer = session.optimizer
+    group = optimizer.param_groups[0] if optimizer is not None else {}
+    hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "eps", "momentum", "weight_decay")
+                      if k in group)
+    text = (f"the gradients of step {step} were finite, but after "
+            f"{type(optimizer).__name__}.step() the parameters {_short(names)} hold non-finite "
+            f"values ({hyper})")
+    dtypes = {p.dtype for p in session.model.parameters()}
+    eps = group.get("eps")
+    for dtype in dtypes & {torch.float16, torch.bfloat16}:
+        if isinstance(eps, float) and torch.tensor(eps, dtype=dtype).item() == 0:
+            text += (f"; eps={eps} is 0 in {str(dtype).replace('torch.', '')}, so a zero second "
+                     f"moment divides by zero")
+    return text
+
+
+def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
+    loc = localize(session, state, trip, timeline)
+    if not loc.reproduced:
+        return _not_reproduced(trip)
+    event = loc.event
+    loss_name = _loss_name(session)
+    finding = Finding(
+        step=trip.step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
+        explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
+        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
+        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        reproduced=True, tensors=loc.bad_tensors or [],
+        tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
+        chain=[_chain_link(e, loss_name) for e in loc.chain])
+    if trip.note:
+        finding.explanation += f"; {trip.note}"
+    if finding.cause == "divergence":
+        finding.sample_search = {"batch_size": None, "replays": 0, "coupled": False,
+                                 "note": "divergence: the weights, not particular rows"}
+    elif isolate_samples:
+        _isolate(session, state, trip, finding)
+    return finding
+
+
+GROWTH_WARNINGS = ("loss-spike", "grad-growth", "update-ratio")
+
+
+def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> None:
+    """Link the early warnings that came before a finding to it: growth before an fp32
+    overflow makes the cause `divergence`; the most relevant earliest warning is named."""
+    before = [w for w in warnings if finding is not None and w.step <= finding.step]
+    if not before:
+        return
+    growth = [w for w in before if w.kind in GROWTH_WARNINGS]
+    near = [w for w in before if w.kind == "near-overflow"]
+    if (growth and precision == "fp32" and finding.cause in ("dtype-overflow", "unknown")
+            and finding.where in ("forward", "backward")):
+        finding.cause, finding.fix = "divergence", fix_for("divergence")
+    if finding.cause == "dtype-overflow" and near:
+        # The module that overflowed, warned about earlier, says more than any growth metric.
+        relevant = [w for w in near if w.module == finding.module] or near
+    elif finding.cause == "divergence" and growth:
+        relevant = growth
+    else:
+        relevant = before
+    first = min(relevant, key=lambda w: (w.step, w.began))
+    finding.first_warning = first
+    began = f" (growing since step {first.began})" if first.began < first.step else ""
+    finding.explanation += (f"; nanaudit warned at step {first.step}{began}: {first.kind}, "
+                            f"{first.message}")
+
+
+def _loss_name(session) -> str:
+    """The loss callable as the config names it; under `Sentinel`, the function's own name."""
+    target = session.config.loss.target
+    fn = session.loss_fn
+    # An integration's replay wrapper names the user's code it runs (`Model.training_step`).
+    label = getattr(getattr(fn, "__self__", None), "loss_label", None)
+    if label:
+        return label
+    if target.startswith("<") and getattr(fn, "__qualname__", None):
+        return f"{getattr(fn, '__module__', None) or '?'}:{fn.__qualname__}"
+    return target
+
+
+def module_name(event, loss_name: str) -> str | None:
+    """The module an op ran in; ops outside every module's forward ran in the loss callable,
+    named as the config names it (`train:compute_loss`), not as the root module."""
+    if event.module is not None:
+        return event.module
+    if event.phase == "forward" or event.forward is not None:
+        return loss_name
+    return None
+
+
+def _chain_link(event, loss_name: str) -> dict:
+    return {"op": event.op, "where": event.phase, "module": module_name(event, loss_name),
+            "value": sorted(event.out_kinds),
+            "line": event.source.line if event.source else None}
+
+
+def _tripped(trip: Trip) -> tuple[str, str, str]:
+    """(what tripped, the kind of value it read, where) for a loss or gradient trip."""
+    what = "loss" if trip.check == "loss" else "gradients"
+    value = trip.loss if trip.check == "loss" else trip.grad_norm
+    kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
+    return what, kind, "forward" if trip.check == "loss" else "backward"
+
+
+def _not_reproduced(trip: Trip) -> Finding:
+    what, kind, where = _tripped(trip)
+    return Finding(
+        step=trip.step, where=where, value=kind,
+        cause="unknown", reproduced=False,
+        explanation=(f"the sentinel saw {kind} in the {what} at step {trip.step}, but replaying "
+                     f"that step with the same batch, weights and RNG state gave finite values: "
+                     f"a non-deterministic kernel or a transient fault (hardware, memory), not "
+                     f"a reproducible bug in this step"),
+        fix=("re-run the scan; if it recurs at other steps, set "
+             "`torch.use_deterministic_algorithms(True)` or run on another device to rule out "
+             "hardware"))
+
+
+def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
+    """A loss or gradient trip reported without a replay (nothing to replay it with)."""
+    what, kind, where = _tripped(trip)
+    return Finding(step=trip.step, where=where, value=kind, cause="unknown",
+                   fix=fix_for("unknown"),
+                   explanation=(f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
+                                f"to replay the step and name the op that created it"))
+
+
+def _isolate(session, state, trip, finding: Finding) -> None:
+    layout = infer_layout(state.batch, session.config.batch_dim)
+    if not layout.size or layout.size < 2:
+        finding.sample_search = {"batch_size": layout.size, "replays": 0, "coupled": False,
+                                 "note": "no batch dimension to search"}
+        if layout.size == 1:
+            finding.samples = [0]
+        return
+
+    def reproduces(rows):
+        sub = select_rows(state.batch, layout, rows)
+        return replay_reproduces(session, state, sub, trip.check)
+
+    try:
+        with preserved_buffers(session.model):
+            search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays)
+    except SearchInterrupted as stop:
+        _record_search(finding, state, layout, stop.search)
+        raise FindingInterrupted(finding) from stop
+    _record_search(finding, state, layout, search)
+
+
+def _record_search(finding: Finding, state, layout, search) -> None:
+    finding.samples = search.samples
+    finding.sample_search = {"batch_size": layout.size, "replays": search.replays,
+                             "coupled": search.coupled, "note": search.note}
+    finding.sample_rows = sample_rows(state.batch, layout, search.samples or [])
+
+
+def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
+    """Each offending row's leaves: values when small, statistics when large."""
+    shown = []
+    for row in rows[:limit]:
+        leaves = []
+        for path, t in (float_leaves(batch) + _int_leaves(batch))[:MAX_LEAVES_SHOWN]:
+            dim = layout.dims.get(path)
+            if dim is not None and row < t.shape[dim]:
+                leaves.append((f"batch{path}", tensor_stats(f"batch{path}", t.select(dim, row))))
+        shown.append(SampleRow(row, tuple(leaves)))
+    return shown
+
+
+def _int_leaves(batch):
+    from nanaudit.run.batch import tensor_leaves
+    return [(p, t) for p, t in tensor_leaves(batch) if not (t.is_floating_point() or t.is_complex())]
+
+
+def _short(items, limit: int = 10) -> str:
+    items = list(items)
+    text = ", ".join(str(i) for i in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"

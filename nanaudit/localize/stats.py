@@ -1,0 +1,50 @@
+"""Statistics of a tensor for the report (lovely-tensors style): shape, range, bad-value counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanaudit.report.model import TensorStats
+from nanaudit.run.checks import dense_values
+
+SMALL_TENSOR = 16   # at most this many elements: show the values themselves
+
+
+def _num(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
+    """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives."""
+    t = dense_values(t.detach())
+    if t.is_complex():
+        t = t.abs()
+    shape, dtype, numel = tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel()
+    if numel == 0:
+        return TensorStats(name, shape, dtype, 0, None, None, None, 0, 0, 0, 0, 0, value=[])
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    work = t.to(torch.float64) if t.is_floating_point() else t.to(torch.float64)
+    finite = torch.isfinite(work)
+    counts = torch.stack([
+        torch.isnan(work).sum(), (work == math.inf).sum(), (work == -math.inf).sum(),
+        (work == 0).sum(), (work < 0).sum(), finite.sum(),
+    ]).tolist()
+    nan, posinf, neginf, zeros, negatives, n_finite = (int(c) for c in counts)
+    lo = hi = mean = None
+    if n_finite:
+        values = work[finite]
+        lo, hi, mean = (float(v) for v in torch.stack([values.min(), values.max(),
+                                                        values.mean()]).tolist())
+    value = t.to(torch.float64).flatten().tolist() if numel <= SMALL_TENSOR else None
+    return TensorStats(name, shape, dtype, numel, lo, hi, mean, nan, posinf, neginf, zeros,
+                       negatives, value=value)
+
+
+def first_index(mask: torch.Tensor) -> tuple | None:
+    """The index of the first True element of a mask, as a tuple (syncs)."""
+    nz = mask.nonzero()
+    return tuple(int(i) for i in nz[0].tolist()) if nz.numel() else None

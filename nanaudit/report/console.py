@@ -1,0 +1,251 @@
+"""The rich console report: header, finding with the user's source line, op inputs, cause, fix,
+timeline. User strings are always rich Text, never parsed as markup."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from nanaudit.report.model import Finding, Report
+from nanaudit.report.text import finding_facts, headline, sparkline, step_marks, warning_line
+
+
+def print_report(report: Report, console: Console) -> None:
+    console.print(_header(report))
+    style = {"clean": "bold green", "nonfinite": "bold red"}.get(report.status, "bold yellow")
+    mark = {"clean": "✓", "nonfinite": "✗"}.get(report.status, "!")
+    console.print(Text(f"{mark} {headline(report)}", style=style))
+    if report.finding is not None:
+        # A terminal gets a full-width panel; a CI log one as wide as its longest line.
+        console.print(_finding_panel(report.finding, expand=console.is_terminal))
+    if report.extra.get("bisect"):
+        console.print(_bisect_summary(report.extra["bisect"]))
+    if report.extra.get("distributed", {}).get("ranks"):
+        console.print(_ranks(report.extra["distributed"]))
+    if report.warnings:
+        console.print(_warnings(report))
+    if report.timeline:
+        console.print(_timeline(report))
+    if report.error and report.error.get("frames"):
+        console.print(Text(_user_traceback(report.error), style="red"))
+    if report.error and report.error.get("type") == "InternalError":
+        console.print(Text(_short_traceback(report.error.get("traceback", "")), style="red"))
+        console.print(Text(report.error.get("hint", ""), style="bold"))
+    console.print(_next_steps(report))
+
+
+def _bisect_summary(section: dict):
+    if section["mode"] == "checkpoints":
+        text = Text("bisect over checkpoints: ", style="bold")
+        text.append(section.get("note", ""))
+        if section.get("first_bad"):
+            text.append(f"\n  first bad checkpoint: step {section['first_bad']['step']}")
+        if section.get("last_good"):
+            text.append(f"; last good: step {section['last_good']['step']}; replayed "
+                        f"{section['steps_replayed']} step(s); optimizer state "
+                        f"{'restored' if section['optimizer_state'] else 'absent (fresh optimizer)'}")
+        return text
+    table = Table(title=f"bad batches ({len(section['bad_batches'])} of "
+                        f"{section['batches_audited']} audited)", title_justify="left")
+    for col in ("batch", "where", "op", "cause", "samples"):
+        table.add_column(col)
+    for f in section["bad_batches"]:
+        table.add_row(str(f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
+                      Text(str(f.samples)))
+    return table
+
+
+def _ranks(section: dict) -> Text:
+    text = Text(f"ranks ({section['world_size']}, {section['backend']})\n", style="bold")
+    for r in section["ranks"]:
+        text.append(f"  rank {r['rank']}  {r['status']:<11} {r['steps_run']} step(s)  "
+                    f"{r['device']} on {r['host']}\n")
+    return text
+
+
+def _header(report: Report) -> Text:
+    text = Text("nanaudit ", style="bold")
+    text.append(f"{report.tool_version} · {report.command} ")
+    text.append(str(report.config.get("path", "")), style="cyan")
+    if report.device:
+        text.append(f" · device {report.device}")
+    text.append(f" · torch {report.torch_version} · {report.steps_run} step(s) in "
+                f"{report.duration_s:.1f}s")
+    return text
+
+
+def _finding_panel(f: Finding, expand: bool = True) -> Panel:
+    parts = [_facts(f)]
+    if f.source:
+        parts.append(_source(f))
+    if f.inputs:
+        title = "inputs of the op that created it" if f.op else "tensors"
+        parts.append(_stats_table(title, f.inputs))
+    if f.forward_inputs:
+        parts.append(_stats_table(f"inputs of the forward op {f.forward_op}", f.forward_inputs))
+    if f.sample_rows:
+        parts.append(_samples(f))
+    if f.reproduced is False:
+        parts.append(Text("not reproduced on replay: see the explanation", style="yellow"))
+    why = Text("why  ", style="bold")
+    why.append(f.explanation)
+    fix = Text("fix  ", style="bold green")
+    fix.append(f.fix)
+    parts += [why, fix]
+    return Panel(Group(*parts), title=Text(f"finding: {f.cause}", style="bold red"),
+                 border_style="red", expand=expand)
+
+
+def _facts(f: Finding) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in finding_facts(f):
+        table.add_row(label, Text(value))
+    if f.sample_search:
+        s = f.sample_search
+        note = f" ({s['note']})" if s.get("note") else ""
+        table.add_row("sample search", Text(f"{s['replays']} replay(s) over a batch of "
+                                            f"{s['batch_size']}{note}"))
+    if len(f.tensors) > 1:
+        table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
+                                          (" ..." if len(f.tensors) > 12 else "")))
+    return table
+
+
+def _source(f: Finding):
+    src = f.source
+    title = Text(f"{src.file}:{src.line}", style="cyan")
+    if os.path.isfile(src.file):
+        syntax = Syntax.from_path(src.file, line_numbers=True, line_range=(max(1, src.line - 2),
+                                  src.line + 2), highlight_lines={src.line})
+        return Group(title, syntax)
+    return Group(title, Text(src.code))
+
+
+def _stats_table(title: str, stats) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False)
+    for col in ("input", "shape", "dtype", "min", "max", "nan", "+inf", "-inf", "zeros", "neg"):
+        table.add_column(col, justify="left" if col in ("input", "dtype") else "right")
+    for s in stats:
+        fmt = (lambda v: "—" if v is None else f"{v:.4g}")
+        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, fmt(s.min), fmt(s.max),
+                      _count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
+                      str(s.negatives))
+    return table
+
+
+def _count(n: int) -> Text:
+    return Text(str(n), style="bold red" if n else "")
+
+
+def _samples(f: Finding) -> Table:
+    table = Table(title="offending rows", title_justify="left", show_edge=False)
+    table.add_column("row", justify="right")
+    table.add_column("leaf")
+    table.add_column("values / stats")
+    from nanaudit.report.text import describe
+    for row in f.sample_rows:
+        for path, stats in row.leaves:
+            shown = (", ".join(f"{v:.4g}" for v in stats.value) if stats.value is not None
+                     else describe(stats))
+            table.add_row(str(row.index), Text(path), Text(shown))
+    return table
+
+
+def _warnings(report: Report) -> Text:
+    text = Text(f"early warnings ({len(report.warnings)})\n", style="bold yellow")
+    for w in report.warnings:
+        text.append("  ▲ ", style="yellow")
+        text.append(warning_line(w) + "\n")
+    return text
+
+
+def _timeline(report: Report) -> Text:
+    tail = report.timeline[-60:]
+    first = tail[0].step
+    text = Text(f"timeline, steps {first}..{tail[-1].step}\n", style="bold")
+    text.append("  loss      ")
+    text.append(sparkline([e.loss for e in tail]))
+    text.append(f"  last {_num(tail[-1].loss)}\n")
+    text.append("  grad norm ")
+    text.append(sparkline([e.grad_norm for e in tail], log=True))
+    text.append(f"  last {_num(tail[-1].grad_norm)}")
+    marks = step_marks(tail, report.warnings, report.finding)
+    if marks:
+        text.append("\n  marks     ")
+        text.append(marks, style="yellow")
+        legend = [f"{mark} {meaning}" for mark, meaning in
+                  (("▲", "warning"), ("s", "skipped (AMP)"), ("✗", "finding")) if mark in marks]
+        text.append("  " + "  ".join(legend), style="dim")
+    skipped = sum(e.skipped for e in report.timeline)
+    if skipped:
+        scales = [e.scale for e in report.timeline if e.scale is not None]
+        text.append(f"\n  GradScaler skipped {skipped} step(s); loss scale {scales[0]:g} -> "
+                    f"{scales[-1]:g}", style="dim")
+    return text
+
+
+def _num(v) -> str:
+    return "—" if v is None else f"{v:.4g}"
+
+
+def _user_traceback(error: dict) -> str:
+    lines = ["Traceback (user code):"]
+    for fr in error["frames"]:
+        lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
+        if fr.get("code"):
+            lines.append(f"    {fr['code']}")
+    lines.append(f"{error.get('exception', '')}: {error['message'].split(': ', 1)[-1]}")
+    return "\n".join(lines)
+
+
+def _short_traceback(text: str, frames: int = 3) -> str:
+    """The last few frames of our own traceback: enough to recognise a bug; the JSON has all."""
+    lines = text.rstrip().splitlines()
+    if not lines:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    keep = starts[-frames:] if starts else []
+    return "\n".join(["Traceback (last frames; the full one is in the --json report):"]
+                     + (lines[keep[0]:] if keep else lines[-1:]))
+
+
+def _clean_hint(report: Report) -> str:
+    """Whether more steps would audit more: not when the data ran out before the step limit."""
+    limit = report.config.get("steps")
+    if limit is not None and report.steps_run >= limit:
+        return (f"next: the {limit}-step limit was reached; raise `steps:` (or --steps) to "
+                f"audit longer, or run this in CI with --junit-xml")
+    return (f"next: every batch the data yielded was audited ({report.steps_run}); run this in "
+            f"CI with --junit-xml")
+
+
+def _next_steps(report: Report) -> Text:
+    f = report.finding
+    if report.status == "clean":
+        return Text(_clean_hint(report), style="dim")
+    if f is None:
+        return Text("")
+    hints = []
+    if f.source and f.reproduced is not False:
+        hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
+    if f.samples and report.command != "bisect":
+        hints.append(f"inspect batch rows {f.samples} of step {f.step}")
+    elif f.samples:
+        hints.append(f"inspect rows {f.samples} of batch {f.step} (and the skip list)")
+    if f.cause == "nonfinite-parameter":
+        hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
+    repro = report.extra.get("repro")
+    if repro and report.command == "scan" and os.path.isdir(repro):
+        hints.append(f"repro bundle in {repro} (python {repro}/repro.py; nanaudit replay "
+                     f"{repro})")
+    elif report.extra.get("repro_error"):
+        hints.append(report.extra["repro_error"])
+    hints.append("--json PATH saves this report for CI and other tools")
+    return Text("next: " + "; ".join(hints), style="dim")

@@ -1,0 +1,104 @@
+"""Small text helpers shared by renderers: sparklines and one-line summaries of a finding."""
+
+from __future__ import annotations
+
+import math
+
+from nanaudit.report.model import Finding, Report, TensorStats
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values, log: bool = False) -> str:
+    """Bars for finite values, ✗ for non-finite ones; log scale for norms spanning decades."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "✗" * len(values)
+    scale = (lambda v: math.log10(max(abs(v), 1e-30))) if log else (lambda v: v)
+    lo, hi = min(scale(v) for v in finite), max(scale(v) for v in finite)
+    out = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append("✗")
+        else:
+            frac = 0.0 if hi == lo else (scale(v) - lo) / (hi - lo)
+            out.append(BARS[min(len(BARS) - 1, int(frac * (len(BARS) - 1) + 0.5))])
+    return "".join(out)
+
+
+def headline(report: Report) -> str:
+    if report.status == "clean":
+        return f"clean: {report.steps_run} step(s) audited, every value finite"
+    if report.status == "interrupted":
+        return f"interrupted after {report.steps_run} step(s): partial report"
+    if report.status == "error":
+        error = report.error or {}
+        rank = f" on rank {error['rank']}" if error.get("rank") is not None else ""
+        return f"error{rank}: {error.get('message', 'unknown error')}"
+    f = report.finding
+    if f is None:
+        return f"non-finite value after {report.steps_run} step(s)"
+    rank = f", rank {f.rank}" if f.rank is not None else ""
+    return f"non-finite {f.value} at step {f.step} ({f.where}{rank}): {f.cause}"
+
+
+def finding_facts(f: Finding) -> list[tuple[str, str]]:
+    """The finding's facts as (label, text), in one order, for every renderer that lists them
+    (console, Markdown, JUnit): the one place that decides what a fact is called and how the
+    root module reads."""
+    module = None if f.module is None else (f.module or "(root)")
+    batch = None
+    if f.batch_index is not None:   # under gradient accumulation: which batch of the data
+        micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
+        batch = f"{f.batch_index}{micro}"
+    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("where", f.where),
+             ("value", f.value),
+             ("op", f.op), ("forward op", f.forward_op), ("module", module),
+             ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
+    return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def finding_message(f: Finding) -> str:
+    """A one-paragraph message: what, where, why, and the fix (annotations, JUnit)."""
+    where = f"{f.where} op {f.op}" if f.op else f.where
+    if f.forward_op:
+        where += f" (backward of {f.forward_op})"
+    module = f" in module `{f.module}`" if f.module else ""
+    samples = f" Samples: {f.samples}." if f.samples else ""
+    if f.rank is not None:
+        module += f" on rank {f.rank}"
+    tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
+    return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
+            f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")
+
+
+def step_marks(timeline, warnings, finding) -> str:
+    """One character per timeline step, aligned under the sparklines: ▲ the first step of a
+    warning, s a step the GradScaler skipped, ✗ the finding's step."""
+    warned = {w.step for w in warnings}
+    bad = finding.step if finding is not None else None
+    marks = []
+    for e in timeline:
+        marks.append("✗" if e.step == bad else "▲" if e.step in warned else
+                     "s" if e.skipped else " ")
+    return "".join(marks).rstrip()
+
+
+def warning_line(w) -> str:
+    began = f", growing since step {w.began}" if w.began < w.step else ""
+    module = f" in {w.module}" if w.module else ""
+    return f"step {w.step}{began}: {w.kind}{module}: {w.message}"
+
+
+def describe(stats: TensorStats) -> str:
+    """One line, lovely-tensors style: `f32[16, 8] x∈[-2.0, 3.1] μ=0.12 nan=3 zeros=2`."""
+    dims = ", ".join(str(d) for d in stats.shape)
+    parts = [f"{stats.dtype}[{dims}]"]
+    if stats.min is not None:
+        parts.append(f"x∈[{stats.min:.4g}, {stats.max:.4g}]")
+        parts.append(f"μ={stats.mean:.4g}")
+    for label in ("nan", "posinf", "neginf", "zeros", "negatives"):
+        count = getattr(stats, label)
+        if count:
+            parts.append(f"{label.replace('posinf', '+inf').replace('neginf', '-inf')}={count}")
+    return " ".join(parts)

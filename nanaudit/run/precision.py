@@ -1,0 +1,104 @@
+"""Mixed precision: autocast for forward and loss, and a GradScaler driven without extra syncs.
+
+torch's `GradScaler.step()` reads its found-inf flags with `.item()`: a second host sync per
+step. nanaudit already reads whether the gradients are finite in its one readout, so it drives
+the scaler itself: `unscale_()` records found-inf on the device, the optimizer steps only when
+the readout said the scaled gradients were finite, and `update()` moves the scale on the device
+with torch's own backoff and growth rules. The host keeps a mirror of the scale (the same
+arithmetic, exact in binary) for the timeline and for replays, so the scale is never read back.
+
+A skipped step is normal AMP behaviour and only goes into the timeline. It becomes a finding when
+the scale collapses: it falls below `amp.scale_floor`, or `amp.max_skipped` steps in a row are
+skipped, which means the gradients overflow the low-precision dtype whatever the scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from nanaudit.config.schema import Config
+
+DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class ScaleStep:
+    """What the scaler did at one step: the scale before and after, and whether it skipped."""
+
+    before: float
+    after: float
+    skipped: bool
+    collapsed: str | None = None     # why the skips became a finding, when they did
+
+
+class Precision:
+    """The run's precision: autocast dtype, GradScaler, and the host mirror of its scale."""
+
+    def __init__(self, config: Config, device: torch.device):
+        self.name = config.precision
+        self.dtype = DTYPES[config.precision]
+        self.device_type = torch.device(device).type
+        self.amp = config.amp
+        self.scaler = None
+        self.scale = 1.0
+        if config.uses_grad_scaler:
+            self.scaler = torch.amp.GradScaler(self.device_type, init_scale=self.amp.init_scale,
+                                               growth_interval=self.amp.growth_interval)
+            self.scale = float(self.amp.init_scale)
+        self._growth = 0
+        self._skipped_in_row = 0
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """The tensor to backpropagate: the loss times the step's scale (the live scaler's own
+        tensor in the loop; the recorded float on a replay)."""
+        if self.scaler is None:
+            return loss
+        if scale is not None:
+            return loss * scale
+        return self.scaler.scale(loss)
+
+    def after_readout(self, optimizer, grads_finite: bool) -> ScaleStep | None:
+        """Unscale and update the scaler after the step's readout (no sync); None without one.
+
+        Returns the step's scale record; the caller runs `optimizer.step()` only when the
+        gradients were finite, after this unscaled them."""
+        if self.scaler is None:
+            return None
+        before = self.scale
+        if optimizer is not None:
+            self.scaler.unscale_(optimizer)
+        if grads_finite:
+            self._skipped_in_row = 0
+            self._growth += 1
+            if self._growth == self.amp.growth_interval:
+                self.scale, self._growth = self.scale * 2.0, 0
+        else:
+            self._skipped_in_row += 1
+            self.scale, self._growth = self.scale * 0.5, 0
+        record = ScaleStep(before, self.scale, not grads_finite)
+        if not grads_finite:
+            record.collapsed = self._collapse_reason()
+        return record
+
+    def finish_update(self, optimizer) -> None:
+        """The scaler's own update, after the optimizer step (or the skip)."""
+        if self.scaler is not None and optimizer is not None:
+            self.scaler.update()
+
+    def _collapse_reason(self) -> str | None:
+        if self.scale < self.amp.scale_floor:
+            return (f"the loss scale fell to {self.scale:g}, below amp.scale_floor "
+                    f"{self.amp.scale_floor:g}, after {self._skipped_in_row} skipped step(s) in "
+                    f"a row")
+        if self._skipped_in_row >= self.amp.max_skipped:
+            return (f"the GradScaler skipped {self._skipped_in_row} steps in a row "
+                    f"(amp.max_skipped) and the scale fell to {self.scale:g}")
+        return None

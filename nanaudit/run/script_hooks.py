@@ -1,0 +1,352 @@
+"""The checks `nanaudit run` installs in an unmodified script through PyTorch's global hooks.
+
+Nothing in the script changes. Four global hooks, all removed on exit:
+
+* an optimizer step pre-hook: the step's check (the gradients of the parameters this optimizer
+  is about to update, its parameters as the previous update left them, the losses that reached
+  `backward` and the first module call's floating inputs since the last step) in ONE host read;
+  for an optimizer stepped with a closure (Lightning, LBFGS) forward and backward run inside
+  `step()`, so the closure is wrapped and the check runs when it returns, still before the
+  update;
+* an optimizer step post-hook: counts the step (the step is the optimizer step, so gradient
+  accumulation's micro-batches belong to the step they feed);
+* a module forward pre-hook, registered only while waiting for a step's first module call (the
+  outermost one) and removed in it, so the rest of the forward keeps PyTorch's hook-free fast
+  path;
+* `torch.autograd.backward` wrapped (`Tensor.backward` calls it): the scalar reaching it is the
+  loss, kept on the device until the step's read.
+
+A non-finite value raises ScriptStopped from inside the hook, before the optimizer applies the
+update: it unwinds the user's script up to the driver. On a re-run (`rerun_step=N`) the OpTracer
+is armed from the outermost module call after step N-1's update to step N's check.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from nanaudit.report.model import TimelineEntry
+from nanaudit.run.batch import nonfinite_rows
+from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
+
+
+class ScriptStopped(BaseException):
+    """Unwinds the user's script at a non-finite value. A BaseException, so that the script's
+    own `except Exception:` does not swallow it (frameworks re-raise BaseExceptions)."""
+
+
+@dataclass
+class ScriptTrip:
+    """What the first run saw at the step that tripped (sync allowed: it happens once)."""
+
+    step: int
+    check: str                          # input | loss | gradient | optimizer | parameter
+    loss: float | None = None
+    grad_norm: float | None = None
+    value: str = "nan"
+    tensors: list = field(default_factory=list)    # bad parameters, or the bad input names
+    rows: list | None = None            # input trips: the rows holding the non-finite values
+    input_shapes: list = field(default_factory=list)
+    optimizer: str = ""                 # the optimizer's class and hyper-parameters
+    rank: int | None = None
+
+
+@dataclass
+class Armed:
+    """The re-run's traced window: the tracer and what the localizer needs from it."""
+
+    tracer: Any
+    model: torch.nn.Module
+    batch_size: int | None
+    sinks: list = field(default_factory=list)       # the loss tensors that reached backward
+    closed: bool = False
+
+
+def _data_inputs(args, kwargs) -> list:
+    """The data among a forward's arguments: the floating tensors of the first positional
+    argument (a tensor, or a batch dict / tuple) and the floating keyword tensors, leaving out
+    masks (a float attention mask holds -inf on purpose)."""
+    leaves = tree_flatten(args[0])[0] if args else []
+    named = [("input[0]" + (f"[{i}]" if len(leaves) > 1 else ""), t)
+             for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    named += [(k, t) for k, t in kwargs.items()
+              if isinstance(t, torch.Tensor) and "mask" not in k.lower()]
+    return [(n, t) for n, t in named if t.is_floating_point()]
+
+
+def _caller_kwargs() -> dict:
+    """The keyword arguments of the module call running this hook (`model(**batch)`, as the
+    Trainer calls it): PyTorch passes global pre-hooks only the positional ones, and this runs
+    once per step, not per module."""
+    frame = sys._getframe(2)
+    if frame is not None and frame.f_code.co_name in ("_call_impl", "inner"):
+        kwargs = frame.f_locals.get("kwargs")
+        return kwargs if isinstance(kwargs, dict) else {}
+    return {}
+
+
+def _leading_size(args, kwargs) -> int | None:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return int(t.shape[0])
+    return None
+
+
+def same_value(a, b) -> bool:
+    """Two runs' losses agree: NaN equals NaN, and 1e-4 relative allows a GPU kernel's
+    reduction order (a run seeded differently is off by far more)."""
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12)
+
+
+def _hyper(optimizer) -> str:
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "eps", "momentum", "weight_decay")
+                      if isinstance(group.get(k), (int, float)))
+    return f"{type(optimizer).__name__}({hyper})"
+
+
+class ScriptAuditor:
+    """The hooks of one script run; `install()` / `remove()` (see the module docstring)."""
+
+    def __init__(self, rerun_step: int | None = None, rank: int | None = None,
+                 expected_losses: list | None = None):
+        self.step = 0                    # optimizer steps completed
+        self.timeline: list[TimelineEntry] = []
+        self.trip: ScriptTrip | None = None
+        self.rank = rank
+        self.rerun_step = rerun_step
+        self.expected_losses = expected_losses   # the first run's, to stop a re-run that left it
+        self.armed: Armed | None = None
+        self.localized = None            # set by the re-run at step N: (auditor, optimizer)
+        self.host_reads = 0
+        self.device = ""
+        self._losses: list = []          # 0-dim float64 device tensors since the last check
+        self._inputs: list = []          # (name, tensor) of the outermost call's float inputs
+        self._input_flags: list = []
+        self._names: dict = {}           # id(parameter) -> qualified name
+        self._roots: set = set()
+        self._optimizers: dict = {}      # id -> optimizer, for the final check
+        self._updated_at: dict = {}      # id(optimizer) -> the step of its last update
+        self._handles: list = []
+        self._forward_handle = None
+        self._original_backward = None
+        self._last_check = time.perf_counter()
+
+    # --- installation ------------------------------------------------------------------------
+
+    def install(self) -> "ScriptAuditor":
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+        self._handles = [register_optimizer_step_pre_hook(self._pre_step),
+                         register_optimizer_step_post_hook(self._post_step)]
+        self._original_backward = torch.autograd.backward
+        torch.autograd.backward = self._backward
+        self._await_forward()
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+        if self._original_backward is not None:
+            torch.autograd.backward = self._original_backward
+            self._original_backward = None
+        self._disarm()
+
+    def _await_forward(self) -> None:
+        if self._forward_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+            self._forward_handle = register_module_forward_pre_hook(self._first_call)
+
+    # --- hooks --------------------------------------------------------------------------------
+
+    def _first_call(self, module, args):
+        """The first module call after a step or a backward: the outermost one of a forward."""
+        kwargs = _caller_kwargs()
+        self._forward_handle.remove()
+        self._forward_handle = None
+        if id(module) not in self._roots:
+            self._roots.add(id(module))
+            for name, p in module.named_parameters():
+                self._names.setdefault(id(p), name)
+        if self.armed is None and self.rerun_step is not None and self.step == self.rerun_step:
+            self._arm(module, args, kwargs)
+            return
+        if self.armed is not None:
+            return
+        inputs = _data_inputs(args, kwargs)
+        if inputs:
+            self._inputs = inputs
+            self._input_flags.append(torch.stack([torch.isfinite(t).all()
+                                                  for _, t in inputs]).all())
+
+    def _backward(self, tensors, *args, **kwargs):
+        loss = tensors if isinstance(tensors, torch.Tensor) else None
+        if loss is not None and loss.numel() == 1 and loss.is_floating_point():
+            if self.armed is not None:
+                self.armed.sinks.append(loss)       # no ops of ours inside the traced window
+            else:
+                self._losses.append(loss.detach().reshape(()).to(torch.float64))
+        if self.armed is not None:
+            self.armed.tracer.start_backward()
+        try:
+            return self._original_backward(tensors, *args, **kwargs)
+        finally:
+            if self.armed is not None:
+                # Gradient accumulation: the next micro-batch's forward is a forward again.
+                self.armed.tracer.phase = "forward"
+            self._await_forward()
+
+    def _pre_step(self, optimizer, args, kwargs):
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._check(optimizer)
+            return None
+
+        def checked_closure(*c_args, **c_kwargs):
+            result = closure(*c_args, **c_kwargs)
+            self._check(optimizer)
+            return result
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked_closure}
+        return (args[0], checked_closure, *args[2:]), kwargs
+
+    def _post_step(self, optimizer, args, kwargs):
+        self._updated_at[id(optimizer)] = self.step
+        self.step += 1
+        self._await_forward()
+
+    # --- the check ----------------------------------------------------------------------------
+
+    def _check(self, optimizer) -> None:
+        """One host read: [inputs finite, parameter norm, mean loss, gradient norm]."""
+        self._optimizers[id(optimizer)] = optimizer
+        if self.rerun_step is not None and self.step == self.rerun_step:
+            self._disarm()
+            self.localized = optimizer
+            raise ScriptStopped()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not params:
+            return
+        device = params[0].device
+        self.device = str(device)
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        state, gnorm = finite_norms([[p.detach() for p in params], grads], device)
+        loss = (torch.stack([v.to(device) for v in self._losses]).mean() if self._losses
+                else torch.zeros((), dtype=torch.float64, device=device))
+        inputs_ok = (torch.stack([f.to(device) for f in self._input_flags]).all()
+                     if self._input_flags else torch.ones((), dtype=torch.bool, device=device))
+        ok, norm, loss_value, grad_norm = torch.stack(
+            [inputs_ok.to(torch.float64), state, loss, gnorm]).tolist()
+        self.host_reads += 1
+        had_loss = bool(self._losses)
+        self._losses, self._input_flags = [], []
+        inputs, self._inputs = self._inputs, []
+        if not math.isfinite(grad_norm) and not confirm_nonfinite(grads):
+            grad_norm = exact_norm(grads)      # a float32 sum of squares overflowed: finite
+        if not math.isfinite(norm) and not confirm_nonfinite(params):
+            norm = exact_norm(params)
+        now = time.perf_counter()
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        self.timeline.append(TimelineEntry(
+            step=self.step, loss=loss_value if had_loss else None, grad_norm=grad_norm,
+            param_norm=norm, lr=float(lr) if isinstance(lr, (int, float)) else None,
+            time_ms=round((now - self._last_check) * 1000, 3)))
+        self._last_check = now
+        if self._left_first_run(loss_value if had_loss else None):
+            raise ScriptStopped()          # a re-run that already differs: no use going on
+        trip = self._classify(optimizer, ok, norm, loss_value if had_loss else 0.0, grad_norm,
+                              params, inputs)
+        if trip is not None:
+            self.trip = trip
+            raise ScriptStopped()
+
+    def _left_first_run(self, loss) -> bool:
+        expected = self.expected_losses
+        if expected is None or self.step >= len(expected):
+            return False
+        return not same_value(expected[self.step], loss)
+
+    def _classify(self, optimizer, ok, norm, loss, grad_norm, params, inputs):
+        step, name = self.step, self._name
+        if ok < 1.0:
+            bad = [(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
+            rows = sorted({r for _, t in bad for r in nonfinite_rows(t, 0 if t.dim() else None)})
+            return self._trip("input", value_kind(bad[0][1]) if bad else "nan",
+                              [n for n, _ in bad], rows=rows, loss=loss, grad_norm=grad_norm,
+                              input_shapes=[list(t.shape) for _, t in bad])
+        if not math.isfinite(norm):
+            bad = [p for p in params if not bool(torch.isfinite(p).all())]
+            updated = self._updated_at.get(id(optimizer))
+            check = "optimizer" if updated is not None else "parameter"
+            trip = self._trip(check, value_kind(bad[0]), [name(p) for p in bad])
+            trip.step = updated if updated is not None else step
+            trip.optimizer = _hyper(optimizer)
+            return trip
+        bad = [p for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if not math.isfinite(loss):
+            return self._trip("loss", "nan" if loss != loss else ("inf" if loss > 0 else "-inf"),
+                              [name(p) for p in bad], loss=loss, grad_norm=grad_norm)
+        if not math.isfinite(grad_norm):
+            return self._trip("gradient", value_kind(bad[0].grad), [name(p) for p in bad],
+                              loss=loss, grad_norm=grad_norm)
+        return None
+
+    def _trip(self, check, value, tensors, **fields) -> ScriptTrip:
+        return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
+                          rank=self.rank, **fields)
+
+    def _name(self, p) -> str:
+        return self._names.get(id(p), f"<parameter {tuple(p.shape)}>")
+
+    def finish(self) -> None:
+        """After the script returned: the parameters the last updates left (one read)."""
+        tensors = [p for opt in self._optimizers.values()
+                   for group in opt.param_groups for p in group["params"]]
+        if not tensors:
+            return
+        self.host_reads += 1
+        if math.isfinite(finite_norms([[p.detach() for p in tensors]], tensors[0].device)[0]
+                         .item()) or not confirm_nonfinite(tensors):
+            return
+        for opt in self._optimizers.values():
+            bad = [p for group in opt.param_groups for p in group["params"]
+                   if not bool(torch.isfinite(p).all())]
+            if bad:
+                self.trip = self._trip("optimizer", value_kind(bad[0]),
+                                       [self._name(p) for p in bad])
+                self.trip.step = self._updated_at.get(id(opt), self.step - 1)
+                self.trip.optimizer = _hyper(opt)
+                return
+
+    # --- the re-run's traced window -------------------------------------------------------------
+
+    def _arm(self, module, args, kwargs) -> None:
+        from nanaudit.localize.tracer import OpTracer
+        tracer = OpTracer(module)
+        self.armed = Armed(tracer, module, _leading_size(args, kwargs))
+        tracer.__enter__()
+
+    def _disarm(self) -> None:
+        if self.armed is not None and not self.armed.closed:
+            self.armed.closed = True
+            self.armed.tracer.__exit__(None, None, None)
+
+    def parameter_name(self, p) -> str:
+        return self._name(p)

@@ -1,0 +1,154 @@
+"""The step loop: seeded training steps under cheap sentinels, stopping before a bad update.
+
+Each step reads the device once: the loss and the per-tensor norms of the batch, the weights
+(as the previous update left them) and the gradients travel together in one small tensor, with
+the early-warning values (activation maxima, the last sampled update norm) appended when there
+are any. In the sync read the optimizer only runs after that read says all is finite, so a trip
+leaves the pre-step state intact for the replay; the post-update parameter norm is checked at
+the next step's read (or at the end), which attributes a bad update to the step that made it
+without a second sync. In the deferred read (deferred.py: CUDA with a fused optimizer) the
+read comes one step later while the device skips bad updates, and a trip rewinds to the bad
+step and runs it again with the sync read. Under a GradScaler, non-finite gradients are a
+skipped step, not a trip (see precision.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from nanaudit.errors import ConfigError, Problem, call_user
+from nanaudit.report.model import TimelineEntry
+from nanaudit.run.checks import Sentinels, confirm_nonfinite, exact_norm
+from nanaudit.run.deferred import ReadMode
+from nanaudit.run.session import Session
+
+
+@dataclass
+class RngState:
+    python: Any
+    torch_cpu: torch.Tensor
+    cuda: list | None
+
+    @classmethod
+    def capture(cls) -> "RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(random.getstate(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch_cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclass
+class Trip:
+    """What tripped a sentinel: the step and the check (input, parameter, loss, gradient, optimizer)."""
+
+    step: int
+    check: str
+    loss: float | None = None
+    grad_norm: float | None = None
+    note: str | None = None       # why a GradScaler's skipped steps became a finding
+    rank: int | None = None       # under torchrun: the rank whose values tripped (None: all)
+
+
+@dataclass
+class StepState:
+    """All a replay needs from the loop: the batch (already on the device) and the RNG state."""
+
+    step: int
+    batch: Any
+    rng: RngState
+    scale: float | None = None    # the loss scale the step ran with (GradScaler)
+
+
+@dataclass
+class ScanOutcome:
+    steps_run: int = 0
+    timeline: list = field(default_factory=list)
+    trip: Trip | None = None
+    state: StepState | None = None
+    interrupted: bool = False
+    warnings: list = field(default_factory=list)   # [EarlyWarning]
+    read_mode: ReadMode | None = None   # how the sentinels were read (sync or deferred)
+    host_syncs: int = 0                 # blocking reads of device values the loop made
+
+
+def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
+    """The loss tensor from what the loss callable returned (a tensor or a mapping with 'loss')."""
+    if isinstance(value, dict) and "loss" in value:
+        value = value["loss"]
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError([Problem(entry_key, f"the loss callable returned a "
+                                   f"{type(value).__name__}; expected a scalar tensor or a "
+                                   f"mapping with a 'loss' tensor")])
+    if value.numel() != 1 or not value.is_floating_point():
+        raise ConfigError([Problem(entry_key, f"the loss must be a floating-point scalar tensor, "
+                                   f"got shape {tuple(value.shape)} of {value.dtype}; reduce it "
+                                   f"with .mean() or .sum()")])
+    if not value.requires_grad:
+        raise ConfigError([Problem(entry_key, "the loss does not require grad: it is not "
+                                   "connected to any trainable parameter")])
+    return value.reshape(()) if value.dim() else value
+
+
+def forward_backward(session: Session, batch: Any,
+                     before_backward: Callable[[], None] | None = None,
+                     scale: float | None = None,
+                     zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
+    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled): the part of
+    a step a replay repeats. `scale` is the recorded loss scale on a replay; `zero_grad` the
+    step loop's own (its parameter list, not a walk of the module tree)."""
+    if zero_grad is not None:
+        zero_grad()
+    else:
+        session.model.zero_grad(set_to_none=True)
+    precision = session.precision
+    with precision.autocast():
+        loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
+                                     session.compute_loss, batch), session.config.loss.key)
+    if before_backward is not None:
+        before_backward()
+    call_user("backward of the loss", precision.scaled(loss, scale).backward)
+    return loss
+
+
+def confirm_norms(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:
+    """Replace a non-finite norm by the exact one when no element is actually non-finite."""
+    if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
+        norm = exact_norm(sentinels.state_tensors())
+    if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grad_values()):
+        gnorm = exact_norm(sentinels.grad_values())
+    return norm, gnorm
+
+
+def classify_step(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
+    if ok_batch < 1.0:
+        return Trip(step, "input", loss_value, gnorm)
+    if not math.isfinite(norm):
+        # The parameters were fine at the last read; an optimizer step ran since: blame it.
+        return Trip(step - 1, "optimizer") if updated else Trip(step, "parameter")
+    if not math.isfinite(loss_value):
+        return Trip(step, "loss", loss_value, gnorm)
+    if not math.isfinite(gnorm):
+        return Trip(step, "gradient", loss_value, gnorm)
+    return None
+
+
+def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scaler_step=None,
+                   ended=None, **fields) -> TimelineEntry:
+    """The timeline's record of one step (the step loop's and the Sentinel's)."""
+    lr = None
+    if optimizer is not None and optimizer.param_groups:
+        value = optimizer.param_groups[0].get("lr")
+        lr = float(value) if isinstance(value, (int, float)) else None
+    return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm, lr=lr,
+                         time_ms=round(((ended or time.perf_counter()) - started) * 1000, 3), scale=scale,
+                         skipped=bool(scaler_step and scaler_step.skipped), **fields)

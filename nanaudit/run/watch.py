@@ -1,0 +1,229 @@
+"""Early warnings: near-overflow activations and growth on the timeline, before any NaN.
+
+Three detectors, none of which adds a host sync:
+  ActivationWatch  forward hooks take |max| of every module output on sampled steps; the maxima
+                   ride along in the step's one readout and are compared on the host against
+                   the output dtype's largest value (65504 in float16).
+  UpdateWatch      every `update_every` steps, |theta_after - theta_before| / |theta_before|
+                   (Cockpit's update-to-weight ratio); the snapshot is transient, taken and
+                   freed within the step, and the norm is read with the next step's readout.
+  GrowthWatch      host-only, over values the readout already brought back: loss spikes
+                   against a running window (like Lightning's SpikeDetection) and a gradient
+                   norm growing geometrically.
+Each warning names the step it was seen at and the step its growth began.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from functools import partial
+
+import torch
+
+from nanaudit.config.schema import WatchOptions
+from nanaudit.report.model import EarlyWarning
+from nanaudit.run.checks import finite_norm
+
+MAX_WARNINGS = 50
+
+
+class ActivationWatch:
+    """|max| of module outputs on every `every`-th step, against the output dtype's range."""
+
+    def __init__(self, model: torch.nn.Module, every: int, fraction: float):
+        self.every, self.fraction = every, fraction
+        self.active = False
+        self.maxima: list[torch.Tensor] = []
+        self.labels: list[tuple[str, torch.dtype]] = []
+        self._seen: set[int] = set()
+        self.warned: set[str] = set()
+        self.handles = []
+        if every:
+            root = type(model).__name__
+            self.handles = [module.register_forward_hook(partial(self._hook, name or root))
+                            for name, module in model.named_modules()]
+
+    def begin(self, step: int) -> None:
+        self.active = bool(self.every) and step % self.every == 0
+        self.maxima, self.labels, self._seen = [], [], set()
+
+    def _hook(self, name, module, args, output) -> None:
+        if not self.active:
+            return
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for t in outputs:
+            # A container returns its last child's tensor: measure each tensor once per step.
+            if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+                    and id(t) not in self._seen):
+                self._seen.add(id(t))
+                self.maxima.append(t.detach().abs().amax().float())
+                self.labels.append((name, t.dtype))
+
+    def pending(self) -> torch.Tensor | None:
+        """The step's maxima as one tensor for the readout (None when not sampled)."""
+        self.active = False
+        return torch.stack(self.maxima) if self.maxima else None
+
+    def observe(self, step: int, values: list[float]) -> tuple[float | None, float | None, list]:
+        """(largest |activation|, its fraction of its dtype's max, new warnings)."""
+        best, best_ratio, warnings = None, None, []
+        for (name, dtype), value in zip(self.labels, values):
+            if not math.isfinite(value):
+                continue   # a non-finite output is the sentinels' business, not a warning
+            limit = torch.finfo(dtype).max
+            ratio = value / limit
+            if best_ratio is None or ratio > best_ratio:
+                best, best_ratio = value, ratio
+            if ratio >= self.fraction and name not in self.warned:
+                self.warned.add(name)
+                dtype_name = str(dtype).replace("torch.", "")
+                warnings.append(EarlyWarning(
+                    kind="near-overflow", step=step, began=step, module=name, value=value,
+                    threshold=self.fraction * limit,
+                    message=(f"the output of {name} reached |{value:.6g}|, {ratio:.0%} of "
+                             f"{dtype_name}'s largest value {limit:.6g}")))
+        return best, best_ratio, warnings
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class UpdateWatch:
+    """The update-to-weight ratio on sampled steps, from a snapshot freed within the step."""
+
+    def __init__(self, params: list[torch.Tensor], every: int, device):
+        self.params = [p.detach() for p in params if p.is_floating_point()]
+        self.every, self.device = every, device
+        self._snapshot = None
+        self._base = 0.0                  # the weights' norm before the sampled update
+        self.pending_step: int | None = None
+        self.pending_base = 0.0
+        self.pending_norm: torch.Tensor | None = None
+
+    def before_update(self, step: int, weight_norm: float) -> None:
+        if self.every and step % self.every == 0 and self.params:
+            self._base = weight_norm
+            with torch.no_grad():
+                self._snapshot = torch._foreach_mul(self.params, 1.0)
+            self.pending_step = step
+
+    def after_update(self) -> None:
+        if self._snapshot is None:
+            return
+        with torch.no_grad():
+            # In place on the snapshot (before - after has the update's norm): one copy, not two.
+            torch._foreach_sub_(self._snapshot, self.params)
+            self.pending_norm = finite_norm(self._snapshot, self.device)
+        self.pending_base = self._base
+        self._snapshot = None
+
+    def take(self) -> tuple[int | None, torch.Tensor | None, float]:
+        """The pending (step, update norm, weight norm before it) for the next readout."""
+        step, norm, base = self.pending_step, self.pending_norm, self.pending_base
+        self.pending_step = self.pending_norm = None
+        return (step, norm, base) if norm is not None else (None, None, 0.0)
+
+
+SPIKE_SIGMAS = 6.0     # a jump inside the loss's own noise is not a spike
+SPIKE_FLOOR = 1e-3     # ... nor one below this fraction of the loss's starting magnitude
+
+
+def _noise(values) -> float:
+    """The standard deviation of the values' noise, from successive differences (von Neumann),
+    so that a steady trend (a loss still falling, or growing geometrically) is not noise."""
+    diffs = [b - a for a, b in zip(values, list(values)[1:])]
+    return statistics.pstdev(diffs) / math.sqrt(2) if len(diffs) > 1 else 0.0
+
+
+class GrowthWatch:
+    """Loss spikes and geometric gradient growth, from the timeline's values (host only)."""
+
+    def __init__(self, options: WatchOptions):
+        self.options = options
+        self.losses: deque = deque(maxlen=options.spike_window)
+        self._reference: list[float] = []   # |loss| over the first window: its own scale
+        self._in_spike = False
+        self._run_start: tuple[int, float] | None = None
+        self._run = 0
+        self._prev_gnorm: float | None = None
+        self._warned_run = False
+        self._update_high = False
+
+    def observe(self, step: int, loss: float | None, grad_norm: float | None) -> list:
+        warnings = []
+        if loss is not None and math.isfinite(loss):
+            warnings += self._spike(step, loss)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            warnings += self._growth(step, grad_norm)
+        return warnings
+
+    def _spike(self, step: int, loss: float) -> list:
+        """A loss above the window's level by more than its own noise and scale allow.
+
+        Lightning's SpikeDetection compares the jump with `rtol * mean` only, which calls any
+        noise a spike when the mean is near zero (its users add an `atol` by hand). Here the
+        jump must exceed `rtol` times the level, SPIKE_SIGMAS standard deviations of the
+        window's noise, and SPIKE_FLOOR of the loss's starting magnitude (a change that small
+        cannot diverge). A positive loss is judged on a log scale, where its noise is
+        multiplicative: a loss near zero that wanders by factors of two is noise, not a spike."""
+        rtol = self.options.loss_spike
+        found = []
+        if len(self._reference) < self.options.spike_window:
+            self._reference.append(abs(loss))
+        if rtol and len(self.losses) >= min(5, self.options.spike_window):
+            threshold = self._spike_threshold(rtol)
+            spiking = loss > threshold
+            if spiking and not self._in_spike:
+                mean = statistics.fmean(self.losses)
+                found.append(EarlyWarning(
+                    kind="loss-spike", step=step, began=step, value=loss, threshold=threshold,
+                    message=(f"the loss jumped to {loss:.6g} against a mean of {mean:.6g} over "
+                             f"the last {len(self.losses)} steps (above {threshold:.6g}, the "
+                             f"window's level plus its noise)")))
+            self._in_spike = spiking
+        self.losses.append(loss)
+        return found
+
+    def _spike_threshold(self, rtol: float) -> float:
+        floor = SPIKE_FLOOR * max(self._reference)
+        if min(self.losses) > 0:
+            logs = [math.log(v) for v in self.losses]
+            level = statistics.fmean(logs)
+            jump = max(math.log1p(rtol), SPIKE_SIGMAS * _noise(logs))
+            return max(math.exp(level + jump), math.exp(level) + floor)
+        mean = statistics.fmean(self.losses)
+        return mean + max(rtol * abs(mean), SPIKE_SIGMAS * _noise(self.losses), floor)
+
+    def _growth(self, step: int, gnorm: float) -> list:
+        factor = self.options.grad_growth
+        if self._prev_gnorm is not None and gnorm > self._prev_gnorm:
+            self._run += 1
+        else:
+            self._run, self._run_start, self._warned_run = 0, (step, gnorm), False
+        self._prev_gnorm = gnorm
+        start_step, start_value = self._run_start
+        grew = gnorm / max(start_value, 1e-30)
+        if (factor and not self._warned_run and self._run >= self.options.growth_steps
+                and grew >= factor):
+            self._warned_run = True
+            return [EarlyWarning(
+                kind="grad-growth", step=step, began=start_step, value=gnorm, threshold=factor,
+                message=(f"the gradient norm grew {grew:.3g}x over {self._run} steps in a row, "
+                         f"from {start_value:.4g} at step {start_step} to {gnorm:.4g}"))]
+        return []
+
+    def observe_update(self, step: int, ratio: float) -> list:
+        limit = self.options.update_ratio
+        high = bool(limit) and math.isfinite(ratio) and ratio > limit
+        warn = high and not self._update_high
+        self._update_high = high
+        if not warn:
+            return []
+        return [EarlyWarning(
+            kind="update-ratio", step=step, began=step, value=ratio, threshold=limit,
+            message=(f"the optimizer step changed the weights by {ratio:.3g} of their norm "
+                     f"(|update| / |weights| > {limit:g}); healthy training is near 1e-3"))]
