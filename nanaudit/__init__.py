@@ -6,7 +6,7 @@ The library API: `audit(config)` runs what `nanaudit scan` runs and returns the 
 does not import torch.
 """
 
-__version__ = "0.1.0"
+from nanaudit._version import __version__
 
 __all__ = ["__version__", "audit", "Sentinel", "NonFiniteError"]
 

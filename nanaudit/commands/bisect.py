@@ -1,7 +1,9 @@
-"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
+"""`nanaudit bisect`: every poisoned batch of a data set, or the first bad checkpoint of a run.
 
-Expected failures (a bad config, the user's code raising, no data) come back as a Report with
-status "error" and the error's exit code, so every caller renders and exits the same way.
+Over a data set the model is held at its starting state (no updates), one cheap sentinel pass
+visits every batch, and only the batches that trip are replayed with instruments. Over a
+checkpoint folder, non-finite state is monotone once it appears, so a binary search loads
+O(log C) checkpoints; training is then replayed from the last good one to the first bad step.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanaudit.commands.common import ScanOptions, _base_report, _configured, _guarded
+from nanaudit.commands.common import ScanOptions, base_report, configured, guarded
 from nanaudit.config.schema import Config
 from nanaudit.errors import (
     ConfigError,
@@ -34,7 +36,7 @@ from nanaudit.run.step import ScanOutcome
 def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
            checkpoints: Path | None = None, pattern: str | None = None) -> Report:
     """`nanaudit bisect`: every bad batch of the data set, or the first bad checkpoint."""
-    report = _base_report(config_path, None)
+    report = base_report(config_path, None)
     report.command = "bisect"
 
     def body():
@@ -42,13 +44,13 @@ def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
         if launched_by_torchrun():
             raise UsageError("bisect runs in one process: run it without torchrun (it replays "
                              "batches one by one against fixed weights)")
-        config = _configured(config_path, options)
+        config = configured(config_path, options)
         report.config = config.summary()
         if checkpoints is None:
             _bisect_data(config, options, report)
         else:
             _bisect_checkpoints(config, options, report, checkpoints, pattern)
-    return _guarded(report, body)
+    return guarded(report, body)
 
 
 def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:

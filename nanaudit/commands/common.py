@@ -1,7 +1,7 @@
-"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
-
-Expected failures (a bad config, the user's code raising, no data) come back as a Report with
-status "error" and the error's exit code, so every caller renders and exits the same way.
+"""What every command shares: the options, the guarded shell that turns every failure into
+the report's error (Ctrl-C into a partial report), and the report's exit code. Commands return
+a Report and never print or exit; expected failures (a bad config, the user's code raising, no
+data) come back as a Report with status "error" and the error's exit code.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def mark_interrupted(report: Report, signal_name: str) -> None:
                                f"this report is partial"}
 
 
-def _base_report(config_path, config: Config | None) -> Report:
+def base_report(config_path, config: Config | None) -> Report:
     import torch
     return Report(tool_version=__version__, config=config.summary() if config else
                   {"path": str(config_path)}, torch_version=torch.__version__, device="",
@@ -79,7 +79,7 @@ def error_dict(exc: BaseException) -> dict:
             "traceback": traceback.format_exc()}
 
 
-def _guarded(report: Report, body: Callable[[], None],
+def guarded(report: Report, body: Callable[[], None],
              on_error: Callable[[BaseException], None] | None = None) -> Report:
     """Run a command's body: every failure becomes the report's error, Ctrl-C a partial
     report, and the duration is recorded either way."""
@@ -97,7 +97,7 @@ def _guarded(report: Report, body: Callable[[], None],
     return report
 
 
-def _configured(config_path, options: ScanOptions) -> Config:
+def configured(config_path, options: ScanOptions) -> Config:
     """The config with the command-line overrides, each validated like the key it replaces."""
     return load_config(config_path, {"steps": options.steps, "device": options.device,
                                      "seed": options.seed, "fail_on": options.fail_on})

@@ -1,22 +1,19 @@
-"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
-
-Expected failures (a bad config, the user's code raising, no data) come back as a Report with
-status "error" and the error's exit code, so every caller renders and exits the same way.
+"""`nanaudit replay DIR`: localize again the step a repro bundle saved.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nanaudit.commands.common import _base_report, _guarded
+from nanaudit.commands.common import base_report, guarded
 from nanaudit.report.model import Report
 
 
 def replay(folder: str | Path) -> Report:
     """`nanaudit replay DIR`: localize the step saved in a repro bundle again."""
-    report = _base_report(Path(folder) / "config.yaml", None)
+    report = base_report(Path(folder) / "config.yaml", None)
     report.command = "replay"
-    return _guarded(report, lambda: _replay(Path(folder), report))
+    return guarded(report, lambda: _replay(Path(folder), report))
 
 
 def _replay(folder: Path, report: Report) -> None:

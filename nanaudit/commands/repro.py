@@ -102,17 +102,17 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     config = session.config
     model = session.local_model
     optimizer = session.optimizer
-    torch.save({"model": _cpu(model.state_dict()),
-                "optimizer": _cpu(optimizer.state_dict()) if optimizer is not None else None},
+    torch.save({"model": to_plain_cpu(model.state_dict()),
+                "optimizer": to_plain_cpu(optimizer.state_dict()) if optimizer is not None else None},
                tmp / "state.pt")
     rng = state.rng
     torch.save({"torch_cpu": rng.torch_cpu, "cuda": rng.cuda,
-                "python": _plain(rng.python)}, tmp / "rng.pt")
-    torch.save(_cpu(state.batch), tmp / "batch.pt")
+                "python": plain_rng(rng.python)}, tmp / "rng.pt")
+    torch.save(to_plain_cpu(state.batch), tmp / "batch.pt")
     if finding is not None and finding.samples:
         from nanaudit.run.batch import infer_layout, select_rows
         layout = infer_layout(state.batch, config.batch_dim)
-        torch.save(_cpu(select_rows(state.batch, layout, list(finding.samples))),
+        torch.save(to_plain_cpu(select_rows(state.batch, layout, list(finding.samples))),
                    tmp / "rows.pt")
     (tmp / "config.yaml").write_text(config.path.read_text(encoding="utf-8"), encoding="utf-8")
     meta = {
@@ -138,22 +138,22 @@ def _version() -> str:
     return __version__
 
 
-def _cpu(tree: Any) -> Any:
+def to_plain_cpu(tree: Any) -> Any:
     """Tensors to the CPU, containers to plain dict/list/tuple (what weights_only loads)."""
     if isinstance(tree, torch.Tensor):
         return tree.detach().cpu()
     if isinstance(tree, dict):
-        return {k: _cpu(v) for k, v in tree.items()}
+        return {k: to_plain_cpu(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        items = [_cpu(v) for v in tree]
+        items = [to_plain_cpu(v) for v in tree]
         return items if isinstance(tree, list) else tuple(items)
     return tree
 
 
-def _plain(value: Any) -> Any:
+def plain_rng(value: Any) -> Any:
     """Python's random state as nested lists (weights_only loads lists, ints and None)."""
     if isinstance(value, tuple):
-        return [_plain(v) for v in value]
+        return [plain_rng(v) for v in value]
     return value
 
 

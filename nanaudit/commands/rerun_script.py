@@ -7,8 +7,8 @@ from __future__ import annotations
 import pickle
 import sys
 
-from nanaudit.localize.replay import _from_sink, forward_input_stats, input_stats
-from nanaudit.localize.tracer import kinds_of
+from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
+from nanaudit.localize.tracer import OpTracer, kinds_of
 from nanaudit.report.model import Finding
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.script_hooks import ScriptAuditor
@@ -25,14 +25,14 @@ def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Fi
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if not sinks:
             return None, trace.ops_seen
-        loc = _from_sink(trace, sinks[0], "forward", auditor.timeline, None)
+        loc = walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None)
     else:
         bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
                for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
         if not bad:
             return None, trace.ops_seen
         names = [n for n, _ in bad]
-        loc = _from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
+        loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
     if not loc.reproduced:
         return None, trace.ops_seen
     event = loc.event
@@ -73,7 +73,8 @@ def main(spec_path: str) -> int:
     from nanaudit.commands.run_script import execute, rerun_failure
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
-    auditor = ScriptAuditor(rerun_step=spec["step"], expected_losses=spec["losses"])
+    auditor = ScriptAuditor(rerun_step=spec["step"], expected_losses=spec["losses"],
+                            tracer=OpTracer)
     result = {"timeline": [], "finding": None, "reached": False, "trip": None, "error": None}
     try:
         execute(spec["target"], auditor, spec["seed"])

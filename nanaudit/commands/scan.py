@@ -1,14 +1,12 @@
-"""The scan pipeline: config -> session -> steps -> finding -> Report. Never prints or exits.
-
-Expected failures (a bad config, the user's code raising, no data) come back as a Report with
-status "error" and the error's exit code, so every caller renders and exits the same way.
+"""`nanaudit scan`: config -> session -> steps under sentinels -> finding -> Report (and the
+repro bundle), with the rank coordination of a torchrun job.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nanaudit.commands.common import ScanOptions, _base_report, _configured, _guarded, error_dict
+from nanaudit.commands.common import ScanOptions, base_report, configured, guarded, error_dict
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
 from nanaudit.report.model import Report
@@ -16,12 +14,12 @@ from nanaudit.report.model import Report
 
 def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
          config: Config | None = None) -> Report:
-    report = _base_report(config_path, config)
+    report = base_report(config_path, config)
     coordinator = None
 
     def body():
         nonlocal coordinator
-        loaded = config or _configured(config_path, options)
+        loaded = config or configured(config_path, options)
         report.config = loaded.summary()
         coordinator = _join(loaded)
         _run(loaded, options, report, coordinator)
@@ -29,7 +27,7 @@ def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
     def on_error(exc):
         if coordinator is not None:
             _rank_failed(coordinator, exc, report)
-    _guarded(report, body, on_error)
+    guarded(report, body, on_error)
     if coordinator is not None:
         report.extra["distributed"] = {**coordinator.describe(),
                                        **report.extra.get("distributed", {})}

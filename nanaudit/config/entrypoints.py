@@ -1,9 +1,7 @@
-"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
+"""Resolve the config's entrypoints (`pkg.mod:fn` or `file.py:fn`) to the user's callables.
 
-`validate_config` resolves every entrypoint and binds its signature without building anything
-(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
-on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
-nothing leaks into the interpreter after the run.
+The config's folder is on `sys.path` only inside `user_import_path`, so `case:build_model`
+beside the YAML imports, and nothing leaks into the interpreter after the run.
 """
 
 from __future__ import annotations
@@ -109,6 +107,6 @@ def _import_file(entry: Entrypoint, base_dir: Path):
     return module
 
 
-def _class_target(class_path: str) -> str:
+def class_target(class_path: str) -> str:
     module, _, name = class_path.rpartition(".")
     return f"{module}:{name}"

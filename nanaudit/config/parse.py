@@ -1,4 +1,4 @@
-"""Load and validate the YAML config (schema version 1) into frozen dataclasses.
+"""Read and parse the YAML config into the schema's frozen dataclasses.
 
 Every problem is collected with its key path (`optimizer.lr: expected a number, got 'fast'`)
 and raised together as one ConfigError, so a user fixes the whole file in one pass.
@@ -8,6 +8,7 @@ Hostile input is bounded before it is built: a file over MAX_CONFIG_BYTES, or YA
 aliases expand past MAX_YAML_NODES (a "billion laughs" bomb) or refer to themselves, is a
 config error, because every report and repro bundle later copies the config's values out.
 Numbers must be finite: `.nan` and `.inf` are YAML floats, never a sensible setting.
+Command-line overrides replace their keys before parsing, so they are validated the same way.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Load and validate the YAML config (schema version 1) into frozen dataclasses.
-
-Every problem is collected with its key path (`optimizer.lr: expected a number, got 'fast'`)
-and raised together as one ConfigError, so a user fixes the whole file in one pass.
-Nothing here imports torch or the user's code: entrypoints are only parsed, not resolved.
-
-Hostile input is bounded before it is built: a file over MAX_CONFIG_BYTES, or YAML whose
-aliases expand past MAX_YAML_NODES (a "billion laughs" bomb) or refer to themselves, is a
-config error, because every report and repro bundle later copies the config's values out.
-Numbers must be finite: `.nan` and `.inf` are YAML floats, never a sensible setting.
+"""The config's schema (version 1): frozen dataclasses for every section, and the key lists
+derived from them. What a run is asked to do, as data; nothing here parses or imports torch.
 """
 
 from __future__ import annotations

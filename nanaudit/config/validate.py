@@ -1,9 +1,6 @@
-"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
-
-`validate_config` resolves every entrypoint and binds its signature without building anything
-(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
-on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
-nothing leaks into the interpreter after the run.
+"""`nanaudit validate`: resolve every entrypoint and bind its signature without building
+anything (torchtune's approach), and check the optimizer's arguments, the checkpoint path and
+the device; `scan` runs the same checks, so a problem is the same exit code in both.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ import inspect
 from pathlib import Path
 from typing import Callable
 
-from nanaudit.config.entrypoints import _class_target, resolve_callable, user_import_path
+from nanaudit.config.entrypoints import class_target, resolve_callable, user_import_path
 from nanaudit.config.schema import Config, Entrypoint, OptimizerSpec
 from nanaudit.errors import ConfigError, Problem, UserCodeError
 
@@ -61,7 +58,7 @@ def validate_config(config: Config) -> list[Problem]:
         problems += _validate_optimizer(config.optimizer, config.base_dir)
     if config.checkpoint is not None and not config.checkpoint.is_file():
         problems.append(Problem("checkpoint", f"file not found: {config.checkpoint}"))
-    device_problem = _device_problem(config.device)
+    device_problem = device_problem(config.device)
     if device_problem:
         problems.append(device_problem)
     return problems
@@ -70,7 +67,7 @@ def validate_config(config: Config) -> list[Problem]:
 def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Problem]:
     if spec is None:
         return []
-    entry = spec.factory or Entrypoint(target=_class_target(spec.class_path), key="optimizer.class")
+    entry = spec.factory or Entrypoint(target=class_target(spec.class_path), key="optimizer.class")
     try:
         fn = resolve_callable(entry, base_dir)
     except ConfigError as exc:
@@ -81,10 +78,10 @@ def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Prob
         problem = _bind_problem(fn, entry.key, ("model",), dict(entry.args),
                                 "the optimizer factory `fn(model, **args) -> Optimizer`")
         return [problem] if problem else []
-    return _optimizer_class_problems(fn, spec)
+    return optimizer_class_problems(fn, spec)
 
 
-def _optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
+def optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
     """The class path's keyword arguments, bound and then tried on one throwaway parameter:
     `torch.optim.SGD(lr=-1)` raises only when built, and must be a config error (exit 3) in
     `validate` and `scan` alike, not the user's code raising."""
@@ -102,7 +99,7 @@ def _optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
     return []
 
 
-def _device_problem(device: str) -> Problem | None:
+def device_problem(device: str) -> Problem | None:
     import torch
     if device.startswith("cuda"):
         if not torch.cuda.is_available():

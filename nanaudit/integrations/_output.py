@@ -49,23 +49,23 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
     """The failing step's data, written atomically: state.pt (model and optimizer state before
     the update), rng.pt, batch.pt, rows.pt (the offending rows), meta.json, report.json.
     Everything loads with torch.load(weights_only=True)."""
-    from nanaudit.commands.repro import _cpu, _plain
+    from nanaudit.commands.repro import to_plain_cpu, plain_rng
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         optim_state = None
         if optimizer is not None and hasattr(optimizer, "state_dict"):
-            optim_state = _cpu(optimizer.state_dict())
-        torch.save({"model": _cpu(model.state_dict()), "optimizer": optim_state},
+            optim_state = to_plain_cpu(optimizer.state_dict())
+        torch.save({"model": to_plain_cpu(model.state_dict()), "optimizer": optim_state},
                    tmp / "state.pt")
         torch.save({"torch_cpu": state.rng.torch_cpu, "cuda": state.rng.cuda,
-                    "python": _plain(state.rng.python)}, tmp / "rng.pt")
-        torch.save(_cpu(state.batch), tmp / "batch.pt")
+                    "python": plain_rng(state.rng.python)}, tmp / "rng.pt")
+        torch.save(to_plain_cpu(state.batch), tmp / "batch.pt")
         if finding is not None and finding.samples and state.batch is not None:
             from nanaudit.run.batch import infer_layout, select_rows
             layout = infer_layout(state.batch, None)
-            torch.save(_cpu(select_rows(state.batch, layout, list(finding.samples))),
+            torch.save(to_plain_cpu(select_rows(state.batch, layout, list(finding.samples))),
                        tmp / "rows.pt")
         body = {"step": state.step, "check": trip.check, "scale": state.scale,
                 "torch": torch.__version__,

@@ -1,4 +1,4 @@
-"""The cause catalogue (ids from shared/docs/causes.md): what each id means and the fix to suggest.
+"""The cause catalogue (ids as the project's docs/causes.md defines them, a public contract): what each id means and the fix to suggest.
 
 The ids are part of the JSON contract; never change an id's meaning.
 """

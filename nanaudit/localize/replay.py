@@ -90,12 +90,12 @@ def localize(session: Session, state: StepState, trip: Trip, timeline) -> Locali
     with preserved_buffers(session.model):
         trace, loss = traced_replay(session, state)
     if trip.check == "loss":
-        return _from_sink(trace, loss, "forward", timeline, None)
+        return walk_from_sink(trace, loss, "forward", timeline, None)
     bad = [(name, p) for name, p in session.model.named_parameters()
            if p.grad is not None and kinds_of(p.grad)]
     if not bad:
         return Localization(False, ops_traced=trace.ops_seen)
-    return _from_sink(trace, bad[0][1].grad, "backward", timeline, [n for n, _ in bad])
+    return walk_from_sink(trace, bad[0][1].grad, "backward", timeline, [n for n, _ in bad])
 
 
 def _last_event(trace: Trace, phase: str) -> int | None:
@@ -105,7 +105,7 @@ def _last_event(trace: Trace, phase: str) -> int | None:
     return trace.events[-1].index if trace.events else None
 
 
-def _from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) -> Localization:
+def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) -> Localization:
     kinds = kinds_of(sink)
     if not kinds:
         return Localization(False, ops_traced=trace.ops_seen)
@@ -222,7 +222,7 @@ class _Walk:
         if source.specific:
             text = self._reason_text(source.reason) + self._onward(source, downstream, nan_maker)
             return Blame(source.event, source.chain + downstream,
-                         _plain(as_diagnosis(source.reason, text)))
+                         plain_rng(as_diagnosis(source.reason, text)))
         if source.how in ("written", "outside") or (source.reason is None
                                                     or source.reason.cause == "unknown"):
             # a writer is not its own consumer; an op that first saw an outside value may be
@@ -331,7 +331,7 @@ class _Walk:
                         f"{op_base(creator.op)} (the gradient of {op_base(forward.op)}) turned "
                         f"it into {'NaN' if kind == 'nan' else kind}")
                 return Blame(source.event, source.chain + hop + chain,
-                             _plain(as_diagnosis(source.reason, text)))
+                             plain_rng(as_diagnosis(source.reason, text)))
         if kind == "nan" and (creator.infinite_inputs() or creator.scalar_infinities()):
             # an infinity made in backward itself (SqrtBackward's 1/0); one made in forward and
             # carried in through saved tensors is the masked case below
@@ -409,7 +409,7 @@ def _host_number(event: OpEvent) -> str:
             f"range of {kind} (a value computed on the host, e.g. through .item())")
 
 
-def _plain(diagnosis: Diagnosis) -> Diagnosis:
+def plain_rng(diagnosis: Diagnosis) -> Diagnosis:
     """The diagnosis without its operand: the text already says where the value came from."""
     return Diagnosis(diagnosis.cause, diagnosis.explanation, diagnosis.fix)
 

@@ -1,8 +1,5 @@
-"""The batch dimension of each leaf, slicing a batch by rows, and isolating the offending rows.
-
-The batch size is the leading size most leaves share; a leaf whose leading size differs (a
-time-major `(T, B, C)` tensor for CTC) is sliced along the first dimension of that size, and a
-leaf with none (a per-batch scalar) is passed whole. `batch_dim:` in the config overrides both.
+"""Sample isolation: which rows of a batch reproduce a finding alone, by group testing over
+replays in O(k log B), with a budget that grows with the bad rows found.
 """
 
 from __future__ import annotations

@@ -13,10 +13,6 @@ from nanaudit.run.checks import dense_values
 SMALL_TENSOR = 16   # at most this many elements: show the values themselves
 
 
-def _num(x) -> float | None:
-    return None if x is None else float(x)
-
-
 def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
     """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives."""
     t = dense_values(t.detach())
@@ -27,7 +23,7 @@ def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
         return TensorStats(name, shape, dtype, 0, None, None, None, 0, 0, 0, 0, 0, value=[])
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    work = t.to(torch.float64) if t.is_floating_point() else t.to(torch.float64)
+    work = t.to(torch.float64)
     finite = torch.isfinite(work)
     counts = torch.stack([
         torch.isnan(work).sum(), (work == math.inf).sum(), (work == -math.inf).sum(),

@@ -1,8 +1,9 @@
 """Record every aten op of a replayed step, forward and backward, and who produced each bad value.
 
-`OpTracer` composes a private `TorchDispatchMode` with global module hooks (the shape of
-PyTorch's FlopCounterMode + ModuleTracker): every hook has a handle removed on exit and the
-user's model is never modified. Three ideas make it work:
+`OpTracer` is a `TorchDispatchMode` that also holds global module hooks (after PyTorch's
+FlopCounterMode + ModuleTracker, though it subclasses the mode rather than composing a private
+one, so one object is the context manager and the op handler): every hook has a handle
+removed on exit and the user's model is never modified. Three ideas make it work:
 
 * Producer links. Only ops whose output holds NaN/Inf become events; each event remembers, per
   tensor input, the event that produced that input's bad value. Walking those links back from

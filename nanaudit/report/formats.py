@@ -1,7 +1,6 @@
-"""Renderers: one small class per output format, each turning a Report into text.
-
-The CLI maps its format choices to these classes through FORMATS; tests render one canonical
-report fixture with every renderer and compare to golden files.
+"""The registry of output formats: `renderer_for(name)` maps the CLI's choices (json, junit,
+markdown, github) to their renderers; tests render one canonical report with each and compare
+it to golden files.
 """
 
 from __future__ import annotations

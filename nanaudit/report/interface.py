@@ -1,7 +1,5 @@
-"""Renderers: one small class per output format, each turning a Report into text.
-
-The CLI maps its format choices to these classes through FORMATS; tests render one canonical
-report fixture with every renderer and compare to golden files.
+"""The renderer contract: one small class per output format turning a Report into text. It
+imports no format, so the registry (formats.py) and the formats never import each other.
 """
 
 from __future__ import annotations

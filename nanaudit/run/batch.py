@@ -1,4 +1,5 @@
-"""The batch dimension of each leaf, slicing a batch by rows, and isolating the offending rows.
+"""Batches as trees: walking their tensor leaves, moving them to a device, the batch dimension
+of each leaf and slicing a batch by rows.
 
 The batch size is the leading size most leaves share; a leaf whose leading size differs (a
 time-major `(T, B, C)` tensor for CTC) is sliced along the first dimension of that size, and a

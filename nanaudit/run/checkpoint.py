@@ -1,9 +1,5 @@
-"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
-
-`validate_config` resolves every entrypoint and binds its signature without building anything
-(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
-on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
-nothing leaks into the interpreter after the run.
+"""Load a checkpoint safely (`weights_only=True`) and apply it strictly, turning a mismatch
+into one config error that lists the keys.
 """
 
 from __future__ import annotations

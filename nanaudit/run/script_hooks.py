@@ -120,8 +120,11 @@ class ScriptAuditor:
     """The hooks of one script run; `install()` / `remove()` (see the module docstring)."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
-                 expected_losses: list | None = None):
+                 expected_losses: list | None = None, tracer=None):
         self.step = 0                    # optimizer steps completed
+        # The re-run's instrument (localize's OpTracer), handed in: the cheap path never
+        # imports the expensive one.
+        self.tracer = tracer
         self.timeline: list[TimelineEntry] = []
         self.trip: ScriptTrip | None = None
         self.rank = rank
@@ -338,8 +341,7 @@ class ScriptAuditor:
     # --- the re-run's traced window -------------------------------------------------------------
 
     def _arm(self, module, args, kwargs) -> None:
-        from nanaudit.localize.tracer import OpTracer
-        tracer = OpTracer(module)
+        tracer = self.tracer(module)
         self.armed = Armed(tracer, module, _leading_size(args, kwargs))
         tracer.__enter__()
 

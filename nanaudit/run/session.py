@@ -1,9 +1,5 @@
-"""Resolve the config's entrypoints and build the run: model, data, loss, optimizer, device.
-
-`validate_config` resolves every entrypoint and binds its signature without building anything
-(torchtune's approach); `build_session` then calls the user's factories. The config's folder is
-on `sys.path` only inside `user_import_path`, so `case:build_model` beside the YAML imports, and
-nothing leaks into the interpreter after the run.
+"""Build the run from a config: device, seed, the user's model, optimizer, loss and data
+(sharded under torchrun), gathered in the `Session` every step reads.
 """
 
 from __future__ import annotations
@@ -12,16 +8,16 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from nanaudit.config.entrypoints import _class_target, resolve_callable
+from nanaudit.config.entrypoints import class_target, resolve_callable
 from nanaudit.config.schema import Config, Entrypoint
-from nanaudit.config.validate import _device_problem, _optimizer_class_problems, data_accepts
+from nanaudit.config.validate import device_problem, optimizer_class_problems, data_accepts
 from nanaudit.errors import ConfigError, Problem, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 
 
 def resolve_device(device: str):
     import torch
-    problem = _device_problem(device)
+    problem = device_problem(device)
     if problem:
         raise ConfigError([problem])
     if device == "auto":
@@ -139,9 +135,9 @@ def build_optimizer(config: Config, model):
                         **dict(spec.factory.args))
         where, target = spec.factory.key, spec.factory.target
     else:
-        cls = resolve_callable(Entrypoint(_class_target(spec.class_path), "optimizer.class"),
+        cls = resolve_callable(Entrypoint(class_target(spec.class_path), "optimizer.class"),
                                config.base_dir)
-        problems = _optimizer_class_problems(cls, spec)
+        problems = optimizer_class_problems(cls, spec)
         if problems:
             raise ConfigError(problems, source=str(config.path))
         opt = call_user(f"optimizer `{spec.class_path}`", cls, model.parameters(),

@@ -1,15 +1,6 @@
-"""The step loop: seeded training steps under cheap sentinels, stopping before a bad update.
-
-Each step reads the device once: the loss and the per-tensor norms of the batch, the weights
-(as the previous update left them) and the gradients travel together in one small tensor, with
-the early-warning values (activation maxima, the last sampled update norm) appended when there
-are any. In the sync read the optimizer only runs after that read says all is finite, so a trip
-leaves the pre-step state intact for the replay; the post-update parameter norm is checked at
-the next step's read (or at the end), which attributes a bad update to the step that made it
-without a second sync. In the deferred read (deferred.py: CUDA with a fused optimizer) the
-read comes one step later while the device skips bad updates, and a trip rewinds to the bad
-step and runs it again with the sync read. Under a GradScaler, non-finite gradients are a
-skipped step, not a trip (see precision.py).
+"""The step's vocabulary: the RNG state captured before a step, what tripped (`Trip`), the
+pre-step state a replay needs (`StepState`), a run's outcome, the forward/backward of one
+batch, and how the host classifies a step from its one read.
 """
 
 from __future__ import annotations
