@@ -176,8 +176,8 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
         failed = []
         if _is_rank_zero():
             failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-            if repro_dir and report.extra.get("repro_error"):
-                failed.append(report.extra["repro_error"])
+            if repro_dir and report.repro_error:
+                failed.append(report.repro_error)
         code = _final_code(report, failed, terminal)
         _leave_process_group(code)
         _exit(code)     # inside: a signal now still finds our handler, not the default
@@ -357,7 +357,7 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
                 progress.stop()
         _note_signal(report, stop)
         failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-        section = report.extra.get("bisect") or {}
+        section = report.bisect or {}
         if skip_list_path and section.get("mode") == "data":
             failed += _write_skip_list(skip_list_path, section["skip_list"])
         _exit(_final_code(report, failed, terminal))
@@ -457,7 +457,7 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
         finally:
             stop.hold()
         _note_signal(report, stop)
-        rank = report.extra.get("run", {}).get("rank")
+        rank = (report.run or {}).get("rank")
         if rank:
             # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
             json_path, junit_path, markdown_path, plot_path = (

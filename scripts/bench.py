@@ -334,7 +334,7 @@ def replay_cost(factory, device, repeats=3):
     start = time.perf_counter()
     finding = localized_finding(session, state, Trip(0, "loss"), [], isolate_samples=True)
     isolation_s = time.perf_counter() - start
-    replays = finding.sample_search["replays"] if finding.sample_search else None
+    replays = finding.sample_search.replays if finding.sample_search else None
     base = statistics.median(plain_times)
     return {"plain_step_s": base, "replay_s": statistics.median(replay_times),
             "replay_ratio": statistics.median(replay_times) / base, "op": finding.op,

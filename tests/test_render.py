@@ -14,6 +14,7 @@ from rich.console import Console
 from nanaudit.report.formats import renderer_for
 from nanaudit.report.console import print_report
 from nanaudit.report.model import (
+    SampleSearch,
     EarlyWarning, Finding, Report, SourceLine, TensorStats, TimelineEntry)
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -32,7 +33,7 @@ def canonical_report() -> Report:
         source=SourceLine("model.py", 26, "length = torch.sqrt((z * z).sum(1)) # <&> \x01",
                           "forward"),
         samples=[5], inputs=[stats, other], reproduced=True,
-        sample_search={"batch_size": 16, "replays": 8, "coupled": False, "note": ""})
+        sample_search=SampleSearch(batch_size=16, replays=8, coupled=False, note=""))
     timeline = [TimelineEntry(i, 1.0 / (i + 1), 0.5 * (i + 1), 4.4, 1e-3, 0.5) for i in range(6)]
     timeline.append(TimelineEntry(6, 5.5, float("nan"), 4.4, 1e-3, 0.5))
     warning = EarlyWarning(kind="grad-growth", step=4, began=1, value=2.5, threshold=10.0,

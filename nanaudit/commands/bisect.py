@@ -25,7 +25,7 @@ from nanaudit.errors import (
     UsageError,
 )
 from nanaudit.localize.findings import build_finding
-from nanaudit.report.model import Report
+from nanaudit.report.model import Report, Status
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
@@ -67,9 +67,10 @@ def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
     if outcome.steps_run == 0:
         raise NothingAuditedError(f"the data from `{config.data.target}` yielded no batches")
     findings = result["findings"]
-    report.status = "interrupted" if outcome.interrupted else ("nonfinite" if findings else "clean")
+    report.status = (Status.INTERRUPTED if outcome.interrupted else
+                     Status.NONFINITE if findings else Status.CLEAN)
     report.finding = findings[0] if findings else None
-    report.extra["bisect"] = {"mode": "data", "batches_audited": outcome.steps_run,
+    report.bisect = {"mode": "data", "batches_audited": outcome.steps_run,
                               "bad_batches": findings, "skip_list": result["skip_list"]}
 
 
@@ -85,11 +86,11 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
         result = bisect_checkpoints(session, files)
         outcome = result.pop("outcome")
         result["note"] = result.get("note") or linear_cost_note(result)
-        report.extra["bisect"] = {"mode": "checkpoints", **result}
+        report.bisect = {"mode": "checkpoints", **result}
         if result["first_bad"] is None:
-            report.status = "clean"
+            report.status = Status.CLEAN
             return
-        report.status = "nonfinite"
+        report.status = Status.NONFINITE
         if outcome is not None:
             report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
         if outcome is not None and outcome.trip is not None:

@@ -17,7 +17,7 @@ from nanaudit.config.parse import load_config
 from nanaudit.config.schema import Config
 from nanaudit.errors import NanauditError
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import Report
+from nanaudit.report.model import Report, Status
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def exit_code(report: Report) -> ExitCode:
 def mark_interrupted(report: Report, signal_name: str) -> None:
     """A run stopped by SIGINT or SIGTERM: the report keeps what it has, marked partial."""
     import signal
-    report.status = "interrupted"
+    report.status = Status.INTERRUPTED
     code = ExitCode.TERMINATED if signal_name == signal.SIGTERM.name else ExitCode.INTERRUPTED
     report.error = {"type": "Interrupted", "signal": signal_name, "exit_code": int(code),
                     "message": f"stopped by {signal_name} after {report.steps_run} step(s); "
@@ -59,7 +59,7 @@ def base_report(config_path, config: Config | None) -> Report:
     import torch
     return Report(tool_version=__version__, config=config.summary() if config else
                   {"path": str(config_path)}, torch_version=torch.__version__, device="",
-                  status="error", steps_run=0)
+                  status=Status.ERROR, steps_run=0)
 
 
 BUG_REPORT = ("this is a bug in nanaudit, not in your code; please report it with this "
@@ -87,9 +87,9 @@ def guarded(report: Report, body: Callable[[], None],
     try:
         body()
     except KeyboardInterrupt:
-        report.status = "interrupted"
+        report.status = Status.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
-        report.status = "error"
+        report.status = Status.ERROR
         report.error = error_dict(exc)
         if on_error is not None:
             on_error(exc)

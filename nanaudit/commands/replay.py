@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanaudit.commands.common import base_report, guarded
-from nanaudit.report.model import Report
+from nanaudit.report.model import Report, Status
 
 
 def replay(folder: str | Path) -> Report:
@@ -28,5 +28,5 @@ def _replay(folder: Path, report: Report) -> None:
         report.steps_run = 1
         report.finding = build_finding(session, outcome, session.config.localize.samples)
         report.finding.rank = outcome.trip.rank
-    report.status = "clean" if report.finding.reproduced is False else "nonfinite"
-    report.extra["repro"] = str(folder)
+    report.status = Status.CLEAN if report.finding.reproduced is False else Status.NONFINITE
+    report.repro = str(folder)

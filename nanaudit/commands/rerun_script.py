@@ -9,7 +9,7 @@ import sys
 
 from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
 from nanaudit.localize.tracer import OpTracer, kinds_of
-from nanaudit.report.model import Finding
+from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.script_hooks import ScriptAuditor
 
@@ -44,14 +44,14 @@ def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Fi
         forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
         reproduced=True, tensors=names or [],
         tensor=names[0] if names else "loss",
-        chain=[{"op": e.op, "where": e.phase, "module": e.module, "value": sorted(e.out_kinds),
-                "line": e.source.line if e.source else None} for e in loc.chain])
+        chain=[ChainLink(e.op, e.phase, e.module, sorted(e.out_kinds),
+                         e.source.line if e.source else None) for e in loc.chain])
     rows = created_rows(armed, event)
     if rows:
         finding.samples = rows
-        finding.sample_search = {
-            "batch_size": armed.batch_size, "replays": 0, "coupled": False,
-            "note": f"the rows whose slice of {event.op}'s output went non-finite"}
+        finding.sample_search = SampleSearch(
+            armed.batch_size, 0, False,
+            f"the rows whose slice of {event.op}'s output went non-finite")
     return finding, trace.ops_seen
 
 

@@ -30,7 +30,7 @@ from typing import Callable
 from nanaudit._version import __version__
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.localize.causes import fix_for
-from nanaudit.report.model import Finding, Report
+from nanaudit.report.model import Finding, Report, Status
 from nanaudit.run.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
 
 _RUNPY = os.path.abspath(runpy.__file__)
@@ -167,7 +167,7 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
     """`nanaudit run`: the first run, then the re-run of a loss or gradient trip."""
     import torch
     report = Report(tool_version=__version__, config=_summary(target, options),
-                    torch_version=torch.__version__, device="", status="error", steps_run=0,
+                    torch_version=torch.__version__, device="", status=Status.ERROR, steps_run=0,
                     command="run")
     auditor = ScriptAuditor(rank=_rank())
     started = time.perf_counter()
@@ -178,7 +178,7 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
             auditor.finish()
         _record(report, auditor)
         first_run_s = time.perf_counter() - started
-        report.extra["run"]["first_run"] = {"steps": len(auditor.timeline),
+        report.run["first_run"] = {"steps": len(auditor.timeline),
                                             "duration_s": round(first_run_s, 3),
                                             "host_reads": auditor.host_reads}
         if auditor.trip is None:
@@ -187,20 +187,20 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
                     f"the script `{target.display}` finished without stepping an optimizer: "
                     f"nanaudit checks at each `optimizer.step()`, so nothing was audited (does "
                     f"it train? are its arguments right?)")
-            report.status = "clean"
+            report.status = Status.CLEAN
             return _done(report, started)
-        report.status = "nonfinite"
+        report.status = Status.NONFINITE
         report.finding = first_run_finding(auditor.trip)
         if auditor.trip.check in ("loss", "gradient"):
-            report.extra["run"]["rerun"] = localize_by_rerun(target, options, auditor.trip,
+            report.run["rerun"] = localize_by_rerun(target, options, auditor.trip,
                                                              auditor.timeline, report)
     except KeyboardInterrupt:
         _record(report, auditor)
-        report.status = "interrupted"
+        report.status = Status.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
         from nanaudit.commands.common import error_dict
         _record(report, auditor)
-        report.status = "error"
+        report.status = Status.ERROR
         report.error = error_dict(exc)
         if isinstance(exc, UserCodeError):
             report.error["traceback"] = exc.formatted_traceback()
@@ -219,9 +219,9 @@ def _record(report: Report, auditor: ScriptAuditor) -> None:
     report.timeline = auditor.timeline
     report.steps_run = len(auditor.timeline)
     report.device = auditor.device or report.device
-    report.extra.setdefault("run", {})
+    report.run = report.run or {}
     if auditor.rank is not None:
-        report.extra.setdefault("run", {})["rank"] = auditor.rank
+        report.run["rank"] = auditor.rank
 
 
 def _done(report: Report, started: float) -> Report:

@@ -9,7 +9,7 @@ from pathlib import Path
 from nanaudit.commands.common import ScanOptions, base_report, configured, guarded, error_dict
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
-from nanaudit.report.model import Report
+from nanaudit.report.model import Report, Status
 
 
 def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
@@ -29,8 +29,7 @@ def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
             _rank_failed(coordinator, exc, report)
     guarded(report, body, on_error)
     if coordinator is not None:
-        report.extra["distributed"] = {**coordinator.describe(),
-                                       **report.extra.get("distributed", {})}
+        report.distributed = {**coordinator.describe(), **(report.distributed or {})}
     return report
 
 
@@ -76,16 +75,16 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.timeline = outcome.timeline
             report.warnings = outcome.warnings
             if outcome.read_mode is not None:
-                report.extra["sentinel_read"] = outcome.read_mode.describe()
+                report.sentinel_read = outcome.read_mode.describe()
         if outcome.interrupted:
-            report.status = "interrupted"
+            report.status = Status.INTERRUPTED
         elif outcome.trip is None:
             if outcome.steps_run == 0:
                 raise NothingAuditedError(f"the data from `{config.data.target}` yielded no "
                                           f"batches: nothing was audited")
-            report.status = "clean"
+            report.status = Status.CLEAN
         else:
-            report.status = "nonfinite"
+            report.status = Status.NONFINITE
             if _localizes_here(coordinator, outcome.trip):
                 # Replays run on the local module: no DDP, no collectives with waiting peers.
                 session.model = session.local_model
@@ -115,13 +114,13 @@ def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None
         folder = folder / f"repro-step{outcome.trip.step}{rank}"
     try:
         folder = bundle_folder(folder, outcome.trip.step)
-        report.extra["repro"] = str(folder)
+        report.repro = str(folder)
         write_bundle(folder, session, outcome.state, outcome.trip, report.finding,
                      renderer_for("json").render(report))
     except Exception as exc:  # noqa: BLE001 - the finding stands without its bundle
-        report.extra["repro"] = None
+        report.repro = None
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        report.extra["repro_error"] = f"cannot write the repro bundle to {folder}: {reason}"
+        report.repro_error = f"cannot write the repro bundle to {folder}: {reason}"
 
 
 def _localizes_here(coordinator, trip) -> bool:
@@ -136,14 +135,14 @@ def _merge_ranks(coordinator, report: Report) -> None:
     mine = {"rank": coordinator.rank, "status": report.status, "steps_run": report.steps_run,
             "device": report.device, "host": coordinator.describe()["host"],
             "warnings": len(report.warnings), "finding": report.finding,
-            "repro": report.extra.get("repro")}
+            "repro": report.repro}
     ranks = coordinator.gather(mine)
     report.finding = next((r["finding"] for r in ranks if r["finding"] is not None), None)
     repro = next((r["repro"] for r in ranks if r["repro"]), None)
     if repro:
         # Written by the rank that localized, on its own host.
-        report.extra["repro"] = repro
-    report.extra["distributed"] = {"ranks": [
+        report.repro = repro
+    report.distributed = {"ranks": [
         {k: v for k, v in r.items() if k not in ("finding", "repro")} for r in ranks]}
 
 

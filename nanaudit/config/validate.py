@@ -58,9 +58,9 @@ def validate_config(config: Config) -> list[Problem]:
         problems += _validate_optimizer(config.optimizer, config.base_dir)
     if config.checkpoint is not None and not config.checkpoint.is_file():
         problems.append(Problem("checkpoint", f"file not found: {config.checkpoint}"))
-    device_problem = device_problem(config.device)
-    if device_problem:
-        problems.append(device_problem)
+    bad_device = device_problem(config.device)
+    if bad_device:
+        problems.append(bad_device)
     return problems
 
 

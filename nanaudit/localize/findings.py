@@ -16,7 +16,7 @@ from nanaudit.localize.replay import (
 )
 from nanaudit.localize.samples import SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import tensor_stats
-from nanaudit.report.model import Finding, SampleRow
+from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
 from nanaudit.run.session import Session
@@ -116,8 +116,8 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
     if trip.note:
         finding.explanation += f"; {trip.note}"
     if finding.cause == "divergence":
-        finding.sample_search = {"batch_size": None, "replays": 0, "coupled": False,
-                                 "note": "divergence: the weights, not particular rows"}
+        finding.sample_search = SampleSearch(None, 0, False,
+                                             "divergence: the weights, not particular rows")
     elif isolate_samples:
         _isolate(session, state, trip, finding)
     return finding
@@ -174,10 +174,10 @@ def module_name(event, loss_name: str) -> str | None:
     return None
 
 
-def _chain_link(event, loss_name: str) -> dict:
-    return {"op": event.op, "where": event.phase, "module": module_name(event, loss_name),
-            "value": sorted(event.out_kinds),
-            "line": event.source.line if event.source else None}
+def _chain_link(event, loss_name: str) -> ChainLink:
+    return ChainLink(op=event.op, where=event.phase, module=module_name(event, loss_name),
+                     value=sorted(event.out_kinds),
+                     line=event.source.line if event.source else None)
 
 
 def _tripped(trip: Trip) -> tuple[str, str, str]:
@@ -214,8 +214,7 @@ def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
 def _isolate(session, state, trip, finding: Finding) -> None:
     layout = infer_layout(state.batch, session.config.batch_dim)
     if not layout.size or layout.size < 2:
-        finding.sample_search = {"batch_size": layout.size, "replays": 0, "coupled": False,
-                                 "note": "no batch dimension to search"}
+        finding.sample_search = SampleSearch(layout.size, 0, False, "no batch dimension to search")
         if layout.size == 1:
             finding.samples = [0]
         return
@@ -235,8 +234,8 @@ def _isolate(session, state, trip, finding: Finding) -> None:
 
 def _record_search(finding: Finding, state, layout, search) -> None:
     finding.samples = search.samples
-    finding.sample_search = {"batch_size": layout.size, "replays": search.replays,
-                             "coupled": search.coupled, "note": search.note}
+    finding.sample_search = SampleSearch(layout.size, search.replays, search.coupled,
+                                         search.note)
     finding.sample_rows = sample_rows(state.batch, layout, search.samples or [])
 
 

@@ -23,10 +23,10 @@ def print_report(report: Report, console: Console) -> None:
     if report.finding is not None:
         # A terminal gets a full-width panel; a CI log one as wide as its longest line.
         console.print(_finding_panel(report.finding, expand=console.is_terminal))
-    if report.extra.get("bisect"):
-        console.print(_bisect_summary(report.extra["bisect"]))
-    if report.extra.get("distributed", {}).get("ranks"):
-        console.print(_ranks(report.extra["distributed"]))
+    if report.bisect:
+        console.print(_bisect_summary(report.bisect))
+    if (report.distributed or {}).get("ranks"):
+        console.print(_ranks(report.distributed))
     if report.warnings:
         console.print(_warnings(report))
     if report.timeline:
@@ -109,9 +109,9 @@ def _facts(f: Finding) -> Table:
         table.add_row(label, Text(value))
     if f.sample_search:
         s = f.sample_search
-        note = f" ({s['note']})" if s.get("note") else ""
-        table.add_row("sample search", Text(f"{s['replays']} replay(s) over a batch of "
-                                            f"{s['batch_size']}{note}"))
+        note = f" ({s.note})" if s.note else ""
+        table.add_row("sample search", Text(f"{s.replays} replay(s) over a batch of "
+                                            f"{s.batch_size}{note}"))
     if len(f.tensors) > 1:
         table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
                                           (" ..." if len(f.tensors) > 12 else "")))
@@ -241,11 +241,11 @@ def _next_steps(report: Report) -> Text:
         hints.append(f"inspect rows {f.samples} of batch {f.step} (and the skip list)")
     if f.cause == "nonfinite-parameter":
         hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
-    repro = report.extra.get("repro")
+    repro = report.repro
     if repro and report.command == "scan" and os.path.isdir(repro):
         hints.append(f"repro bundle in {repro} (python {repro}/repro.py; nanaudit replay "
                      f"{repro})")
-    elif report.extra.get("repro_error"):
-        hints.append(report.extra["repro_error"])
+    elif report.repro_error:
+        hints.append(report.repro_error)
     hints.append("--json PATH saves this report for CI and other tools")
     return Text("next: " + "; ".join(hints), style="dim")

@@ -15,11 +15,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 REPORT_SCHEMA_VERSION = 1
-WHERE_VALUES = ("input", "parameter", "forward", "backward", "optimizer")
-STATUS_VALUES = ("clean", "nonfinite", "error", "interrupted")
+
+
+class _Word(str, Enum):
+    """A closed vocabulary that still compares, formats and serialises as its plain string."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Status(_Word):
+    """How a run ended."""
+
+    CLEAN = "clean"
+    NONFINITE = "nonfinite"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
+
+class Check(_Word):
+    """The sentinel that tripped, in step order."""
+
+    INPUT = "input"
+    PARAMETER = "parameter"
+    LOSS = "loss"
+    GRADIENT = "gradient"
+    OPTIMIZER = "optimizer"
+
+
+class Where(_Word):
+    """The phase that made the value (a finding's `where`)."""
+
+    INPUT = "input"
+    PARAMETER = "parameter"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class WarningKind(_Word):
+    NEAR_OVERFLOW = "near-overflow"
+    LOSS_SPIKE = "loss-spike"
+    GRAD_GROWTH = "grad-growth"
+    UPDATE_RATIO = "update-ratio"
 
 
 @dataclass(frozen=True)
@@ -57,14 +99,32 @@ class SampleRow:
     leaves: tuple = ()            # ((path, TensorStats), ...)
 
 
-WARNING_KINDS = ("near-overflow", "loss-spike", "grad-growth", "update-ratio")
+@dataclass(frozen=True)
+class SampleSearch:
+    """How the offending rows were found: replays spent over a batch of `batch_size`."""
+
+    batch_size: int | None
+    replays: int
+    coupled: bool              # no row reproduces alone; rows do together
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One hop from the op that created the value to the one that reached the sentinel."""
+
+    op: str
+    where: str
+    module: str | None
+    value: list                # the non-finite kinds the op's output held
+    line: int | None
 
 
 @dataclass(frozen=True)
 class EarlyWarning:
     """A sign of trouble before any non-finite value: seen at `step`, growing since `began`."""
 
-    kind: str                             # one of WARNING_KINDS
+    kind: str                             # a WarningKind
     step: int
     began: int
     message: str
@@ -91,8 +151,8 @@ class Finding:
     forward_inputs: list = field(default_factory=list)  # backward findings: the forward op's
     reproduced: bool | None = None                    # None: no replay was needed
     sample_rows: list = field(default_factory=list)   # [SampleRow]
-    sample_search: dict | None = None                 # {"replays", "coupled", "batch_size", ...}
-    chain: list = field(default_factory=list)         # [{"op", "where", "module", "value"}]
+    sample_search: SampleSearch | None = None
+    chain: list = field(default_factory=list)         # [ChainLink], creator first
     rank: int | None = None
     tensors: list = field(default_factory=list)       # every parameter / batch path involved
     first_warning: EarlyWarning | None = None         # the earliest warning before the finding
@@ -123,7 +183,7 @@ class Report:
     config: dict
     torch_version: str
     device: str
-    status: str
+    status: Status
     steps_run: int
     command: str = "scan"
     finding: Finding | None = None
@@ -131,7 +191,15 @@ class Report:
     warnings: list = field(default_factory=list)      # [EarlyWarning], in step order
     error: dict | None = None
     duration_s: float = 0.0
-    extra: dict = field(default_factory=dict)         # command-specific sections (bisect)
+    # Named sections, each in the JSON only when set (schema version 1, in this order):
+    sentinel_read: dict | None = None     # scan: the read mode (sync or deferred) and why
+    repro: str | None = None              # the repro bundle's folder
+    repro_error: str | None = None        # ... or why it could not be written ("repro": null)
+    bisect: dict | None = None            # bisect: its mode, the bad batches or checkpoints
+    distributed: dict | None = None       # torchrun: every rank's status
+    run: dict | None = None               # `nanaudit run`: the first run and the re-run
+
+    SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run")
 
 
 def json_number(x: Any) -> Any:
@@ -145,6 +213,8 @@ def json_number(x: Any) -> Any:
 
 
 def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
     if isinstance(obj, float):
         return json_number(obj)
     if isinstance(obj, dict):
@@ -175,5 +245,11 @@ def report_to_dict(report: Report) -> dict:
         "error": report.error,
         "duration_s": round(report.duration_s, 3),
     }
-    body.update(report.extra)
+    for name in Report.SECTIONS:
+        value = getattr(report, name)
+        if name == "repro" and report.repro_error is not None:
+            body["repro"] = None
+            body["repro_error"] = report.repro_error
+        elif value is not None:
+            body[name] = value
     return _jsonable(body)
