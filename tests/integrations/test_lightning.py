@@ -107,7 +107,7 @@ def test_fp16_overflow_collapses_the_scale_and_names_the_op():
     # cast back to float16 (autocast's copy, in backward), before `layer`'s matmul turns it
     # into NaN: the walk back names the cast in the user's training_step, not the matmul.
     assert (f.step, f.where, f.op, f.reproduced) == (2, "backward", "aten._to_copy.default", True)
-    assert f.module == "test_integrations_lightning:Regressor.training_step"
+    assert f.module == f"{Regressor.__module__}:Regressor.training_step"
     assert f.cause == "dtype-overflow" and "float16 holds at most 65504" in f.explanation
     assert "reached mm in layer" in f.explanation
     assert "skipped 3 steps in a row" in f.explanation

@@ -1,6 +1,6 @@
 """Every format is rendered from one canonical report and compared to its golden file.
 
-Regenerate after an intended change with `NANAUDIT_UPDATE_GOLDEN=1 pytest tests/test_render.py`.
+Regenerate after an intended change with `NANAUDIT_UPDATE_GOLDEN=1 pytest tests/report/test_render.py`.
 """
 
 import json

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_cli
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conftest import LINEAR_CASE, run_cli, scan
+from helpers import LINEAR_CASE, run_cli, scan
 
 
 class Opaque:

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import LINEAR_CASE, ROOT, run_cli, scan
+from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 EXAMPLES = ROOT / "configs" / "examples"
 

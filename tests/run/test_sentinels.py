@@ -3,7 +3,7 @@
 import torch
 
 from nanaudit.run.checks import Sentinels, finite_norm
-from conftest import LINEAR_CASE, scan
+from helpers import LINEAR_CASE, scan
 
 
 def test_norm_is_nonfinite_exactly_when_an_element_is():

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from conftest import LINEAR_CASE, ROOT, run_cli
+from helpers import LINEAR_CASE, ROOT, run_cli
 
 from nanaudit.commands.bisect import first_bad_checkpoint, list_checkpoints
 

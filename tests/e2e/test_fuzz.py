@@ -2,7 +2,7 @@
 documented exit code and a message that names where the problem is; never exit 6, never a hang.
 
 Example counts are sized for CI on 2 cores; NANAUDIT_FUZZ_SCALE multiplies them for a longer
-local hunt (`NANAUDIT_FUZZ_SCALE=20 python -m pytest tests/test_fuzz.py`).
+local hunt (`NANAUDIT_FUZZ_SCALE=20 python -m pytest tests/e2e/test_fuzz.py`).
 """
 
 import json
@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the fuzz suite needs the 
                                  "(pip install -e '.[test]')")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from conftest import LINEAR_CASE, run_cli  # noqa: E402
+from helpers import LINEAR_CASE, run_cli  # noqa: E402
 
 from nanaudit.exitcodes import ExitCode  # noqa: E402
 

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import LINEAR_CASE, ROOT, run_cli, scan
+from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 
 def test_help_does_not_import_torch():

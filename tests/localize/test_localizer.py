@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from conftest import scan
+from helpers import scan
 
 HEADER = """
 import math

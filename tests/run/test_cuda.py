@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import LINEAR_CASE, ROOT, scan
+from helpers import LINEAR_CASE, ROOT, scan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -6,7 +6,7 @@ import torch
 
 from nanaudit.run.batch import infer_layout, select_rows
 from nanaudit.localize.samples import isolate_rows
-from conftest import scan
+from helpers import scan
 
 
 def _oracle(bad, need_all=False):
@@ -78,7 +78,7 @@ def test_config_batch_dim_overrides_inference():
 
 
 def test_bad_row_values_shown_in_report(tmp_path):
-    from conftest import ROOT
+    from helpers import ROOT
     result = scan(ROOT / "configs" / "demo.yaml", tmp_path=tmp_path)
     rows = result.finding["sample_rows"]
     assert rows[0]["index"] == 5

@@ -107,7 +107,7 @@ def test_readme_accelerate_recipe_runs(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     match = re.search(r"<!-- accelerate-example -->\s*```python\n(.*?)```", readme, re.S)
     assert match, "the README has an Accelerate recipe marked <!-- accelerate-example -->"

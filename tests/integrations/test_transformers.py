@@ -205,7 +205,7 @@ def test_bench_trainer_quick_writes_ratios_and_own_time(tmp_path, capsys, monkey
     import importlib
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     bench = importlib.import_module("bench_trainer")
     out = tmp_path / "bench.json"

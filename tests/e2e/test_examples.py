@@ -3,7 +3,7 @@
 
 import pytest
 
-from conftest import ROOT, scan
+from helpers import ROOT, scan
 
 EXPECTED = {
     "log_negative": dict(step=3, where="forward", op="aten.log.default", cause="log-domain",

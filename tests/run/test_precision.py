@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from conftest import LINEAR_CASE, ROOT, run_cli, scan
+from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 EXAMPLES = ROOT / "configs" / "examples"
 

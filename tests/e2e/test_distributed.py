@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 EXAMPLES = ROOT / "configs" / "examples"
@@ -153,7 +153,7 @@ def test_without_torchrun_each_config_runs_as_one_process(name, code, steps, tmp
     # One process reads shard 0 alone (unpoisoned, never failing or stalling) with sample ids
     # 0..47, so the loss that rejects sample 40 raises at step 5; the plain DataLoader is
     # not sharded, and its sample 45 is step 5, row 5.
-    from conftest import scan
+    from helpers import scan
     result = scan(EXAMPLES / f"{name}.yaml", tmp_path=tmp_path)
     assert result.code == code and "distributed" not in result.report
     assert len(result.report["timeline"]) == steps

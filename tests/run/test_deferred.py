@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import scan
+from helpers import scan
 from nanaudit.config.parse import load_config
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, choose_read
 from nanaudit.run.session import build_session
@@ -244,7 +244,7 @@ def test_sentinel_read_is_validated(case, tmp_path):
 @pytest.mark.slow
 def test_demo_with_a_fused_optimizer_localizes_the_same_under_the_deferred_read(tmp_path):
     import yaml
-    from conftest import ROOT
+    from helpers import ROOT
     body = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     body.update(optimizer={"class": "torch.optim.AdamW", "lr": 1e-3, "fused": True},
                 sentinel_read="deferred")

@@ -1,0 +1,61 @@
+"""Test helpers that are not fixtures: run the CLI in-process, scan a config, a tiny case."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from nanaudit.cli import main
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+
+class Result:
+    def __init__(self, code, stdout, stderr, report):
+        self.code, self.stdout, self.stderr, self.report = code, stdout, stderr, report
+
+    @property
+    def finding(self):
+        return self.report["finding"]
+
+
+
+def run_cli(*args, env=None) -> Result:
+    runner = CliRunner()
+    result = runner.invoke(main, [str(a) for a in args], env=env, catch_exceptions=False)
+    return Result(result.exit_code, result.stdout, result.stderr, None)
+
+
+
+def scan(config, *extra, tmp_path=None) -> Result:
+    """`nanaudit scan CONFIG --json PATH`, returning the exit code and the parsed report."""
+    out = Path(tmp_path or Path(config).parent) / "report.json"
+    result = run_cli("scan", config, "--json", out, "--quiet", *extra)
+    result.report = json.loads(out.read_text()) if out.exists() else None
+    return result
+
+
+
+LINEAR_CASE = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build_model():
+        torch.manual_seed(0)
+        return nn.Linear(3, 1)
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            yield torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+
+    def loss(model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+""")
+
