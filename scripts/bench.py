@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.config.schema import Config, Entrypoint, WatchOptions
+from nanaudit.config.schema import WatchOptions
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session
 from nanaudit.run.step import RngState, StepState, Trip
@@ -186,11 +186,8 @@ def nanaudit_sentinels_only(model, opt, loss, batches, device):
 
 
 def _session(model, opt, loss, batches, device, watch=None, read="auto") -> Session:
-    entry = Entrypoint("bench:x", "bench")
-    config = Config(path=Path("bench.yaml"), model=entry, data=entry, loss=entry,
-                    watch=watch or WatchOptions(), sentinel_read=read)
-    return Session(config, torch.device(device), model, opt, lambda m, b: loss(m, b),
-                   lambda: batches, {id(p): n for n, p in model.named_parameters()})
+    return Session.for_loop(model, opt, lambda m, b: loss(m, b), device, batches,
+                            label="bench", watch=watch or WatchOptions(), sentinel_read=read)
 
 
 def _sync(device):

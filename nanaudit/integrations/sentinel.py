@@ -44,12 +44,10 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from nanaudit.config.schema import Config, Entrypoint
 from nanaudit.report.model import Finding, Report, TimelineEntry
 from nanaudit.run.batch import float_leaves
 from nanaudit.run.checks import all_finite, dense_values, finite_norms
@@ -333,9 +331,6 @@ class Sentinel:
 
     def _session(self):
         from nanaudit.run.session import Session
-        entry = Entrypoint("<your loop>:loss_fn", "Sentinel(loss_fn=...)")
-        config = Config(path=Path("<Sentinel>"), model=entry, data=entry, loss=entry)
-        loss_fn = self.loss_fn or (lambda model, batch: None)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        return Session(config, self.device, self.model, self.optimizer, loss_fn,
-                       lambda: [], names, precision=_ReplayPrecision(self.scaler))
+        return Session.for_loop(self.model, self.optimizer,
+                                self.loss_fn or (lambda model, batch: None), self.device,
+                                label="<Sentinel>", precision=_ReplayPrecision(self.scaler))

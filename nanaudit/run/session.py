@@ -52,6 +52,20 @@ class Session:
     def compute_loss(self, batch):
         return self.loss_fn(self.model, batch, **dict(self.config.loss.args))
 
+    @classmethod
+    def for_loop(cls, model, optimizer, loss_fn: Callable, device, batches: Iterable = (),
+                 label: str = "<your loop>", precision: Any = None, **options) -> "Session":
+        """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML and
+        no entrypoints. The config it carries only describes them (`label` stands where an
+        entrypoint would) and takes the config's other keys (`watch=`, `grad_clip=`...)."""
+        import torch
+        from pathlib import Path
+        entry = Entrypoint(f"{label}:loss_fn", label)
+        config = Config(path=Path(label), model=entry, data=entry, loss=entry, **options)
+        names = {id(p): n for n, p in model.named_parameters()}
+        return cls(config, torch.device(device), model, optimizer, loss_fn,
+                   lambda: batches, names, precision=precision)
+
 
 def seed_everything(seed: int) -> None:
     import torch
