@@ -38,7 +38,7 @@ from nanaudit.localize.tracer import (
     named_tensors,
     walk_back,
 )
-from nanaudit.run.checks import Sentinels, value_kind
+from nanaudit.run.checks import StepChecks, value_kind
 from nanaudit.run.session import Session
 from nanaudit.run.step import StepState, Trip, forward_backward
 
@@ -83,7 +83,7 @@ def replay_reproduces(session: Session, state: StepState, batch, check: str) -> 
         return False
     if check == "loss":
         return not bool(torch.isfinite(loss.detach()))
-    return not bool(torch.isfinite(Sentinels(session.model, session.device).grad_norm()))
+    return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))
 
 
 def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:

@@ -130,7 +130,7 @@ def _combine(norms: Sequence[float]) -> float:
     return math.sqrt(sum(v * v for v in norms))
 
 
-class Sentinels:
+class StepChecks:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
     def __init__(self, model: torch.nn.Module, device):

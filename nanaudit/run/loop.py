@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from nanaudit.errors import ConfigError, UserCodeError, call_user
-from nanaudit.run.checks import Sentinels, confirm_nonfinite
+from nanaudit.run.checks import StepChecks, confirm_nonfinite
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode, choose_read
 from nanaudit.run.distributed import FLAGS
 from nanaudit.run.session import Session
@@ -64,7 +64,7 @@ class _Extras:
 class _Watches:
     """The early-warning detectors of one run, and where their readout values go."""
 
-    def __init__(self, session: Session, sentinels: Sentinels, updating: bool):
+    def __init__(self, session: Session, sentinels: StepChecks, updating: bool):
         options = session.config.watch
         every = options.activation_every(session.precision.name)
         self.activations = ActivationWatch(session.local_model, every, options.near_overflow)
@@ -176,7 +176,7 @@ class _StepLoop:
 
     def __init__(self, session: Session, update: bool, outcome: ScanOutcome):
         self.session, self.outcome = session, outcome
-        self.sentinels = Sentinels(session.model, session.device)
+        self.sentinels = StepChecks(session.model, session.device)
         self.optimizer = session.optimizer if update else None
         self.precision = session.precision
         self.coord = session.coordinator

@@ -15,7 +15,7 @@ import torch
 
 from nanaudit.errors import ConfigError, Problem, call_user
 from nanaudit.report.model import TimelineEntry
-from nanaudit.run.checks import Sentinels, confirm_nonfinite, exact_norm
+from nanaudit.run.checks import StepChecks, confirm_nonfinite, exact_norm
 from nanaudit.run.deferred import ReadMode
 from nanaudit.run.session import Session
 
@@ -111,7 +111,7 @@ def forward_backward(session: Session, batch: Any,
     return loss
 
 
-def confirm_norms(sentinels: Sentinels, norm: float, gnorm: float) -> tuple[float, float]:
+def confirm_norms(sentinels: StepChecks, norm: float, gnorm: float) -> tuple[float, float]:
     """Replace a non-finite norm by the exact one when no element is actually non-finite."""
     if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
         norm = exact_norm(sentinels.state_tensors())

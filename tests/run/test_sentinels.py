@@ -2,7 +2,7 @@
 
 import torch
 
-from nanaudit.run.checks import Sentinels, finite_norm
+from nanaudit.run.checks import StepChecks, finite_norm
 from helpers import LINEAR_CASE, scan
 
 
@@ -33,5 +33,5 @@ def test_scan_step_reads_the_device_once(host_reads, case, tmp_path):
 
 def test_sentinels_keep_no_copies():
     model = torch.nn.Linear(4, 4)
-    sentinels = Sentinels(model, "cpu")
+    sentinels = StepChecks(model, "cpu")
     assert all(a is b for a, b in zip(sentinels.params, model.parameters()))
