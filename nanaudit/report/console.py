@@ -21,8 +21,9 @@ def print_report(report: Report, console: Console) -> None:
     mark = {"clean": "✓", "nonfinite": "✗"}.get(report.status, "!")
     console.print(Text(f"{mark} {headline(report)}", style=style))
     if report.finding is not None:
-        # A terminal gets a full-width panel; a CI log one as wide as its longest line.
-        console.print(_finding_panel(report.finding, expand=console.is_terminal))
+        # A terminal gets a boxed panel; a CI log the same sections unboxed, so that no line
+        # is wrapped or padded to the width of the longest one.
+        console.print(_finding_panel(report.finding, boxed=console.is_terminal))
     if report.bisect:
         console.print(_bisect_summary(report.bisect))
     if (report.distributed or {}).get("ranks"):
@@ -79,10 +80,10 @@ def _header(report: Report) -> Text:
     return text
 
 
-def _finding_panel(f: Finding, expand: bool = True) -> Panel:
+def _finding_panel(f: Finding, boxed: bool = True):
     parts = [_facts(f)]
     if f.source:
-        parts.append(_source(f))
+        parts.append(_source(f, highlighted=boxed))
     if f.inputs:
         title = "inputs of the op that created it" if f.op else "tensors"
         parts.append(_stats_table(title, f.inputs))
@@ -97,8 +98,10 @@ def _finding_panel(f: Finding, expand: bool = True) -> Panel:
     fix = Text("fix  ", style="bold green")
     fix.append(f.fix)
     parts += [why, fix]
-    return Panel(Group(*parts), title=Text(f"finding: {f.cause}", style="bold red"),
-                 border_style="red", expand=expand)
+    title = Text(f"finding: {f.cause}", style="bold red")
+    if not boxed:
+        return Group(title, *parts)
+    return Panel(Group(*parts), title=title, border_style="red")
 
 
 def _facts(f: Finding) -> Table:
@@ -118,14 +121,23 @@ def _facts(f: Finding) -> Table:
     return table
 
 
-def _source(f: Finding):
+def _source(f: Finding, highlighted: bool = True):
+    """The user's line in context: highlighted on a terminal; in a log, plain numbered lines
+    (rich's Syntax pads every line to the console's width)."""
     src = f.source
     title = Text(f"{src.file}:{src.line}", style="cyan")
-    if os.path.isfile(src.file):
-        syntax = Syntax.from_path(src.file, line_numbers=True, line_range=(max(1, src.line - 2),
-                                  src.line + 2), highlight_lines={src.line})
-        return Group(title, syntax)
-    return Group(title, Text(src.code))
+    if not os.path.isfile(src.file):
+        return Group(title, Text(src.code))
+    first = max(1, src.line - 2)
+    if highlighted:
+        return Group(title, Syntax.from_path(src.file, line_numbers=True,
+                                             line_range=(first, src.line + 2),
+                                             highlight_lines={src.line}))
+    with open(src.file, encoding="utf-8", errors="replace") as handle:
+        lines = handle.read().splitlines()[first - 1:src.line + 2]
+    shown = [f"{'❱' if n == src.line else ' '} {n:>4}  {text}"
+             for n, text in enumerate(lines, start=first)]
+    return Group(title, Text("\n".join(shown)))
 
 
 def _stats_table(title: str, stats) -> Table:
