@@ -32,13 +32,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.errors import is_own_file
 from nanaudit.localize.diagnose import keeps_inputs, op_base, scalar_infinities, scalar_overflows
 from nanaudit.report.model import SourceLine
 from nanaudit.run.checks import dense_values
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_DEMO_DIR = _OWN_DIR + "demo" + os.sep     # the bundled demo is user code, not ours
 
 # Ops that hand a value on unchanged: "where it came from" looks through them.
 PASS_THROUGH = frozenset({
@@ -53,7 +52,7 @@ def user_source() -> SourceLine | None:
     frame = sys._getframe(2)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        ours = filename.startswith(_OWN_DIR) and not filename.startswith(_DEMO_DIR)
+        ours = is_own_file(filename)
         if not filename.startswith(_TORCH_DIR) and not ours \
                 and not frame.f_code.co_filename.startswith("<frozen"):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()

@@ -526,3 +526,17 @@ def test_softmax_over_a_numpy_built_minus_inf_mask_is_all_masked(case, tmp_path)
     assert result.code == 1
     assert (f["op"], f["cause"]) == ("aten._softmax.default", "softmax-all-masked")
     assert "outside torch" in f["explanation"]
+
+
+def test_every_nanaudit_package_is_ours_and_the_demo_is_the_users():
+    # The op tracer and the error frames share one test of "ours": a finding's source line
+    # must never point into nanaudit, whichever package the call went through.
+    import nanaudit.commands.scan
+    import nanaudit.demo
+    import nanaudit.integrations.sentinel
+    import nanaudit.run.loop
+    from nanaudit.errors import is_own_file
+    for module in (nanaudit.run.loop, nanaudit.commands.scan, nanaudit.integrations.sentinel):
+        assert is_own_file(module.__file__)
+    assert not is_own_file(nanaudit.demo.__file__)
+    assert not is_own_file(__file__)
