@@ -432,6 +432,9 @@ def main(argv=None):
     names = CUDA_WORKLOADS if device.type == "cuda" else CPU_WORKLOADS
     if args.workloads:
         names = tuple(n.strip() for n in args.workloads.split(","))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        sys.exit(f"bench.py: unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
     workloads = {n: WORKLOADS[n] for n in names}
     if args.sizes_only:
         workloads = {}
