@@ -15,13 +15,14 @@
 and renamed into place, so a bundle is complete or absent.
 
 nanaudit never deletes what it did not create: a bundle carries a manifest
-(`nanaudit-bundle.json`, its files and the tool version), and only a folder holding nothing but
-a manifest's files is replaced. Any other existing folder (`--repro .`, a user's results folder)
+(`nanaudit-bundle.json`: the tool version and each file's SHA-256), and only a folder holding
+nothing but those files, unchanged, is replaced. Any other existing folder (`--repro .`, a user's results folder)
 receives the bundle in a new subfolder `repro-step<N>` (`-2`, `-3`, ... when that is taken).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,14 +58,32 @@ def bundle_folder(requested: Path, step: int) -> Path:
 
 
 def is_bundle(folder: Path) -> bool:
-    """An earlier bundle of ours: a manifest, and nothing in the folder it does not list."""
+    """An earlier bundle of ours, untouched since: a real folder holding regular files only,
+    each listed in the manifest with the same SHA-256. A user's file added to it, an edited
+    repro.py or a symlink makes it the user's, and it is never replaced."""
     try:
+        if folder.is_symlink() or not folder.is_dir():
+            return False
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        listed = set(manifest["files"]) | {MANIFEST}
-        present = {p.name for p in folder.iterdir()}
-    except (OSError, ValueError, KeyError, TypeError):
+        digests = manifest["files"]
+        if manifest.get("tool") != "nanaudit" or not isinstance(digests, dict):
+            return False
+        for path in folder.iterdir():
+            if path.name == MANIFEST:
+                continue
+            if path.is_symlink() or not path.is_file() or digests.get(path.name) != _sha256(path):
+                return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return manifest.get("tool") == "nanaudit" and present <= listed
+    return True
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_bundle(folder: Path, session, state, trip, finding, report_json: str) -> Path:
@@ -91,7 +110,7 @@ def write_bundle(folder: Path, session, state, trip, finding, report_json: str) 
 def _remove_bundle(folder: Path) -> None:
     """Delete an earlier bundle: only the files its manifest lists, then the empty folder."""
     listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
-    for name in [*listed, MANIFEST]:
+    for name in [*listed, MANIFEST]:      # names only: a listed "../x" stays inside
         target = folder / Path(name).name
         if target.is_file() and not target.is_symlink():
             target.unlink()
@@ -126,7 +145,7 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "report.json").write_text(report_json, encoding="utf-8")
     shutil.copyfile(_TEMPLATE, tmp / "repro.py")
-    files = sorted(p.name for p in tmp.iterdir())
+    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
     (tmp / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
                                             "files": files}, indent=2) + "\n", encoding="utf-8")
     for path in tmp.iterdir():

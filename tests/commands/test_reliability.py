@@ -556,3 +556,20 @@ def test_a_nan_behind_a_sparse_embedding_is_replayed_and_localized(tmp_path):
     assert result.code == 1, result.report["error"]
     assert (f["step"], f["where"], f["op"], f["cause"], f["samples"]) == (
         2, "forward", "aten.log.default", "log-domain", [1])
+
+
+def test_an_edited_or_linked_bundle_is_the_users_and_is_never_replaced(tmp_path):
+    target = tmp_path / "bundle"
+    assert scan(EXAMPLES / "log_negative.yaml", "--repro", target, tmp_path=tmp_path).code == 1
+    (target / "repro.py").write_text("# my own debugging notes\n")       # edited in place
+    result = scan(EXAMPLES / "log_negative.yaml", "--repro", target, tmp_path=tmp_path)
+    assert (target / "repro.py").read_text() == "# my own debugging notes\n"
+    assert result.report["repro"] == str(target / "repro-step3")
+    elsewhere = tmp_path / "elsewhere"
+    assert scan(EXAMPLES / "log_negative.yaml", "--repro", elsewhere, tmp_path=tmp_path).code == 1
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    before = _tree(elsewhere)
+    result = scan(EXAMPLES / "log_negative.yaml", "--repro", link, tmp_path=tmp_path)
+    assert result.report["repro"] == str(link / "repro-step3")
+    assert {k: v for k, v in _tree(elsewhere).items() if not k.startswith("repro-step3")} == before
