@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -87,23 +87,46 @@ def _sha256(path: Path) -> str:
 
 
 def write_bundle(folder: Path, session, state, trip, finding, report_json: str) -> Path:
-    """Write the bundle for `state` (the failing step) into `folder`, atomically. `folder` must
-    come from `bundle_folder`: absent, or an earlier bundle that is replaced file by file."""
+    """Write the bundle for `state` (the failing step) into `folder` (from `bundle_folder`)."""
+    return publish_bundle(folder, lambda tmp: _fill(tmp, session, state, trip, finding,
+                                                    report_json))
+
+
+def publish_bundle(folder: Path, fill: Callable[[Path], None]) -> Path:
+    """Fill a temporary folder, add the manifest, and rename it into place atomically.
+
+    `folder` is absent or an earlier, unchanged bundle of ours. That one is moved aside first
+    and checked again once aside (filling can take minutes: a user may have edited it
+    meanwhile); only then is the new bundle renamed in and the old one's listed files deleted.
+    If the check fails, the old folder is put back untouched and the write fails."""
     folder = Path(folder)
     if folder.exists() and not is_bundle(folder):
         raise FileExistsError(f"{folder} exists and is not a nanaudit repro bundle; "
                               f"nothing in it was touched")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    aside = None
     try:
         honour_umask(tmp, directory=True)
-        _fill(tmp, session, state, trip, finding, report_json)
+        fill(tmp)
+        _write_manifest(tmp)
         if folder.exists():
-            _remove_bundle(folder)
+            aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+            os.replace(folder, aside / folder.name)
+            aside_bundle = aside / folder.name
+            if not is_bundle(aside_bundle):
+                os.replace(aside_bundle, folder)
+                raise FileExistsError(f"{folder} changed while the new bundle was written; "
+                                      f"it was left as it is")
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not any(aside.iterdir()):
+            aside.rmdir()
         raise
+    if aside is not None:
+        _remove_bundle(aside / folder.name)
+        aside.rmdir()
     return folder
 
 
@@ -114,7 +137,16 @@ def _remove_bundle(folder: Path) -> None:
         target = folder / Path(name).name
         if target.is_file() and not target.is_symlink():
             target.unlink()
-    folder.rmdir()   # fails, keeping everything, if anything unlisted appeared meanwhile
+    folder.rmdir()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {p.name: _sha256(p) for p in sorted(folder.iterdir())}
+    (folder / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
+                                               "files": files}, indent=2) + "\n",
+                                   encoding="utf-8")
+    for path in folder.iterdir():
+        honour_umask(path)
 
 
 def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
@@ -145,11 +177,6 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "report.json").write_text(report_json, encoding="utf-8")
     shutil.copyfile(_TEMPLATE, tmp / "repro.py")
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
-                                            "files": files}, indent=2) + "\n", encoding="utf-8")
-    for path in tmp.iterdir():
-        honour_umask(path)
 
 
 def _version() -> str:

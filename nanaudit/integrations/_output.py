@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -49,11 +46,11 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
     """The failing step's data, written atomically: state.pt (model and optimizer state before
     the update), rng.pt, batch.pt, rows.pt (the offending rows), meta.json, report.json.
     Everything loads with torch.load(weights_only=True)."""
-    from nanaudit.commands.repro import to_plain_cpu, plain_rng
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    from nanaudit.commands.repro import bundle_folder, plain_rng, publish_bundle, to_plain_cpu
+    # The same rules as `scan`'s bundles: never replace a folder nanaudit did not write.
+    folder = bundle_folder(Path(folder), state.step)
+
+    def fill(tmp: Path) -> None:
         optim_state = None
         if optimizer is not None and hasattr(optimizer, "state_dict"):
             optim_state = to_plain_cpu(optimizer.state_dict())
@@ -73,10 +70,5 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
         (tmp / "meta.json").write_text(json.dumps(body, indent=2, default=str) + "\n",
                                        encoding="utf-8")
         (tmp / "report.json").write_text(report_json, encoding="utf-8")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    folder = publish_bundle(folder, fill)
     return folder

@@ -573,3 +573,20 @@ def test_an_edited_or_linked_bundle_is_the_users_and_is_never_replaced(tmp_path)
     result = scan(EXAMPLES / "log_negative.yaml", "--repro", link, tmp_path=tmp_path)
     assert result.report["repro"] == str(link / "repro-step3")
     assert {k: v for k, v in _tree(elsewhere).items() if not k.startswith("repro-step3")} == before
+
+
+def test_a_callbacks_bundle_never_deletes_a_users_folder(tmp_path):
+    # The integrations write their bundles under the same rules as `scan`.
+    import torch
+    from types import SimpleNamespace
+    from nanaudit.integrations._output import write_step_bundle
+    taken = tmp_path / "out" / "repro-step3"
+    taken.mkdir(parents=True)
+    (taken / "mine.txt").write_text("notes")
+    model = torch.nn.Linear(2, 1)
+    rng = SimpleNamespace(torch_cpu=torch.get_rng_state(), cuda=None, python=(3, (1, 2), None))
+    state = SimpleNamespace(step=3, rng=rng, batch=torch.zeros(4, 2), scale=None)
+    written = write_step_bundle(taken, model, None, SimpleNamespace(check="loss"), state, None,
+                                "{}", {})
+    assert (taken / "mine.txt").read_text() == "notes"
+    assert written == taken / "repro-step3" and (written / "nanaudit-bundle.json").is_file()

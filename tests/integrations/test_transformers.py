@@ -90,7 +90,7 @@ def test_trainer_log_zero_in_an_accumulated_micro_batch(tmp_path):
     assert "log-domain" in (folder / "nanaudit.md").read_text()
     bundle = folder / "repro-step2"
     assert sorted(p.name for p in bundle.iterdir()) == [
-        "batch.pt", "meta.json", "report.json", "rng.pt", "rows.pt", "state.pt"]
+        "batch.pt", "meta.json", "nanaudit-bundle.json", "report.json", "rng.pt", "rows.pt", "state.pt"]
     rows = torch.load(bundle / "rows.pt", weights_only=True)
     assert rows["labels"].tolist() == [0.0]
     assert json.loads((bundle / "meta.json").read_text())["model_class"] == (
