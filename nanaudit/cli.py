@@ -13,6 +13,7 @@ report from an earlier run and pass.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -69,6 +70,34 @@ def _log_width() -> int | None:
     if os.environ.get("COLUMNS") or sys.stderr.isatty():
         return None
     return 1000
+
+
+def _stoppable(command: str):
+    """Cover a command from its first line: a signal that arrives before the run has a report
+    (torch still importing, the outputs being checked) still leaves a partial report and exits
+    130 or 143, not click's "Aborted!" with exit 1."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def guarded_command(**kwargs):
+            with _Stop() as stop:
+                try:
+                    return fn(**kwargs)
+                except KeyboardInterrupt:
+                    _stopped_early(stop, command, kwargs)
+        return guarded_command
+    return wrap
+
+
+def _stopped_early(stop: _Stop, command: str, options: dict) -> None:
+    from nanaudit.commands.common import early_report
+    stop.hold()
+    terminal = Terminal(options.get("quiet") or options.get("json_path") == "-")
+    target = options.get("config") or options.get("bundle") or " ".join(
+        options.get("script_args") or ())
+    report = early_report(target, command, stop.signal_name or "SIGINT")
+    failed = _emit(report, terminal, options.get("json_path"), options.get("junit_path"),
+                   options.get("markdown_path"), options.get("fmt"))
+    _exit(_final_code(report, failed, terminal))
 
 
 def _exit(code: ExitCode):
@@ -149,6 +178,7 @@ def _report_outputs(fn):
                    "the first report file, else under ./nanaudit-reports).")
 @click.option("--no-repro", is_flag=True, help="Do not write a repro bundle.")
 @_report_outputs
+@_stoppable("scan")
 def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path, junit_path,
          markdown_path, fmt, plot_path, fail_on, quiet):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
@@ -337,6 +367,7 @@ def _main_thread() -> bool:
 @click.option("--skip-list", "skip_list_path", metavar="PATH",
               help="Write the poisoned batches and rows as JSON, for a training loop to skip.")
 @_report_outputs
+@_stoppable("bisect")
 def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_path, junit_path,
            markdown_path, fmt, plot_path, fail_on, quiet):
     """Find every non-finite batch of CONFIG's data set against the starting weights (with
@@ -404,6 +435,7 @@ def init(config, force):
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
 @_report_outputs
+@_stoppable("replay")
 def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on, quiet):
     """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
     same weights, batch and RNG state, without the data pipeline. Exits 1 when the
@@ -430,6 +462,7 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
               help="Do not re-run when localizing would repeat more than this many steps.")
 @_report_outputs
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@_stoppable("run")
 def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
         plot_path, fail_on, quiet, script_args):
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)

@@ -45,6 +45,17 @@ def exit_code(report: Report) -> ExitCode:
     return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERNAL))
 
 
+def early_report(target, command: str, signal_name: str) -> Report:
+    """The report of a command stopped before it built its own (torch still importing)."""
+    import sys
+    torch = sys.modules.get("torch")
+    report = Report(tool_version=__version__, config={"path": str(target)},
+                    torch_version=getattr(torch, "__version__", ""), device="",
+                    status=Status.INTERRUPTED, steps_run=0, command=command)
+    mark_interrupted(report, signal_name)
+    return report
+
+
 def mark_interrupted(report: Report, signal_name: str) -> None:
     """A run stopped by SIGINT or SIGTERM: the report keeps what it has, marked partial."""
     import signal

@@ -97,6 +97,9 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(_yaml_problem(exc), source=str(path)) from None
     except _YamlTooLarge as exc:
         raise ConfigError(str(exc), source=str(path)) from None
+    except RecursionError:
+        raise ConfigError("the YAML nests too deeply (thousands of levels of [ or {); a config "
+                          "is a page of keys", source=str(path)) from None
     if raw is None:
         raise ConfigError("the file is empty: it needs at least `model`, `data` and `loss`",
                           source=str(path))

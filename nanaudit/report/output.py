@@ -2,7 +2,8 @@
 
 A file is written to a temporary name in its own folder and renamed into place, so a reader
 (a CI system collecting artifacts, a second signal) sees the old file or the new one, never a
-mix. `tempfile` creates files 0600 and folders 0700; they are widened to what the umask allows,
+mix. A path that is a symlink or not a regular file (a FIFO, /dev/stdout) is written through
+instead: it is the user's, and replacing it would be modifying it. `tempfile` creates files 0600 and folders 0700; they are widened to what the umask allows,
 as `open()` and `mkdir` would have, so artifacts uploaded by another user stay readable.
 """
 
@@ -37,6 +38,12 @@ def write_atomic_bytes(path: str | Path, data: bytes) -> None:
     problem = output_problem(path)
     if problem:
         raise OutputError(problem)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # A symlink, a FIFO, /dev/stdout: the user's own object, written through in place,
+        # never replaced by a regular file (as root, replacing /dev/null would break the box).
+        with open(path, "wb") as handle:
+            handle.write(data)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -590,3 +590,46 @@ def test_a_callbacks_bundle_never_deletes_a_users_folder(tmp_path):
                                 "{}", {})
     assert (taken / "mine.txt").read_text() == "notes"
     assert written == taken / "repro-step3" and (written / "nanaudit-bundle.json").is_file()
+
+
+def test_deeply_nested_yaml_is_a_config_error_not_our_bug(tmp_path):
+    (tmp_path / "case.py").write_text(LINEAR_CASE)
+    (tmp_path / "config.yaml").write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    for command in ("scan", "validate"):
+        result = run_cli(command, tmp_path / "config.yaml")
+        assert result.code == 3 and "nests too deeply" in result.stderr
+
+
+def test_a_symlinked_report_path_is_written_through_not_replaced(tmp_path):
+    real = tmp_path / "artifacts" / "real.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "report.json"
+    link.symlink_to(real)
+    result = run_cli("scan", ROOT / "configs" / "clean.yaml", "-q", "--json", link)
+    assert result.code == 0 and link.is_symlink()
+    assert json.loads(real.read_text())["status"] == "clean"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_torch_is_still_importing_leaves_a_report(tmp_path, sig, code):
+    # Before the run has a report of its own (imports take a second or more).
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, nanaudit.cli as cli\n"
+        "import builtins\n"
+        "real = builtins.__import__\n"
+        "def slow(name, *a, **k):\n"
+        "    if name == 'torch':\n"
+        "        open('importing', 'w').close(); time.sleep(30)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = slow\n"
+        "cli.main(['scan', sys.argv[1], '-q', '--json', 'r.json'])\n"),
+        str(ROOT / "configs" / "demo.yaml")], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "importing", proc)
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode == code
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["status"] == "interrupted" and report["error"]["signal"] == sig.name
