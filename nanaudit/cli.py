@@ -4,8 +4,8 @@ torch is imported lazily inside commands so `nanaudit --help` stays instant. Dia
 stderr; stdout carries only machine formats (`--json -`, GitHub annotations).
 
 Signals: the first SIGINT or SIGTERM stops the run at the next Python instruction and the
-partial report is written (exit 130 or 143); while reports are being written it is held until
-they are out; a second signal exits at once (the files are written atomically, so a report is
+partial report is written (exit 130 or 143); one that arrives while the reports are being
+written lets them finish, and the run's own result stands; a second signal exits at once (the files are written atomically, so a report is
 the old one or the new one, never half of each). Every requested output is checked before the
 run, and a failure to write one is exit 9 whatever the scan found: CI must never read a stale
 report from an earlier run and pass.
@@ -321,8 +321,11 @@ def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt,
             continue
         text = renderer_for(name).render(report)
         if path == "-":
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except OSError as exc:     # a closed pipe (`| head`): the report did not arrive
+                failed.append(f"cannot write the {name} report to stdout: {_os_reason(exc)}")
             continue
         try:
             write_atomic(path, text)
