@@ -35,6 +35,7 @@ import torch
 
 from nanaudit.errors import ConfigError, Problem
 from nanaudit.report.output import honour_umask
+from nanaudit.run.batch import to_plain
 
 BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "report.json",
                 "repro.py")
@@ -186,14 +187,8 @@ def _version() -> str:
 
 def to_plain_cpu(tree: Any) -> Any:
     """Tensors to the CPU, containers to plain dict/list/tuple (what weights_only loads)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: to_plain_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        items = [to_plain_cpu(v) for v in tree]
-        return items if isinstance(tree, list) else tuple(items)
-    return tree
+    return to_plain(tree, lambda leaf: leaf.detach().cpu() if isinstance(leaf, torch.Tensor)
+                    else leaf)
 
 
 def plain_rng(value: Any) -> Any:

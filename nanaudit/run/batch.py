@@ -8,9 +8,12 @@ leaf with none (a per-batch scalar) is passed whole. `batch_dim:` in the config 
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,16 +74,47 @@ def _key_path(path: str, key: Any) -> str:
     return f"{path}[{key!r}]".replace("'", '"')
 
 
+def children(tree: Any) -> list[tuple[str, Any]] | None:
+    """A container's children as (path suffix, child), or None for a leaf. Containers are the
+    shapes batches come in: any Mapping (dict, OrderedDict, `UserDict`, and so Hugging Face's
+    `BatchEncoding` / `BatchFeature`), dataclass instances, namedtuples, lists and tuples.
+    Suffixes read like the user's code: `["input_ids"]`, `.pixels`, `[0]`."""
+    if isinstance(tree, Mapping):
+        return [(_key_path("", k), v) for k, v in tree.items()]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return [(f".{f.name}", getattr(tree, f.name)) for f in dataclasses.fields(tree)]
+    if isinstance(tree, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(tree)]
+    return None
+
+
+def rebuild(tree: Any, values: list) -> Any:
+    """The container `tree` with its children replaced by `values` (same order as
+    `children`), of the same type where the type can be rebuilt, else the plain equivalent."""
+    if isinstance(tree, Mapping):
+        pairs = dict(zip(tree.keys(), values))
+        if type(tree) is dict:
+            return pairs
+        try:
+            return type(tree)(pairs)
+        except Exception:  # noqa: BLE001 - a Mapping type that cannot be built from a dict
+            return pairs
+    if dataclasses.is_dataclass(tree):
+        return dataclasses.replace(tree, **{f.name: v for f, v in
+                                            zip(dataclasses.fields(tree), values)})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*values)
+    return type(tree)(values) if isinstance(tree, (list, tuple)) else values
+
+
 def iter_leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """Yield (path, leaf) for every non-container leaf, depth first, in a stable order."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from iter_leaves(value, _key_path(path, key))
-    elif isinstance(tree, (list, tuple)):
-        for index, value in enumerate(tree):
-            yield from iter_leaves(value, f"{path}[{index}]")
-    else:
+    items = children(tree)
+    if items is None:
         yield path, tree
+        return
+    for suffix, value in items:
+        yield from iter_leaves(value, path + suffix)
 
 
 def tensor_leaves(tree: Any) -> list[tuple[str, Any]]:
@@ -95,18 +129,45 @@ def float_leaves(tree: Any) -> list[tuple[str, Any]]:
 def map_tensors(tree: Any, fn: Callable[[str, Any], Any], path: str = "") -> Any:
     """Rebuild the tree with fn(path, tensor) applied to each tensor; keeps container types."""
     import torch
-    if isinstance(tree, dict):
-        return type(tree)((k, map_tensors(v, fn, _key_path(path, k)))
-                          for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(tree)))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(tree))
     if isinstance(tree, torch.Tensor):
         return fn(path, tree)
-    return tree
+    items = children(tree)
+    if items is None:
+        return tree
+    return rebuild(tree, [map_tensors(v, fn, path + suffix) for suffix, v in items])
+
+
+def to_plain(tree: Any, leaf: Callable[[Any], Any] = lambda x: x) -> Any:
+    """The tree as plain dict / list / tuple (what `torch.load(weights_only=True)` reads),
+    `leaf` applied to every leaf: a dataclass becomes the dict of its fields."""
+    items = children(tree)
+    if items is None:
+        return leaf(tree)
+    values = [to_plain(v, leaf) for _, v in items]
+    if isinstance(tree, Mapping) or dataclasses.is_dataclass(tree):
+        keys = tree.keys() if isinstance(tree, Mapping) else [f.name for f in
+                                                               dataclasses.fields(tree)]
+        return dict(zip(keys, values))
+    return values if isinstance(tree, list) else tuple(values)
 
 
 def to_device(tree: Any, device) -> Any:
-    # non_blocking lets host-to-device copies overlap with compute on CUDA; a no-op on CPU.
-    return map_tensors(tree, lambda _, t: t.to(device, non_blocking=True))
+    return move(tree, device, [])
+
+
+def move(tree: Any, device, leaves: list) -> Any:
+    """The batch on `device`, collecting its floating-point tensors in `leaves` in the same
+    walk (the step's batch check reads them). A leaf object with its own `.to(device)` (a
+    custom batch class) is moved by it. non_blocking lets host-to-device copies overlap with
+    compute on CUDA; it is a no-op on CPU."""
+    if isinstance(tree, torch.Tensor):
+        moved = tree.to(device, non_blocking=True)
+        if moved.is_floating_point() or moved.is_complex():
+            leaves.append(moved)
+        return moved
+    items = children(tree)
+    if items is None:
+        mover = getattr(tree, "to", None)
+        return mover(device) if callable(mover) and not isinstance(tree, (str, bytes)) \
+            else tree
+    return rebuild(tree, [move(v, device, leaves) for _, v in items])

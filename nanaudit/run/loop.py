@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from nanaudit.errors import ConfigError, UserCodeError, call_user
+from nanaudit.run.batch import move
 from nanaudit.run.checks import StepChecks, confirm_nonfinite
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode, choose_read
 from nanaudit.run.distributed import FLAGS
@@ -248,7 +249,7 @@ class _StepLoop:
         started = time.perf_counter()
         rng = RngState.capture()
         leaves: list = []
-        batch = _move(raw_batch, self.session.device, leaves)
+        batch = move(raw_batch, self.session.device, leaves)
         self.watches.activations.begin(step)
         loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
         scale = self.precision.scale if self.precision.scaler is not None else None
@@ -295,7 +296,7 @@ class _StepLoop:
         updated = self.updated
         rng = RngState.capture()
         leaves: list = []
-        batch = _move(raw_batch, self.session.device, leaves)
+        batch = move(raw_batch, self.session.device, leaves)
         saved = self.keeper.save()
         self.watches.activations.begin(step)
         loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
@@ -403,23 +404,6 @@ def _rank_row(coord, readout, loss, exhausted: bool) -> torch.Tensor:
     return torch.stack([readout.batch_bad(), bad_loss, grad_flag.reshape(()),
                         torch.tensor(float(exhausted), dtype=torch.float64,
                                      device=readout.values.device)])
-
-
-def _move(tree: Any, device, leaves: list) -> Any:
-    """`to_device(tree, device)` that also collects the floating-point leaves (the batch check's
-    tensors) in the same walk: one pass over the batch per step instead of two."""
-    if isinstance(tree, torch.Tensor):
-        moved = tree.to(device, non_blocking=True)
-        if moved.is_floating_point() or moved.is_complex():
-            leaves.append(moved)
-        return moved
-    if isinstance(tree, dict):
-        return type(tree)((k, _move(v, device, leaves)) for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(_move(v, device, leaves) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_move(v, device, leaves) for v in tree)
-    return tree
 
 
 def _samples_update(updates, step: int) -> bool:
