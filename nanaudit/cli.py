@@ -77,11 +77,12 @@ def _stoppable(command: str):
     (torch still importing, the outputs being checked) still leaves a partial report and exits
     130 or 143, not click's "Aborted!" with exit 1."""
     def wrap(fn):
+        # The command gets the guard as `stop`: one handler for the whole command.
         @functools.wraps(fn)
         def guarded_command(**kwargs):
             with _Stop() as stop:
                 try:
-                    return fn(**kwargs)
+                    return fn(**kwargs, stop=stop)
                 except KeyboardInterrupt:
                     _stopped_early(stop, command, kwargs)
         return guarded_command
@@ -180,7 +181,7 @@ def _report_outputs(fn):
 @_report_outputs
 @_stoppable("scan")
 def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path, junit_path,
-         markdown_path, fmt, plot_path, fail_on, quiet):
+         markdown_path, fmt, plot_path, fail_on, quiet, stop):
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
     from nanaudit.commands.common import ScanOptions
@@ -194,23 +195,22 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir, **hooks)
-    with _Stop() as stop:
-        try:
-            report = run_scan(config, options)
-        finally:
-            stop.hold()
-            if progress:
-                progress.stop()
-        _note_signal(report, stop)
-        _leave_early_if_failed(_code(report))
-        failed = []
-        if _is_rank_zero():
-            failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-            if repro_dir and report.repro_error:
-                failed.append(report.repro_error)
-        code = _final_code(report, failed, terminal)
-        _leave_process_group(code)
-        _exit(code)     # inside: a signal now still finds our handler, not the default
+    try:
+        report = run_scan(config, options)
+    finally:
+        stop.hold()
+        if progress:
+            progress.stop()
+    _note_signal(report, stop)
+    _leave_early_if_failed(_code(report))
+    failed = []
+    if _is_rank_zero():
+        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+        if repro_dir and report.repro_error:
+            failed.append(report.repro_error)
+    code = _final_code(report, failed, terminal)
+    _leave_process_group(code)
+    _exit(code)     # still under the guard: a late signal finds our handler, not the default
 
 
 def _code(report) -> ExitCode:
@@ -241,8 +241,8 @@ def _final_code(report, failed: list, terminal: Terminal) -> ExitCode:
 def _check_outputs(terminal: Terminal, paths: list, plot_path) -> None:
     """Refuse, before any step runs, outputs that cannot be written."""
     from nanaudit.report.output import output_problem
-    problems = [f"cannot write {p}: {output_problem(p)}" for p in paths
-                if p and p != "-" and output_problem(p)]
+    found = {p: output_problem(p) for p in paths if p and p != "-"}
+    problems = [f"cannot write {p}: {problem}" for p, problem in found.items() if problem]
     if problems:
         for problem in problems:
             terminal.error(problem)
@@ -372,7 +372,7 @@ def _main_thread() -> bool:
 @_report_outputs
 @_stoppable("bisect")
 def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_path, junit_path,
-           markdown_path, fmt, plot_path, fail_on, quiet):
+           markdown_path, fmt, plot_path, fail_on, quiet, stop):
     """Find every non-finite batch of CONFIG's data set against the starting weights (with
     its samples and cause), or with --checkpoints the first bad checkpoint and step."""
     from nanaudit.commands.bisect import bisect as run_bisect
@@ -381,20 +381,19 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path, skip_list_path],
                    plot_path)
     progress, hooks = _progress_hooks(terminal)
-    with _Stop() as stop:
-        try:
-            report = run_bisect(config, ScanOptions(steps=steps, device=device, fail_on=fail_on,
-                                                    **hooks), checkpoints, pattern)
-        finally:
-            stop.hold()
-            if progress:
-                progress.stop()
-        _note_signal(report, stop)
-        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-        section = report.bisect or {}
-        if skip_list_path and section.get("mode") == "data":
-            failed += _write_skip_list(skip_list_path, section["skip_list"])
-        _exit(_final_code(report, failed, terminal))
+    try:
+        report = run_bisect(config, ScanOptions(steps=steps, device=device, fail_on=fail_on,
+                                                **hooks), checkpoints, pattern)
+    finally:
+        stop.hold()
+        if progress:
+            progress.stop()
+    _note_signal(report, stop)
+    failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    section = report.bisect or {}
+    if skip_list_path and section.get("mode") == "data":
+        failed += _write_skip_list(skip_list_path, section["skip_list"])
+    _exit(_final_code(report, failed, terminal))
 
 
 def _write_skip_list(path, skip_list) -> list[str]:
@@ -439,21 +438,20 @@ def init(config, force):
 @click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
 @_report_outputs
 @_stoppable("replay")
-def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on, quiet):
+def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on, quiet, stop):
     """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
     same weights, batch and RNG state, without the data pipeline. Exits 1 when the
     non-finite value reproduces."""
     from nanaudit.commands.replay import replay as run_replay
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
-    with _Stop() as stop:
-        try:
-            report = run_replay(bundle)
-        finally:
-            stop.hold()
-        _note_signal(report, stop)
-        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-        _exit(_final_code(report, failed, terminal))
+    try:
+        report = run_replay(bundle)
+    finally:
+        stop.hold()
+    _note_signal(report, stop)
+    failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _exit(_final_code(report, failed, terminal))
 
 
 @main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
@@ -467,7 +465,7 @@ def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_stoppable("run")
 def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, fmt,
-        plot_path, fail_on, quiet, script_args):
+        plot_path, fail_on, quiet, script_args, stop):
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
@@ -487,22 +485,21 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
                          fail_on=fail_on, on_rerun=lambda step: terminal.info(
                              f"non-finite at optimizer step {step}: re-running the script from "
                              f"the start to localize it (--no-rerun skips this)"))
-    with _Stop() as stop:
-        try:
-            report = run_script(target, options)
-        finally:
-            stop.hold()
-        _note_signal(report, stop)
-        rank = (report.run or {}).get("rank")
-        if rank:
-            # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
-            json_path, junit_path, markdown_path, plot_path = (
-                rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
-        if rank is not None and _main_thread():
-            # torchrun stops the other ranks with SIGTERM once one exits: finish the reports.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-        _exit(_final_code(report, failed, terminal))
+    try:
+        report = run_script(target, options)
+    finally:
+        stop.hold()
+    _note_signal(report, stop)
+    rank = (report.run or {}).get("rank")
+    if rank:
+        # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
+        json_path, junit_path, markdown_path, plot_path = (
+            rank_path(p, rank) for p in (json_path, junit_path, markdown_path, plot_path))
+    if rank is not None and _main_thread():
+        # torchrun stops the other ranks with SIGTERM once one exits: finish the reports.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
+    _exit(_final_code(report, failed, terminal))
 
 
 @main.command(epilog=EXIT_CODE_HELP)

@@ -144,7 +144,7 @@ def _every_finding(session: Session, outcome: ScanOutcome) -> list:
     while findings[-1].samples and layout.size:
         taken = set(findings[-1].samples)
         remaining = [r for r in remaining if r not in taken]
-        if not remaining or not set(taken) <= set(range(layout.size)):
+        if not remaining:
             break
         rest = select_rows(state.batch, layout, remaining)
         # The rest as the only batch at the same step: same weights (no updates), same RNG.

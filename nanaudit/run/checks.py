@@ -157,9 +157,7 @@ class StepChecks:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        strided = torch.strided
-        return [g if g.layout is strided else dense_values(g.detach())
-                for g in (p.grad for p in self.params) if g is not None]
+        return [dense_values(p.grad) for p in self.params if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
         return finite_norm(self.grad_values(), self.device)
@@ -202,6 +200,8 @@ class StepChecks:
 def dense_values(t: torch.Tensor) -> torch.Tensor:
     """A sparse tensor's stored values as a dense tensor (itself when dense): what the
     finiteness checks and statistics read, since most kernels take no sparse layout."""
+    if t.layout is torch.strided:      # the common case, first: this runs per gradient per step
+        return t
     if t.layout is torch.sparse_coo:
         return t.coalesce().values()
     if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
