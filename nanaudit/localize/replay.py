@@ -40,7 +40,8 @@ from nanaudit.localize.tracer import (
 )
 from nanaudit.run.checks import StepChecks, value_kind
 from nanaudit.run.session import Session
-from nanaudit.run.step import StepState, Trip, forward_backward
+from nanaudit.run.step import StepState, Trip
+from nanaudit.run.units import ReplayHooks
 
 
 @contextlib.contextmanager
@@ -67,18 +68,17 @@ class Localization:
 
 
 def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tensor]:
-    state.rng.restore()
+    """The step unit's replay of the tripping (micro-)step under the OpTracer."""
     with OpTracer(session.model) as tracer:
-        loss = forward_backward(session, state.batch, before_backward=tracer.start_backward,
-                                scale=state.scale)
+        loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
+                                                            tracer.end_backward))
     return tracer.trace, loss
 
 
 def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
     """An untraced replay on `batch`: does the same check trip again? (for sample isolation)"""
-    state.rng.restore()
     try:
-        loss = forward_backward(session, batch, scale=state.scale)
+        loss = session.unit.replay(state, batch)
     except Exception:  # noqa: BLE001 - a sub-batch the model cannot take does not reproduce
         return False
     if check == "loss":

@@ -261,6 +261,10 @@ class OpTracer(TorchDispatchMode):
         self._tag_pending()
         self.phase = "backward"
 
+    def end_backward(self) -> None:
+        """Back to forward ops: a user's step runs several forwards and backwards."""
+        self.phase = "forward"
+
     def _tag_pending(self) -> None:
         for tensor, record in self._pending:
             node = tensor.grad_fn
