@@ -165,6 +165,11 @@ def move(tree: Any, device, leaves: list) -> Any:
         if moved.is_floating_point() or moved.is_complex():
             leaves.append(moved)
         return moved
+    kind = type(tree)
+    if kind is tuple or kind is list:     # the common shapes, without building path names
+        return kind([move(v, device, leaves) for v in tree])
+    if kind is dict:
+        return {k: move(v, device, leaves) for k, v in tree.items()}
     items = children(tree)
     if items is None:
         mover = getattr(tree, "to", None)

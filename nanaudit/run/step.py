@@ -5,6 +5,7 @@ batch, and how the host classifies a step from its one read.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 import sys
@@ -34,9 +35,7 @@ class RngState:
     @classmethod
     def capture(cls) -> "RngState":
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        numpy = sys.modules.get("numpy")   # only when the user's code imported it
-        return cls(random.getstate(), torch.get_rng_state(), cuda,
-                   numpy.random.get_state() if numpy is not None else None)
+        return cls(_PYTHON.state(), torch.get_rng_state(), cuda, _NUMPY.state())
 
     def restore(self) -> None:
         random.setstate(self.python)
@@ -45,6 +44,97 @@ class RngState:
             torch.cuda.set_rng_state_all(self.cuda)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+
+
+class _ReusedState:
+    """A global RNG's state, captured again only when it moved.
+
+    `random.getstate()` (~10 us) and `numpy.random.get_state()` (~45 us: it copies the
+    624-word key into a new array) would be a third of a small model's step, and most steps
+    never draw from them. So a capture is reused while a fingerprint of the generator's C state
+    (its position and two key words, read in place through ctypes in well under a
+    microsecond) is unchanged: a draw moves the position, and a refill changes the key. Once
+    the generator has moved during the run, every later step captures in full: a draw that
+    only takes NumPy's cached second Gaussian moves no position, and only a run that draws
+    can have one cached. The in-place view is checked against the real state once; where it
+    does not match (another Python or NumPy build) every step captures in full."""
+
+    def __init__(self, full_state, owner, view):
+        self._full_state, self._owner_now, self._view_of = full_state, owner, view
+        self._owner = self._words = self._last = None
+        self._moving = False
+
+    def state(self):
+        owner, words = self._view()
+        if owner is None:
+            return None                   # NumPy not imported: nothing to capture
+        if words is None or self._moving:
+            return self._full_state()
+        fingerprint = (words[0], words[1], words[312], getattr(owner, "gauss_next", None))
+        if self._last is not None and self._last[0] != fingerprint:
+            self._moving = True           # the run draws from it: capture every step
+            return self._full_state()
+        if self._last is None:
+            self._last = (fingerprint, self._full_state())
+        return self._last[1]
+
+    def _view(self):
+        owner = self._owner_now()
+        if owner is not self._owner:      # first use, or the generator object was replaced
+            self._owner, self._words, self._last = owner, self._view_of(owner), None
+            self._moving = False
+        return owner, self._words
+
+
+def _python_words(owner):
+    """CPython's Random object: PyObject header, `int index`, `uint32 state[624]`; as one
+    array [index, state...], checked against `getstate()`."""
+    try:
+        words = (ctypes.c_uint32 * 625).from_address(id(owner) + 16)
+        version, saved, _ = owner.getstate()
+        if list(words[1:]) != list(saved[:624]) or words[0] != saved[624]:
+            return None
+    except (ValueError, TypeError, IndexError):
+        return None
+    return words
+
+
+def _numpy_generator():
+    numpy = sys.modules.get("numpy")
+    return getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
+
+
+def _numpy_words(owner):
+    """NumPy's legacy global generator: its MT19937 `key[624], pos`, as [pos, key...]."""
+    if owner is None:
+        return None
+    try:
+        raw = (ctypes.c_uint32 * 625).from_address(owner._bit_generator.ctypes.state_address)
+        state = owner.get_state()
+        if list(raw[:624]) != state[1].tolist() or raw[624] != state[2]:
+            return None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return _Rotated(raw)
+
+
+class _Rotated:
+    """[pos, key[0], key[1], ...] over NumPy's [key..., pos] layout, for the fingerprint."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def __getitem__(self, i):
+        return self.raw[624] if i == 0 else self.raw[i - 1]
+
+
+def _numpy_full_state():
+    numpy = sys.modules.get("numpy")
+    return numpy.random.get_state() if numpy is not None else None
+
+
+_PYTHON = _ReusedState(random.getstate, lambda: random._inst, _python_words)
+_NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_words)
 
 
 @dataclass

@@ -182,8 +182,13 @@ class GrowthWatch:
         if len(self._reference) < self.options.spike_window:
             self._reference.append(abs(loss))
         if rtol and len(self.losses) >= min(5, self.options.spike_window):
-            threshold = self._spike_threshold(rtol)
-            spiking = loss > threshold
+            # The threshold is never below the window's minimum (times 1 + rtol for a
+            # positive loss, judged on its log scale): a loss under that bound is no spike,
+            # which spares most steps the noise estimate.
+            low = min(self.losses)
+            bound = low * (1 + rtol) if low > 0 else low
+            threshold = self._spike_threshold(rtol) if loss > bound else None
+            spiking = threshold is not None and loss > threshold
             if spiking and not self._in_spike:
                 mean = _mean(self.losses)
                 found.append(EarlyWarning(
