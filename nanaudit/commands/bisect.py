@@ -29,7 +29,7 @@ from nanaudit.report.model import Report, Status
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
-from nanaudit.run.session import Session
+from nanaudit.run.session import Session, load_training_state
 from nanaudit.run.step import ScanOutcome
 
 
@@ -253,9 +253,9 @@ def bisect_checkpoints(session: Session, files: list[CheckpointFile]) -> dict:
     checkpoint = load_checkpoint(good.path, key="--checkpoints")
     apply_model_state(session.model, checkpoint, "--checkpoints", str(good.path))
     session.model.to(session.device)
-    has_optimizer = "optimizer" in checkpoint.raw and session.optimizer is not None
-    if has_optimizer:
-        session.optimizer.load_state_dict(checkpoint.raw["optimizer"])
+    has_optimizer = (("optimizer" in checkpoint.raw or "optimizers" in checkpoint.raw)
+                     and session.optimizer is not None)
+    load_training_state(checkpoint.raw, session.optimizers, session.schedulers)
     result["optimizer_state"] = has_optimizer
     outcome = run_steps(session, files[index].step - good.step, start_step=good.step)
     result["steps_replayed"] = outcome.steps_run - good.step if outcome.steps_run else 0
