@@ -121,6 +121,13 @@ def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names
     note = origin_note(trace, diagnosis)
     if note:
         diagnosis = Diagnosis(diagnosis.cause, diagnosis.explanation + note, diagnosis.fix)
+    if blame.event.function is not None and \
+            f"autograd.Function {blame.event.function}" not in diagnosis.explanation:
+        where = f" ({os.path.basename(blame.event.source.file)}:{blame.event.source.line})" \
+            if blame.event.source is not None else ""
+        diagnosis = Diagnosis(diagnosis.cause, f"in the hand-written backward of the "
+                              f"autograd.Function {blame.event.function}{where}: "
+                              f"{diagnosis.explanation}", diagnosis.fix)
     return Localization(True, value, blame.event, blame.chain, diagnosis, names, trace.ops_seen)
 
 
@@ -182,8 +189,6 @@ class _Walk:
         self.trace, self.timeline = trace, timeline
 
     def blame(self, creator: OpEvent, chain: list, kind: str) -> Blame:
-        if creator.phase == "backward":
-            return self._backward(creator, chain, kind)
         untracked = [i for i, (k, p) in enumerate(zip(creator.in_kinds, creator.in_producers))
                      if p is None and carries(k, kind)]
         if untracked:               # the value reached its first traced op already bad
@@ -191,6 +196,10 @@ class _Walk:
                             origin=creator.untracked.get(untracked[0]))
             return self._blame_source(source, chain[1:], None) or \
                 self._outside(source, chain, signed(set().union(*creator.in_kinds)))
+        if creator.phase == "backward" and creator.function is None:
+            # a built-in gradient: explained by its forward op and that op's inputs. The ops of
+            # a custom Function's backward are the user's own code, judged like forward ops.
+            return self._backward(creator, chain, kind)
         if kind == "nan":
             if creator.infinite_inputs() or creator.scalar_infinities() \
                     or creator.scalar_overflows():
@@ -206,9 +215,10 @@ class _Walk:
         untracked = [i for i, p in event.infinite_inputs() if p is None]
         if untracked:
             return Source("outside", event, chain, origin=event.untracked.get(untracked[0]))
-        if event.phase == "forward" and event.scalar_infinities():
+        users_code = event.phase == "forward" or event.function is not None
+        if users_code and event.scalar_infinities():
             return Source("written", event, chain)
-        if event.phase == "forward" and event.scalar_overflows():
+        if users_code and event.scalar_overflows():
             return Source("outside", event, chain, origin=_host_number(event))
         return Source("computed", event, chain, infinity_reason(event, self.timeline))
 
