@@ -45,14 +45,18 @@ from nanaudit.run.step import StepState, Trip, forward_backward
 
 @contextlib.contextmanager
 def preserved_buffers(model: torch.nn.Module):
-    """Restore buffers (BatchNorm running stats) after each replay, so replays stay comparable."""
+    """Restore buffers (BatchNorm running stats) on exit, so replays stay comparable; yields
+    the restore, for a caller that runs several replays from the same buffers."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 @dataclass
@@ -75,15 +79,29 @@ def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tens
 
 
 def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
-    """An untraced replay on `batch`: does the same check trip again? (for sample isolation)"""
+    """An untraced replay on `batch`: does the same check trip again? (for sample isolation)
+
+    An exception of the user's code is raised as their UserCodeError, never read as "does not
+    reproduce": the sample search keeps sub-batches to sizes the model takes (samples.Feeding),
+    so what is left is the user's to see."""
     state.rng.restore()
-    try:
-        loss = forward_backward(session, batch, scale=state.scale)
-    except Exception:  # noqa: BLE001 - a sub-batch the model cannot take does not reproduce
-        return False
+    loss = forward_backward(session, batch, scale=state.scale)
     if check == "loss":
         return not bool(torch.isfinite(loss.detach()))
     return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))
+
+
+def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
+    """The fewest rows a replay's batch must have for the model to take it, and why: BatchNorm
+    in train mode needs more than one value per channel (a 1-row batch of (N, C) features
+    raises). Other limits (a model that fixes its batch size) show as an exception, which the
+    sample search answers by feeding the full batch size."""
+    norms = [name or type(m).__name__ for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+        return 2, (f"BatchNorm in train mode ({shown}) needs more than one value per channel")
+    return 1, ""
 
 
 def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:
