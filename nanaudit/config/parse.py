@@ -39,6 +39,7 @@ from nanaudit.config.schema import (
     Entrypoint,
     LocalizeOptions,
     OptimizerSpec,
+    SchedulerSpec,
     WatchOptions,
 )
 from nanaudit.errors import ConfigError, Problem
@@ -159,14 +160,23 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         problems.append(Problem("schema_version", f"this nanaudit reads schema version "
                                 f"{SCHEMA_VERSION}, the file says {version!r}"))
     entries = {}
+    own_step = raw.get("step") is not None
+    if own_step and raw.get("loss") is not None:
+        problems.append(Problem("step", "`step:` runs the user's whole step (forward, loss, "
+                                "backward, update): give either `step:` or `loss:`, not both"))
     for key in ("model", "data", "loss"):
-        if key not in raw:
+        if key == "loss" and own_step:
+            entries[key] = None
+        elif key not in raw:
             problems.append(Problem(key, "required key is missing (an entrypoint such as "
                                     "`mypkg.models:build_model` or `model.py:build_model`)"))
         else:
             entries[key] = _entrypoint(raw[key], key, problems)
     values = dict(
-        optimizer=_optimizer(raw.get("optimizer"), problems),
+        optimizer=_builder(raw.get("optimizer"), "optimizer", OptimizerSpec, problems),
+        scheduler=_builder(raw.get("scheduler"), "scheduler", SchedulerSpec, problems),
+        accumulate=_accumulate(raw.get("accumulate", 1), problems),
+        step=_entrypoint(raw["step"], "step", problems) if own_step else None,
         steps=_positive_int(raw.get("steps"), "steps", problems),
         seed=_seed(raw.get("seed"), problems),
         checkpoint=_checkpoint(raw.get("checkpoint"), path, problems),
@@ -182,6 +192,10 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         sentinel_read=_choice(raw.get("sentinel_read", "auto"), "sentinel_read",
                               SENTINEL_READS, problems),
     )
+    if own_step and values["accumulate"] > 1:
+        problems.append(Problem("accumulate", "with `step:` the user's step accumulates itself "
+                                "(nanaudit checks each optimizer step it makes); remove "
+                                "`accumulate`"))
     if raw.get("amp") is not None and values["precision"] == "fp32":
         problems.append(Problem("amp", "only used with `precision: fp16` or `bf16`; this run "
                                 "is fp32"))
@@ -224,29 +238,45 @@ def _entrypoint(value: Any, key: str, problems: list[Problem]) -> Entrypoint | N
     return Entrypoint(target=value.strip(), key=key, args=args)
 
 
-def _optimizer(value: Any, problems: list[Problem]) -> OptimizerSpec | None:
+_EXAMPLE_CLASS = {"optimizer": "torch.optim.AdamW",
+                  "scheduler": "torch.optim.lr_scheduler.OneCycleLR"}
+# Keyword arguments that are always numbers, whatever the class.
+_NUMERIC_KWARGS = ("lr", "eps", "weight_decay", "momentum", "max_lr", "gamma", "total_steps",
+                   "step_size", "T_max", "eta_min", "warmup_steps")
+
+
+def _builder(value: Any, key: str, spec_type, problems: list[Problem]):
+    """An optimizer or scheduler: a class path with keyword arguments, or an entrypoint."""
     if value is None:
         return None
     if isinstance(value, str) or (isinstance(value, dict) and "entrypoint" in value):
-        factory = _entrypoint(value, "optimizer", problems)
-        return OptimizerSpec(key="optimizer", factory=factory) if factory else None
+        factory = _entrypoint(value, key, problems)
+        return spec_type(key=key, factory=factory) if factory else None
     if not isinstance(value, dict):
-        problems.append(Problem("optimizer", "expected a mapping with `class` (and its keyword "
+        problems.append(Problem(key, "expected a mapping with `class` (and its keyword "
                                 "arguments) or an entrypoint string"))
         return None
     class_path = value.get("class")
     if not isinstance(class_path, str) or "." not in class_path:
-        problems.append(Problem("optimizer.class", f"expected a class path such as "
-                                f"`torch.optim.AdamW`, got {class_path!r}"))
+        problems.append(Problem(f"{key}.class", f"expected a class path such as "
+                                f"`{_EXAMPLE_CLASS[key]}`, got {class_path!r}"))
         return None
     kwargs = {k: v for k, v in value.items() if k != "class"}
     for name, arg in kwargs.items():
-        if name in ("lr", "eps", "weight_decay", "momentum") and not _is_number(arg):
-            problems.append(Problem(f"optimizer.{name}", f"expected a {_finite_word(arg)}number, "
+        if name in _NUMERIC_KWARGS and not _is_number(arg):
+            problems.append(Problem(f"{key}.{name}", f"expected a {_finite_word(arg)}number, "
                                     f"got {arg!r}"))
         elif _has_nonfinite(arg):
-            problems.append(Problem(f"optimizer.{name}", f"holds a non-finite number: {arg!r}"))
-    return OptimizerSpec(key="optimizer", class_path=class_path, kwargs=kwargs)
+            problems.append(Problem(f"{key}.{name}", f"holds a non-finite number: {arg!r}"))
+    return spec_type(key=key, class_path=class_path, kwargs=kwargs)
+
+
+def _accumulate(value: Any, problems: list[Problem]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65536:
+        problems.append(Problem("accumulate", f"expected the number of micro-batches per "
+                                f"optimizer step, an integer from 1 to 65536, got {value!r}"))
+        return 1
+    return value
 
 
 def _is_number(value: Any) -> bool:

@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = (
     "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
     "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
-    "fail_on", "distributed", "sentinel_read",
+    "fail_on", "distributed", "sentinel_read", "scheduler", "accumulate", "step",
 )
 
 
@@ -51,13 +51,30 @@ class Entrypoint:
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
-    """Either a class path with keyword arguments, or a factory entrypoint called with the model."""
+class BuilderSpec:
+    """Either a class path with keyword arguments, or a factory entrypoint."""
 
     key: str
     class_path: str | None = None
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     factory: Entrypoint | None = None
+
+    def summary(self) -> dict:
+        if self.class_path:
+            return {"class": self.class_path, **dict(self.kwargs)}
+        return {"entrypoint": self.factory.target}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec(BuilderSpec):
+    """The class is called with the model's parameters; the factory with the model, and may
+    return one optimizer, a list, or a dict name -> optimizer."""
+
+
+@dataclass(frozen=True)
+class SchedulerSpec(BuilderSpec):
+    """The class is called with the (each) optimizer; the factory with the optimizer (the list
+    or dict when there are several) and may return a list/dict of schedulers to match."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +145,11 @@ class Config:
     path: Path
     model: Entrypoint
     data: Entrypoint
-    loss: Entrypoint
+    loss: Entrypoint | None           # None when `step:` names the user's own step
     optimizer: OptimizerSpec | None = None
+    scheduler: SchedulerSpec | None = None
+    accumulate: int = 1               # micro-batches (consecutive batches) per optimizer step
+    step: Entrypoint | None = None    # fn(model, batch, optimizer) -> loss or {name: loss}
     steps: int | None = None
     seed: int | None = None
     checkpoint: Path | None = None
@@ -158,13 +178,19 @@ class Config:
 
     def summary(self) -> dict:
         """The config as it appears in reports: paths and entrypoint names, no live objects."""
-        opt = None
-        if self.optimizer is not None:
-            opt = ({"class": self.optimizer.class_path, **dict(self.optimizer.kwargs)}
-                   if self.optimizer.class_path else {"entrypoint": self.optimizer.factory.target})
+        opt = self.optimizer.summary() if self.optimizer is not None else None
+        extra = {}
+        # Keys a run did not use stay out, so existing reports keep their shape.
+        if self.scheduler is not None:
+            extra["scheduler"] = self.scheduler.summary()
+        if self.accumulate != 1:
+            extra["accumulate"] = self.accumulate
+        if self.step is not None:
+            extra["step"] = self.step.target
         return {
             "path": str(self.path), "model": self.model.target, "data": self.data.target,
-            "loss": self.loss.target, "optimizer": opt, "steps": self.steps, "seed": self.seed,
+            "loss": self.loss.target if self.loss else None, **extra,
+            "optimizer": opt, "steps": self.steps, "seed": self.seed,
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             "device": self.device, "grad_clip": self.grad_clip, "precision": self.precision,
             "grad_scaler": self.uses_grad_scaler, "fail_on": self.fail_on,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from nanaudit.config.entrypoints import class_target, resolve_callable, user_import_path
-from nanaudit.config.schema import Config, Entrypoint, OptimizerSpec
+from nanaudit.config.schema import Config, Entrypoint, OptimizerSpec, SchedulerSpec
 from nanaudit.errors import ConfigError, Problem, UserCodeError
 
 
@@ -41,9 +41,13 @@ def validate_config(config: Config) -> list[Problem]:
         (config.model, (), "the model factory `fn(**args) -> nn.Module`"),
         (config.data, (), "the data factory `fn(**args) -> iterable of batches`"),
         (config.loss, ("model", "batch"), "the loss `fn(model, batch, **args) -> scalar tensor`"),
+        (config.step, ("model", "batch", "optimizer"),
+         "the step `fn(model, batch, optimizer, **args) -> loss or {name: loss}`"),
     ]
     with user_import_path(config.base_dir):
         for entry, positional, role in checks:
+            if entry is None:
+                continue
             try:
                 fn = resolve_callable(entry, config.base_dir)
             except ConfigError as exc:
@@ -56,6 +60,7 @@ def validate_config(config: Config) -> list[Problem]:
             if problem:
                 problems.append(problem)
         problems += _validate_optimizer(config.optimizer, config.base_dir)
+        problems += _validate_scheduler(config.scheduler, config.base_dir)
     if config.checkpoint is not None and not config.checkpoint.is_file():
         problems.append(Problem("checkpoint", f"file not found: {config.checkpoint}"))
     bad_device = device_problem(config.device)
@@ -79,6 +84,37 @@ def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Prob
                                 "the optimizer factory `fn(model, **args) -> Optimizer`")
         return [problem] if problem else []
     return optimizer_class_problems(fn, spec)
+
+
+def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path) -> list[Problem]:
+    if spec is None:
+        return []
+    entry = spec.factory or Entrypoint(target=class_target(spec.class_path), key="scheduler.class")
+    try:
+        fn = resolve_callable(entry, base_dir)
+    except ConfigError as exc:
+        return exc.problems
+    except UserCodeError as exc:
+        return [Problem(entry.key, str(exc))]
+    if spec.factory:
+        problem = _bind_problem(fn, entry.key, ("optimizer",), dict(entry.args),
+                                "the scheduler factory `fn(optimizer, **args) -> scheduler`")
+        return [problem] if problem else []
+    return scheduler_class_problems(fn, spec)
+
+
+def scheduler_class_problems(cls, spec: SchedulerSpec) -> list[Problem]:
+    """A scheduler class must be one (`LRScheduler` or `ReduceLROnPlateau`) and take the
+    optimizer plus the given keyword arguments."""
+    import torch
+    kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not (isinstance(cls, type) and issubclass(cls, kinds)):
+        return [Problem("scheduler.class", f"`{spec.class_path}` is not a learning-rate "
+                        f"scheduler (a subclass of torch.optim.lr_scheduler.LRScheduler or "
+                        f"ReduceLROnPlateau)")]
+    problem = _bind_problem(cls, "scheduler", (None,), dict(spec.kwargs),
+                            f"`{spec.class_path}(optimizer, **kwargs)`")
+    return [problem] if problem else []
 
 
 def optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:

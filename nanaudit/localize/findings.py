@@ -25,12 +25,29 @@ from nanaudit.run.step import ScanOutcome, StepState, Trip
 
 
 def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
-    trip = outcome.trip
+    trip, state = outcome.trip, outcome.state
     if trip.check == "input":
-        return input_finding(session, outcome.state)
-    if trip.check in ("parameter", "optimizer"):
-        return state_finding(session, trip)
-    return localized_finding(session, outcome.state, trip, outcome.timeline, isolate_samples)
+        finding = input_finding(session, state)
+    elif trip.check in ("parameter", "optimizer"):
+        finding = state_finding(session, trip)
+    elif trip.check == "schedule":
+        finding = schedule_finding(session, trip)
+    else:
+        finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples)
+    return with_position(finding, trip, state)
+
+
+def with_position(finding: Finding, trip: Trip, state: StepState | None) -> Finding:
+    """Where in the run the finding sits: the data index of its (micro-)batch, its place in
+    an accumulation window, the optimizer and the named loss that tripped."""
+    if state is not None and finding.batch_index is None:
+        finding.batch_index = state.batch_index
+        finding.micro_batch = state.micro_batch
+    finding.micro_batch = finding.micro_batch if finding.micro_batch is not None \
+        else trip.micro_batch
+    finding.optimizer = finding.optimizer or trip.optimizer
+    finding.loss_name = finding.loss_name or trip.loss_name
+    return finding
 
 
 MAX_LEAVES_SHOWN = 16
@@ -80,6 +97,31 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     return Finding(step=trip.step, where="parameter", value=value, cause="nonfinite-parameter",
                    explanation=explanation, fix=fix_for("nonfinite-parameter"),
                    tensor=names[0] if names else None, inputs=stats, tensors=names)
+
+
+def schedule_finding(session: Session, trip: Trip) -> Finding:
+    """A learning rate no update may run with, caught before the update was applied."""
+    names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
+             for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
+    return Finding(step=trip.step, where="optimizer", value=_lr_kind(trip.note),
+                   cause="optimizer-update",
+                   explanation=f"before the update of step {trip.step}: {trip.note}",
+                   fix=fix_for("optimizer-update"), tensor=names[0] if names else None,
+                   tensors=names, optimizer=trip.optimizer)
+
+
+def _lr_ok(lr) -> bool:
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        return True
+    return value == value and abs(value) != float("inf") and value >= 0
+
+
+def _lr_kind(note: str) -> str:
+    """The finding's value kind for a bad lr: nan, inf, -inf, or `negative`."""
+    value = note.split("lr=", 1)[1].split()[0] if note and "lr=" in note else "nan"
+    return {"nan": "nan", "inf": "inf", "-inf": "-inf"}.get(value, "negative")
 
 
 def _optimizer_text(session: Session, step: int, names: list) -> str:
@@ -154,8 +196,8 @@ def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> 
 
 def _loss_name(session) -> str:
     """The loss callable as the config names it; under `Sentinel`, the function's own name."""
-    target = session.config.loss.target
-    fn = session.loss_fn
+    target = session.loss_label
+    fn = session.loss_fn if session.loss_fn is not None else session.step_fn
     # An integration's replay wrapper names the user's code it runs (`Model.training_step`).
     label = getattr(getattr(fn, "__self__", None), "loss_label", None)
     if label:

@@ -40,7 +40,8 @@ from nanaudit.localize.tracer import (
 )
 from nanaudit.run.checks import StepChecks, value_kind
 from nanaudit.run.session import Session
-from nanaudit.run.step import StepState, Trip, forward_backward
+from nanaudit.run.step import StepState, Trip
+from nanaudit.run.units import ReplayHooks
 
 
 @contextlib.contextmanager
@@ -71,10 +72,10 @@ class Localization:
 
 
 def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tensor]:
-    state.rng.restore()
+    """The step unit's replay of the tripping (micro-)step under the OpTracer."""
     with OpTracer(session.model) as tracer:
-        loss = forward_backward(session, state.batch, before_backward=tracer.start_backward,
-                                scale=state.scale)
+        loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
+                                                            tracer.end_backward))
     return tracer.trace, loss
 
 
@@ -84,8 +85,7 @@ def replay_reproduces(session: Session, state: StepState, batch, check: str) -> 
     An exception of the user's code is raised as their UserCodeError, never read as "does not
     reproduce": the sample search keeps sub-batches to sizes the model takes (samples.Feeding),
     so what is left is the user's to see."""
-    state.rng.restore()
-    loss = forward_backward(session, batch, scale=state.scale)
+    loss = session.unit.replay(state, batch)
     if check == "loss":
         return not bool(torch.isfinite(loss.detach()))
     return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))

@@ -70,13 +70,13 @@ class Feeding:
             return ""
         how = []
         if self.with_good:
-            how.append(f"{self.with_good} with rows known to be good (rows of a tested group "
-                       f"that did not reproduce)")
+            how.append(f"rows known to be good (rows of a tested group that did not reproduce) "
+                       f"in {self.with_good} replay(s)")
         if self.with_copies:
-            how.append(f"{self.with_copies} with copies of the group's own rows (no row known "
-                       f"to be good yet)")
-        return (f"groups were padded to {self.min_rows} rows because {self.why}: "
-                f"{' and '.join(how)}; padding adds no row that could be blamed")
+            how.append(f"copies of the group's own rows in {self.with_copies} (too few rows "
+                       f"known to be good yet)")
+        return (f"groups were padded to {self.min_rows} rows ({self.why}) with "
+                f"{', '.join(how)}; padding adds no row that could be blamed")
 
 
 def _first_line(exc: BaseException) -> str:

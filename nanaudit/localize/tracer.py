@@ -80,6 +80,25 @@ def written_arguments(func) -> set:
     return positions
 
 
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def updated_statistics(func, args, kwargs) -> set:
+    """Positions of the running statistics a batch norm in train mode updates in place even
+    where its schema does not say so (`native_batch_norm`, `cudnn_batch_norm`): they are read
+    after the op wrote them, so the NaN it wrote there is not an input it received."""
+    names = schema_names(func)
+    if "running_mean" not in names:
+        return set()
+    position = names.index("training") if "training" in names else None
+    training = (kwargs or {}).get("training", args[position] if position is not None
+                                  and position < len(args) else True)
+    if not training:
+        return set()
+    tensors = [name for name, _ in named_tensors(names, args, kwargs)]
+    return {i for i, name in enumerate(tensors) if name in RUNNING_STATISTICS}
+
+
 def named_tensors(arg_names, args, kwargs) -> list:
     """(name, tensor) for each tensor argument, named by the op's schema (`self`, `other`)."""
     named = []
@@ -273,6 +292,10 @@ class OpTracer(TorchDispatchMode):
         self._tag_pending()
         self.phase = "backward"
 
+    def end_backward(self) -> None:
+        """Back to forward ops: a user's step runs several forwards and backwards."""
+        self.phase = "forward"
+
     def _tag_pending(self) -> None:
         for tensor, record in self._pending:
             node = tensor.grad_fn
@@ -337,7 +360,7 @@ class OpTracer(TorchDispatchMode):
         in_kinds = [kinds_of(t) for t in inputs]
         in_producers = [self.trace.producer_of(t) if k else None
                         for t, k in zip(inputs, in_kinds)]
-        written = written_arguments(func)
+        written = written_arguments(func) | updated_statistics(func, args, kwargs)
         for i, (t, p) in enumerate(zip(inputs, in_producers)):
             # An in-place op's target is read after the op wrote it: it only carried a bad value
             # in if an earlier op had made it bad (then it has a producer).

@@ -1,9 +1,9 @@
 """The report data model: what every renderer reads, and the JSON contract (schema version 1).
 
 Glossary:
-  step      the 0-based index of the batch in the data (the training step that consumed it);
-            with gradient accumulation (Sentinel, integrations) the 0-based optimizer step, the
-            batch being named by `batch_index` and `micro_batch`
+  step      the 0-based optimizer step (with `step:`, one call of the user's step); the batch
+            is named by `batch_index` (its index in the data) and, with accumulation,
+            `micro_batch` (its place in the window)
   batch     the tree of tensors the data yields for one step
   sample    one row of the batch along its batch dimension
   where     the phase that made the value: input, parameter, forward, backward, optimizer
@@ -156,8 +156,14 @@ class Finding:
     rank: int | None = None
     tensors: list = field(default_factory=list)       # every parameter / batch path involved
     first_warning: EarlyWarning | None = None         # the earliest warning before the finding
-    batch_index: int | None = None    # integrations: the data's batch index of the bad batch
+    batch_index: int | None = None    # the data's index of the offending (micro-)batch
     micro_batch: int | None = None    # ... its position in the accumulation window (0-based)
+    optimizer: str | None = None      # several optimizers / `step:`: the one whose check tripped
+    loss_name: str | None = None      # `step:` returning named losses: the one that tripped
+
+    # Added within schema version 1: in the JSON only when set, so reports of runs that do
+    # not use them keep their exact shape.
+    OMIT_WHEN_NONE = ("optimizer", "loss_name")
 
 
 @dataclass
@@ -245,11 +251,16 @@ def report_to_dict(report: Report) -> dict:
         "error": report.error,
         "duration_s": round(report.duration_s, 3),
     }
+    body = _jsonable(body)
+    finding = body.get("finding")
+    for key in Finding.OMIT_WHEN_NONE if finding else ():
+        if finding.get(key) is None:
+            finding.pop(key, None)
     for name in Report.SECTIONS:
         value = getattr(report, name)
         if name == "repro" and report.repro_error is not None:
             body["repro"] = None
             body["repro_error"] = report.repro_error
         elif value is not None:
-            body[name] = value
-    return _jsonable(body)
+            body[name] = _jsonable(value)
+    return body

@@ -54,7 +54,8 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
     facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("where", f.where),
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
-             ("tensor", f.tensor), ("samples", f.samples), ("cause", f.cause)]
+             ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
+             ("samples", f.samples), ("cause", f.cause)]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
 
 

@@ -133,12 +133,17 @@ def _combine(norms: Sequence[float]) -> float:
 class StepChecks:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
-    def __init__(self, model: torch.nn.Module, device):
+    def __init__(self, model: torch.nn.Module | None, device, params: list | None = None):
         self.device = torch.device(device)
-        self.params = [p for p in model.parameters()]
-        self.state = self.params + [b for b in model.buffers() if b.is_floating_point()]
+        self.params = list(params) if params is not None else [p for p in model.parameters()]
+        buffers = [] if model is None else [b for b in model.buffers()]
+        # Which buffers the state check reads (floating ones), by their place in
+        # `model.buffers()`: a BufferKeeper's copies of them stand in for the live ones.
+        self.float_buffers = [i for i, b in enumerate(buffers) if b.is_floating_point()]
+        self.state = self.params + [buffers[i] for i in self.float_buffers]
         # Detached once: aliases of the same storage, which in-place updates keep current.
         self._state = [t.detach() for t in self.state]
+        self._params = self._state[:len(self.params)]
         # One fused float32 pass covers them (gradients share their parameter's dtype and
         # device); float64 or scattered tensors take the per-group path.
         self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
@@ -167,17 +172,27 @@ class StepChecks:
         state, grads = finite_norms([self._state, self.grad_values()], self.device)
         return state, grads
 
-    def step_readout(self, loss: torch.Tensor, batch_leaves: list) -> StepReadout:
+    def state_before(self, saved_buffers: list | None) -> list[torch.Tensor]:
+        """The state as this step's forward found it: the parameters (a forward leaves them
+        alone) and the buffers' copies from before it (BatchNorm's running statistics change
+        inside the forward; a NaN made there is this step's, not an earlier update's)."""
+        if not saved_buffers or not self.float_buffers:
+            return self._state
+        return self._params + [saved_buffers[i] for i in self.float_buffers]
+
+    def step_readout(self, loss: torch.Tensor, batch_leaves: list,
+                     state: list | None = None) -> StepReadout:
         """The step's loss and the norms of its batch, weights and gradients: one fused
         `_foreach_norm` and one stack on the common path."""
         grads = self.grad_values()
+        state = self._state if state is None else state
         if self._fused and all(t.dtype in _FLOAT64_SAFE and t.device == self.device
                                for t in batch_leaves):
-            norms = torch._foreach_norm(batch_leaves + self._state + grads, 2.0,
+            norms = torch._foreach_norm(batch_leaves + state + grads, 2.0,
                                         dtype=torch.float32)
             return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
-                               len(self._state), len(grads))
-        batch, state, grad = finite_norms([batch_leaves, self._state, grads], self.device)
+                               len(state), len(grads))
+        batch, state, grad = finite_norms([batch_leaves, state, grads], self.device)
         values = torch.stack([loss.detach().to(torch.float64), batch, state, grad])
         return StepReadout(values, 1, 1, 1)
 

@@ -49,13 +49,18 @@ def skips_on_device(optimizer) -> bool:
 
 
 def choose_read(requested: str, device: torch.device, optimizer, grad_scaler,
-                distributed: bool) -> ReadMode:
+                distributed: bool, single_step: bool = True) -> ReadMode:
     """The read mode of a run: `requested` is the config's `sentinel_read` (auto | sync |
-    deferred); auto defers on CUDA only, where there is a device queue to keep busy."""
+    deferred); auto defers on CUDA only, where there is a device queue to keep busy.
+    `single_step`: one batch, one optimizer and no scheduler per step (the deferred read
+    skips one fused update on the device and rewinds one batch)."""
     if requested == "sync":
         return ReadMode("sync", "sentinel_read: sync")
     why_not = None
-    if optimizer is None:
+    if not single_step:
+        why_not = ("accumulation, several optimizers, a scheduler or the user's own step: "
+                   "each update is checked before it runs")
+    elif optimizer is None:
         why_not = "no optimizer update to skip (the weights never change)"
     elif grad_scaler is not None:
         why_not = "a GradScaler drives the update: its skipped steps are read each step"
@@ -99,24 +104,30 @@ class DeviceSkip:
 
 
 class BufferKeeper:
-    """The buffers as they were before each of the last two steps: BatchNorm's running
+    """The buffers as they were before each of the last `slots` forwards: BatchNorm's running
     statistics change in every forward (inside the kernel, which moves no version counter, so
-    every buffer is copied: two device-side copies of them, no sync)."""
+    every buffer is copied: one device-side copy per slot, reused, no sync). The deferred read
+    keeps two steps; the sync loop one per micro-batch of its window."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, slots: int = 2):
         self.buffers = [b.detach() for b in model.buffers()]
-        self._slots: list[list | None] = [None, None]
+        self._slots: list[list | None] = [None] * slots
         self._turn = 0
 
     def save(self) -> list:
-        """Copy the buffers into the older of the two slots; returns it for `restore`."""
+        """Copy the buffers into the oldest slot; returns it for `restore`."""
         slot = self._slots[self._turn]
         if slot is None:
             slot = self._slots[self._turn] = [b.clone() for b in self.buffers]
         elif slot:
             torch._foreach_copy_(slot, self.buffers)
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._slots)
         return slot
+
+    def pairs(self, saved: list) -> list:
+        """(live buffer, its saved value) pairs, copied: a StepState keeps them past the
+        slot's reuse."""
+        return [(b, v.clone()) for b, v in zip(self.buffers, saved)]
 
     def restore(self, saved: list) -> None:
         """Put every buffer back as it was when `saved` was taken."""

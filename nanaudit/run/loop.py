@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from nanaudit.errors import ConfigError, UserCodeError, call_user
-from nanaudit.run.batch import move
+from nanaudit.run.batch import float_leaves, move
 from nanaudit.run.checks import StepChecks, confirm_nonfinite
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode, choose_read
 from nanaudit.run.distributed import FLAGS
@@ -34,9 +34,9 @@ from nanaudit.run.step import (
     Trip,
     classify_step,
     confirm_norms,
-    forward_backward,
     timeline_entry,
 )
+from nanaudit.run.units import lr_problem, step_schedulers
 from nanaudit.run.watch import MAX_WARNINGS, ActivationWatch, GrowthWatch, UpdateWatch
 
 
@@ -191,9 +191,23 @@ class _StepLoop:
         self.ahead = _NOTHING           # under torchrun: the next batch, fetched early
         self.read = choose_read(getattr(session.config, "sentinel_read", "auto"),
                                 torch.device(session.device), self.optimizer,
-                                self.precision.scaler, self.coord is not None)
+                                self.precision.scaler, self.coord is not None,
+                                single_step=(session.unit.window == 1
+                                             and not session.unit.owns_update
+                                             and len(session.optimizers) <= 1
+                                             and not session.schedulers))
         self.pending: _Pending | None = None
         self.skip = self.keeper = self.reader = None
+        self.unit = session.unit
+        self.window = self.unit.window
+        self.fetched = 0                # batches taken from the data so far (batch_index)
+        # The sync read keeps the buffers from before each micro-batch's forward: the replay
+        # starts from them, and the state check reads them (BatchNorm's statistics change
+        # inside the forward).
+        self.buffers = BufferKeeper(session.local_model, slots=self.window)
+        self.has_buffers = bool(self.buffers.buffers)
+        self.user_checks: dict = {}     # `step:`: id(optimizer) -> StepChecks over its params
+        self.stepped: set = set()       # `step:`: optimizers updated since their last check
 
     def run(self, max_steps, start_step, on_step, stop_on_trip, on_trip) -> None:
         if not stop_on_trip and self.read.mode == "deferred":
@@ -205,19 +219,21 @@ class _StepLoop:
         self.outcome.read_mode = self.read
         data = self.session.make_data()
         self.iterator = call_user(f"iterating {self.what}", iter, data)
-        for _ in range(start_step):
+        for _ in range(start_step * self.window):
             if self._fetch() is _END:
                 break
         step = start_step
         while max_steps is None or step < start_step + max_steps:
-            raw_batch = self._fetch()
-            if raw_batch is _END:
+            raws = self._fetch_window()
+            if raws is _END:
                 break
             last = max_steps is not None and step + 1 >= start_step + max_steps
-            if self.read.defers:
-                trip, state = self._deferred_step(step, raw_batch)
+            if self.unit.owns_update:
+                trip, state = self._user_step(step, raws[0])
+            elif self.read.defers:
+                trip, state = self._deferred_step(step, raws[0])
             else:
-                trip, state = self._step(step, raw_batch, last)
+                trip, state = self._step(step, raws, last)
             if trip is not None:
                 if stop_on_trip:
                     self.outcome.trip, self.outcome.state = trip, state
@@ -238,28 +254,40 @@ class _StepLoop:
         """The next raw batch, or _END when the data (or, under torchrun, any rank's) ran out."""
         if self.ahead is not _NOTHING:
             batch, self.ahead = self.ahead, _NOTHING
-            return batch
-        return _next_batch(self.iterator, self.what)
+        else:
+            batch = _next_batch(self.iterator, self.what)
+        if batch is not _END:
+            self.fetched += 1
+        return batch
 
-    def _step(self, step: int, raw_batch, last: bool):
-        """One training step under the sentinels, read at once; returns (trip, state) or
-        (None, None)."""
+    def _fetch_window(self):
+        """The raw batches of one optimizer step, or _END. A last window the data cannot fill
+        is not run: a loop that steps every N micro-batches never applies it either."""
+        raws = []
+        for _ in range(self.window):
+            raw = self._fetch()
+            if raw is _END:
+                return _END
+            raws.append(raw)
+        return raws
+
+    def _step(self, step: int, raws: list, last: bool, first_index: int | None = None):
+        """One optimizer step (one batch, or an accumulation window of them) under the
+        sentinels, read at once; returns (trip, state) or (None, None)."""
         if self.coord is not None and self.coord.terminated:
             raise KeyboardInterrupt      # torchrun is stopping the group: partial report
         started = time.perf_counter()
-        rng = RngState.capture()
-        leaves: list = []
-        batch = move(raw_batch, self.session.device, leaves)
-        self.watches.activations.begin(step)
-        loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
+        first_index = self.fetched - len(raws) if first_index is None else first_index
+        micros, leaves, loss = self._forward_backward(raws, first_index, step)
         scale = self.precision.scale if self.precision.scaler is not None else None
-        # The batch, the weights as this step's forward saw them (a bad last update shows
+        # The batch, the weights as this step's forward found them (a bad last update shows
         # here) and this step's gradients, in one fused reduction.
-        readout = self.sentinels.step_readout(loss, leaves)
+        state = self.sentinels.state_before(micros[0].buffers)
+        readout = self.sentinels.step_readout(loss, leaves, state)
         read, table, extras = self._readout(readout, loss, last)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
         ok_batch = _batch_ok(batch_norm, leaves)
-        norm, gnorm = confirm_norms(self.sentinels, norm, gnorm)
+        norm, gnorm = confirm_norms(self.sentinels, norm, gnorm, state)
         if scale is not None:
             gnorm = gnorm / scale
         self.outcome.steps_run = step + 1
@@ -271,7 +299,37 @@ class _StepLoop:
         self.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
                                                     self.optimizer, started, scale, scaler_step,
                                                     **fields))
-        return (trip, StepState(step, batch, rng, scale)) if trip is not None else (None, None)
+        if trip is None:
+            return None, None
+        return trip, self._trip_state(trip, micros, scale)
+
+    def _forward_backward(self, raws: list, first_index: int, step: int):
+        """Every micro-batch's forward and backward, keeping what a replay of each needs;
+        returns (micro-batch states, all batch leaves, the window's mean loss)."""
+        micros, leaves, total = [], [], None
+        self.watches.activations.begin(step)
+        for i, raw in enumerate(raws):
+            rng = RngState.capture()
+            saved = self.buffers.save() if self.has_buffers else None
+            batch = move(raw, self.session.device, leaves)
+            loss = self.unit.forward_backward(
+                batch, zero_grad=self.sentinels.zero_grad if i == 0 else None)
+            micros.append(_Micro(batch, rng, saved, first_index + i))
+            total = loss.detach() if total is None else total + loss.detach()
+        return micros, leaves, total / len(raws) if len(raws) > 1 else total
+
+    def _trip_state(self, trip: Trip, micros: list, scale) -> StepState:
+        """The state a replay starts from: the whole step's, or in a window, the micro-batch
+        that made the bad value (found by checking each one's inputs and loss, and for a
+        gradient by re-running the window one micro-batch at a time)."""
+        index = _first_bad_micro(trip, micros, self) if len(micros) > 1 else 0
+        micro = micros[index]
+        if len(micros) > 1:
+            trip.micro_batch = index
+        return StepState(trip.step, micro.batch, micro.rng, scale,
+                         buffers=self.buffers.pairs(micro.buffers) if micro.buffers else None,
+                         batch_index=micro.index,
+                         micro_batch=index if len(micros) > 1 else None, window=len(micros))
 
     def _readout(self, readout, loss, last: bool):
         """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
@@ -299,8 +357,8 @@ class _StepLoop:
         batch = move(raw_batch, self.session.device, leaves)
         saved = self.keeper.save()
         self.watches.activations.begin(step)
-        loss = forward_backward(self.session, batch, zero_grad=self.sentinels.zero_grad)
-        readout = self.sentinels.step_readout(loss, leaves)
+        loss = self.unit.forward_backward(batch, zero_grad=self.sentinels.zero_grad)
+        readout = self.sentinels.step_readout(loss, leaves, self.sentinels.state_before(saved))
         self.skip.note(readout.values)
         if self.session.config.grad_clip:
             self.sentinels.clip_(readout.grad_norm(), self.session.config.grad_clip)
@@ -345,11 +403,12 @@ class _StepLoop:
         self.updated = previous.updated
         self.read = replace(self.read, sync_from=previous.step)
         self.outcome.read_mode = self.read
-        trip, state = self._step(previous.step, previous.batch, last=False)
+        trip, state = self._step(previous.step, [previous.batch], last=False,
+                                 first_index=self.fetched - 1 - (current is not None))
         if trip is not None or current is None:
             return trip, state
         current.rng.restore()            # a false alarm: the next step again, in order
-        return self._step(current.step, current.batch, last=False)
+        return self._step(current.step, [current.batch], last=False)
 
     def _classify(self, step, table, ok_batch, norm, loss_value, gnorm) -> Trip | None:
         if self.coord is None:
@@ -364,25 +423,117 @@ class _StepLoop:
         gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step)."""
         precision, optimizer = self.precision, self.optimizer
         if trip is not None and trip.check == "gradient" and precision.scaler is not None:
-            scaler_step = precision.after_readout(optimizer, grads_finite=False)
-            precision.finish_update(optimizer)
+            optimizers = list(self.session.optimizers.values())
+            scaler_step = precision.after_readout(optimizers, grads_finite=False)
+            precision.finish_update(optimizers)
             if scaler_step.collapsed:
                 return Trip(step, "gradient", loss_value, gnorm, note=scaler_step.collapsed,
                             rank=trip.rank), scaler_step
             return None, scaler_step
         if trip is not None or optimizer is None:
             return trip, None
-        scaler_step = precision.after_readout(optimizer, grads_finite=True)
+        problem = lr_problem(self.session)
+        if problem:
+            return Trip(step, "schedule", loss_value, gnorm, note=problem), None
+        optimizers = list(self.session.optimizers.values())
+        scaler_step = precision.after_readout(optimizers, grads_finite=True)
         if self.session.config.grad_clip:
             total = readout.grad_norm()
             total = total / scale if scale is not None else total
             self.sentinels.clip_(total, self.session.config.grad_clip)
         self.watches.updates.before_update(step, norm)
-        call_user(self.optimizer_what, optimizer.step)
+        self.unit.update(loss_value)
         self.watches.updates.after_update()
-        precision.finish_update(optimizer)
+        precision.finish_update(optimizers)
         self.updated = True
         return None, scaler_step
+
+    def _user_step(self, step: int, raw_batch):
+        """One call of the user's `step:` function, checked before each optimizer step it
+        makes (one read each); a trip stops it there, before that update."""
+        if self.coord is not None and self.coord.terminated:
+            raise KeyboardInterrupt
+        started = time.perf_counter()
+        rng = RngState.capture()
+        saved = self.buffers.save() if self.has_buffers else None
+        leaves: list = []
+        batch = move(raw_batch, self.session.device, leaves)
+        self.watches.activations.begin(step)
+        seen = _UserReads(leaves, saved)
+        run = self.unit.run(batch, lambda point: self._gate(step, point, seen))
+        self.outcome.steps_run = step + 1
+        if run.halted is None:
+            seen.trip = self._returned_losses(step, run, seen)
+        if seen.trip is None and run.updates and self.session.schedulers:
+            step_schedulers(self.session.schedulers, seen.loss)
+        self.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
+                                                    self.optimizer, started))
+        self.updated = self.updated or run.updates > 0
+        if seen.trip is None:
+            return None, None
+        for put_back in reversed(run.undo):
+            put_back()                   # the updates this call made before the bad one
+        return seen.trip, StepState(
+            step, batch, rng, buffers=self.buffers.pairs(saved) if saved else None,
+            batch_index=self.fetched - 1,
+            halt_at=run.halted.index if run.halted else None, undo=run.undo)
+
+    def _gate(self, step: int, point, seen: "_UserReads") -> bool:
+        """The check before one optimizer step inside the user's step: its parameters as
+        their last update left them, its gradients, the losses backpropagated since the last
+        check and (at the first) the batch, in one read."""
+        checks = self.user_checks.get(id(point.optimizer))
+        if checks is None:
+            params = [p for g in point.optimizer.param_groups for p in g["params"]]
+            checks = self.user_checks[id(point.optimizer)] = StepChecks(
+                self.session.local_model, self.session.device, params=params)
+        first = not seen.checked
+        loss = (torch.stack([t.detach().float().reshape(()) for t in point.losses]).sum()
+                if point.losses else torch.zeros((), device=self.session.device))
+        state = checks.state_before(seen.buffers) if first else checks._params
+        readout = checks.step_readout(loss, seen.leaves if first else [], state)
+        read = readout.values.tolist()
+        self.outcome.host_syncs += 1
+        batch_norm, norm, loss_value, gnorm = readout.read(read)
+        ok_batch = _batch_ok(batch_norm, seen.leaves) if first else 1.0
+        norm, gnorm = confirm_norms(checks, norm, gnorm, state)
+        seen.checked = True
+        seen.norm, seen.gnorm = norm, gnorm
+        if point.losses and math.isfinite(loss_value):
+            seen.loss = loss_value if seen.loss is None else seen.loss + loss_value
+        updated = id(point.optimizer) in self.stepped
+        trip = classify_step(step, ok_batch, norm, loss_value, gnorm, updated)
+        if trip is None:
+            problem = lr_problem(self.session, only=point.optimizer)
+            trip = Trip(step, "schedule", loss_value, gnorm, note=problem) if problem else None
+        if trip is None:
+            self.stepped.add(id(point.optimizer))
+            return True
+        if trip.check == "optimizer":
+            trip.step = step - 1
+        trip.optimizer = point.name
+        if trip.check == "loss":
+            bad = [i for i, t in enumerate(point.losses) if not bool(torch.isfinite(t).all())]
+            if bad and bad[0] < len(point.loss_names):
+                trip.loss_name = point.loss_names[bad[0]]
+        seen.trip = trip
+        return False
+
+    def _returned_losses(self, step: int, run, seen: "_UserReads") -> Trip | None:
+        """A returned loss the checks before the updates did not see (the step made no
+        update, or never backpropagated it): one more read, only then."""
+        unseen = {n: t for n, t in run.losses.items()
+                  if not (seen.checked and t.requires_grad)}
+        if not unseen:
+            return None
+        values = torch.stack([t.detach().float().reshape(()) for t in unseen.values()]).tolist()
+        self.outcome.host_syncs += 1
+        if seen.loss is None:
+            seen.loss = sum(v for v in values if math.isfinite(v))
+        for (name, _), value in zip(unseen.items(), values):
+            if not math.isfinite(value):
+                return Trip(step, "loss", value, seen.gnorm, loss_name=name)
+        return None
 
     def _final_check(self) -> None:
         """The weights after the last update (the only read outside a step)."""
@@ -395,6 +546,51 @@ class _StepLoop:
 
 
 _NOTHING, _END = object(), object()
+
+
+@dataclass
+class _Micro:
+    """One micro-batch of a window (the whole batch of a standard step) and its start state."""
+
+    batch: Any
+    rng: RngState
+    buffers: list | None                # the BufferKeeper slot saved before its forward
+    index: int                          # its data index
+
+
+@dataclass
+class _UserReads:
+    """What the checks inside one call of the user's step have seen."""
+
+    leaves: list
+    buffers: list | None
+    checked: bool = False
+    loss: float | None = None
+    norm: float = 0.0
+    gnorm: float = 0.0
+    trip: Trip | None = None
+
+
+def _first_bad_micro(trip: Trip, micros: list, loop: "_StepLoop") -> int:
+    """The micro-batch of a window that made the bad value (syncs: only after a trip)."""
+    if trip.check == "input":
+        for i, micro in enumerate(micros):
+            if any(not bool(torch.isfinite(t).all()) for _, t in float_leaves(micro.batch)):
+                return i
+    if trip.check in ("loss", "gradient"):
+        # Run the window again one micro-batch at a time from its start state: the first whose
+        # loss or accumulated gradients are non-finite made the value.
+        unit, checks = loop.unit, loop.sentinels
+        for i, micro in enumerate(micros):
+            if micro.buffers:
+                loop.buffers.restore(micro.buffers)
+            micro.rng.restore()
+            loss = unit.forward_backward(micro.batch, zero_grad=checks.zero_grad if i == 0
+                                         else None)
+            if not bool(torch.isfinite(loss.detach())) or \
+                    not math.isfinite(float(checks.grad_norm())):
+                return i
+    return 0
 
 
 def _rank_row(coord, readout, loss, exhausted: bool) -> torch.Tensor:

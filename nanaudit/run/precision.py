@@ -65,15 +65,15 @@ class Precision:
             return loss * scale
         return self.scaler.scale(loss)
 
-    def after_readout(self, optimizer, grads_finite: bool) -> ScaleStep | None:
+    def after_readout(self, optimizers, grads_finite: bool) -> ScaleStep | None:
         """Unscale and update the scaler after the step's readout (no sync); None without one.
 
-        Returns the step's scale record; the caller runs `optimizer.step()` only when the
+        Returns the step's scale record; the caller runs each `optimizer.step()` only when the
         gradients were finite, after this unscaled them."""
         if self.scaler is None:
             return None
         before = self.scale
-        if optimizer is not None:
+        for optimizer in optimizers:
             self.scaler.unscale_(optimizer)
         if grads_finite:
             self._skipped_in_row = 0
@@ -88,9 +88,9 @@ class Precision:
             record.collapsed = self._collapse_reason()
         return record
 
-    def finish_update(self, optimizer) -> None:
-        """The scaler's own update, after the optimizer step (or the skip)."""
-        if self.scaler is not None and optimizer is not None:
+    def finish_update(self, optimizers) -> None:
+        """The scaler's own update, after the optimizer steps (or the skip)."""
+        if self.scaler is not None and optimizers:
             self.scaler.update()
 
     def _collapse_reason(self) -> str | None:

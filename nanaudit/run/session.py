@@ -1,5 +1,9 @@
-"""Build the run from a config: device, seed, the user's model, optimizer, loss and data
-(sharded under torchrun), gathered in the `Session` every step reads.
+"""Build the run from a config: device, seed, the user's model, optimizers, schedulers, loss
+(or own step) and data (sharded under torchrun), gathered in the `Session` every step reads.
+
+Optimizers and schedulers are kept as ordered name -> object dicts whatever the config gave
+(one, a list, a dict): names come from the user's dict keys, else `optimizer` / `optimizer[1]`,
+and are what findings and the timeline call them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,12 @@ from typing import Any, Callable, Iterable
 
 from nanaudit.config.entrypoints import class_target, resolve_callable
 from nanaudit.config.schema import Config, Entrypoint
-from nanaudit.config.validate import device_problem, optimizer_class_problems, data_accepts
+from nanaudit.config.validate import (
+    data_accepts,
+    device_problem,
+    optimizer_class_problems,
+    scheduler_class_problems,
+)
 from nanaudit.errors import ConfigError, Problem, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 
@@ -32,17 +41,28 @@ class Session:
     config: Config
     device: Any
     model: Any
-    optimizer: Any
-    loss_fn: Callable
+    optimizer: Any             # the first (or only) optimizer; all of them in `optimizers`
+    loss_fn: Callable | None   # None with `step:` (the user's own step)
     make_data: Callable[[], Iterable]
     param_names: dict          # id(parameter) -> qualified name
     precision: Any = None      # nanaudit.run.precision.Precision; built from the config if None
     coordinator: Any = None    # nanaudit.run.distributed.Coordinator under torchrun
+    optimizers: dict = None    # name -> optimizer, in the order they step
+    schedulers: dict = None    # name -> LR scheduler, stepped after each applied update
+    step_fn: Callable | None = None   # the user's own step (`step:`)
+    unit: Any = None           # the step unit (nanaudit.run.units); built from the config if None
 
     def __post_init__(self):
         if self.precision is None:
             from nanaudit.run.precision import Precision
             self.precision = Precision(self.config, self.device)
+        if self.optimizers is None:
+            self.optimizers = {"optimizer": self.optimizer} if self.optimizer is not None else {}
+        if self.schedulers is None:
+            self.schedulers = {}
+        if self.unit is None:
+            from nanaudit.run.units import unit_for
+            self.unit = unit_for(self)
 
     @property
     def local_model(self):
@@ -51,6 +71,12 @@ class Session:
 
     def compute_loss(self, batch):
         return self.loss_fn(self.model, batch, **dict(self.config.loss.args))
+
+    @property
+    def loss_label(self) -> str:
+        """What the report calls the user's loss code: the `loss:` or `step:` entrypoint."""
+        entry = self.config.step if self.config.step is not None else self.config.loss
+        return entry.target
 
     @classmethod
     def for_loop(cls, model, optimizer, loss_fn: Callable, device, batches: Iterable = (),
@@ -97,13 +123,14 @@ def build_session(config: Config, coordinator=None) -> Session:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))
     model.to(device)
     model.train()
-    optimizer = build_optimizer(config, model)
+    optimizers = build_optimizers(config, model)
+    schedulers = build_schedulers(config, optimizers)
     wrapped = coordinator.wrap(model, device) if coordinator is not None else model
-    if checkpoint is not None and optimizer is not None and "optimizer" in checkpoint.raw:
-        call_user("loading the checkpoint's optimizer state", optimizer.load_state_dict,
-                  checkpoint.raw["optimizer"])
+    if checkpoint is not None:
+        load_training_state(checkpoint.raw, optimizers, schedulers)
     data_fn = resolve_callable(config.data, config.base_dir)
-    loss_fn = resolve_callable(config.loss, config.base_dir)
+    loss_fn = resolve_callable(config.loss, config.base_dir) if config.loss else None
+    step_fn = resolve_callable(config.step, config.base_dir) if config.step else None
     names = {id(p): n for n, p in model.named_parameters()}
 
     shards_itself = (coordinator is not None and data_accepts(data_fn, "rank")
@@ -123,8 +150,38 @@ def build_session(config: Config, coordinator=None) -> Session:
             data = coordinator.shard(data, shards_itself)
         return data
 
-    return Session(config, device, wrapped, optimizer, loss_fn, make_data, names,
-                   coordinator=coordinator)
+    first = next(iter(optimizers.values()), None)
+    return Session(config, device, wrapped, first, loss_fn, make_data, names,
+                   coordinator=coordinator, optimizers=optimizers, schedulers=schedulers,
+                   step_fn=step_fn)
+
+
+def training_state(session: Session) -> dict:
+    """Every optimizer's and scheduler's state, as checkpoints and bundles store it: the first
+    optimizer under `optimizer` (what a plain checkpoint has), all of them by name."""
+    state: dict = {}
+    if session.optimizer is not None:
+        state["optimizer"] = session.optimizer.state_dict()
+    if len(session.optimizers) > 1:
+        state["optimizers"] = {n: o.state_dict() for n, o in session.optimizers.items()}
+    if session.schedulers:
+        state["schedulers"] = {n: s.state_dict() for n, s in session.schedulers.items()}
+    return state
+
+
+def load_training_state(raw: dict, optimizers: dict, schedulers: dict) -> None:
+    """Load what `training_state` (or a user's checkpoint with an `optimizer` key) holds."""
+    by_name = dict(raw.get("optimizers") or {})
+    if not by_name and "optimizer" in raw and optimizers:
+        by_name = {next(iter(optimizers)): raw["optimizer"]}
+    for name, value in by_name.items():
+        if name in optimizers:
+            call_user(f"loading the optimizer state of `{name}`",
+                      optimizers[name].load_state_dict, value)
+    for name, value in (raw.get("schedulers") or {}).items():
+        if name in schedulers:
+            call_user(f"loading the scheduler state of `{name}`",
+                      schedulers[name].load_state_dict, value)
 
 
 def _is_iterable(obj) -> bool:
@@ -138,15 +195,16 @@ def _is_iterable(obj) -> bool:
     return True
 
 
-def build_optimizer(config: Config, model):
+def build_optimizers(config: Config, model) -> dict:
+    """name -> optimizer; a factory may return one, a list or a dict of them."""
     import torch
     spec = config.optimizer
     if spec is None:
-        return None
+        return {}
     if spec.factory:
         fn = resolve_callable(spec.factory, config.base_dir)
-        opt = call_user(f"optimizer factory `{spec.factory.target}`", fn, model,
-                        **dict(spec.factory.args))
+        made = call_user(f"optimizer factory `{spec.factory.target}`", fn, model,
+                         **dict(spec.factory.args))
         where, target = spec.factory.key, spec.factory.target
     else:
         cls = resolve_callable(Entrypoint(class_target(spec.class_path), "optimizer.class"),
@@ -154,10 +212,65 @@ def build_optimizer(config: Config, model):
         problems = optimizer_class_problems(cls, spec)
         if problems:
             raise ConfigError(problems, source=str(config.path))
-        opt = call_user(f"optimizer `{spec.class_path}`", cls, model.parameters(),
-                        **dict(spec.kwargs))
+        made = call_user(f"optimizer `{spec.class_path}`", cls, model.parameters(),
+                         **dict(spec.kwargs))
         where, target = "optimizer.class", spec.class_path
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError([Problem(where, f"`{target}` gave a {type(opt).__name__}, "
-                                   f"not a torch.optim.Optimizer")])
-    return opt
+    optimizers = named_collection(made, "optimizer")
+    for name, opt in optimizers.items():
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError([Problem(where, f"`{target}` gave a {type(opt).__name__} "
+                                       f"({name}), not a torch.optim.Optimizer")])
+    if not optimizers:
+        raise ConfigError([Problem(where, f"`{target}` gave no optimizer")])
+    return optimizers
+
+
+def build_schedulers(config: Config, optimizers: dict) -> dict:
+    """name -> scheduler. A class is built once per optimizer; a factory is called with the
+    optimizer (the list or dict when there are several) and may return a list or dict."""
+    import torch
+    spec = config.scheduler
+    if spec is None:
+        return {}
+    if not optimizers:
+        raise ConfigError([Problem("scheduler", "a scheduler needs an `optimizer:`")])
+    if spec.factory:
+        fn = resolve_callable(spec.factory, config.base_dir)
+        given = (next(iter(optimizers.values())) if len(optimizers) == 1
+                 else (optimizers if _named(optimizers) else list(optimizers.values())))
+        made = call_user(f"scheduler factory `{spec.factory.target}`", fn, given,
+                         **dict(spec.factory.args))
+        schedulers = named_collection(made, "scheduler")
+        where, target = spec.factory.key, spec.factory.target
+    else:
+        cls = resolve_callable(Entrypoint(class_target(spec.class_path), "scheduler.class"),
+                               config.base_dir)
+        problems = scheduler_class_problems(cls, spec)
+        if problems:
+            raise ConfigError(problems, source=str(config.path))
+        schedulers = {f"scheduler({name})" if len(optimizers) > 1 else "scheduler":
+                      call_user(f"scheduler `{spec.class_path}`", cls, opt, **dict(spec.kwargs))
+                      for name, opt in optimizers.items()}
+        where, target = "scheduler.class", spec.class_path
+    kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    for name, sched in schedulers.items():
+        if not isinstance(sched, kinds):
+            raise ConfigError([Problem(where, f"`{target}` gave a {type(sched).__name__} "
+                                       f"({name}), not a learning-rate scheduler")])
+    return schedulers
+
+
+def _named(optimizers: dict) -> bool:
+    """Did the user name them (a dict), rather than us (`optimizer[1]`)?"""
+    return not all(n == "optimizer" or n.startswith("optimizer[") for n in optimizers)
+
+
+def named_collection(made, default: str) -> dict:
+    """One object, a list/tuple, or a dict of them, as an ordered name -> object dict."""
+    if isinstance(made, dict):
+        return {str(k): v for k, v in made.items()}
+    if isinstance(made, (list, tuple)):
+        if len(made) == 1:
+            return {default: made[0]}
+        return {f"{default}[{i}]": v for i, v in enumerate(made)}
+    return {default: made}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,20 +23,28 @@ from nanaudit.run.session import Session
 
 @dataclass
 class RngState:
+    """Every RNG a step may draw from: torch (CPU and CUDA), Python's `random` and NumPy's
+    global state (SpecAugment, LayerDrop and Mixup draw from NumPy)."""
+
     python: Any
     torch_cpu: torch.Tensor
     cuda: list | None
+    numpy: Any = None
 
     @classmethod
     def capture(cls) -> "RngState":
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return cls(random.getstate(), torch.get_rng_state(), cuda)
+        numpy = sys.modules.get("numpy")   # only when the user's code imported it
+        return cls(random.getstate(), torch.get_rng_state(), cuda,
+                   numpy.random.get_state() if numpy is not None else None)
 
     def restore(self) -> None:
         random.setstate(self.python)
         torch.set_rng_state(self.torch_cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
 
 
 @dataclass
@@ -48,16 +57,36 @@ class Trip:
     grad_norm: float | None = None
     note: str | None = None       # why a GradScaler's skipped steps became a finding
     rank: int | None = None       # under torchrun: the rank whose values tripped (None: all)
+    micro_batch: int | None = None   # with accumulation: the micro-batch whose input/loss tripped
+    optimizer: str | None = None     # with several optimizers: the one whose check tripped
+    loss_name: str | None = None     # `step:` returning named losses: the one that tripped
 
 
 @dataclass
 class StepState:
-    """All a replay needs from the loop: the batch (already on the device) and the RNG state."""
+    """All a replay needs from the loop: the (micro-)batch on the device, the RNG state and
+    the buffers from before its forward, and where in the step it sits."""
 
     step: int
     batch: Any
     rng: RngState
     scale: float | None = None    # the loss scale the step ran with (GradScaler)
+    buffers: list | None = None   # [(live buffer, its value before the forward)]
+    batch_index: int | None = None   # the data index of this (micro-)batch
+    micro_batch: int | None = None   # its place in an accumulation window
+    window: int = 1                  # micro-batches in the window (the loss is scaled by 1/N)
+    halt_at: int | None = None       # `step:`: the optimizer step (in call order) that tripped
+    undo: list = field(default_factory=list)   # `step:`: callables putting updates back
+
+    def rewind(self) -> None:
+        """Put the RNG, the buffers and any update made before the trip back as they were
+        before the step, so every replay starts from the same state."""
+        for put_back in self.undo:
+            put_back()
+        if self.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_([b for b, _ in self.buffers], [v for _, v in self.buffers])
+        self.rng.restore()
 
 
 @dataclass
@@ -93,10 +122,12 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
 def forward_backward(session: Session, batch: Any,
                      before_backward: Callable[[], None] | None = None,
                      scale: float | None = None,
-                     zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
-    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled): the part of
-    a step a replay repeats. `scale` is the recorded loss scale on a replay; `zero_grad` the
-    step loop's own (its parameter list, not a walk of the module tree)."""
+                     zero_grad: Callable[[], None] | None = None,
+                     divide: int = 1) -> torch.Tensor:
+    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled, and divided
+    by the window's micro-batches): the part of a step a replay repeats. `scale` is the
+    recorded loss scale on a replay; `zero_grad` the step loop's own (its parameter list, not
+    a walk of the module tree). Returns the loss as the user's code computed it."""
     if zero_grad is not None:
         zero_grad()
     else:
@@ -107,14 +138,18 @@ def forward_backward(session: Session, batch: Any,
                                      session.compute_loss, batch), session.config.loss.key)
     if before_backward is not None:
         before_backward()
-    call_user("backward of the loss", precision.scaled(loss, scale).backward)
+    scaled = precision.scaled(loss / divide if divide != 1 else loss, scale)
+    call_user("backward of the loss", scaled.backward)
     return loss
 
 
-def confirm_norms(sentinels: StepChecks, norm: float, gnorm: float) -> tuple[float, float]:
-    """Replace a non-finite norm by the exact one when no element is actually non-finite."""
-    if not math.isfinite(norm) and not confirm_nonfinite(sentinels.state_tensors()):
-        norm = exact_norm(sentinels.state_tensors())
+def confirm_norms(sentinels: StepChecks, norm: float, gnorm: float,
+                  state: list | None = None) -> tuple[float, float]:
+    """Replace a non-finite norm by the exact one when no element is actually non-finite.
+    `state`: the tensors the state norm was taken over (default: the live state)."""
+    state = sentinels.state_tensors() if state is None else state
+    if not math.isfinite(norm) and not confirm_nonfinite(state):
+        norm = exact_norm(state)
     if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grad_values()):
         gnorm = exact_norm(sentinels.grad_values())
     return norm, gnorm

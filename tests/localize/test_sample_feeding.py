@@ -53,7 +53,7 @@ def test_batchnorm_in_train_mode_is_never_fed_one_row():
     search = isolate_rows(_oracle(model, _batch(), fed), 8, min_rows=min_rows, min_reason=why)
     assert search.samples == [5] and not search.coupled
     assert min(fed) >= 2
-    assert "padded to 2 rows because BatchNorm in train mode (norm)" in search.note
+    assert "padded to 2 rows (BatchNorm in train mode (norm) needs more than one" in search.note
     assert "rows known to be good" in search.note
 
 
