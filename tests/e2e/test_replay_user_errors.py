@@ -1,7 +1,9 @@
 """An exception the user's code raises during a replay (the traced replay, the sample search's
 replays, bisect's) is reported as the user's error: exit 4, their exception and frames."""
 
-from helpers import scan
+import json
+
+from helpers import run_cli, scan
 
 CASE = """
 import torch
@@ -80,3 +82,14 @@ def test_control_without_the_assert_names_the_row(case, tmp_path):
     f = result.finding
     assert (f["step"], f["where"], f["op"], f["cause"], f["samples"]) == (
         1, "forward", "aten.log.default", "log-domain", [2])
+
+
+def test_an_assert_firing_in_a_bisect_replay_is_the_users_error(case, tmp_path):
+    config = case(CASE, loss="case:positives_loss",
+                  optimizer={"class": "torch.optim.SGD", "lr": 0.01})
+    out = tmp_path / "bisect.json"
+    result = run_cli("bisect", config, "--json", out, "--quiet")
+    assert result.code == 4
+    error = json.loads(out.read_text())["error"]
+    assert error["type"] == "UserCodeError" and error["exception"] == "AssertionError"
+    assert error["frames"][-1]["function"] == "positives_loss"

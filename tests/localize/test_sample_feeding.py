@@ -111,3 +111,29 @@ def test_an_exception_that_is_not_the_size_is_the_users_error():
             "the sample search") in str(error)
     assert any(f.name == "check" for f in error.frames)
     assert fed == [4, 8]
+
+
+class BatchWideNorm(nn.Module):
+    """Norm layers whose shape includes the batch: LayerNorm over (rows, features), GroupNorm
+    over the batch folded into channels; both take only the batch size they were built for."""
+
+    def __init__(self, kind: str, rows: int = 8):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.LayerNorm((rows, 5)) if kind == "layer" else nn.GroupNorm(2, rows * 5)
+
+    def forward(self, x):
+        h = torch.log(x)
+        if self.kind == "layer":
+            return self.norm(h)
+        return self.norm(h.reshape(1, -1, 1)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["layer", "group"])
+def test_norms_over_the_whole_batch_are_fed_their_batch_size(kind):
+    model = BatchWideNorm(kind)
+    assert rows_the_model_needs(model) == (1, "")
+    fed = []
+    search = isolate_rows(_oracle(model, _batch((2,)), fed), 8)
+    assert search.samples == [2]
+    assert set(fed[1:]) == {8} and "the model takes only its batch size" in search.note
