@@ -151,15 +151,16 @@ def _write_manifest(folder: Path) -> None:
 
 
 def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
+    from nanaudit.run.session import training_state
     config = session.config
     model = session.local_model
-    optimizer = session.optimizer
-    torch.save({"model": to_plain_cpu(model.state_dict()),
-                "optimizer": to_plain_cpu(optimizer.state_dict()) if optimizer is not None else None},
-               tmp / "state.pt")
+    state.rewind()          # the buffers (and a user step's earlier updates) as before the step
+    torch.save(to_plain_cpu({"model": model.state_dict(), "optimizer": None,
+                             **training_state(session)}), tmp / "state.pt")
     rng = state.rng
     torch.save({"torch_cpu": rng.torch_cpu, "cuda": rng.cuda,
-                "python": plain_rng(rng.python)}, tmp / "rng.pt")
+                "python": plain_rng(rng.python), "numpy": plain_rng(rng.numpy)},
+               tmp / "rng.pt")
     torch.save(to_plain_cpu(state.batch), tmp / "batch.pt")
     if finding is not None and finding.samples:
         from nanaudit.run.batch import infer_layout, select_rows
@@ -169,9 +170,14 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     (tmp / "config.yaml").write_text(config.path.read_text(encoding="utf-8"), encoding="utf-8")
     meta = {
         "step": state.step, "check": trip.check, "rank": trip.rank,
+        "optimizer": trip.optimizer, "loss_name": trip.loss_name, "note": trip.note,
         "config_path": str(config.path), "base_dir": str(config.base_dir),
         "model": config.model.target, "model_args": dict(config.model.args),
-        "loss": config.loss.target, "loss_args": dict(config.loss.args),
+        "loss": config.loss.target if config.loss else None,
+        "loss_args": dict(config.loss.args) if config.loss else {},
+        "step_fn": config.step.target if config.step else None,
+        "batch_index": state.batch_index, "micro_batch": state.micro_batch,
+        "window": state.window, "halt_at": state.halt_at,
         "precision": config.precision, "scale": state.scale, "device": str(session.device),
         "torch": torch.__version__, "samples": list(finding.samples or []) if finding else [],
     }
@@ -192,9 +198,12 @@ def to_plain_cpu(tree: Any) -> Any:
 
 
 def plain_rng(value: Any) -> Any:
-    """Python's random state as nested lists (weights_only loads lists, ints and None)."""
+    """Python's and NumPy's random states as nested lists (weights_only loads lists, ints,
+    floats and None)."""
     if isinstance(value, tuple):
         return [plain_rng(v) for v in value]
+    if type(value).__module__ == "numpy":        # NumPy's key array and scalars
+        return value.tolist()
     return value
 
 
@@ -238,7 +247,7 @@ def replay_bundle(bundle: Bundle):
     from nanaudit.config.parse import parse_config, read_yaml
     from nanaudit.run.batch import to_device
     from nanaudit.run.checkpoint import Checkpoint, apply_model_state
-    from nanaudit.run.session import build_session
+    from nanaudit.run.session import build_session, load_training_state
     from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip
     meta = bundle.meta
     # Entrypoints resolve against the original config's folder, as in the original run.
@@ -250,18 +259,31 @@ def replay_bundle(bundle: Bundle):
                       "repro bundle",
                       str(bundle.folder / "state.pt"))
     model.to(session.device)
-    if session.optimizer is not None and bundle.state.get("optimizer"):
-        session.optimizer.load_state_dict(bundle.state["optimizer"])
+    load_training_state(bundle.state, session.optimizers, session.schedulers)
     if session.precision.scaler is not None and meta.get("scale"):
         session.precision.scale = float(meta["scale"])
     rng = RngState(_tupled(bundle.rng["python"]), bundle.rng["torch_cpu"],
-                   bundle.rng.get("cuda") if torch.cuda.is_available() else None)
-    state = StepState(meta["step"], to_device(bundle.batch, session.device), rng, meta["scale"])
-    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"))
-    if trip.check not in ("input", "parameter", "optimizer", "loss", "gradient"):
+                   bundle.rng.get("cuda") if torch.cuda.is_available() else None,
+                   _numpy_state(bundle.rng.get("numpy")))
+    state = StepState(meta["step"], to_device(bundle.batch, session.device), rng, meta["scale"],
+                      batch_index=meta.get("batch_index"), micro_batch=meta.get("micro_batch"),
+                      window=meta.get("window") or 1, halt_at=meta.get("halt_at"))
+    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"), note=meta.get("note"),
+                optimizer=meta.get("optimizer"), loss_name=meta.get("loss_name"),
+                micro_batch=meta.get("micro_batch"))
+    if trip.check not in ("input", "parameter", "optimizer", "loss", "gradient", "schedule"):
         raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
     outcome = ScanOutcome(steps_run=meta["step"] + 1, trip=trip, state=state)
     return session, outcome
+
+
+def _numpy_state(saved):
+    """NumPy's global RNG state as `set_state` takes it (the bundle keeps it as lists)."""
+    if saved is None:
+        return None
+    import numpy
+    kind, keys, pos, has_gauss, cached = saved
+    return (kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached)
 
 
 def default_folder(report_paths: list, step: int) -> Path:

@@ -113,8 +113,9 @@ def _facts(f: Finding) -> Table:
     if f.sample_search:
         s = f.sample_search
         note = f" ({s.note})" if s.note else ""
-        table.add_row("sample search", Text(f"{s.replays} replay(s) over a batch of "
-                                            f"{s.batch_size}{note}"))
+        searched = (f"{s.replays} replay(s) over a batch of {s.batch_size}{note}"
+                    if s.batch_size is not None else s.note or "not run")
+        table.add_row("sample search", Text(searched))
     if len(f.tensors) > 1:
         table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
                                           (" ..." if len(f.tensors) > 12 else "")))

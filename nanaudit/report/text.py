@@ -39,7 +39,8 @@ def headline(report: Report) -> str:
     if f is None:
         return f"non-finite value after {report.steps_run} step(s)"
     rank = f", rank {f.rank}" if f.rank is not None else ""
-    return f"non-finite {f.value} at step {f.step} ({f.where}{rank}): {f.cause}"
+    what = "negative learning rate" if f.value == "negative" else f"non-finite {f.value}"
+    return f"{what} at step {f.step} ({f.where}{rank}): {f.cause}"
 
 
 def finding_facts(f: Finding) -> list[tuple[str, str]]:

@@ -34,6 +34,7 @@ from nanaudit.run.step import (
     Trip,
     classify_step,
     confirm_norms,
+    current_lr,
     timeline_entry,
 )
 from nanaudit.run.units import lr_problem, step_schedulers
@@ -292,13 +293,14 @@ class _StepLoop:
             gnorm = gnorm / scale
         self.outcome.steps_run = step + 1
         trip = self._classify(step, table, ok_batch, norm, loss_value, gnorm)
+        lr = current_lr(self.optimizer)
         trip, scaler_step = self._advance(step, trip, norm, readout, scale, loss_value, gnorm)
         fields = self.watches.observe(step, read[len(readout) + len(table):],
                                       self.outcome.timeline,
                                       loss_value, gnorm, extras)
         self.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
                                                     self.optimizer, started, scale, scaler_step,
-                                                    **fields))
+                                                    lr=lr, **fields))
         if trip is None:
             return None, None
         return trip, self._trip_state(trip, micros, scale)
@@ -460,6 +462,7 @@ class _StepLoop:
         batch = move(raw_batch, self.session.device, leaves)
         self.watches.activations.begin(step)
         seen = _UserReads(leaves, saved)
+        lr = current_lr(self.optimizer)
         run = self.unit.run(batch, lambda point: self._gate(step, point, seen))
         self.outcome.steps_run = step + 1
         if run.halted is None:
@@ -467,7 +470,7 @@ class _StepLoop:
         if seen.trip is None and run.updates and self.session.schedulers:
             step_schedulers(self.session.schedulers, seen.loss)
         self.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
-                                                    self.optimizer, started))
+                                                    self.optimizer, started, lr=lr))
         self.updated = self.updated or run.updates > 0
         if seen.trip is None:
             return None, None

@@ -168,13 +168,19 @@ def classify_step(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | No
     return None
 
 
-def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scaler_step=None,
-                   ended=None, **fields) -> TimelineEntry:
-    """The timeline's record of one step (the step loop's and the Sentinel's)."""
-    lr = None
+def current_lr(optimizer) -> float | None:
+    """The first param group's learning rate (a Python float: no sync)."""
     if optimizer is not None and optimizer.param_groups:
         value = optimizer.param_groups[0].get("lr")
-        lr = float(value) if isinstance(value, (int, float)) else None
+        return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scaler_step=None,
+                   ended=None, lr=None, **fields) -> TimelineEntry:
+    """The timeline's record of one step (the step loop's and the Sentinel's). `lr`: the one
+    the step's update used, read before a scheduler moved it (default: the optimizer's now)."""
+    lr = current_lr(optimizer) if lr is None else lr
     return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm, lr=lr,
                          time_ms=round(((ended or time.perf_counter()) - started) * 1000, 3), scale=scale,
                          skipped=bool(scaler_step and scaler_step.skipped), **fields)

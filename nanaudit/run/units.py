@@ -196,6 +196,7 @@ class UserStep:
         """Call the user's step; `gate(point)` runs before each optimizer step and returns
         False to stop the call there (before that update)."""
         self._gate, self._run, self._pending, self._hooks = gate, UserRun(), [], hooks
+        self._backwarded: list = []      # every loss this call backpropagated, in order
         original = torch.autograd.backward
         torch.autograd.backward = self._backward(original)
         try:
@@ -218,6 +219,7 @@ class UserStep:
         def backward(tensors, *args, **kwargs):
             if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
                 self._pending.append(tensors)
+                self._backwarded.append(tensors)
             if self._hooks and self._hooks.before_backward:
                 self._hooks.before_backward()
             try:
@@ -233,7 +235,8 @@ class UserStep:
         run = self._run
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
         count = len(self._pending)
-        names = self._loss_order[:count] if len(self._loss_order) >= count else []
+        start = len(self._backwarded) - count
+        names = self._loss_order[start:start + count]
         point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
         self._pending = []
         if not self._gate(point):
@@ -253,7 +256,7 @@ class UserStep:
             losses = {}
         if not self._loss_order and losses:
             ids = {id(t): n for n, t in losses.items()}
-            self._loss_order = [ids[id(t)] for t in self._pending if id(t) in ids]
+            self._loss_order = [ids.get(id(t), "") for t in self._backwarded]
         return {n: scalar_loss(t, self.session.config.step.key) if t.requires_grad else t
                 for n, t in losses.items()}
 
