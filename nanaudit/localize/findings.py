@@ -13,6 +13,7 @@ from nanaudit.localize.replay import (
     localize,
     preserved_buffers,
     replay_reproduces,
+    rows_the_model_needs,
 )
 from nanaudit.localize.samples import SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import tensor_stats
@@ -261,13 +262,17 @@ def _isolate(session, state, trip, finding: Finding) -> None:
             finding.samples = [0]
         return
 
+    min_rows, why = rows_the_model_needs(session.model)
+
     def reproduces(rows):
         sub = select_rows(state.batch, layout, rows)
+        restore_buffers()      # each replay starts from the same buffers (running stats)
         return replay_reproduces(session, state, sub, trip.check)
 
     try:
-        with preserved_buffers(session.model):
-            search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays)
+        with preserved_buffers(session.model) as restore_buffers:
+            search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays,
+                                  min_rows=min_rows, min_reason=why)
     except SearchInterrupted as stop:
         _record_search(finding, state, layout, stop.search)
         raise FindingInterrupted(finding) from stop

@@ -46,14 +46,18 @@ from nanaudit.run.units import ReplayHooks
 
 @contextlib.contextmanager
 def preserved_buffers(model: torch.nn.Module):
-    """Restore buffers (BatchNorm running stats) after each replay, so replays stay comparable."""
+    """Restore buffers (BatchNorm running stats) on exit, so replays stay comparable; yields
+    the restore, for a caller that runs several replays from the same buffers."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 @dataclass
@@ -76,14 +80,28 @@ def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tens
 
 
 def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
-    """An untraced replay on `batch`: does the same check trip again? (for sample isolation)"""
-    try:
-        loss = session.unit.replay(state, batch)
-    except Exception:  # noqa: BLE001 - a sub-batch the model cannot take does not reproduce
-        return False
+    """An untraced replay on `batch`: does the same check trip again? (for sample isolation)
+
+    An exception of the user's code is raised as their UserCodeError, never read as "does not
+    reproduce": the sample search keeps sub-batches to sizes the model takes (samples.Feeding),
+    so what is left is the user's to see."""
+    loss = session.unit.replay(state, batch)
     if check == "loss":
         return not bool(torch.isfinite(loss.detach()))
     return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))
+
+
+def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
+    """The fewest rows a replay's batch must have for the model to take it, and why: BatchNorm
+    in train mode needs more than one value per channel (a 1-row batch of (N, C) features
+    raises). Other limits (a model that fixes its batch size) show as an exception, which the
+    sample search answers by feeding the full batch size."""
+    norms = [name or type(m).__name__ for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+        return 2, (f"BatchNorm in train mode ({shown}) needs more than one value per channel")
+    return 1, ""
 
 
 def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:
@@ -121,6 +139,13 @@ def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names
     note = origin_note(trace, diagnosis)
     if note:
         diagnosis = Diagnosis(diagnosis.cause, diagnosis.explanation + note, diagnosis.fix)
+    if blame.event.function is not None and \
+            f"autograd.Function {blame.event.function}" not in diagnosis.explanation:
+        where = f" ({os.path.basename(blame.event.source.file)}:{blame.event.source.line})" \
+            if blame.event.source is not None else ""
+        diagnosis = Diagnosis(diagnosis.cause, f"in the hand-written backward of the "
+                              f"autograd.Function {blame.event.function}{where}: "
+                              f"{diagnosis.explanation}", diagnosis.fix)
     return Localization(True, value, blame.event, blame.chain, diagnosis, names, trace.ops_seen)
 
 
@@ -182,8 +207,6 @@ class _Walk:
         self.trace, self.timeline = trace, timeline
 
     def blame(self, creator: OpEvent, chain: list, kind: str) -> Blame:
-        if creator.phase == "backward":
-            return self._backward(creator, chain, kind)
         untracked = [i for i, (k, p) in enumerate(zip(creator.in_kinds, creator.in_producers))
                      if p is None and carries(k, kind)]
         if untracked:               # the value reached its first traced op already bad
@@ -191,6 +214,10 @@ class _Walk:
                             origin=creator.untracked.get(untracked[0]))
             return self._blame_source(source, chain[1:], None) or \
                 self._outside(source, chain, signed(set().union(*creator.in_kinds)))
+        if creator.phase == "backward" and creator.function is None:
+            # a built-in gradient: explained by its forward op and that op's inputs. The ops of
+            # a custom Function's backward are the user's own code, judged like forward ops.
+            return self._backward(creator, chain, kind)
         if kind == "nan":
             if creator.infinite_inputs() or creator.scalar_infinities() \
                     or creator.scalar_overflows():
@@ -206,9 +233,10 @@ class _Walk:
         untracked = [i for i, p in event.infinite_inputs() if p is None]
         if untracked:
             return Source("outside", event, chain, origin=event.untracked.get(untracked[0]))
-        if event.phase == "forward" and event.scalar_infinities():
+        users_code = event.phase == "forward" or event.function is not None
+        if users_code and event.scalar_infinities():
             return Source("written", event, chain)
-        if event.phase == "forward" and event.scalar_overflows():
+        if users_code and event.scalar_overflows():
             return Source("outside", event, chain, origin=_host_number(event))
         return Source("computed", event, chain, infinity_reason(event, self.timeline))
 

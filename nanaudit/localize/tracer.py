@@ -80,6 +80,25 @@ def written_arguments(func) -> set:
     return positions
 
 
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def updated_statistics(func, args, kwargs) -> set:
+    """Positions of the running statistics a batch norm in train mode updates in place even
+    where its schema does not say so (`native_batch_norm`, `cudnn_batch_norm`): they are read
+    after the op wrote them, so the NaN it wrote there is not an input it received."""
+    names = schema_names(func)
+    if "running_mean" not in names:
+        return set()
+    position = names.index("training") if "training" in names else None
+    training = (kwargs or {}).get("training", args[position] if position is not None
+                                  and position < len(args) else True)
+    if not training:
+        return set()
+    tensors = [name for name, _ in named_tensors(names, args, kwargs)]
+    return {i for i, name in enumerate(tensors) if name in RUNNING_STATISTICS}
+
+
 def named_tensors(arg_names, args, kwargs) -> list:
     """(name, tensor) for each tensor argument, named by the op's schema (`self`, `other`)."""
     named = []
@@ -128,6 +147,8 @@ class ForwardRecord:
     func: Any = None               # the aten OpOverload
     in_producers: tuple = ()       # events that made a bad value among its inputs (no sync)
     input_makers: tuple = ()       # the forward records that made its tensor inputs
+    function: str | None = None    # a custom autograd.Function's class: this record stands for
+    #                                its whole forward (the backward is the user's own code)
 
 
 @dataclass
@@ -150,6 +171,13 @@ class OpEvent:
     func: Any = None               # the aten OpOverload
     untracked: dict = field(default_factory=dict)   # input position -> where an untraced bad
     #                                                 input came from (an autograd.Function ...)
+
+    @property
+    def function(self) -> str | None:
+        """The custom autograd.Function whose hand-written backward ran this op, if any."""
+        if self.phase == "backward" and self.forward is not None:
+            return self.forward.function
+        return None
 
     def created(self) -> set:
         """Kinds in the output that no input carried: this op made them."""
@@ -246,6 +274,9 @@ class OpTracer(TorchDispatchMode):
         self.phase = "forward"
         self._pending: list = []        # forward outputs waiting for their grad_fn
         self._keep: list = []           # bad tensors kept alive so their ids stay unique
+        # tensors made inside a custom Function's backward: id -> (weakref, where), so a value
+        # written into one outside torch ops (numpy, C code) is traced back to that backward
+        self._function_made: dict = {}
 
     def __enter__(self):
         self.modules.__enter__()
@@ -296,7 +327,20 @@ class OpTracer(TorchDispatchMode):
         else:
             for t in outputs:        # an in-place op may have made a bad tensor finite again
                 self.trace.producer.pop(id(t), None)
+        if backward and hasattr(node, "_forward_cls"):
+            self._note_function_outputs(node, outputs)
         return out
+
+    def _note_function_outputs(self, node, outputs) -> None:
+        """Remember tensors a custom Function's backward made, so a value written into one
+        later outside torch ops (numpy, C code writing its memory) is traced to that backward."""
+        where = f"a tensor made in the backward of the autograd.Function " \
+                f"{node._forward_cls.__qualname__}"
+        source = user_source()
+        if source is not None:
+            where += f" ({os.path.basename(source.file)}:{source.line})"
+        for t in outputs:
+            self._function_made[id(t)] = (weakref.ref(t), where)
 
     def _forward_record(self, func, name, args, kwargs) -> ForwardRecord:
         keep = keeps_inputs(func)
@@ -316,22 +360,28 @@ class OpTracer(TorchDispatchMode):
         in_kinds = [kinds_of(t) for t in inputs]
         in_producers = [self.trace.producer_of(t) if k else None
                         for t, k in zip(inputs, in_kinds)]
-        written = written_arguments(func)
+        written = written_arguments(func) | updated_statistics(func, args, kwargs)
         for i, (t, p) in enumerate(zip(inputs, in_producers)):
             # An in-place op's target is read after the op wrote it: it only carried a bad value
             # in if an earlier op had made it bad (then it has a producer).
             if i in written and p is None:
                 in_kinds[i] = frozenset()
         forward = node.metadata.get("nanaudit") if node is not None else None
+        source = (forward.source if forward else None) if backward else record.source
+        if backward and hasattr(node, "_forward_cls"):
+            # The user's own backward runs this op: its line is on the stack, and the forward
+            # "op" is the whole Function (its last inner op is not what this is the gradient of).
+            forward = function_record(node, forward)
+            source = user_source()
         event = OpEvent(
             index=len(self.trace.events), op=name,
             phase="backward" if backward else "forward",
             module=(forward.module if forward else None) if backward else record.module,
-            source=(forward.source if forward else None) if backward else record.source,
+            source=source,
             out_kinds=out_kinds, in_kinds=in_kinds, in_producers=in_producers,
             forward=forward, node=node.name() if node is not None else None,
             args=args, kwargs=kwargs, arg_names=schema_names(func), func=func,
-            untracked={i: untracked_origin(t) for i, (t, k, p)
+            untracked={i: self._untracked_origin(t, node) for i, (t, k, p)
                        in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None})
         self.trace.events.append(event)
         if record is not None:
@@ -340,6 +390,29 @@ class OpTracer(TorchDispatchMode):
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+
+    def _untracked_origin(self, t: torch.Tensor, node) -> str:
+        made = self._function_made.get(id(t))
+        if made is not None and made[0]() is t:
+            return f"{made[1]} and written outside torch ops (numpy or C code on its memory)"
+        if hasattr(node, "_forward_cls"):  # inside a Function's backward (numpy, C code)
+            return f"code inside the backward of the autograd.Function " \
+                   f"{node._forward_cls.__qualname__}"
+        return untracked_origin(t)
+
+
+def function_record(node, inner: ForwardRecord | None) -> ForwardRecord:
+    """The forward record standing for a whole custom autograd.Function (one per node): named
+    by its class, in the module and at the line where its forward ran."""
+    record = node.metadata.get("nanaudit_function")
+    if record is None:
+        name = node._forward_cls.__qualname__
+        record = ForwardRecord(inner.index if inner else -1, f"autograd.Function {name}",
+                               inner.module if inner else None, inner.source if inner else None,
+                               out_kinds=inner.out_kinds if inner else frozenset(),
+                               event=inner.event if inner else None, function=name)
+        node.metadata["nanaudit_function"] = record
+    return record
 
 
 def untracked_origin(t: torch.Tensor) -> str:

@@ -55,8 +55,17 @@ EXPECTED = {
                            samples=[2]),
     "gem_negative_base": dict(step=0, where="forward", value="nan", op="aten.pow.Tensor_Tensor",
                               module="pool", cause="sqrt-domain", samples=None),
+    # Issue 15: a custom autograd.Function's hand-written backward divides by zero.
+    "custom_backward": dict(step=2, where="backward", value="nan", op="aten.div.Tensor",
+                            forward_op="autograd.Function SafeLog",
+                            module="custom_backward:loss", cause="div-by-zero", samples=[3]),
+    # Issue 15: log(0) of a silent clip before a BatchNorm in train mode.
+    "batchnorm_log_silence": dict(step=2, batch_index=2, where="forward", value="nan",
+                                  op="aten.log.default", module="", cause="log-domain",
+                                  samples=[5]),
 }
-CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean"}
+CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_clean",
+         "batchnorm_log_silence_clean"}
 # Run under two ranks in test_distributed.py (and as one process there too).
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
