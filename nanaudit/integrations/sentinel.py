@@ -316,16 +316,16 @@ class Sentinel:
         return None, None
 
     def _accumulated_reproduces(self, session, window: list[MicroBatch], scale) -> bool:
+        from nanaudit.errors import call_user
         from nanaudit.run.step import scalar_loss
         self.model.zero_grad(set_to_none=True)
-        try:
-            for micro in window:
-                self.replaying = micro
-                micro.rng.restore()
-                loss = scalar_loss(self.loss_fn(self.model, micro.batch))
-                (loss * scale if scale is not None else loss).backward()
-        except Exception:  # noqa: BLE001 - a replay that cannot run does not reproduce
-            return False
+        for micro in window:        # the user's loss raising here is their error, not a verdict
+            self.replaying = micro
+            micro.rng.restore()
+            loss = scalar_loss(call_user("loss_fn (replaying the accumulation window)",
+                                         self.loss_fn, self.model, micro.batch))
+            call_user("backward of the loss", (loss * scale if scale is not None else loss)
+                      .backward)
         grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
         return not all(bool(torch.isfinite(g).all()) for g in grads)
 
