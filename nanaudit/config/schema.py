@@ -141,6 +141,35 @@ DISTRIBUTED_KEYS = _keys(DistributedOptions)
 
 
 @dataclass(frozen=True)
+class RunOptions:
+    """What the step loop, the replays and the diagnosis read of a run: the config's run-time
+    keys and the labels of the user's code, without entrypoints or paths to resolve. A config
+    gives one (`Config.run_options`); `Sentinel` and the benchmark build one directly."""
+
+    grad_clip: float | None = None
+    batch_dim: Mapping[str, int] = field(default_factory=dict)
+    localize: LocalizeOptions = field(default_factory=LocalizeOptions)
+    precision: str = "fp32"
+    amp: AmpOptions = field(default_factory=AmpOptions)
+    watch: WatchOptions = field(default_factory=WatchOptions)
+    sentinel_read: str = "auto"
+    accumulate: int = 1
+    checkpoint: Path | None = None
+    data_label: str = "<your data>"       # how messages name the data, the loss, the step
+    loss_label: str = "<your loss>"
+    loss_key: str = "loss"                # the config key a loss problem is reported under
+    loss_args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        if self.precision == "fp32":
+            return False
+        if self.amp.grad_scaler is None:
+            return self.precision == "fp16"   # bf16 has float32's range: no scaling needed
+        return self.amp.grad_scaler
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     model: Entrypoint
@@ -166,11 +195,16 @@ class Config:
 
     @property
     def uses_grad_scaler(self) -> bool:
-        if self.precision == "fp32":
-            return False
-        if self.amp.grad_scaler is None:
-            return self.precision == "fp16"   # bf16 has float32's range: no scaling needed
-        return self.amp.grad_scaler
+        return self.run_options().uses_grad_scaler
+
+    def run_options(self) -> RunOptions:
+        code = self.step if self.step is not None else self.loss
+        return RunOptions(
+            grad_clip=self.grad_clip, batch_dim=self.batch_dim, localize=self.localize,
+            precision=self.precision, amp=self.amp, watch=self.watch,
+            sentinel_read=self.sentinel_read, accumulate=self.accumulate,
+            checkpoint=self.checkpoint, data_label=self.data.target, loss_label=code.target,
+            loss_key=code.key, loss_args=dict(code.args))
 
     @property
     def base_dir(self) -> Path:

@@ -54,7 +54,7 @@ MAX_LEAVES_SHOWN = 16
 
 
 def input_finding(session: Session, state: StepState) -> Finding:
-    layout = infer_layout(state.batch, session.config.batch_dim)
+    layout = infer_layout(state.batch, session.options.batch_dim)
     bad = [(path, t) for path, t in float_leaves(state.batch) if not bool(torch.isfinite(t).all())]
     path, first = bad[0]
     rows = sorted({r for p, t in bad for r in nonfinite_rows(t, layout.dims.get(p))})
@@ -87,7 +87,7 @@ def state_finding(session: Session, trip: Trip) -> Finding:
                        explanation=_optimizer_text(session, trip.step, params),
                        fix=fix_for("optimizer-update"), tensor=params[0], inputs=stats,
                        tensors=names)
-    ckpt = session.config.checkpoint
+    ckpt = session.options.checkpoint
     origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
               else "the model's state")
     when = "before step 0" if trip.check == "parameter" else f"after step {trip.step}"
@@ -255,7 +255,7 @@ def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
 
 
 def _isolate(session, state, trip, finding: Finding) -> None:
-    layout = infer_layout(state.batch, session.config.batch_dim)
+    layout = infer_layout(state.batch, session.options.batch_dim)
     if not layout.size or layout.size < 2:
         finding.sample_search = SampleSearch(layout.size, 0, False, "no batch dimension to search")
         if layout.size == 1:
@@ -271,7 +271,7 @@ def _isolate(session, state, trip, finding: Finding) -> None:
 
     try:
         with preserved_buffers(session.model) as restore_buffers:
-            search = isolate_rows(reproduces, layout.size, session.config.localize.max_replays,
+            search = isolate_rows(reproduces, layout.size, session.options.localize.max_replays,
                                   min_rows=min_rows, min_reason=why)
     except SearchInterrupted as stop:
         _record_search(finding, state, layout, stop.search)

@@ -67,7 +67,7 @@ class _Watches:
     """The early-warning detectors of one run, and where their readout values go."""
 
     def __init__(self, session: Session, sentinels: StepChecks, updating: bool):
-        options = session.config.watch
+        options = session.options.watch
         every = options.activation_every(session.precision.name)
         self.activations = ActivationWatch(session.local_model, every, options.near_overflow)
         update_every = options.update_every if (updating and options.update_ratio) else 0
@@ -185,12 +185,12 @@ class _StepLoop:
         self.watches = _Watches(session, self.sentinels, self.optimizer is not None)
         outcome.warnings = self.watches.warnings
         self.updated = False            # has an optimizer step run since the last read?
-        self.what = f"the data from `{session.config.data.target}`"
+        self.what = f"the data from `{session.options.data_label}`"
         self.optimizer_what = (f"optimizer step of `{type(self.optimizer).__name__}`"
                                if self.optimizer is not None else "")
         self.iterator = None
         self.ahead = _NOTHING           # under torchrun: the next batch, fetched early
-        self.read = choose_read(getattr(session.config, "sentinel_read", "auto"),
+        self.read = choose_read(session.options.sentinel_read,
                                 torch.device(session.device), self.optimizer,
                                 self.precision.scaler, self.coord is not None,
                                 single_step=(session.unit.window == 1
@@ -362,8 +362,8 @@ class _StepLoop:
         loss = self.unit.forward_backward(batch, zero_grad=self.sentinels.zero_grad)
         readout = self.sentinels.step_readout(loss, leaves, self.sentinels.state_before(saved))
         self.skip.note(readout.values)
-        if self.session.config.grad_clip:
-            self.sentinels.clip_(readout.grad_norm(), self.session.config.grad_clip)
+        if self.session.options.grad_clip:
+            self.sentinels.clip_(readout.grad_norm(), self.session.options.grad_clip)
         if _samples_update(self.watches.updates, step):
             self.watches.updates.before_update(step, readout.state_norm())
         self.skip.step(self.optimizer, lambda: call_user(self.optimizer_what,
@@ -439,10 +439,10 @@ class _StepLoop:
             return Trip(step, "schedule", loss_value, gnorm, note=problem), None
         optimizers = list(self.session.optimizers.values())
         scaler_step = precision.after_readout(optimizers, grads_finite=True)
-        if self.session.config.grad_clip:
+        if self.session.options.grad_clip:
             total = readout.grad_norm()
             total = total / scale if scale is not None else total
-            self.sentinels.clip_(total, self.session.config.grad_clip)
+            self.sentinels.clip_(total, self.session.options.grad_clip)
         self.watches.updates.before_update(step, norm)
         self.unit.update(loss_value)
         self.watches.updates.after_update()

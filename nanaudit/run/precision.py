@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanaudit.config.schema import Config
+from nanaudit.config.schema import RunOptions
 
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -37,7 +37,7 @@ class ScaleStep:
 class Precision:
     """The run's precision: autocast dtype, GradScaler, and the host mirror of its scale."""
 
-    def __init__(self, config: Config, device: torch.device):
+    def __init__(self, config: RunOptions, device: torch.device):
         self.name = config.precision
         self.dtype = DTYPES[config.precision]
         self.device_type = torch.device(device).type

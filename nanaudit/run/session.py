@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from nanaudit.config.entrypoints import class_target, resolve_callable
-from nanaudit.config.schema import Config, Entrypoint
+from nanaudit.config.schema import Config, Entrypoint, RunOptions
 from nanaudit.config.validate import (
     data_accepts,
     device_problem,
@@ -36,9 +36,11 @@ def resolve_device(device: str):
 
 @dataclass
 class Session:
-    """Everything a step needs, built from the config. `make_data` starts the data afresh."""
+    """Everything a step needs. `make_data` starts the data afresh; `options` is what the
+    step reads of the run's settings; `config` the YAML config it came from (None for a
+    session over a loop's own objects)."""
 
-    config: Config
+    options: RunOptions
     device: Any
     model: Any
     optimizer: Any             # the first (or only) optimizer; all of them in `optimizers`
@@ -50,12 +52,13 @@ class Session:
     optimizers: dict = None    # name -> optimizer, in the order they step
     schedulers: dict = None    # name -> LR scheduler, stepped after each applied update
     step_fn: Callable | None = None   # the user's own step (`step:`)
-    unit: Any = None           # the step unit (nanaudit.run.units); built from the config if None
+    unit: Any = None           # the step unit (nanaudit.run.units); built from the options if None
+    config: Config | None = None
 
     def __post_init__(self):
         if self.precision is None:
             from nanaudit.run.precision import Precision
-            self.precision = Precision(self.config, self.device)
+            self.precision = Precision(self.options, self.device)
         if self.optimizers is None:
             self.optimizers = {"optimizer": self.optimizer} if self.optimizer is not None else {}
         if self.schedulers is None:
@@ -70,26 +73,24 @@ class Session:
         return getattr(self.model, "module", self.model) if self.coordinator else self.model
 
     def compute_loss(self, batch):
-        return self.loss_fn(self.model, batch, **dict(self.config.loss.args))
+        return self.loss_fn(self.model, batch, **dict(self.options.loss_args))
 
     @property
     def loss_label(self) -> str:
         """What the report calls the user's loss code: the `loss:` or `step:` entrypoint."""
-        entry = self.config.step if self.config.step is not None else self.config.loss
-        return entry.target
+        return self.options.loss_label
 
     @classmethod
     def for_loop(cls, model, optimizer, loss_fn: Callable, device, batches: Iterable = (),
                  label: str = "<your loop>", precision: Any = None, **options) -> "Session":
-        """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML and
-        no entrypoints. The config it carries only describes them (`label` stands where an
-        entrypoint would) and takes the config's other keys (`watch=`, `grad_clip=`...)."""
+        """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML, no
+        entrypoints, no config. `label` names the loss and the data in messages; `options`
+        are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...)."""
         import torch
-        from pathlib import Path
-        entry = Entrypoint(f"{label}:loss_fn", label)
-        config = Config(path=Path(label), model=entry, data=entry, loss=entry, **options)
+        run_options = RunOptions(data_label=label, loss_label=f"{label}:loss_fn",
+                                 loss_key=label, **options)
         names = {id(p): n for n, p in model.named_parameters()}
-        return cls(config, torch.device(device), model, optimizer, loss_fn,
+        return cls(run_options, torch.device(device), model, optimizer, loss_fn,
                    lambda: batches, names, precision=precision)
 
 
@@ -151,9 +152,9 @@ def build_session(config: Config, coordinator=None) -> Session:
         return data
 
     first = next(iter(optimizers.values()), None)
-    return Session(config, device, wrapped, first, loss_fn, make_data, names,
+    return Session(config.run_options(), device, wrapped, first, loss_fn, make_data, names,
                    coordinator=coordinator, optimizers=optimizers, schedulers=schedulers,
-                   step_fn=step_fn)
+                   step_fn=step_fn, config=config)
 
 
 def training_state(session: Session) -> dict:

@@ -224,8 +224,8 @@ def forward_backward(session: Session, batch: Any,
         session.model.zero_grad(set_to_none=True)
     precision = session.precision
     with precision.autocast():
-        loss = scalar_loss(call_user(f"loss `{session.config.loss.target}`",
-                                     session.compute_loss, batch), session.config.loss.key)
+        loss = scalar_loss(call_user(f"loss `{session.options.loss_label}`",
+                                     session.compute_loss, batch), session.options.loss_key)
     if before_backward is not None:
         before_backward()
     scaled = precision.scaled(loss / divide if divide != 1 else loss, scale)

@@ -37,10 +37,10 @@ from nanaudit.run.step import StepState, forward_backward, scalar_loss
 
 
 def unit_for(session) -> "LossStep | UserStep":
-    """The unit the config asks for."""
+    """The unit the run asks for: the user's own step, or the loss's (in windows)."""
     if session.step_fn is not None:
         return UserStep(session)
-    return LossStep(session, session.config.accumulate)
+    return LossStep(session, session.options.accumulate)
 
 
 @dataclass
@@ -204,7 +204,7 @@ class UserStep:
             with self.session.precision.autocast():
                 returned = call_user(f"step `{self.session.loss_label}`", self.session.step_fn,
                                      self.session.model, batch, self.optimizer_argument,
-                                     **dict(self.session.config.step.args))
+                                     **dict(self.session.options.loss_args))
             self._run.losses = self._named_losses(returned)
             if self._updates_per_call is None:
                 self._updates_per_call = self._run.updates
@@ -257,7 +257,7 @@ class UserStep:
         if not self._loss_order and losses:
             ids = {id(t): n for n, t in losses.items()}
             self._loss_order = [ids.get(id(t), "") for t in self._backwarded]
-        return {n: scalar_loss(t, self.session.config.step.key) if t.requires_grad else t
+        return {n: scalar_loss(t, self.session.options.loss_key) if t.requires_grad else t
                 for n, t in losses.items()}
 
     def replay(self, state: StepState, batch: Any = None,
