@@ -27,6 +27,7 @@ from nanaudit.errors import (
 from nanaudit.localize.findings import build_finding
 from nanaudit.report.model import Report, Status
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
+from nanaudit.run.checks import dense_values
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session, load_training_state
@@ -95,6 +96,10 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
             report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
         if outcome is not None and outcome.trip is not None:
             report.finding = build_finding(session, outcome, config.localize.samples)
+            state = outcome.state
+            if state is not None and state.batch_index is not None and unrepeatable_batches(
+                    session, {state.batch_index: batch_fingerprint(state.batch)}):
+                mark_unconfirmed(report.finding)
         else:
             from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
             bad = result["first_bad"]
@@ -121,18 +126,63 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     A batch can hold bad rows of several kinds (a NaN input in one row, a log(0) in another):
     once a finding names its rows, the rest of the batch is audited again without them, until
     it is clean, so the skip list holds every bad row whatever its kind."""
-    bad = []
+    bad, seen = [], {}
 
     def on_trip(trip, state):
         outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
+        seen.setdefault(state.batch_index, batch_fingerprint(state.batch))
         for finding in _every_finding(session, outcome):
             bad.append((finding, _sample_ids(state.batch, finding.samples)))
 
     outcome = run_steps(session, max_steps, update=False, on_step=on_step, stop_on_trip=False,
                         on_trip=on_trip)
-    skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause}
+    changed = set(unrepeatable_batches(session, seen))
+    for finding, _ in bad:
+        if finding.batch_index in changed:
+            mark_unconfirmed(finding)
+    skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause,
+             **({"confirmed": False} if f.batch_index in changed else {})}
             for f, ids in bad]
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
+
+
+def batch_fingerprint(batch) -> list:
+    """What identifies a batch's content: each tensor leaf's path, shape and float64 sum
+    (syncs; only for batches that tripped)."""
+    return [(path, tuple(t.shape), float(dense_values(t).detach().double().nan_to_num().sum()))
+            for path, t in tensor_leaves(batch)]
+
+
+def unrepeatable_batches(session: Session, seen: dict) -> list:
+    """The data indices whose batch the data gives differently on a second pass (shuffling
+    or augmentation outside the seeded RNG): rows named in such a batch cannot be confirmed
+    to be the same samples the next time the data is read."""
+    if not seen:
+        return []
+    from nanaudit.errors import call_user
+    from nanaudit.run.batch import to_device
+    what = f"the data from `{session.options.data_label}` (read again to confirm the rows)"
+    changed, last = [], max(seen)
+    iterator = call_user(what, iter, call_user(what, session.make_data))
+    for index in range(last + 1):
+        raw = call_user(what, next, iterator, None)
+        if raw is None:
+            return changed + [i for i in seen if i >= index]
+        if index in seen and batch_fingerprint(to_device(raw, session.device)) != seen[index]:
+            changed.append(index)
+    return changed
+
+
+def mark_unconfirmed(finding) -> None:
+    finding.explanation += (
+        f"; the rows could not be confirmed: read a second time, the data gave a different batch "
+        f"{finding.batch_index} (shuffling or random augmentation outside the seeded RNG), so "
+        f"the rows name the batch nanaudit saw, which the data may not give again")
+    search = finding.sample_search
+    if search is not None:
+        note = "rows not confirmed: the data is not repeatable"
+        finding.sample_search = replace(search, note=f"{search.note}; {note}" if search.note
+                                        else note)
 
 
 def _every_finding(session: Session, outcome: ScanOutcome) -> list:

@@ -84,3 +84,50 @@ def test_bad_checkpoint_folders_give_clear_errors(case, tmp_path):
     (empty / "step_10.pt").write_bytes(b"not a zip")
     result, report = _bisect(config, "--checkpoints", empty, tmp_path=tmp_path)
     assert result.code == 3 and "is not a loadable checkpoint" in report["error"]["message"]
+
+
+AUGMENTED = """
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 1)
+
+def batches(augment=True):
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        x = torch.rand(4, 3, generator=g) + 0.5
+        if augment:
+            x = x * (1 + 0.1 * torch.rand(4, 3))      # the global RNG: not repeatable
+        if i == 2:
+            x[1, 0] = -1.0
+        yield x
+
+def loss(model, x):
+    return torch.log(x[:, 0]).mean() + model(x).mean()
+"""
+
+
+def _bisect_json(path, tmp_path):
+    out = tmp_path / "bisect.json"
+    result = run_cli("bisect", path, "--json", out)
+    return result.code, json.loads(out.read_text())
+
+
+def test_bisect_says_rows_of_an_unrepeatable_batch_could_not_be_confirmed(case, tmp_path):
+    code, report = _bisect_json(case(AUGMENTED), tmp_path)
+    assert code == 1
+    f = report["finding"]
+    assert (f["step"], f["batch_index"], f["samples"]) == (2, 2, [1])
+    assert "could not be confirmed" in f["explanation"]
+    assert report["bisect"]["skip_list"][0]["confirmed"] is False
+
+
+def test_bisect_rows_of_a_repeatable_batch_are_not_flagged(case, tmp_path):
+    path = case(AUGMENTED, data={"entrypoint": "case:batches", "args": {"augment": False}})
+    code, report = _bisect_json(path, tmp_path)
+    assert code == 1
+    f = report["finding"]
+    assert f["samples"] == [1] and "could not be confirmed" not in f["explanation"]
+    assert "confirmed" not in report["bisect"]["skip_list"][0]
