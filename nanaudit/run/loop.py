@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanaudit.errors import ConfigError, UserCodeError, call_user
+from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.run.batch import float_leaves, move
 from nanaudit.run.checks import StepChecks, confirm_nonfinite
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode, choose_read
@@ -200,6 +200,11 @@ class _StepLoop:
         self.pending: _Pending | None = None
         self.skip = self.keeper = self.reader = None
         self.unit = session.unit
+        if self.unit.owns_update and self.coord is not None:
+            raise ConfigError([Problem("step", "the user's own step (`step:`) runs in one "
+                                       "process: under torchrun its checks would have to agree "
+                                       "across ranks inside your function; use `loss:`, or "
+                                       "`Sentinel` in your DDP loop")])
         self.window = self.unit.window
         self.fetched = 0                # batches taken from the data so far (batch_index)
         # The sync read keeps the buffers from before each micro-batch's forward: the replay
