@@ -161,8 +161,10 @@ def _samples(f: Finding) -> Table:
     table.add_column("row", justify="right")
     table.add_column("leaf")
     table.add_column("values / stats")
-    from nanaudit.report.text import describe
+    from nanaudit.report.text import describe, sample_value
     for row in f.sample_rows:
+        for path, value in row.values:
+            table.add_row(str(row.index), Text(path), Text(sample_value(value)))
         for path, stats in row.leaves:
             shown = (", ".join(f"{v:.4g}" for v in stats.value) if stats.value is not None
                      else describe(stats))

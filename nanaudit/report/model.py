@@ -93,10 +93,14 @@ class SourceLine:
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One offending batch row, shown in the report: values when small, statistics when large."""
+    """One offending batch row, shown in the report: values when small, statistics when large,
+    and its entries of the batch's per-sample non-tensor leaves (ids, file names)."""
 
     index: int
     leaves: tuple = ()            # ((path, TensorStats), ...)
+    values: tuple = ()            # ((path, value), ...): `batch["ids"]` -> "clip_0042.wav"
+
+    OMIT_EMPTY = ("values",)      # in the JSON only when the batch has such leaves
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,11 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):
-        return _jsonable(asdict(obj))
+        body = asdict(obj)
+        for name in getattr(obj, "OMIT_EMPTY", ()):
+            if not body.get(name):
+                del body[name]
+        return _jsonable(body)
     if obj is None or isinstance(obj, (str, int, bool)):
         return obj
     return str(obj)

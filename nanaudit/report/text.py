@@ -102,3 +102,9 @@ def describe(stats: TensorStats) -> str:
         if count:
             parts.append(f"{label.replace('posinf', '+inf').replace('neginf', '-inf')}={count}")
     return " ".join(parts)
+
+
+def sample_value(value, limit: int = 80) -> str:
+    """A per-sample non-tensor entry (an id, a file name) as the user's code would write it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
