@@ -14,7 +14,7 @@ Glossary:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -226,11 +226,9 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):
-        body = asdict(obj)
-        for name in getattr(obj, "OMIT_EMPTY", ()):
-            if not body.get(name):
-                del body[name]
-        return _jsonable(body)
+        omit = getattr(obj, "OMIT_EMPTY", ())
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in fields(obj)
+                if not (f.name in omit and not getattr(obj, f.name))}
     if obj is None or isinstance(obj, (str, int, bool)):
         return obj
     return str(obj)
