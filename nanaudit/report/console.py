@@ -215,7 +215,12 @@ def _user_traceback(error: dict) -> str:
         lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
         if fr.get("code"):
             lines.append(f"    {fr['code']}")
-    lines.append(f"{error.get('exception', '')}: {error['message'].split(': ', 1)[-1]}")
+    exception = error.get("exception", "")
+    # The message is "<what> raised <Exception>: <text>"; <what> may hold a colon itself.
+    marker = f" raised {exception}: "
+    text = (error["message"].split(marker, 1)[-1] if marker in error["message"]
+            else error["message"].split(": ", 1)[-1])
+    lines.append(f"{exception}: {text}")
     return "\n".join(lines)
 
 
