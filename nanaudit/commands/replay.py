@@ -20,11 +20,11 @@ def replay(folder: str | Path, model: str | None = None, loss: str | None = None
 
 
 def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -> None:
-    from nanaudit.commands.repro import bundle_import_path, load_bundle, replay_bundle
+    from nanaudit.commands.repro import _source, bundle_import_path, load_bundle, replay_bundle
     from nanaudit.localize.findings import build_finding
     bundle = load_bundle(folder)
     if not bundle.from_scan:
-        report.config = {"path": None, "bundle": str(folder), "source": bundle.meta["source"],
+        report.config = {"path": str(folder), "source": _source(bundle.meta),
                          "model": model, "loss": loss}
     with bundle_import_path(bundle, with_cwd=bool(model or loss)):
         session, outcome, notes = replay_bundle(bundle, model, loss)

@@ -256,7 +256,7 @@ class Bundle:
     @property
     def from_scan(self) -> bool:
         """Written by `scan` (a config names the model and loss), not by a training run."""
-        return self.meta.get("source", "scan") == "scan"
+        return _source(self.meta) == "scan"
 
     def import_roots(self) -> list[Path]:
         from nanaudit.commands.repro_template import import_roots
@@ -276,8 +276,7 @@ def load_bundle(folder: Path) -> Bundle:
     if meta is not None and not isinstance(meta, dict):
         raise ConfigError(f"cannot read the repro bundle {folder}: meta.json holds a "
                           f"{type(meta).__name__}, not an object")
-    required = BUNDLE_FILES if meta is None or meta.get("source", "scan") == "scan" \
-        else RECORDED_FILES
+    required = BUNDLE_FILES if meta is None or _source(meta) == "scan" else RECORDED_FILES
     missing = [name for name in required if not (folder / name).exists()]
     if missing:
         raise ConfigError(f"{folder} is not a complete nanaudit repro bundle: missing "
@@ -288,6 +287,12 @@ def load_bundle(folder: Path) -> Bundle:
     except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
         raise ConfigError(f"cannot read the repro bundle {folder}: {exc}") from None
     return Bundle(folder, meta, state, rng, batch)
+
+
+def _source(meta: dict) -> str:
+    """Who wrote the bundle: `scan`, or a training run (bundles of the callbacks from before
+    `source` was recorded have no config path)."""
+    return meta.get("source") or ("scan" if "config_path" in meta else "training run")
 
 
 def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = None):
@@ -409,7 +414,7 @@ def _build(what: str, build, meta: dict, resolve, override):
     try:
         return build(meta, resolve, override)
     except Missing as missing:
-        raise UsageError(f"cannot replay this bundle: {missing}") from None
+        raise UsageError(f"cannot replay the bundle: {missing}") from None
     except NanauditError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's constructor or factory raised

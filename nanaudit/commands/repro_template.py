@@ -102,19 +102,19 @@ def build_model(meta, resolve, override=None):
         return cls(cls.config_class.from_dict(recipe["config"]))
     if recipe.get("kind") == "hparams":
         return _recipe_class(recipe, what, resolve)(**recipe["hparams"])
-    raise Missing(f"the bundle cannot build {what}: {recipe.get('why', 'nothing was recorded')}; "
+    raise Missing(f"it cannot build {what}: {recipe.get('why', 'nothing was recorded')}; "
                   f"pass --model module:factory (a callable returning the model; the bundle's "
                   f"weights are loaded into it)")
 
 
 def _recipe_class(recipe, what, resolve):
     if not recipe.get("class"):
-        raise Missing(f"the bundle cannot build {what}: {recipe.get('why')}; pass --model "
+        raise Missing(f"it cannot build {what}: {recipe.get('why')}; pass --model "
                       f"module:factory (a callable returning the model)")
     try:
         return resolve(recipe["class"])
     except Exception as exc:  # noqa: BLE001 - an import error of any kind
-        raise Missing(f"the bundle cannot build {what}: importing `{recipe['class']}` failed "
+        raise Missing(f"it cannot build {what}: importing `{recipe['class']}` failed "
                       f"({type(exc).__name__}: {exc}); pass --model module:factory") from None
 
 
@@ -138,7 +138,7 @@ def build_loss(meta, resolve, override=None):
         return lambda model, batch: model.training_step(batch, index)
     if recipe.get("kind") == "hf-trainer":
         return _trainer_loss(recipe, resolve)
-    raise Missing(f"the bundle cannot compute the loss: {recipe.get('why', 'nothing was recorded')}; "
+    raise Missing(f"it cannot compute the loss: {recipe.get('why', 'nothing was recorded')}; "
                   f"pass --loss module:fn (called as fn(model, batch), returning the loss)")
 
 
@@ -150,7 +150,7 @@ def _trainer_loss(recipe, resolve):
         try:
             func = resolve(recipe["compute_loss_func"])
         except Exception as exc:  # noqa: BLE001 - an import error of any kind
-            raise Missing(f"the bundle cannot compute the loss: importing the Trainer's "
+            raise Missing(f"it cannot compute the loss: importing the Trainer's "
                           f"compute_loss_func `{recipe['compute_loss_func']}` failed "
                           f"({type(exc).__name__}: {exc}); pass --loss module:fn") from None
     count = recipe.get("num_items_in_batch")
@@ -317,7 +317,7 @@ def main(argv=None):
         model = build_model(meta, resolve, args.model)
         loss_fn = build_loss(meta, resolve, args.loss)
     except Missing as exc:
-        print(f"cannot replay: {exc}", file=sys.stderr)
+        print(f"cannot replay the bundle: {exc}", file=sys.stderr)
         return 2
     model.load_state_dict(load("state.pt")["model"])
     model.to(device).train()

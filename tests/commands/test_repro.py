@@ -232,3 +232,21 @@ def test_replay_options_for_recorded_bundles_are_refused_for_scan_bundles(tmp_pa
     folder, _ = _bundle(tmp_path)
     refused = run_cli("replay", folder, "--model", "x:y")
     assert refused.code == 2 and "this bundle's config names the model" in refused.stderr
+
+
+def test_numpy_and_python_rng_states_round_trip_through_a_bundle(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    import random
+    from types import SimpleNamespace
+
+    from nanaudit.commands.repro import rng_payload
+    from nanaudit.commands.repro_template import restore_rng
+    numpy.random.seed(3)
+    random.seed(4)
+    rng = SimpleNamespace(python=random.getstate(), torch_cpu=torch.get_rng_state(), cuda=None,
+                          numpy=numpy.random.get_state())
+    expected = (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist())
+    torch.save(rng_payload(rng), tmp_path / "rng.pt")      # weights_only must read it back
+    numpy.random.rand(10), random.random(), torch.rand(5)
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True), torch.device("cpu"))
+    assert (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist()) == expected
