@@ -48,6 +48,8 @@ def test_a_nan_inside_a_userdict_and_a_dataclass_is_seen_and_named_like_the_code
     assert result.code == 1
     assert (f["step"], f["where"], f["cause"], f["samples"]) == (2, "input", "nonfinite-input", [5])
     assert f["tensor"] == 'batch["extra"].pixels'
+    # The rows' ids come with them: the dataclass's `ids: list` is per-sample.
+    assert f["sample_rows"][0]["values"] == [['batch["extra"].ids', "img5"]]
     # The bundle stores the batch as plain containers that weights_only loads.
     bundle = next((tmp_path / "repro-step2").parent.glob("repro-step2*"))
     batch = torch.load(bundle / "batch.pt", weights_only=True)
