@@ -436,17 +436,24 @@ def init(config, force):
 
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--model", "model_target", metavar="MODULE:FACTORY",
+              help="Build the model with this callable (bundles of Sentinel or a training "
+                   "callback that could not record how; the saved weights are loaded into it).")
+@click.option("--loss", "loss_target", metavar="MODULE:FN",
+              help="Compute the loss as FN(model, batch) (bundles of Sentinel or a callback).")
 @_report_outputs
 @_stoppable("replay")
-def replay(bundle, json_path, junit_path, markdown_path, fmt, plot_path, fail_on, quiet, stop):
-    """Localize again the step saved in a repro BUNDLE (written by `scan` on a finding):
-    same weights, batch and RNG state, without the data pipeline. Exits 1 when the
-    non-finite value reproduces."""
+def replay(bundle, model_target, loss_target, json_path, junit_path, markdown_path, fmt,
+           plot_path, fail_on, quiet, stop):
+    """Localize again the step saved in a repro BUNDLE (written by `scan`, `Sentinel` or a
+    training callback on a finding): same weights, batch and RNG state, without the data
+    pipeline. Exits 1 when the non-finite value reproduces, 2 when the bundle needs --model
+    or --loss (the message says which)."""
     from nanaudit.commands.replay import replay as run_replay
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     try:
-        report = run_replay(bundle)
+        report = run_replay(bundle, model_target, loss_target)
     finally:
         stop.hold()
     _note_signal(report, stop)

@@ -41,6 +41,11 @@ def scan(config, *extra, tmp_path=None) -> Result:
 
 
 
+# `python repro.py` with any `import nanaudit` failing: a bundle's repro.py stands alone.
+BLOCK_NANAUDIT = ("import sys, runpy; sys.modules['nanaudit'] = None; sys.argv = ['repro.py'] + "
+                  "sys.argv[1:]; runpy.run_path('repro.py', run_name='__main__')")
+
+
 LINEAR_CASE = textwrap.dedent("""
     import torch
     from torch import nn

@@ -1,4 +1,6 @@
-"""`nanaudit replay DIR`: localize again the step a repro bundle saved.
+"""`nanaudit replay DIR`: localize again the step a repro bundle saved (written by `scan`, or by
+`Sentinel` and the training callbacks; `--model` / `--loss` supply what the latter could not
+record).
 """
 
 from __future__ import annotations
@@ -6,27 +8,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanaudit.commands.common import base_report, guarded
+from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report, Status
 
 
-def replay(folder: str | Path) -> Report:
+def replay(folder: str | Path, model: str | None = None, loss: str | None = None) -> Report:
     """`nanaudit replay DIR`: localize the step saved in a repro bundle again."""
     report = base_report(Path(folder) / "config.yaml", None)
     report.command = "replay"
-    return guarded(report, lambda: _replay(Path(folder), report))
+    return guarded(report, lambda: _replay(Path(folder), report, model, loss))
 
 
-def _replay(folder: Path, report: Report) -> None:
-    from nanaudit.commands.repro import load_bundle, replay_bundle
-    from nanaudit.config.entrypoints import user_import_path
+def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -> None:
+    from nanaudit.commands.repro import _source, bundle_import_path, load_bundle, replay_bundle
     from nanaudit.localize.findings import build_finding
     bundle = load_bundle(folder)
-    with user_import_path(Path(bundle.meta["base_dir"])):
-        session, outcome = replay_bundle(bundle)
-        report.config = session.config.summary()
+    if not bundle.from_scan:
+        report.config = {"path": str(folder), "source": _source(bundle.meta),
+                         "model": model, "loss": loss}
+    with bundle_import_path(bundle, with_cwd=bool(model or loss)):
+        session, outcome, notes = replay_bundle(bundle, model, loss)
+        if bundle.from_scan:
+            report.config = session.config.summary()
         report.device = str(session.device)
         report.steps_run = 1
-        report.finding = build_finding(session, outcome, session.config.localize.samples)
-        report.finding.rank = outcome.trip.rank
-    report.status = Status.CLEAN if report.finding.reproduced is False else Status.NONFINITE
+        try:
+            finding = build_finding(session, outcome, session.config.localize.samples)
+        except UserCodeError as error:
+            if notes:       # the user's code may have failed on a batch type kept plain
+                error.what += f" (note: {'; '.join(notes)})"
+            raise
+    finding.rank = outcome.trip.rank
+    if notes:
+        finding.explanation += f"; replay note: {'; '.join(notes)}"
+    report.finding = finding
+    report.status = Status.CLEAN if finding.reproduced is False else Status.NONFINITE
     report.repro = str(folder)

@@ -18,9 +18,10 @@ A non-finite value stops training with `NonFiniteError(report)` before the bad u
 - Manual optimization: each `optimizer.step()` checks the gradients of that optimizer's
   parameters; the replay runs `training_step` with `manual_backward` recording the loss (the
   k-th call's, as in the step that tripped) and the optimizers' `step`/`zero_grad` disabled.
-- With `output_dir`, the console, JSON and Markdown reports and the step's data (weights, RNG
-  state, batch, offending rows) are written there before raising; `report_path` writes the
-  JSON alone. Works with `lightning` and with the older `pytorch_lightning` package.
+- With `output_dir`, the console, JSON and Markdown reports and the step's repro bundle
+  (weights, RNG state, batch, offending rows, repro.py) are written there before raising;
+  `report_path` writes the JSON alone. The bundle replays `training_step` without a Trainer
+  (`nanaudit replay`), the module rebuilt from its `save_hyperparameters()`. Works with `lightning` and with the older `pytorch_lightning` package.
 """
 
 from __future__ import annotations
@@ -136,13 +137,25 @@ class NanauditCallback(Callback):
         if self.report_path:
             write_atomic(self.report_path, text)
         if self.output_dir:
-            from nanaudit.integrations._output import write_reports, write_step_bundle
-            write_reports(report, self.output_dir, echo=self.echo)
+            from nanaudit.integrations._output import (precision_name, write_reports,
+                                                       write_step_bundle)
             trip, state = self.sentinel.tripped
-            write_step_bundle(Path(self.output_dir) / f"repro-step{trip.step}", pl_module,
-                              optimizer, trip, state, finding, text,
-                              {"module": type(pl_module).__qualname__,
-                               "batch_index": finding.batch_index if finding else None})
+            batch_idx = finding.batch_index if finding and finding.batch_index is not None \
+                else self._batch_idx
+            # Replayed without a Trainer: training_step alone computes the loss, unless it
+            # steps the optimizers itself.
+            loss = ({"kind": "training_step", "batch_idx": batch_idx}
+                    if pl_module.automatic_optimization else
+                    {"why": "training_step steps the optimizers itself (manual optimization), "
+                            "which needs the Trainer"})
+            bundle = write_step_bundle(
+                Path(self.output_dir) / f"repro-step{trip.step}", pl_module, optimizer, trip,
+                state, finding, text,
+                {"source": "lightning", "module": type(pl_module).__qualname__,
+                 "batch_index": batch_idx, "loss_label": self.loss_label, "loss_recipe": loss,
+                 "precision": precision_name(trainer.precision)})
+            report.repro = str(bundle)
+            write_reports(report, self.output_dir, echo=self.echo)
 
 
 @contextlib.contextmanager

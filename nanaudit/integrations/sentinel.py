@@ -36,6 +36,11 @@ at the batch start instead. If the replay still differs, the finding says `repro
 Under AMP pass `scaler=`: a step whose gradients overflow is the GradScaler's skip, not a
 finding, unless the scale collapses (below `scale_floor`, or `max_skipped` skips in a row), as
 in `scan`; a non-finite input or loss is still a finding.
+
+With `output_dir`, a trip also writes nanaudit.json, nanaudit.md, nanaudit.txt and the repro
+bundle `repro-step<N>/` there before raising (`nanaudit replay` reads it; an importable
+`loss_fn` is recorded by name, the model needs `--model module:factory` unless its class can
+be rebuilt without arguments: see integrations/_output.py).
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ class Sentinel:
     def __init__(self, model: torch.nn.Module, optimizer=None,
                  loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
                  scaler: Any = None, isolate_samples: bool = True, history: int = 1000,
-                 max_skipped: int = 10, scale_floor: float = 1.0):
+                 max_skipped: int = 10, scale_floor: float = 1.0, output_dir: str | None = None):
         if isinstance(optimizer, (list, tuple)):
             self.optimizers = [o for o in optimizer if o is not None]
         else:
@@ -131,6 +136,7 @@ class Sentinel:
         self.isolate_samples = isolate_samples
         self.history = history
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
+        self.output_dir = output_dir
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._scopes: dict = {}
         self._last_step: int | None = None   # the step of the last check that passed
@@ -200,6 +206,9 @@ class Sentinel:
                                      and (trip is None or trip.note is not None))
         if trip is not None:
             self.report = self._report(trip, window, where, scale)
+            if self.output_dir is not None:
+                from nanaudit.integrations._output import write_sentinel_outputs
+                write_sentinel_outputs(self, self.output_dir)
             raise NonFiniteError(self.report)
         self._last_step = step
 

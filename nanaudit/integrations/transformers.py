@@ -15,8 +15,9 @@ removes the wrap.
 
 On a trip the step is replayed through the Trainer's own `compute_loss` (your override or
 `compute_loss_func` included) with the batch, RNG state and weights of that step, under its
-autocast; the console, JSON and Markdown reports and the step's data (weights, RNG state,
-batch, offending rows) go to `<args.output_dir>/nanaudit/`. Then, with `on_finding="raise"`
+autocast; the console, JSON and Markdown reports and the step's repro bundle (weights, RNG
+state, batch, offending rows, repro.py; the model rebuilt from its class and config, the loss
+as the Trainer's default computes it) go to `<args.output_dir>/nanaudit/`. Then, with `on_finding="raise"`
 (the default), `NonFiniteError` propagates out of `trainer.train()`; with `"stop"`, the
 step's gradients are dropped (the optimizer step updates nothing), `control.should_training_stop`
 ends training, and `callback.report` / `callback.exit_code` (1) tell the caller.
@@ -146,15 +147,36 @@ class NanauditCallback(TrainerCallback):
                          "fp16": args.fp16, "bf16": args.bf16,
                          "max_grad_norm": args.max_grad_norm, "epoch": state.epoch}
         folder = self._folder(args)
-        write_reports(report, folder, echo=self.echo)
         trip, step_state = self.sentinel.tripped
-        model = self.trainer.model
-        write_step_bundle(folder / f"repro-step{trip.step}", model, self.trainer.optimizer,
-                          trip, step_state, report.finding, renderer_for("json").render(report),
-                          {"model_class": type(model).__name__,
-                           "model_config": _model_config(model),
-                           "num_items_in_batch": _plain_number(self._num_items),
-                           "batch_index": getattr(report.finding, "batch_index", None)})
+        bundle = write_step_bundle(
+            folder / f"repro-step{trip.step}", self.trainer.model, self.trainer.optimizer, trip,
+            step_state, report.finding, renderer_for("json").render(report),
+            {"source": "transformers", "loss_label": self.loss_label,
+             "loss_recipe": _loss_recipe(self.trainer, self._num_items),
+             "precision": "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+             "num_items_in_batch": _plain_number(self._num_items),
+             "batch_index": getattr(report.finding, "batch_index", None)})
+        report.repro = str(bundle)
+        write_reports(report, folder, echo=self.echo)
+
+
+def _loss_recipe(trainer: Trainer, num_items) -> dict:
+    """How the bundle computes the loss without the Trainer: Trainer.compute_loss's default
+    path (the model's loss, or your importable `compute_loss_func`), else why it cannot."""
+    from nanaudit.integrations._output import callable_target
+    if type(trainer).compute_loss is not Trainer.compute_loss:
+        return {"why": f"{type(trainer).__qualname__} overrides compute_loss"}
+    if trainer.label_smoother is not None:
+        return {"why": "the Trainer smooths the labels (label_smoothing_factor)"}
+    target = None
+    if trainer.compute_loss_func is not None:
+        target, why = callable_target(trainer.compute_loss_func)
+        if target is None:
+            return {"why": f"the Trainer's compute_loss_func cannot be imported: {why}"}
+    return {"kind": "hf-trainer", "compute_loss_func": target,
+            "model_accepts_loss_kwargs": bool(getattr(trainer, "model_accepts_loss_kwargs",
+                                                      False)),
+            "num_items_in_batch": _plain_number(num_items)}
 
 
 def _calling_trainer() -> Trainer | None:
@@ -166,11 +188,6 @@ def _calling_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _model_config(model) -> dict | None:
-    config = getattr(model, "config", None)
-    return config.to_dict() if hasattr(config, "to_dict") else None
 
 
 def _plain_number(value):

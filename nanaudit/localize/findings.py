@@ -287,7 +287,9 @@ def _record_search(finding: Finding, state, layout, search) -> None:
 
 
 def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
-    """Each offending row's leaves: values when small, statistics when large."""
+    """Each offending row's leaves: values when small, statistics when large; and its entries
+    of the per-sample non-tensor leaves (ids, file names)."""
+    from nanaudit.run.batch import row_values
     shown = []
     for row in rows[:limit]:
         leaves = []
@@ -295,7 +297,8 @@ def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
             dim = layout.dims.get(path)
             if dim is not None and row < t.shape[dim]:
                 leaves.append((f"batch{path}", tensor_stats(f"batch{path}", t.select(dim, row))))
-        shown.append(SampleRow(row, tuple(leaves)))
+        values = tuple((f"batch{path}", value) for path, value in row_values(batch, layout, row))
+        shown.append(SampleRow(row, tuple(leaves), values))
     return shown
 
 

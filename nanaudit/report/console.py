@@ -162,8 +162,10 @@ def _samples(f: Finding) -> Table:
     table.add_column("row", justify="right")
     table.add_column("leaf")
     table.add_column("values / stats")
-    from nanaudit.report.text import describe
+    from nanaudit.report.text import describe, sample_value
     for row in f.sample_rows:
+        for path, value in row.values:
+            table.add_row(str(row.index), Text(path), Text(sample_value(value)))
         for path, stats in row.leaves:
             shown = (", ".join(f"{v:.4g}" for v in stats.value) if stats.value is not None
                      else describe(stats))
@@ -214,7 +216,12 @@ def _user_traceback(error: dict) -> str:
         lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
         if fr.get("code"):
             lines.append(f"    {fr['code']}")
-    lines.append(f"{error.get('exception', '')}: {error['message'].split(': ', 1)[-1]}")
+    exception = error.get("exception", "")
+    # The message is "<what> raised <Exception>: <text>"; <what> may hold a colon itself.
+    marker = f" raised {exception}: "
+    text = (error["message"].split(marker, 1)[-1] if marker in error["message"]
+            else error["message"].split(": ", 1)[-1])
+    lines.append(f"{exception}: {text}")
     return "\n".join(lines)
 
 

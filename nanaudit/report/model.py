@@ -14,7 +14,7 @@ Glossary:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -93,10 +93,14 @@ class SourceLine:
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One offending batch row, shown in the report: values when small, statistics when large."""
+    """One offending batch row, shown in the report: values when small, statistics when large,
+    and its entries of the batch's per-sample non-tensor leaves (ids, file names)."""
 
     index: int
     leaves: tuple = ()            # ((path, TensorStats), ...)
+    values: tuple = ()            # ((path, value), ...): `batch["ids"]` -> "clip_0042.wav"
+
+    OMIT_EMPTY = ("values",)      # in the JSON only when the batch has such leaves
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,9 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):
-        return _jsonable(asdict(obj))
+        omit = getattr(obj, "OMIT_EMPTY", ())
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in fields(obj)
+                if not (f.name in omit and not getattr(obj, f.name))}
     if obj is None or isinstance(obj, (str, int, bool)):
         return obj
     return str(obj)

@@ -104,3 +104,11 @@ def describe(stats: TensorStats) -> str:
         if count:
             parts.append(f"{label.replace('posinf', '+inf').replace('neginf', '-inf')}={count}")
     return " ".join(parts)
+
+
+def sample_value(value, limit: int = 80) -> str:
+    """A per-sample non-tensor entry (an id, a file name) as the user's code would write it
+    (strings in double quotes, as batch paths are)."""
+    import json
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

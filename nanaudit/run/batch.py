@@ -4,11 +4,14 @@ of each leaf and slicing a batch by rows.
 The batch size is the leading size most leaves share; a leaf whose leading size differs (a
 time-major `(T, B, C)` tensor for CTC) is sliced along the first dimension of that size, and a
 leaf with none (a per-batch scalar) is passed whole. `batch_dim:` in the config overrides both.
+A list or tuple holding no tensor whose length is the batch size (ids, file names, per-sample
+lengths) is per-sample: it is sliced with the rows, and findings show its entries beside them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from collections import Counter
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from nanaudit.errors import ConfigError, Problem
 class BatchLayout:
     size: int | None                 # None: no batch dimension could be found
     dims: Mapping[str, int | None]   # leaf path -> its batch dimension (None: not sliced)
+    per_sample: frozenset = frozenset()   # paths of per-sample lists/tuples of non-tensors
 
 
 def infer_layout(batch: Any, overrides: Mapping[str, int] | None = None) -> BatchLayout:
@@ -48,17 +52,60 @@ def infer_layout(batch: Any, overrides: Mapping[str, int] | None = None) -> Batc
     for path, t in leaves:
         if path not in dims:
             dims[path] = next((d for d in range(t.dim()) if t.shape[d] == size), None)
-    return BatchLayout(size, dims)
+    return BatchLayout(size, dims, frozenset(per_sample_paths(batch, size)))
+
+
+def per_sample_paths(tree: Any, size: int, path: str = "") -> list[str]:
+    """Paths of the lists and tuples (not namedtuples: those are records) that hold no tensor
+    and have one entry per row: `{"ids": ["a.wav", ...]}`, a dataclass's `names: list[str]`."""
+    items = children(tree)
+    if items is None:
+        return []
+    if _is_sequence(tree) and len(tree) == size and not _holds_tensor(tree):
+        return [path]
+    return [p for suffix, value in items for p in per_sample_paths(value, size, path + suffix)]
+
+
+def _is_sequence(tree: Any) -> bool:
+    return isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields")
+
+
+def _holds_tensor(tree: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for _, leaf in iter_leaves(tree))
 
 
 def select_rows(batch: Any, layout: BatchLayout, rows: list[int]) -> Any:
-    """The batch restricted to `rows`, keeping its structure and each leaf's batch dimension."""
-    def pick(path, t):
-        dim = layout.dims.get(path)
-        if dim is None:
-            return t
-        return t.index_select(dim, torch.tensor(rows, dtype=torch.long, device=t.device))
-    return map_tensors(batch, pick)
+    """The batch restricted to `rows`, keeping its structure and each leaf's batch dimension;
+    per-sample lists of non-tensors (ids, file names) are sliced with the rows."""
+    def walk(tree, path):
+        if isinstance(tree, torch.Tensor):
+            dim = layout.dims.get(path)
+            if dim is None:
+                return tree
+            return tree.index_select(dim, torch.tensor(rows, dtype=torch.long,
+                                                       device=tree.device))
+        if path in layout.per_sample:
+            return rebuild(tree, [tree[r] for r in rows])
+        items = children(tree)
+        if items is None:
+            return tree
+        return rebuild(tree, [walk(value, path + suffix) for suffix, value in items])
+    return walk(batch, "")
+
+
+def row_values(batch: Any, layout: BatchLayout, row: int) -> list[tuple[str, Any]]:
+    """The entries of the per-sample non-tensor leaves for one row: [(path, value)]."""
+    found = []
+
+    def walk(tree, path):
+        if path in layout.per_sample:
+            if row < len(tree):
+                found.append((path, tree[row]))
+            return
+        for suffix, value in children(tree) or []:
+            walk(value, path + suffix)
+    walk(batch, "")
+    return found
 
 
 def nonfinite_rows(t: torch.Tensor, dim: int | None) -> list[int]:
@@ -176,3 +223,51 @@ def move(tree: Any, device, leaves: list) -> Any:
         return mover(device) if callable(mover) and not isinstance(tree, (str, bytes)) \
             else tree
     return rebuild(tree, [move(v, device, leaves) for _, v in items])
+
+
+def container_kind(tree: Any) -> str:
+    """mapping, dataclass, namedtuple, list or tuple: how a container's plain form is rebuilt."""
+    if isinstance(tree, Mapping):
+        return "mapping"
+    if dataclasses.is_dataclass(tree):
+        return "dataclass"
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return "namedtuple"
+    return "list" if isinstance(tree, list) else "tuple"
+
+
+def batch_structure(tree: Any) -> dict | None:
+    """What `to_plain` forgets, for a replay to rebuild the user's batch types: per container
+    whose type is not a plain dict, list or tuple, its kind and import path (`type_path`), and
+    the same for its children in `children`' order. None when the tree is plain throughout."""
+    items = children(tree)
+    if items is None:
+        return None
+    below = [batch_structure(value) for _, value in items]
+    plain = type(tree) in (dict, list, tuple)
+    if plain and not any(below):
+        return None
+    node: dict = {"kind": container_kind(tree)}
+    if not plain:
+        node.update(type_path(type(tree)))
+    if any(below):
+        node["children"] = below
+    return node
+
+
+def type_path(cls: type) -> dict:
+    """How a class can be imported again: {"type": "module:Qualname", "file": its module's
+    file} (a module loaded from a file has a name only this process knows), or {"type": None,
+    "why": ...} for a class no other process can import."""
+    module, qualname = cls.__module__, cls.__qualname__
+    name = f"{module}.{qualname}"
+    if "<locals>" in qualname:
+        return {"type": None, "name": name, "why": "it is defined inside a function"}
+    if module == "__main__":
+        return {"type": None, "name": name, "why": "it is defined in the script run as "
+                                                   "__main__"}
+    path = {"type": f"{module}:{qualname}", "name": name}
+    source = getattr(sys.modules.get(module), "__file__", None)
+    if source:
+        path["file"] = source
+    return path

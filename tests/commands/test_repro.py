@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from helpers import ROOT, run_cli, scan
+from helpers import BLOCK_NANAUDIT, ROOT, run_cli, scan
 
 
 EXAMPLES = ROOT / "configs" / "examples"
@@ -37,10 +38,8 @@ def test_bundle_holds_state_batch_rows_config_and_report(tmp_path):
 def test_repro_py_reproduces_in_a_fresh_process_without_nanaudit(tmp_path):
     folder, _ = _bundle(tmp_path)
     # Any `import nanaudit` in repro.py (or anything it imports) fails in this process.
-    blocker = ("import sys, runpy; sys.modules['nanaudit'] = None; sys.argv = ['repro.py'] + "
-               "sys.argv[1:]; runpy.run_path('repro.py', run_name='__main__')")
     for extra in ([], ["--rows"]):
-        proc = subprocess.run([sys.executable, "-c", blocker, *extra], cwd=folder,
+        proc = subprocess.run([sys.executable, "-c", BLOCK_NANAUDIT, *extra], cwd=folder,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1, proc.stderr
         assert "non-finite loss" in proc.stdout and "reproduced" in proc.stdout
@@ -104,3 +103,150 @@ def test_amp_bundle_replays_at_the_recorded_loss_scale(tmp_path):
     again = json.loads(out.read_text())["finding"]
     assert (again["op"], again["inputs"][0]["max"], again["cause"]) == (
         "aten.mm.default", 128.0, "dtype-overflow")
+
+
+def _replayed(folder, tmp_path, *extra):
+    out = tmp_path / "replay.json"
+    result = run_cli("replay", folder, "--json", out, "-q", *extra)
+    result.report = json.loads(out.read_text())
+    return result
+
+
+def test_dataclass_batch_with_file_names_replays_as_the_dataclass(tmp_path):
+    folder, finding = _bundle(tmp_path, "dataclass_string_ids")
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["batch_structure"]["type"] == "dataclass_string_ids:Clips"
+    rows = torch.load(folder / "rows.pt", weights_only=True)
+    assert rows["ids"] == ["clip_0021.wav"] and rows["frames"].abs().sum() == 0
+    again = _replayed(folder, tmp_path)
+    assert again.code == 1          # the loss reads batch.frames: the dataclass was rebuilt
+    for key in ("step", "where", "op", "module", "cause", "samples", "sample_rows"):
+        assert again.finding[key] == finding[key], key
+    proc = subprocess.run([sys.executable, "-c", BLOCK_NANAUDIT, "--rows"], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "non-finite loss" in proc.stdout, proc.stdout + proc.stderr
+
+
+BATCH_ENCODING_CASE = """
+import torch
+from torch import nn
+from transformers import BatchEncoding
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Embedding(20, 4)
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        mask = torch.ones(4, 5)
+        if step == 1:
+            mask[2] = 0.0                      # a row of padding only
+        yield BatchEncoding({"input_ids": torch.randint(0, 20, (4, 5), generator=g),
+                             "attention_mask": mask})
+
+
+def loss(model, batch):
+    assert isinstance(batch, BatchEncoding) and batch.input_ids is batch["input_ids"]
+    mask = batch["attention_mask"].unsqueeze(-1)
+    pooled = (model(batch.input_ids) * mask).sum(1) / mask.sum(1)
+    return pooled.pow(2).mean()
+"""
+
+
+def test_batch_encoding_batches_replay_as_batch_encoding(case, tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    result = scan(case(BATCH_ENCODING_CASE), "--repro", tmp_path / "bundle", tmp_path=tmp_path)
+    f = result.finding
+    assert (result.code, f["step"], f["op"], f["cause"], f["samples"]) == (
+        1, 1, "aten.div.Tensor", "div-by-zero", [2])
+    meta = json.loads((tmp_path / "bundle" / "meta.json").read_text())
+    assert meta["batch_structure"]["type"].endswith(":BatchEncoding")
+    assert type(torch.load(tmp_path / "bundle" / "batch.pt", weights_only=True)) is dict
+    again = _replayed(tmp_path / "bundle", tmp_path)
+    assert again.code == 1, again.report["error"]
+    for key in ("step", "where", "op", "cause", "samples", "source"):
+        assert again.finding[key] == f[key], key
+
+
+LOCAL_TYPES_CASE = """
+import collections
+import dataclasses
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 1)
+
+
+def batches(kind):
+    class Local(collections.UserDict):
+        pass
+
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+    for step in range(3):
+        x = torch.rand(4, 3) + 0.5
+        if step == 1:
+            x[1] = 0.0
+        yield Local(x=x) if kind == "mapping" else Pair(x)
+
+
+def loss(model, batch):
+    return torch.log(batch["x"]).sum() * model(batch["x"]).mean()
+
+
+def attribute_loss(model, batch):
+    return torch.log(batch.x).sum() * model(batch.x).mean()
+"""
+
+
+def test_a_batch_type_defined_in_a_function_is_replayed_plain_and_said_so(case, tmp_path):
+    config = case(LOCAL_TYPES_CASE, data={"entrypoint": "case:batches",
+                                          "args": {"kind": "mapping"}})
+    assert scan(config, "--repro", tmp_path / "bundle", tmp_path=tmp_path).code == 1
+    again = _replayed(tmp_path / "bundle", tmp_path)
+    assert again.code == 1 and again.finding["op"] == "aten.log.default"
+    assert ("replay note: `case.batches.<locals>.Local` was replayed as a plain dict: it is "
+            "defined inside a function") in again.finding["explanation"]
+
+
+def test_a_loss_failing_on_a_batch_kept_plain_is_the_user_code_error_with_the_note(case, tmp_path):
+    config = case(LOCAL_TYPES_CASE, data={"entrypoint": "case:batches",
+                                          "args": {"kind": "dataclass"}},
+                  loss="case:attribute_loss")
+    assert scan(config, "--repro", tmp_path / "bundle", tmp_path=tmp_path).code == 1
+    again = _replayed(tmp_path / "bundle", tmp_path)
+    assert again.code == 4
+    message = again.report["error"]["message"]
+    assert "AttributeError" in message and "`case.batches.<locals>.Pair` was replayed as a " \
+                                           "plain dict" in message
+
+
+def test_replay_options_for_recorded_bundles_are_refused_for_scan_bundles(tmp_path):
+    folder, _ = _bundle(tmp_path)
+    refused = run_cli("replay", folder, "--model", "x:y")
+    assert refused.code == 2 and "this bundle's config names the model" in refused.stderr
+
+
+def test_numpy_and_python_rng_states_round_trip_through_a_bundle(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    import random
+    from types import SimpleNamespace
+
+    from nanaudit.commands.repro import rng_payload
+    from nanaudit.commands.repro_template import restore_rng
+    numpy.random.seed(3)
+    random.seed(4)
+    rng = SimpleNamespace(python=random.getstate(), torch_cpu=torch.get_rng_state(), cuda=None,
+                          numpy=numpy.random.get_state())
+    expected = (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist())
+    torch.save(rng_payload(rng), tmp_path / "rng.pt")      # weights_only must read it back
+    numpy.random.rand(10), random.random(), torch.rand(5)
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True), torch.device("cpu"))
+    assert (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist()) == expected

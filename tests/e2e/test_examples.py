@@ -1,9 +1,12 @@
 """Every config in configs/ runs, and each seed case is localized to its step, op and cause."""
 
 
+import json
+import re
+
 import pytest
 
-from helpers import ROOT, scan
+from helpers import ROOT, run_cli, scan
 
 EXPECTED = {
     "log_negative": dict(step=3, where="forward", op="aten.log.default", cause="log-domain",
@@ -63,9 +66,18 @@ EXPECTED = {
     "batchnorm_log_silence": dict(step=2, batch_index=2, where="forward", value="nan",
                                   op="aten.log.default", module="", cause="log-domain",
                                   samples=[5]),
+    # Issue 15: the batch types and layers of real training code.
+    "userdict_masked_mean": dict(step=3, where="forward", value="nan", op="aten.div.Tensor",
+                                 module="pool", cause="div-by-zero", samples=[4]),
+    "dataclass_string_ids": dict(step=2, where="forward", value="nan", op="aten.log.default",
+                                 module="frontend", cause="log-domain", samples=[5]),
+    "sparse_embedding": dict(step=2, where="backward", value="nan", op="aten.div.Tensor",
+                             forward_op="aten.sqrt.default", module="", tensor="users.weight",
+                             cause="sqrt-domain", samples=[6]),
 }
 CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_clean",
-         "batchnorm_log_silence_clean"}
+         "batchnorm_log_silence_clean", "userdict_masked_mean_clean",
+         "dataclass_string_ids_clean", "sparse_embedding_clean"}
 # Run under two ranks in test_distributed.py (and as one process there too).
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
@@ -122,3 +134,20 @@ def test_clean_config_exits_zero(tmp_path):
     assert result.report["status"] == "clean"
     assert result.report["steps_run"] == 12
     assert all(isinstance(e["loss"], float) for e in result.report["timeline"])
+
+
+def test_a_per_sample_file_name_is_shown_beside_its_row(tmp_path):
+    result = run_cli("scan", ROOT / "configs" / "examples" / "dataclass_string_ids.yaml",
+                     "--json", tmp_path / "report.json", "--no-repro")
+    assert result.code == 1
+    row = json.loads((tmp_path / "report.json").read_text())["finding"]["sample_rows"][0]
+    assert row["index"] == 5 and row["values"] == [["batch.ids", "clip_0021.wav"]]
+    assert dict(row["leaves"])["batch.frames"]["zeros"] == 192      # the silent clip
+    assert re.search(r'5 │ batch\.ids +│ "clip_0021\.wav"', result.stderr)
+
+
+def test_rows_without_per_sample_values_keep_the_json_as_it_was(tmp_path):
+    result = scan(ROOT / "configs" / "examples" / "userdict_masked_mean.yaml", tmp_path=tmp_path)
+    row = result.finding["sample_rows"][0]
+    assert sorted(row) == ["index", "leaves"]
+    assert dict(row["leaves"])['batch["attention_mask"]']["value"] == [0.0] * 10

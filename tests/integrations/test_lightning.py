@@ -2,9 +2,13 @@
 schedulers and manual optimization with several optimizers, each with a planted bug."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from helpers import BLOCK_NANAUDIT, run_cli
 
 lightning = pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
@@ -78,6 +82,75 @@ def test_16_mixed_with_accumulation_skips_overflow_but_names_the_bad_micro_batch
     assert (tmp_path / "nanaudit.md").is_file() and (tmp_path / "nanaudit.txt").is_file()
     rows = torch.load(tmp_path / "repro-step3" / "rows.pt", weights_only=True)
     assert float(rows[1][0]) == 0.0
+    # Replayed without the Trainer: Regressor(loss=...) was built with arguments nobody
+    # recorded, so the bundle asks for a factory (exit 2) ...
+    bundle = tmp_path / "repro-step3"
+    refused = run_cli("replay", bundle)
+    assert refused.code == 2
+    assert "constructor takes arguments (loss)" in refused.stderr
+    assert "--model" in refused.stderr and "save_hyperparameters" in refused.stderr
+    # ... and with one, training_step under the 16-mixed autocast at the step's loss scale
+    # names the same op and row.
+    out = tmp_path / "replay.json"
+    assert run_cli("replay", bundle, "--model", "test_lightning:Regressor", "--json", out,
+                   "-q").code == 1
+    again = json.loads(out.read_text())["finding"]
+    assert (again["step"], again["where"], again["op"], again["cause"], again["samples"]) == (
+        3, "forward", "aten.log.default", "log-domain", [1])
+    assert again["module"] == "test_lightning:Regressor.training_step"
+
+
+SAVED_REGRESSOR = """
+import lightning
+import torch
+
+
+class SavedRegressor(lightning.LightningModule):
+    # Records its constructor's arguments, as Lightning's checkpoints need.
+
+    def __init__(self, loss="log"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.layer(x)
+        if self.hparams.loss == "log":
+            return (pred - torch.log(y)).pow(2).mean()
+        return torch.sqrt(y * (y - 0.5) * pred.pow(2)).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+"""
+
+
+def test_a_bundle_of_a_module_with_saved_hyperparameters_replays_alone(tmp_path, monkeypatch):
+    project = tmp_path / "project"          # the user's code, importable as in their run
+    project.mkdir()
+    (project / "saved_regressor.py").write_text(SAVED_REGRESSOR)
+    monkeypatch.syspath_prepend(str(project))
+    from saved_regressor import SavedRegressor
+    torch.manual_seed(0)
+    callback = NanauditCallback(output_dir=tmp_path, echo=False)
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(SavedRegressor(loss="sqrt"), _loader(bad_row=9))
+    monkeypatch.delitem(sys.modules, "saved_regressor")
+    f = raised.value.report.finding
+    assert (f.step, f.where, f.cause, f.samples) == (2, "backward", "sqrt-domain", [1])
+    bundle = tmp_path / "repro-step2"
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["model_recipe"]["hparams"] == {"loss": "sqrt"}
+    out = tmp_path / "replay.json"
+    assert run_cli("replay", bundle, "--json", out, "-q").code == 1
+    again = json.loads(out.read_text())["finding"]
+    for key in ("step", "where", "op", "forward_op", "cause", "samples", "module"):
+        assert again[key] == getattr(f, key), key
+    # repro.py: plain PyTorch and Lightning, no nanaudit, from the bundle's folder.
+    proc = subprocess.run([sys.executable, "-c", BLOCK_NANAUDIT], cwd=bundle,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "non-finite gradient of layer.weight" in proc.stdout
 
 
 def test_accumulation_gradient_bug_in_an_early_micro_batch_is_reproduced():
@@ -154,7 +227,7 @@ class TwoOptimizers(lightning.LightningModule):
                 torch.optim.Adam(self.head.parameters(), lr=0.01))
 
 
-def test_manual_optimization_with_two_optimizers_clean_and_poisoned():
+def test_manual_optimization_with_two_optimizers_clean_and_poisoned(tmp_path):
     torch.manual_seed(0)
     callback = NanauditCallback(echo=False)
     _trainer(callback).fit(TwoOptimizers(), _loader())
@@ -175,7 +248,7 @@ def test_manual_optimization_with_two_optimizers_clean_and_poisoned():
     assert f.step == 4
 
     torch.manual_seed(0)
-    callback = NanauditCallback(echo=False)
+    callback = NanauditCallback(echo=False, output_dir=tmp_path)
     y[22] = 0.0                                 # batch_idx 5, row 2: log(0)
     x[10, 2] = 0.0
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
@@ -186,3 +259,7 @@ def test_manual_optimization_with_two_optimizers_clean_and_poisoned():
     # manual_backward's loss, as in the step that tripped.
     assert (f.step, f.batch_index, f.where, f.op, f.cause, f.samples) == (
         10, 5, "forward", "aten.log.default", "log-domain", [2])
+    # Without the Trainer, a training_step that steps its optimizers has no loss to replay.
+    refused = run_cli("replay", tmp_path / "repro-step10")
+    assert refused.code == 2 and "manual optimization" in refused.stderr
+    assert "--loss" in refused.stderr

@@ -3,6 +3,7 @@ a GradScaler) and the Lightning callback; importing nanaudit pulls no optional d
 
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -237,3 +238,107 @@ def test_sentinel_blames_the_update_after_the_last_passing_check():
     f = raised.value.report.finding
     assert (f.step, f.where, f.cause) == (10, "optimizer", "optimizer-update")
     assert "SGD.step()" in f.explanation
+
+
+SENTINEL_CASE = """
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Clips:
+    audio: torch.Tensor
+    target: torch.Tensor
+    names: list
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.3),
+                               torch.nn.Linear(8, 1))
+
+
+def compute_loss(model, batch):
+    return torch.log(model(batch.audio).abs() * batch.target).mean()   # log(0): target 0
+
+
+def clips(step, poisoned=None):
+    g = torch.Generator().manual_seed(step)
+    target = torch.rand(6, 1, generator=g) + 0.5
+    if poisoned is not None:
+        target[poisoned] = 0.0
+    return Clips(torch.randn(6, 3, generator=g), target,
+                 [f"clip_{step}_{row}.wav" for row in range(6)])
+"""
+
+
+def _sentinel_bundle(tmp_path, monkeypatch, loss_fn=None):
+    """A hand-written loop with Sentinel(output_dir=...): dataclass batches with file names,
+    a zero target in row 2 of step 3. Returns (finding, bundle folder)."""
+    from nanaudit import NonFiniteError, Sentinel
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "sentinel_case.py").write_text(SENTINEL_CASE)
+    monkeypatch.syspath_prepend(str(project))
+    import sentinel_case
+    model = sentinel_case.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = loss_fn or sentinel_case.compute_loss
+    sentinel = Sentinel(model, optimizer, loss_fn=loss_fn, output_dir=tmp_path / "out")
+    with pytest.raises(NonFiniteError) as raised:
+        for step in range(6):
+            batch = sentinel_case.clips(step, poisoned=2 if step == 3 else None)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            sentinel.check(step, batch, loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    monkeypatch.delitem(sys.modules, "sentinel_case")
+    return raised.value.report, tmp_path / "out" / "repro-step3"
+
+
+def test_sentinel_bundle_replays_with_a_model_factory(tmp_path, monkeypatch):
+    from helpers import BLOCK_NANAUDIT, run_cli
+    report, bundle = _sentinel_bundle(tmp_path, monkeypatch)
+    f = report.finding
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (
+        3, "forward", "aten.log.default", "log-domain", [2])
+    assert f.sample_rows[0].values == (("batch.names", "clip_3_2.wav"),)
+    assert report.repro == str(bundle)
+    assert json.loads((tmp_path / "out" / "nanaudit.json").read_text())["repro"] == str(bundle)
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["loss"] == "sentinel_case:compute_loss"
+    assert meta["batch_structure"]["type"] == "sentinel_case:Clips"
+    # torch.nn.Sequential(*args): the bundle cannot know the layers; it says what to pass.
+    refused = run_cli("replay", bundle)
+    assert refused.code == 2
+    assert "constructor takes arguments (*args)" in refused.stderr and "--model" in refused.stderr
+    # With the factory: the dataclass batch is rebuilt (the loss reads batch.audio), Dropout
+    # draws the same mask, and the same op, row and file name come out.
+    out = tmp_path / "replay.json"
+    os.chdir(tmp_path / "project")
+    replayed = run_cli("replay", bundle, "--model", "sentinel_case:build_model", "--json", out,
+                       "-q")
+    assert replayed.code == 1, replayed.stderr
+    again = json.loads(out.read_text())["finding"]
+    assert (again["step"], again["where"], again["op"], again["cause"], again["samples"]) == (
+        3, "forward", "aten.log.default", "log-domain", [2])
+    assert again["module"] == "sentinel_case:compute_loss"
+    assert again["sample_rows"][0]["values"] == [["batch.names", "clip_3_2.wav"]]
+    proc = subprocess.run([sys.executable, "-c", BLOCK_NANAUDIT, "--model",
+                           "sentinel_case:build_model", "--rows"], cwd=bundle,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "non-finite loss" in proc.stdout
+
+
+def test_sentinel_bundle_with_a_loss_defined_in_a_function_asks_for_it(tmp_path, monkeypatch):
+    from helpers import run_cli
+
+    def local_loss(model, batch):
+        return torch.log(model(batch.audio).abs() * batch.target).mean()
+    _, bundle = _sentinel_bundle(tmp_path, monkeypatch, loss_fn=local_loss)
+    refused = run_cli("replay", bundle, "--model", "sentinel_case:build_model")
+    assert refused.code == 2
+    assert "defined inside a function" in refused.stderr and "--loss" in refused.stderr

@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
+from helpers import run_cli  # noqa: E402
 from nanaudit import NonFiniteError  # noqa: E402
 from nanaudit.integrations.transformers import NanauditCallback  # noqa: E402
 
@@ -90,12 +91,25 @@ def test_trainer_log_zero_in_an_accumulated_micro_batch(tmp_path):
     assert "log-domain" in (folder / "nanaudit.md").read_text()
     bundle = folder / "repro-step2"
     assert sorted(p.name for p in bundle.iterdir()) == [
-        "batch.pt", "meta.json", "nanaudit-bundle.json", "report.json", "rng.pt", "rows.pt", "state.pt"]
+        "batch.pt", "meta.json", "nanaudit-bundle.json", "report.json", "repro.py", "rng.pt",
+        "rows.pt", "state.pt"]
+    assert body["repro"] == str(bundle)
     rows = torch.load(bundle / "rows.pt", weights_only=True)
     assert rows["labels"].tolist() == [0.0]
-    assert json.loads((bundle / "meta.json").read_text())["model_class"] == (
-        "BertForSequenceClassification")
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert meta["model_class"] == "BertForSequenceClassification"
+    assert (meta["model_recipe"]["kind"], meta["loss_recipe"]["compute_loss_func"]) == (
+        "transformers", "test_transformers:log_target_loss")
     assert "compute_loss" not in trainer.__dict__, "the wrap is removed after training"
+    # The bundle alone (no Trainer): the model from its class and config, the Trainer's loss.
+    out = tmp_path / "replay.json"
+    replayed = run_cli("replay", bundle, "--json", out, "-q")
+    assert replayed.code == 1, replayed.stderr
+    again = json.loads(out.read_text())["finding"]
+    assert (again["step"], again["where"], again["op"], again["cause"], again["samples"]) == (
+        2, "forward", "aten.log.default", "log-domain", [1])
+    assert again["source"]["function"] == "log_target_loss"
+    assert again["module"] == "Trainer.compute_loss"
 
 
 def test_trainer_stop_mode_ends_training_on_a_poisoned_sample(tmp_path):
