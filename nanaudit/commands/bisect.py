@@ -188,8 +188,8 @@ def mark_unconfirmed(finding) -> None:
 def _every_finding(session: Session, outcome: ScanOutcome) -> list:
     """The batch's finding, then those of the rows that remain once its rows are set aside."""
     state = outcome.state
-    findings = [build_finding(session, outcome, session.config.localize.samples)]
-    layout = infer_layout(state.batch, session.config.batch_dim)
+    findings = [build_finding(session, outcome, session.options.localize.samples)]
+    layout = infer_layout(state.batch, session.options.batch_dim)
     remaining = list(range(layout.size or 0))
     while findings[-1].samples and layout.size:
         taken = set(findings[-1].samples)
@@ -202,7 +202,7 @@ def _every_finding(session: Session, outcome: ScanOutcome) -> list:
         again = run_steps(probe, 1, update=False, start_step=state.step)
         if again.trip is None:
             break
-        finding = build_finding(probe, again, session.config.localize.samples)
+        finding = build_finding(probe, again, session.options.localize.samples)
         _renumber(finding, remaining, layout.size)
         findings.append(finding)
     return findings

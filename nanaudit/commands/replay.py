@@ -33,7 +33,7 @@ def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -
         report.device = str(session.device)
         report.steps_run = 1
         try:
-            finding = build_finding(session, outcome, session.config.localize.samples)
+            finding = build_finding(session, outcome, session.options.localize.samples)
         except UserCodeError as error:
             if notes:       # the user's code may have failed on a batch type kept plain
                 error.what += f" (note: {'; '.join(notes)})"
