@@ -1,6 +1,6 @@
 """The step's vocabulary: the RNG state captured before a step, what tripped (`Trip`), the
-pre-step state a replay needs (`StepState`), a run's outcome, the forward/backward of one
-batch, and how the host classifies a step from its one read.
+pre-step state a replay needs (`StepState`), a run's outcome, the loss's checks, and how the
+host classifies a step from its one read. The step itself is a unit (units.py).
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from nanaudit.errors import ConfigError, Problem, call_user
+from nanaudit.errors import ConfigError, Problem
 from nanaudit.report.model import TimelineEntry
 from nanaudit.run.checks import StepChecks, confirm_nonfinite, exact_norm
 from nanaudit.run.deferred import ReadMode
-from nanaudit.run.session import Session
 
 
 @dataclass
@@ -207,30 +206,6 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
         raise ConfigError([Problem(entry_key, "the loss does not require grad: it is not "
                                    "connected to any trainable parameter")])
     return value.reshape(()) if value.dim() else value
-
-
-def forward_backward(session: Session, batch: Any,
-                     before_backward: Callable[[], None] | None = None,
-                     scale: float | None = None,
-                     zero_grad: Callable[[], None] | None = None,
-                     divide: int = 1) -> torch.Tensor:
-    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled, and divided
-    by the window's micro-batches): the part of a step a replay repeats. `scale` is the
-    recorded loss scale on a replay; `zero_grad` the step loop's own (its parameter list, not
-    a walk of the module tree). Returns the loss as the user's code computed it."""
-    if zero_grad is not None:
-        zero_grad()
-    else:
-        session.model.zero_grad(set_to_none=True)
-    precision = session.precision
-    with precision.autocast():
-        loss = scalar_loss(call_user(f"loss `{session.options.loss_label}`",
-                                     session.compute_loss, batch), session.options.loss_key)
-    if before_backward is not None:
-        before_backward()
-    scaled = precision.scaled(loss / divide if divide != 1 else loss, scale)
-    call_user("backward of the loss", scaled.backward)
-    return loss
 
 
 def confirm_norms(sentinels: StepChecks, norm: float, gnorm: float,

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from nanaudit.errors import UserCodeError, call_user
-from nanaudit.run.step import StepState, forward_backward, scalar_loss
+from nanaudit.run.step import StepState, scalar_loss
 
 
 def unit_for(session) -> "LossStep | UserStep":
@@ -85,6 +85,30 @@ class LossStep:
         return self.forward_backward(state.batch if batch is None else batch,
                                      before_backward=hooks.before_backward, scale=state.scale,
                                      zero_grad=self.session.model.zero_grad)
+
+
+def forward_backward(session, batch: Any,
+                     before_backward: Callable[[], None] | None = None,
+                     scale: float | None = None,
+                     zero_grad: Callable[[], None] | None = None,
+                     divide: int = 1) -> torch.Tensor:
+    """Zero grads, compute the loss (under autocast) and backpropagate it (scaled, and divided
+    by the window's micro-batches): the part of a step a replay repeats. `scale` is the
+    recorded loss scale on a replay; `zero_grad` the step loop's own (its parameter list, not
+    a walk of the module tree). Returns the loss as the user's code computed it."""
+    if zero_grad is not None:
+        zero_grad()
+    else:
+        session.model.zero_grad(set_to_none=True)
+    precision = session.precision
+    with precision.autocast():
+        loss = scalar_loss(call_user(f"loss `{session.options.loss_label}`",
+                                     session.compute_loss, batch), session.options.loss_key)
+    if before_backward is not None:
+        before_backward()
+    scaled = precision.scaled(loss / divide if divide != 1 else loss, scale)
+    call_user("backward of the loss", scaled.backward)
+    return loss
 
 
 def _keep() -> None:

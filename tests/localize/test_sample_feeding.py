@@ -4,7 +4,6 @@ user's code during a replay is the user's error, never a verdict on the rows."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanaudit.errors import UserCodeError, call_user
