@@ -439,7 +439,9 @@ class _StepLoop:
             return None, scaler_step
         if trip is not None or optimizer is None:
             return trip, None
-        problem = lr_problem(self.session)
+        # Without a scheduler nothing of nanaudit's moves the lr: one check, at the first update.
+        problem = lr_problem(self.session) if (self.session.schedulers
+                                               or not self.updated) else None
         if problem:
             return Trip(step, "schedule", loss_value, gnorm, note=problem), None
         optimizers = list(self.session.optimizers.values())
