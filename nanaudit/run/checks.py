@@ -126,8 +126,9 @@ class StepReadout:
 
 
 def _combine(norms: Sequence[float]) -> float:
-    """The L2 norm of per-tensor norms, in float64 on the host (NaN and Inf carry through)."""
-    return math.sqrt(sum(v * v for v in norms))
+    """The L2 norm of per-tensor norms, in float64 on the host (an Inf or NaN makes it
+    non-finite; `hypot` scales, so finite norms never overflow their combination)."""
+    return math.hypot(*norms)
 
 
 class StepChecks:
@@ -162,7 +163,11 @@ class StepChecks:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        return [dense_values(p.grad) for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        for g in grads:
+            if g.layout is not torch.strided:
+                return [dense_values(g) for g in grads]
+        return grads
 
     def grad_norm(self) -> torch.Tensor:
         return finite_norm(self.grad_values(), self.device)
@@ -186,8 +191,8 @@ class StepChecks:
         `_foreach_norm` and one stack on the common path."""
         grads = self.grad_values()
         state = self._state if state is None else state
-        if self._fused and all(t.dtype in _FLOAT64_SAFE and t.device == self.device
-                               for t in batch_leaves):
+        # The batch's leaves were moved to the device with the batch: only dtypes can differ.
+        if self._fused and all(t.dtype in _FLOAT64_SAFE for t in batch_leaves):
             norms = torch._foreach_norm(batch_leaves + state + grads, 2.0,
                                         dtype=torch.float32)
             return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),

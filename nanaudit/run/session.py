@@ -8,6 +8,7 @@ and are what findings and the timeline call them.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -73,7 +74,12 @@ class Session:
         return getattr(self.model, "module", self.model) if self.coordinator else self.model
 
     def compute_loss(self, batch):
-        return self.loss_fn(self.model, batch, **dict(self.options.loss_args))
+        return self.loss_fn(self.model, batch, **self.options.loss_args)
+
+    @functools.cached_property
+    def loss_what(self) -> str:
+        """How an exception of the loss is introduced: `loss \`train:compute_loss\``."""
+        return f"loss `{self.options.loss_label}`"
 
     @property
     def loss_label(self) -> str:

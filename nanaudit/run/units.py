@@ -60,6 +60,7 @@ class LossStep:
 
     def __init__(self, session, window: int = 1):
         self.session, self.window = session, window
+        self._labels: tuple = (None, [])      # (the optimizers dict, [(label, optimizer)])
 
     @property
     def name(self) -> str:
@@ -74,9 +75,14 @@ class LossStep:
 
     def update(self, loss_value: float) -> None:
         """Each optimizer's step, then each scheduler's (after an applied update only)."""
-        for name, optimizer in self.session.optimizers.items():
-            call_user(optimizer_label(name, optimizer), optimizer.step)
-        step_schedulers(self.session.schedulers, loss_value)
+        optimizers = self.session.optimizers
+        if self._labels[0] is not optimizers:   # named once, not per step (a small step feels it)
+            self._labels = (optimizers, [(optimizer_label(n, o), o)
+                                         for n, o in optimizers.items()])
+        for label, optimizer in self._labels[1]:
+            call_user(label, optimizer.step)
+        if self.session.schedulers:
+            step_schedulers(self.session.schedulers, loss_value)
 
     def replay(self, state: StepState, batch: Any = None,
                hooks: ReplayHooks | None = None) -> torch.Tensor:
@@ -102,8 +108,8 @@ def forward_backward(session, batch: Any,
         session.model.zero_grad(set_to_none=True)
     precision = session.precision
     with precision.autocast():
-        loss = scalar_loss(call_user(f"loss `{session.options.loss_label}`",
-                                     session.compute_loss, batch), session.options.loss_key)
+        loss = scalar_loss(call_user(session.loss_what, session.compute_loss, batch),
+                           session.options.loss_key)
     if before_backward is not None:
         before_backward()
     scaled = precision.scaled(loss / divide if divide != 1 else loss, scale)

@@ -46,7 +46,8 @@ class ActivationWatch:
 
     def begin(self, step: int) -> None:
         self.active = bool(self.every) and step % self.every == 0
-        self.maxima, self.labels, self._seen = [], [], set()
+        if self.active or self.maxima:
+            self.maxima, self.labels, self._seen = [], [], set()
 
     def _hook(self, name, module, args, output) -> None:
         if not self.active:
