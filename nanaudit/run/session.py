@@ -273,12 +273,13 @@ def build_schedulers(config: Config, optimizers: dict) -> dict:
         schedulers = {f"scheduler({name})" if len(optimizers) > 1 else "scheduler":
                       _scheduler(cls, spec, name, opt, config)
                       for name, opt in optimizers.items()}
-        where, target = "scheduler.class", spec.class_path
+        where, target, made = "scheduler.class", spec.class_path, schedulers
     kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for name, sched in schedulers.items():
         if not isinstance(sched, kinds):
-            raise ConfigError([Problem(where, f"`{target}` gave a {type(sched).__name__} "
-                                       f"({name}), not a learning-rate scheduler")])
+            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
+                                       f"{type(sched).__name__}, not a learning-rate "
+                                       f"scheduler (torch.optim.lr_scheduler)")])
     return schedulers
 
 

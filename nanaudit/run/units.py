@@ -124,7 +124,8 @@ def step_schedulers(schedulers: dict, loss_value: float) -> None:
     for name, scheduler in schedulers.items():
         what = f"scheduler `{name}` ({type(scheduler).__name__}).step()"
         if isinstance(scheduler, plateau):
-            call_user(what, scheduler.step, loss_value)
+            if loss_value is not None:   # a user's step that differentiated no scalar loss
+                call_user(what, scheduler.step, loss_value)
         else:
             call_user(what, scheduler.step)
 
