@@ -290,6 +290,8 @@ class UserStep:
 
     def _wrap_grad(self, original):
         def grad(outputs, inputs, *args, **kwargs):
+            if not isinstance(inputs, (torch.Tensor, list, tuple)):
+                inputs = tuple(inputs)          # `model.parameters()`: read it once, here
             # A scalar differentiated for trained parameters is a loss; a gradient penalty's
             # inner grad (for the inputs) is not.
             losses = outputs if any(id(t) in self._trained for t in _tensors(inputs)) else ()
@@ -359,6 +361,8 @@ class UserStep:
     def _check(self, optimizer) -> None:
         """The gate before one update; raises Halt to stop the call there."""
         run = self._run
+        if run.halted is not None:
+            raise Halt()                # a bare `except:` in the step swallowed the first one
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
         count = len(self._pending)
         start = len(self._backwarded) - count

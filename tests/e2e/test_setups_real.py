@@ -50,6 +50,35 @@ def grad_step(model, batch, optimizer):
     return value
 
 
+def grad_of_parameters_step(model, batch, optimizer):
+    optimizer.zero_grad()
+    value = loss(model, batch)
+    for p, g in zip(model.parameters(), torch.autograd.grad(value, model.parameters())):
+        p.grad = g
+    optimizer.step()
+    return value
+
+
+def two_halves(model):
+    return [torch.optim.SGD(model[0].parameters(), lr=0.1),
+            torch.optim.SGD(model[2].parameters(), lr=0.1)]
+
+
+def careless_step(model, batch, optimizer):
+    x, y = batch
+    # Here the log's NaN reaches every gradient too.
+    value = ((model(x) - y) ** 2).mean() + (model(x).squeeze(1) * torch.log(x[:, 0] + 3)).mean()
+    for opt in optimizer:
+        opt.zero_grad()
+    value.backward()
+    for opt in optimizer:
+        try:
+            opt.step()
+        except:  # noqa: E722 - a bare except, as careless code has
+            pass
+    return value
+
+
 SCALER = {}
 
 
@@ -208,6 +237,38 @@ def test_a_nan_loss_with_finite_gradients_is_found_before_the_update(case, tmp_p
     assert (f["optimizer"], f["loss_name"], f["samples"], f["reproduced"]) == (
         "optimizer", "loss", [1], True)
     assert result.report["steps_run"] == 4
+
+
+def test_autograd_grad_of_a_parameter_generator(case, tmp_path):
+    """`torch.autograd.grad(loss, model.parameters())`: the generator is read once, by torch."""
+    result = scan(_step_config(case, "grad_of_parameters_step", data=_bad()), tmp_path=tmp_path)
+    assert result.code == 1, result.report
+    assert (result.finding["step"], result.finding["op"]) == (3, "aten.log.default")
+
+
+def test_a_bare_except_around_optimizer_step_cannot_let_later_updates_through(case):
+    """The check raises out of the first optimizer's step; a bare `except:` swallows it. The
+    second optimizer's step must stop too, without a check of its own: the trip stays the
+    first one (before the fix the second check ran and its NaN gradients replaced the loss
+    trip of `optimizer[0]` by a gradient trip of `optimizer[1]`), and the weights are as they
+    were before the call."""
+    from pathlib import Path
+
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.config.parse import load_config
+    from nanaudit.run.loop import run_steps
+    from nanaudit.run.session import build_session
+    path = _step_config(case, "careless_step", optimizer="case:two_halves", data=_bad())
+    weights = []
+    for steps in (3, None):
+        config = load_config(Path(path))
+        with user_import_path(config.base_dir):
+            session = build_session(config)
+            outcome = run_steps(session, steps)
+        weights.append([p.detach().clone() for p in session.model.parameters()])
+    trip = outcome.trip
+    assert (trip.step, trip.check, trip.optimizer) == (3, "loss", "optimizer[0]")
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
 def test_a_grad_scaler_in_the_step_shows_the_unscaled_loss(case, tmp_path):
