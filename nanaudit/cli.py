@@ -526,8 +526,9 @@ def validate(config):
     except NanauditError as exc:
         terminal.error(str(exc))
         _exit(exc.exit_code)
+    code = f"step {loaded.step.target}" if loaded.step else f"loss {loaded.loss.target}"
     terminal.success(f"{config}: valid (model {loaded.model.target}, data {loaded.data.target}, "
-                     f"loss {loaded.loss.target})")
+                     f"{code})")
     _exit(ExitCode.CLEAN)
 
 

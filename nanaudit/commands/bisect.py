@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 
-from nanaudit.commands.common import ScanOptions, base_report, configured, guarded
+from nanaudit.commands.common import (
+    ScanOptions,
+    base_report,
+    configured,
+    guarded,
+    nothing_audited,
+)
 from nanaudit.config.schema import Config
 from nanaudit.errors import (
     ConfigError,
@@ -66,7 +72,7 @@ def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
     outcome = result["outcome"]
     report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
     if outcome.steps_run == 0:
-        raise NothingAuditedError(f"the data from `{config.data.target}` yielded no batches")
+        raise NothingAuditedError(nothing_audited(config))
     findings = result["findings"]
     report.status = (Status.INTERRUPTED if outcome.interrupted else
                      Status.NONFINITE if findings else Status.CLEAN)
@@ -134,13 +140,23 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
         for finding in _every_finding(session, outcome):
             bad.append((finding, _sample_ids(state.batch, finding.samples)))
 
-    outcome = run_steps(session, max_steps, update=False, on_step=on_step, stop_on_trip=False,
-                        on_trip=on_trip)
+    # The user's own step makes its updates itself: each is put back after the call.
+    held = hasattr(session.unit, "hold_weights")
+    if held:
+        session.unit.hold_weights = True
+    try:
+        outcome = run_steps(session, max_steps, update=False, on_step=on_step,
+                            stop_on_trip=False, on_trip=on_trip)
+    finally:
+        if held:
+            session.unit.hold_weights = False
     changed = set(unrepeatable_batches(session, seen))
     for finding, _ in bad:
         if finding.batch_index in changed:
             mark_unconfirmed(finding)
-    skip = [{"batch": f.step, "rows": f.samples, "sample_ids": ids, "cause": f.cause,
+    # `batch` is the data index (with accumulation, not the optimizer step).
+    skip = [{"batch": f.batch_index if f.batch_index is not None else f.step, "rows": f.samples,
+             "sample_ids": ids, "cause": f.cause,
              **({"confirmed": False} if f.batch_index in changed else {})}
             for f, ids in bad]
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}

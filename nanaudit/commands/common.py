@@ -112,3 +112,14 @@ def configured(config_path, options: ScanOptions) -> Config:
     """The config with the command-line overrides, each validated like the key it replaces."""
     return load_config(config_path, {"steps": options.steps, "device": options.device,
                                      "seed": options.seed, "fail_on": options.fail_on})
+
+
+def nothing_audited(config: Config) -> str:
+    """Why a run audited no step: no batches, or fewer than one accumulation window."""
+    if config.accumulate > 1:
+        # The data may have batches, just fewer than one window, which is never applied.
+        return (f"the data from `{config.data.target}` yielded fewer batches than one "
+                f"accumulation window (`accumulate: {config.accumulate}`): a last window the "
+                f"data cannot fill is not run, so nothing was audited; lower `accumulate` or "
+                f"give more batches")
+    return f"the data from `{config.data.target}` yielded no batches: nothing was audited"

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanaudit.commands.common import ScanOptions, base_report, configured, guarded, error_dict
+from nanaudit.commands.common import (
+    ScanOptions,
+    base_report,
+    configured,
+    error_dict,
+    guarded,
+    nothing_audited,
+)
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
 from nanaudit.report.model import Report, Status
@@ -80,8 +87,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.status = Status.INTERRUPTED
         elif outcome.trip is None:
             if outcome.steps_run == 0:
-                raise NothingAuditedError(f"the data from `{config.data.target}` yielded no "
-                                          f"batches: nothing was audited")
+                raise NothingAuditedError(nothing_audited(config))
             report.status = Status.CLEAN
         else:
             report.status = Status.NONFINITE

@@ -192,6 +192,16 @@ def parse_config(raw: Mapping[str, Any], path: Path) -> Config:
         sentinel_read=_choice(raw.get("sentinel_read", "auto"), "sentinel_read",
                               SENTINEL_READS, problems),
     )
+    if own_step and raw.get("optimizer") is None:
+        problems.append(Problem("optimizer", "`step:` needs `optimizer:`: nanaudit builds the "
+                                "optimizers, passes them to your step (a factory may return a "
+                                "list or a dict of them) and checks each one before its update"))
+    if raw.get("scheduler") is not None and raw.get("optimizer") is None:
+        problems.append(Problem("scheduler", "a scheduler needs an `optimizer:` to schedule"))
+    if own_step and values["grad_clip"] is not None:
+        problems.append(Problem("grad_clip", "with `step:` your step makes the update: clip "
+                                "there (torch.nn.utils.clip_grad_norm_ before "
+                                "optimizer.step()); remove `grad_clip`"))
     if own_step and values["accumulate"] > 1:
         problems.append(Problem("accumulate", "with `step:` the user's step accumulates itself "
                                 "(nanaudit checks each optimizer step it makes); remove "

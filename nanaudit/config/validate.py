@@ -60,7 +60,7 @@ def validate_config(config: Config) -> list[Problem]:
             if problem:
                 problems.append(problem)
         problems += _validate_optimizer(config.optimizer, config.base_dir)
-        problems += _validate_scheduler(config.scheduler, config.base_dir)
+        problems += _validate_scheduler(config.scheduler, config.base_dir, config.optimizer)
     if config.checkpoint is not None and not config.checkpoint.is_file():
         problems.append(Problem("checkpoint", f"file not found: {config.checkpoint}"))
     bad_device = device_problem(config.device)
@@ -86,7 +86,8 @@ def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Prob
     return optimizer_class_problems(fn, spec)
 
 
-def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path) -> list[Problem]:
+def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path,
+                        optimizer: OptimizerSpec | None = None) -> list[Problem]:
     if spec is None:
         return []
     entry = spec.factory or Entrypoint(target=class_target(spec.class_path), key="scheduler.class")
@@ -100,7 +101,44 @@ def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path) -> list[Prob
         problem = _bind_problem(fn, entry.key, ("optimizer",), dict(entry.args),
                                 "the scheduler factory `fn(optimizer, **args) -> scheduler`")
         return [problem] if problem else []
-    return scheduler_class_problems(fn, spec)
+    return scheduler_class_problems(fn, spec) or _scheduler_trial(fn, spec, optimizer, base_dir)
+
+
+def _scheduler_trial(cls, spec: SchedulerSpec, optimizer: OptimizerSpec | None,
+                     base_dir: Path) -> list[Problem]:
+    """Build the scheduler on a throwaway optimizer: OneCycleLR without `total_steps` binds
+    but raises when built, and must be exit 3 in `validate` as in `scan`. An optimizer given
+    as a class is built as the config gives it; one from a factory is not known before the
+    model is built, so the scheduler must refuse both an SGD with momentum and an Adam to be
+    reported (a valid pairing is never refused here; `scan` checks the real one)."""
+    import torch
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    if optimizer is not None and optimizer.class_path:
+        try:
+            opt_cls = resolve_callable(Entrypoint(class_target(optimizer.class_path),
+                                                  "optimizer.class"), base_dir)
+        except (ConfigError, UserCodeError):
+            return []                     # reported as the optimizer's problem
+        trials = [lambda: opt_cls(param, **dict(optimizer.kwargs))]
+    else:
+        trials = [lambda: torch.optim.SGD(param, lr=0.1, momentum=0.9),
+                  lambda: torch.optim.Adam(param, lr=0.1)]
+    refusal = None
+    for make in trials:
+        try:
+            opt = make()
+        except Exception:  # noqa: BLE001 - the optimizer's own problem is reported apart
+            return []
+        try:
+            cls(opt, **dict(spec.kwargs))
+        except (TypeError, ValueError) as exc:
+            refusal = refusal or exc
+            continue
+        except Exception:  # noqa: BLE001 - a user class may refuse a dummy optimizer
+            return []
+        return []
+    first = (str(refusal).strip().splitlines() or [""])[0]
+    return [Problem("scheduler", f"`{spec.class_path}` rejects these arguments: {first}")]
 
 
 def scheduler_class_problems(cls, spec: SchedulerSpec) -> list[Problem]:

@@ -144,7 +144,7 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
 def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
     loc = localize(session, state, trip, timeline)
     if not loc.reproduced:
-        return _not_reproduced(trip)
+        return _not_reproduced(trip, own_step=session.step_fn is not None)
     event = loc.event
     loss_name = _loss_name(session)
     finding = Finding(
@@ -231,16 +231,25 @@ def _tripped(trip: Trip) -> tuple[str, str, str]:
     return what, kind, "forward" if trip.check == "loss" else "backward"
 
 
-def _not_reproduced(trip: Trip) -> Finding:
+def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
+    """A replay that came out finite. With the user's own step, state the function keeps
+    outside the model (a call counter deciding which optimizer steps, a cache) is the likelier
+    reason: nanaudit restores the model, buffers, optimizers, schedulers and RNGs, not that."""
     what, kind, where = _tripped(trip)
+    named = f" `{trip.loss_name}`" if trip.check == "loss" and trip.loss_name else ""
+    outside = ("state your step function keeps outside the model, which the replay does not "
+               "restore (a call counter choosing which optimizers step, a cache, a generator "
+               "of its own), or " if own_step else "")
+    keep = ("keep the step's own state in the model (a buffer, or a `state_dict` / "
+            "`load_state_dict` pair) so a replay starts where the run was; " if own_step else "")
     return Finding(
         step=trip.step, where=where, value=kind,
         cause="unknown", reproduced=False,
-        explanation=(f"the sentinel saw {kind} in the {what} at step {trip.step}, but replaying "
-                     f"that step with the same batch, weights and RNG state gave finite values: "
-                     f"a non-deterministic kernel or a transient fault (hardware, memory), not "
-                     f"a reproducible bug in this step"),
-        fix=("re-run the scan; if it recurs at other steps, set "
+        explanation=(f"the sentinel saw {kind} in the {what}{named} at step {trip.step}, but "
+                     f"replaying that step with the same batch, weights and RNG state gave "
+                     f"finite values: {outside}a non-deterministic kernel or a transient fault "
+                     f"(hardware, memory), not a reproducible bug in this step"),
+        fix=(f"{keep}re-run the scan; if it recurs at other steps, set "
              "`torch.use_deterministic_algorithms(True)` or run on another device to rule out "
              "hardware"))
 

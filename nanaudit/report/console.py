@@ -56,7 +56,7 @@ def _bisect_summary(section: dict):
     for col in ("batch", "where", "op", "cause", "samples"):
         table.add_column(col)
     for f in section["bad_batches"]:
-        table.add_row(str(f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
+        table.add_row(str(f.batch_index if f.batch_index is not None else f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
                       Text(str(f.samples)))
     return table
 

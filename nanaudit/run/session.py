@@ -21,7 +21,7 @@ from nanaudit.config.validate import (
     optimizer_class_problems,
     scheduler_class_problems,
 )
-from nanaudit.errors import ConfigError, Problem, call_user
+from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 
 
@@ -225,11 +225,32 @@ def build_optimizers(config: Config, model) -> dict:
     optimizers = named_collection(made, "optimizer")
     for name, opt in optimizers.items():
         if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError([Problem(where, f"`{target}` gave a {type(opt).__name__} "
-                                       f"({name}), not a torch.optim.Optimizer")])
+            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
+                                       f"{type(opt).__name__}, not a torch.optim.Optimizer; "
+                                       f"return one optimizer, a list or a dict name -> "
+                                       f"optimizer")])
     if not optimizers:
-        raise ConfigError([Problem(where, f"`{target}` gave no optimizer")])
+        raise ConfigError([Problem(where, f"`{target}` returned an empty "
+                                   f"{type(made).__name__}: no optimizer to step")])
     return optimizers
+
+
+def _entry(made, name: str) -> str:
+    """How a message names one entry of what a factory returned."""
+    if isinstance(made, dict):
+        return f"returned a dict whose entry `{name}` is"
+    if isinstance(made, (list, tuple)) and len(made) > 1:
+        return f"returned a {type(made).__name__} whose item {name[name.index('['):]} is"
+    return "returned"
+
+
+def _given(optimizers: dict) -> str:
+    """What a scheduler factory was called with, for the message when it raises."""
+    if len(optimizers) == 1:
+        name, opt = next(iter(optimizers.items()))
+        return f"the optimizer `{name}` ({type(opt).__name__})"
+    kind = "dict" if _named(optimizers) else "list"
+    return f"a {kind} of {len(optimizers)} optimizers ({', '.join(optimizers)})"
 
 
 def build_schedulers(config: Config, optimizers: dict) -> dict:
@@ -245,8 +266,8 @@ def build_schedulers(config: Config, optimizers: dict) -> dict:
         fn = resolve_callable(spec.factory, config.base_dir)
         given = (next(iter(optimizers.values())) if len(optimizers) == 1
                  else (optimizers if _named(optimizers) else list(optimizers.values())))
-        made = call_user(f"scheduler factory `{spec.factory.target}`", fn, given,
-                         **dict(spec.factory.args))
+        made = call_user(f"scheduler factory `{spec.factory.target}` (given "
+                         f"{_given(optimizers)})", fn, given, **dict(spec.factory.args))
         schedulers = named_collection(made, "scheduler")
         where, target = spec.factory.key, spec.factory.target
     else:
@@ -256,15 +277,31 @@ def build_schedulers(config: Config, optimizers: dict) -> dict:
         if problems:
             raise ConfigError(problems, source=str(config.path))
         schedulers = {f"scheduler({name})" if len(optimizers) > 1 else "scheduler":
-                      call_user(f"scheduler `{spec.class_path}`", cls, opt, **dict(spec.kwargs))
+                      _scheduler(cls, spec, name, opt, config)
                       for name, opt in optimizers.items()}
-        where, target = "scheduler.class", spec.class_path
+        where, target, made = "scheduler.class", spec.class_path, schedulers
     kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for name, sched in schedulers.items():
         if not isinstance(sched, kinds):
-            raise ConfigError([Problem(where, f"`{target}` gave a {type(sched).__name__} "
-                                       f"({name}), not a learning-rate scheduler")])
+            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
+                                       f"{type(sched).__name__}, not a learning-rate "
+                                       f"scheduler (torch.optim.lr_scheduler)")])
     return schedulers
+
+
+def _scheduler(cls, spec, name: str, optimizer, config: Config):
+    """The config's scheduler class on one optimizer. Arguments it refuses when built
+    (OneCycleLR without `total_steps`, `cycle_momentum` on an optimizer without momentum)
+    are the config's problem (exit 3), as the optimizer's are."""
+    try:
+        return cls(optimizer, **dict(spec.kwargs))
+    except (TypeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError([Problem("scheduler", f"`{spec.class_path}` rejects these arguments "
+                                   f"with optimizer `{name}` ({type(optimizer).__name__}): "
+                                   f"{first}")], source=str(config.path)) from None
+    except Exception as exc:  # noqa: BLE001 - a user's scheduler class may raise anything
+        raise UserCodeError(f"scheduler `{spec.class_path}`", exc) from exc
 
 
 def _named(optimizers: dict) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -130,7 +130,8 @@ def step_schedulers(schedulers: dict, loss_value: float) -> None:
     for name, scheduler in schedulers.items():
         what = f"scheduler `{name}` ({type(scheduler).__name__}).step()"
         if isinstance(scheduler, plateau):
-            call_user(what, scheduler.step, loss_value)
+            if loss_value is not None:   # a user's step that differentiated no scalar loss
+                call_user(what, scheduler.step, loss_value)
         else:
             call_user(what, scheduler.step)
 
@@ -186,14 +187,22 @@ class UpdatePoint:
 class UserRun:
     """What one call of the user's step did."""
 
-    losses: dict = field(default_factory=dict)    # name -> loss tensor it returned
+    # name -> the floating scalar tensor it returned as a loss; one that no check before an
+    # update saw is handed over detached: the loop reads those after the call.
+    losses: dict = field(default_factory=dict)
     updates: int = 0                               # optimizer steps applied
     halted: UpdatePoint | None = None              # where a check stopped it
     undo: list = field(default_factory=list)       # put back the updates applied before it
 
 
 class UserStep:
-    """The user's `step(model, batch, optimizer)`, checked at each optimizer step."""
+    """The user's `step(model, batch, optimizer)`, checked at each optimizer step.
+
+    What the call differentiates is seen by wrapping `torch.autograd.backward` and
+    `torch.autograd.grad` (a scalar differentiated for the trained parameters is a loss) and
+    `GradScaler.scale` (the loss checked and shown is the one before scaling). An optimizer
+    stepped with a closure (LBFGS) is checked after the closure's first evaluation, which
+    computes the loss and gradients inside `step()` before any parameter changes."""
 
     owns_update = True
     window = 1
@@ -201,13 +210,26 @@ class UserStep:
 
     def __init__(self, session):
         self.session = session
+        self.hold_weights = False       # bisect over data: every update is put back after the call
         self._gate: Callable[[UpdatePoint], bool] | None = None
         self._run: UserRun | None = None
         self._pending: list = []
-        self._updates_per_call: int | None = None   # learnt from the first complete call
-        self._loss_order: list = []                  # names of losses in backward order
+        self._backwarded: list = []      # every loss this call differentiated, in order
+        self._gated: list = []           # the UpdatePoints this call checked
+        self._returned: dict = {}        # the losses the last call returned, as returned
+        self._named: dict = {}           # id(checked loss) -> the name it was returned under
+        self._updates_per_call: int | None = None   # the most updates a complete call made
+        self._names_at: list = []        # loss names by differentiation order in a call (learnt)
+        self._loss_of: dict = {}         # optimizer name -> the returned loss it stepped on
+        self._snapshot_all = False       # a replay: every update it makes is put back
+        self._snapshotted: set = set()   # ids of the optimizers copied in this call
+        self._scalers: list = []         # the GradScalers this call scaled a loss with
+        self._scaled: dict = {}          # id(scaled loss) -> (scaled, loss before scaling)
+        self._depth = 0                  # nested differentiation (reentrant checkpointing)
         self._hooks: ReplayHooks | None = None
         self._by_optimizer = {id(o): n for n, o in session.optimizers.items()}
+        self._trained = {id(p) for o in session.optimizers.values()
+                         for g in o.param_groups for p in g["params"]}
         self._handles = [o.register_step_pre_hook(self._pre_step)
                          for o in session.optimizers.values()]
 
@@ -226,9 +248,10 @@ class UserStep:
         """Call the user's step; `gate(point)` runs before each optimizer step and returns
         False to stop the call there (before that update)."""
         self._gate, self._run, self._pending, self._hooks = gate, UserRun(), [], hooks
-        self._backwarded: list = []      # every loss this call backpropagated, in order
-        original = torch.autograd.backward
-        torch.autograd.backward = self._backward(original)
+        self._backwarded, self._gated, self._returned = [], [], {}
+        self._snapshotted, self._scalers, self._scaled = set(), [], {}
+        saved_scalers: list = []
+        unpatch = self._patch(saved_scalers)
         try:
             self.session.model.zero_grad(set_to_none=True)
             with self.session.precision.autocast():
@@ -236,77 +259,206 @@ class UserStep:
                                      self.session.model, batch, self.optimizer_argument,
                                      **dict(self.session.options.loss_args))
             self._run.losses = self._named_losses(returned)
-            if self._updates_per_call is None:
-                self._updates_per_call = self._run.updates
+            self._learn_names()
+            self._updates_per_call = max(self._updates_per_call or 0, self._run.updates)
         except Halt:
-            pass                        # a check stopped it before an update: see run.halted
+            self._abandon_scalers()     # stopped inside `scaler.step`: no `update()` followed
         finally:
-            torch.autograd.backward = original
+            unpatch()
             self._gate = None
+        for scaler, state in saved_scalers:       # a replay leaves the user's scaler as it was
+            scaler.load_state_dict(state)
+            _forget_optimizers(scaler, self.session.optimizers.values())
+        if self.hold_weights and self._run.halted is None:
+            for put_back in reversed(self._run.undo):
+                put_back()
+            self._run.undo, self._run.updates = [], 0
         return self._run
 
-    def _backward(self, original):
+    def _patch(self, saved_scalers: list) -> Callable[[], None]:
+        """Wrap what the user's step differentiates and scales with, for the call."""
+        autograd, scaler_class = torch.autograd, torch.amp.GradScaler
+        backward, grad = autograd.backward, autograd.grad
+        scale = scaler_class.__dict__["scale"]
+        autograd.backward = self._wrap_backward(backward)
+        autograd.grad = self._wrap_grad(grad)
+        scaler_class.scale = self._wrap_scale(scale, saved_scalers)
+
+        def unpatch() -> None:
+            autograd.backward, autograd.grad = backward, grad
+            scaler_class.scale = scale
+        return unpatch
+
+    def _wrap_backward(self, original):
         def backward(tensors, *args, **kwargs):
-            if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-                self._pending.append(tensors)
-                self._backwarded.append(tensors)
-            if self._hooks and self._hooks.before_backward:
-                self._hooks.before_backward()
-            try:
-                return original(tensors, *args, **kwargs)
-            finally:
-                if self._hooks and self._hooks.after_backward:
-                    self._hooks.after_backward()
+            return self._differentiating(tensors, lambda: original(tensors, *args, **kwargs))
         return backward
+
+    def _wrap_grad(self, original):
+        def grad(outputs, inputs, *args, **kwargs):
+            if not isinstance(inputs, (torch.Tensor, list, tuple)):
+                inputs = tuple(inputs)          # `model.parameters()`: read it once, here
+            # A scalar differentiated for trained parameters is a loss; a gradient penalty's
+            # inner grad (for the inputs) is not.
+            losses = outputs if any(id(t) in self._trained for t in _tensors(inputs)) else ()
+            return self._differentiating(losses, lambda: original(outputs, inputs, *args,
+                                                                  **kwargs))
+        return grad
+
+    def _wrap_scale(self, original, saved_scalers: list):
+        def scale(scaler, outputs):
+            scaled = original(scaler, outputs)
+            if not any(s is scaler for s in self._scalers):
+                self._scalers.append(scaler)
+                if self._snapshot_all and getattr(scaler, "is_enabled", lambda: False)():
+                    saved_scalers.append((scaler, scaler.state_dict()))
+            if isinstance(outputs, torch.Tensor) and isinstance(scaled, torch.Tensor):
+                self._scaled[id(scaled)] = (scaled, outputs)
+            return scaled
+        return scale
+
+    def _differentiating(self, losses, differentiate):
+        """Record the scalar losses about to be differentiated and tell the tracer; only the
+        outermost call (reentrant checkpointing differentiates inside a backward)."""
+        if self._depth:
+            return differentiate()
+        for t in _tensors(losses):
+            if t.numel() == 1:
+                scaled = self._scaled.get(id(t))
+                t = scaled[1] if scaled is not None and scaled[0] is t else t
+                self._pending.append(t)
+                self._backwarded.append(t)
+        hooks = self._hooks
+        if hooks and hooks.before_backward:
+            hooks.before_backward()
+        self._depth += 1
+        try:
+            return differentiate()
+        finally:
+            self._depth -= 1
+            if hooks and hooks.after_backward:
+                hooks.after_backward()
 
     def _pre_step(self, optimizer, args, kwargs):
         if self._gate is None:
             return None                 # a step outside nanaudit's call: not ours to check
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # The closure computes the loss and gradients inside step(): check after its first
+            # evaluation, before the optimizer changes anything.
+            checked = self._checked_closure(optimizer, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": checked}
+            return (args[0], checked, *args[2:]), kwargs
+        self._check(optimizer)
+        return None
+
+    def _checked_closure(self, optimizer, closure):
+        first = [True]
+
+        def checked():
+            loss = closure()
+            if first[0]:
+                first[0] = False
+                self._check(optimizer)
+            return loss
+        return checked
+
+    def _check(self, optimizer) -> None:
+        """The gate before one update; raises Halt to stop the call there."""
         run = self._run
+        if run.halted is not None:
+            raise Halt()                # a bare `except:` in the step swallowed the first one
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
         count = len(self._pending)
         start = len(self._backwarded) - count
-        names = self._loss_order[start:start + count]
+        names = [self._loss_name(start + i, name) for i in range(count)]
         point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
         self._pending = []
+        self._gated.append(point)
         if not self._gate(point):
             run.halted = point
             raise Halt()
-        if self._updates_per_call is None or run.updates + 1 < self._updates_per_call:
+        # Only the call's first update of each optimizer is copied: a trip puts the call's
+        # updates back to the state before the call, whatever came between.
+        if id(optimizer) not in self._snapshotted and (
+                self._snapshot_all or self.hold_weights or self._updates_per_call is None
+                or run.updates + 1 < self._updates_per_call):
+            self._snapshotted.add(id(optimizer))
             run.undo.append(_undo_for(optimizer))
         run.updates += 1
-        return None
+
+    def _loss_name(self, position: int, optimizer_name: str) -> str | None:
+        """A differentiated loss's name, learnt from the dicts earlier calls returned: by its
+        place in the call, else the loss this optimizer stepped on."""
+        if position < len(self._names_at) and self._names_at[position]:
+            return self._names_at[position]
+        return self._loss_of.get(optimizer_name)
 
     def _named_losses(self, returned) -> dict:
-        if isinstance(returned, dict):
-            losses = {str(k): v for k, v in returned.items() if isinstance(v, torch.Tensor)}
-        elif isinstance(returned, torch.Tensor):
-            losses = {"loss": returned}
+        """The floating scalar tensors the call returned, by name (logits, counts and Python
+        floats beside them are not losses); a loss no check saw is detached for the loop."""
+        if isinstance(returned, Mapping):
+            items = [(str(k), v) for k, v in returned.items()]
+        elif isinstance(returned, (list, tuple)):
+            items = [(f"[{i}]", v) for i, v in enumerate(returned)]
         else:
-            losses = {}
-        if not self._loss_order and losses:
-            ids = {id(t): n for n, t in losses.items()}
-            self._loss_order = [ids.get(id(t), "") for t in self._backwarded]
-        return {n: scalar_loss(t, self.session.options.loss_key) if t.requires_grad else t
-                for n, t in losses.items()}
+            items = [("loss", returned)]
+        losses = {n: v for n, v in items if isinstance(v, torch.Tensor)
+                  and v.is_floating_point() and v.numel() == 1}
+        if len(losses) == 1 and not isinstance(returned, Mapping):
+            losses = {"loss": next(iter(losses.values()))}
+        self._returned = losses
+        checked = [t for point in self._gated for t in point.losses]
+        ids = {id(t) for t in checked}
+        out, self._named = {}, {}
+        for n, t in losses.items():
+            seen = t if id(t) in ids else _alias_of(t, checked)
+            if seen is not None:
+                self._named[id(seen)] = n
+            out[n] = seen if seen is not None else t.detach()
+        return out
+
+    def _learn_names(self) -> None:
+        ids = {**{id(t): n for n, t in self._returned.items()}, **self._named}
+        if not ids:
+            return
+        for i, t in enumerate(self._backwarded):
+            name = ids.get(id(t))
+            if name:
+                self._names_at += [None] * (i + 1 - len(self._names_at))
+                self._names_at[i] = name
+        for point in self._gated:
+            for t in point.losses:
+                if id(t) in ids:
+                    self._loss_of[point.name] = ids[id(t)]
+
+    def _abandon_scalers(self) -> None:
+        for scaler in self._scalers:
+            _forget_optimizers(scaler, self.session.optimizers.values())
 
     def replay(self, state: StepState, batch: Any = None,
                hooks: ReplayHooks | None = None) -> torch.Tensor:
-        """The user's step again from the pre-step state, stopped where it tripped; returns
-        the last loss backpropagated before that point (the sink of a loss trip)."""
+        """The user's step again from the pre-step state, stopped where it tripped (the whole
+        call when a returned loss tripped after it); returns the last bad loss it
+        differentiated or returned, else the last one (the sink of a loss trip)."""
         state.rewind()
-        halt_at = state.halt_at if state.halt_at is not None else 0
+        halt_at = state.halt_at
         seen: list = []
 
         def gate(point: UpdatePoint) -> bool:
             seen.extend(point.losses)
-            return point.index < halt_at
-        run = self.run(state.batch if batch is None else batch, gate, hooks)
+            return halt_at is None or point.index < halt_at
+        self._snapshot_all = True
+        try:
+            run = self.run(state.batch if batch is None else batch, gate, hooks)
+        finally:
+            self._snapshot_all = False
         for put_back in reversed(run.undo):
-            put_back()              # the replay's own updates before the halt: state as before
+            put_back()              # the replay's own updates: state as before
         seen.extend(self._pending)
-        if run.halted is None and run.losses:
-            seen.extend(run.losses.values())
+        if run.halted is None:
+            seen.extend(self._returned.values())
         if not seen:
             raise UserCodeError(f"step `{self.session.loss_label}`",
                                 RuntimeError("the step backpropagated no loss"))
@@ -317,6 +469,36 @@ class UserStep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _tensors(value) -> list:
+    """The tensors of what autograd takes: one tensor or a sequence of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _alias_of(tensor: torch.Tensor, checked: list):
+    """The checked loss a returned `loss.detach()` shares its storage with (no read needed)."""
+    try:
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        for t in checked:
+            if (t.untyped_storage().data_ptr(), t.storage_offset()) == where:
+                return t
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None
+
+
+def _forget_optimizers(scaler, optimizers) -> None:
+    """A GradScaler whose step was stopped (or replayed) must not remember the optimizers as
+    unscaled or stepped: its `update()` never ran, and the next call unscales again."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        for optimizer in optimizers:
+            states.pop(id(optimizer), None)
 
 
 def _undo_for(optimizer) -> Callable[[], None]:
