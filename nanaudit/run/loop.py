@@ -539,10 +539,12 @@ class _StepLoop:
         values = torch.stack([t.detach().float().reshape(()) for t in unseen.values()]).tolist()
         self.outcome.host_syncs += 1
         if seen.loss is None:
-            seen.loss = sum(v for v in values if math.isfinite(v))
+            seen.loss = sum(values)          # NaN carries, as the standard step shows it
         for (name, _), value in zip(unseen.items(), values):
             if not math.isfinite(value):
-                return Trip(step, "loss", value, seen.gnorm, loss_name=name)
+                note = ("found after the call's updates (no check before an update saw it): "
+                        "the replay starts from the weights they left" if run.updates else None)
+                return Trip(step, "loss", value, seen.gnorm, loss_name=name, note=note)
         return None
 
     def _final_check(self) -> None:
