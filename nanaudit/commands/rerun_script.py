@@ -47,11 +47,17 @@ def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Fi
         chain=[ChainLink(e.op, e.phase, e.module, sorted(e.out_kinds),
                          e.source.line if e.source else None) for e in loc.chain])
     rows = created_rows(armed, event)
-    if rows:
+    if rows and len(rows) < armed.batch_size:
         finding.samples = rows
         finding.sample_search = SampleSearch(
             armed.batch_size, 0, False,
             f"the rows whose slice of {event.op}'s output went non-finite")
+    elif rows:
+        # Every row: the weights or the op, not particular samples (no row to inspect).
+        finding.sample_search = SampleSearch(
+            armed.batch_size, 0, False,
+            f"every row's slice of {event.op}'s output went non-finite: a batch-level value, "
+            f"not particular samples")
     return finding, trace.ops_seen
 
 

@@ -12,6 +12,7 @@ exits (cli.py does).
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import random
@@ -28,12 +29,15 @@ from pathlib import Path
 from typing import Callable
 
 from nanaudit._version import __version__
+from nanaudit.config.schema import WatchOptions
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.localize.causes import fix_for
-from nanaudit.report.model import Finding, Report, Status
+from nanaudit.report.model import Finding, Report, SampleSearch, Status
 from nanaudit.run.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
 
 _RUNPY = os.path.abspath(runpy.__file__)
+# `scan`'s warning threshold for |update| / |weights|: an update past it is divergence, not data.
+UPDATE_RATIO = WatchOptions().update_ratio
 
 
 @dataclass(frozen=True)
@@ -179,8 +183,9 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
         _record(report, auditor)
         first_run_s = time.perf_counter() - started
         report.run["first_run"] = {"steps": len(auditor.timeline),
-                                            "duration_s": round(first_run_s, 3),
-                                            "host_reads": auditor.host_reads}
+                                   "duration_s": round(first_run_s, 3),
+                                   "host_reads": auditor.host_reads,
+                                   "skipped": auditor.skipped}
         if auditor.trip is None:
             if auditor.step == 0:
                 raise NothingAuditedError(
@@ -323,6 +328,8 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         return {**section, "status": "not-reproduced", "note": note}
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
+    if trip.optimizers == 1:
+        attribute_to_update(finding, timeline, trip)
     report.finding = finding
     return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced")}
 
@@ -348,6 +355,65 @@ def _rerun_process(target, options, trip, timeline):
             return None, tail
         # Written by our own child process, from the spec above.
         return pickle.loads(result_path.read_bytes()), tail
+
+
+def weight_jump(timeline: list, step: int) -> tuple | None:
+    """(the step, |w| before, |w| after, change) of the update before `step` that changed the
+    parameters' norm most, when that change is above UPDATE_RATIO of the norm. Each timeline
+    entry holds the norm as the previous update left it, and | |w'| - |w| | <= |w' - w|, so
+    the norms bound the update's size from below."""
+    norms = {e.step: e.param_norm for e in timeline
+             if not e.skipped and e.param_norm is not None and math.isfinite(e.param_norm)}
+    best = None
+    for k in range(step):
+        before, after = norms.get(k), norms.get(k + 1)
+        if before is None or after is None or before <= 0:
+            continue
+        change = abs(after - before) / before
+        if change > UPDATE_RATIO and (best is None or change > best[3]):
+            best = (k, before, after, change)
+    return best
+
+
+def attribute_to_update(finding: Finding, timeline: list, trip: ScriptTrip) -> None:
+    """An fp32 overflow (or an op's NaN from finite inputs) after an update that changed the
+    weights' norm by more than scan's update-ratio threshold is divergence: the weights grew,
+    not a sample (as `scan` names it after an update-ratio warning). Low precision inputs keep
+    their dtype-overflow."""
+    if finding.cause not in ("dtype-overflow", "unknown") or finding.where not in ("forward",
+                                                                                  "backward"):
+        return
+    if any(s.dtype in ("float16", "bfloat16") for s in finding.inputs + finding.forward_inputs):
+        return
+    jump = weight_jump(timeline, finding.step)
+    if jump is None:
+        return
+    k, before, after, change = jump
+    lr = next((e.lr for e in timeline if e.step == k and e.lr is not None), None)
+    finding.cause = "divergence"
+    rate = f" (lr {lr:.4g})" if lr is not None else ""
+    finding.explanation += (
+        f"; the update of step {k}{rate} took the parameters' norm from {before:.4g} to "
+        f"{after:.4g}, a change of {change:.3g}x their norm (`scan` warns above "
+        f"{UPDATE_RATIO}): the weights grew until this op's values left their dtype's range, "
+        f"not a particular sample")
+    finding.fix = divergence_fix(trip.optimizer)
+    finding.samples = None
+    finding.sample_search = SampleSearch(None, 0, False,
+                                         "divergence: the weights, not particular rows")
+
+
+def divergence_fix(optimizer: str) -> str:
+    """The fix for a divergence, in the script's terms: its optimizer and rate."""
+    fix = "lower the learning rate or warm it up"
+    if optimizer:
+        fix += f" (the optimizer at this step: {optimizer})"
+    if "Adam" in optimizer:
+        # Adam divides by the gradient's own scale: its update is about lr per weight.
+        fix += "; clipping the gradients does not shrink an Adam update, the rate does"
+    else:
+        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+    return fix
 
 
 def _fmt(x) -> str:
