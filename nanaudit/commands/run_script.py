@@ -32,12 +32,12 @@ from nanaudit._version import __version__
 from nanaudit.config.schema import WatchOptions
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.localize.causes import fix_for
-from nanaudit.report.model import Finding, Report, SampleSearch, Status
+from nanaudit.localize.findings import attach_warnings
+from nanaudit.report.model import EarlyWarning, Finding, Report, SampleSearch, Status
 from nanaudit.run.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
+from nanaudit.run.watch import MAX_WARNINGS, GrowthWatch
 
 _RUNPY = os.path.abspath(runpy.__file__)
-# `scan`'s warning threshold for |update| / |weights|: an update past it is divergence, not data.
-UPDATE_RATIO = WatchOptions().update_ratio
 
 
 @dataclass(frozen=True)
@@ -189,16 +189,19 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
         if auditor.trip is None:
             if auditor.step == 0:
                 raise NothingAuditedError(
-                    f"the script `{target.display}` finished without stepping an optimizer: "
-                    f"nanaudit checks at each `optimizer.step()`, so nothing was audited (does "
-                    f"it train? are its arguments right?)")
+                    f"the script `{target.display}` finished without stepping an optimizer "
+                    f"or calling backward: nanaudit checks at each `optimizer.step()` (at each "
+                    f"backward in a script that builds no optimizer), so nothing was audited "
+                    f"(does it train? are its arguments right?)")
+            attach_timeline_warnings(report, None, auditor.optimizer_count)
             report.status = Status.CLEAN
             return _done(report, started)
         report.status = Status.NONFINITE
         report.finding = first_run_finding(auditor.trip)
         if auditor.trip.check in ("loss", "gradient"):
             report.run["rerun"] = localize_by_rerun(target, options, auditor.trip,
-                                                             auditor.timeline, report)
+                                                    auditor.timeline, report)
+        attach_timeline_warnings(report, auditor.trip, auditor.optimizer_count)
     except KeyboardInterrupt:
         _record(report, auditor)
         report.status = Status.INTERRUPTED
@@ -258,8 +261,14 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                        fix=fix_for("nonfinite-input"), tensor=trip.tensors[0] if trip.tensors
                        else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
     if trip.check in ("optimizer", "parameter"):
-        when = (f"after {trip.optimizer}.step() of step {trip.step} (its gradients were finite)"
-                if trip.check == "optimizer" else f"before step {trip.step}'s update")
+        if trip.check == "optimizer" and trip.manual:
+            when = (f"after the script's own update of step {trip.step} (it builds no "
+                    f"torch.optim optimizer; the gradients were finite)")
+        elif trip.check == "optimizer":
+            when = (f"after {trip.optimizer}.step() of step {trip.step} (its gradients were "
+                    f"finite)")
+        else:
+            when = f"before step {trip.step}'s update"
         cause = "optimizer-update" if trip.check == "optimizer" else "nonfinite-parameter"
         return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
                        explanation=f"the parameters {_short(trip.tensors)} hold non-finite values "
@@ -328,8 +337,6 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         return {**section, "status": "not-reproduced", "note": note}
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
-    if trip.optimizers == 1:
-        attribute_to_update(finding, timeline, trip)
     report.finding = finding
     return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced")}
 
@@ -357,50 +364,51 @@ def _rerun_process(target, options, trip, timeline):
         return pickle.loads(result_path.read_bytes()), tail
 
 
-def weight_jump(timeline: list, step: int) -> tuple | None:
-    """(the step, |w| before, |w| after, change) of the update before `step` that changed the
-    parameters' norm most, when that change is above UPDATE_RATIO of the norm. Each timeline
-    entry holds the norm as the previous update left it, and | |w'| - |w| | <= |w' - w|, so
-    the norms bound the update's size from below."""
-    norms = {e.step: e.param_norm for e in timeline
-             if not e.skipped and e.param_norm is not None and math.isfinite(e.param_norm)}
-    best = None
-    for k in range(step):
-        before, after = norms.get(k), norms.get(k + 1)
-        if before is None or after is None or before <= 0:
+def timeline_warnings(timeline: list, options: WatchOptions = WatchOptions()) -> list:
+    """`scan`'s early warnings from the first run's timeline, on the host, after the run: loss
+    spikes and gradient growth (GrowthWatch), and an update that changed the weights' norm by
+    more than `update_ratio` of it. Each entry holds the norm as the previous update left it,
+    and | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
+    growth, warnings, previous = GrowthWatch(options), [], None
+    for entry in timeline:
+        if entry.skipped:
             continue
-        change = abs(after - before) / before
-        if change > UPDATE_RATIO and (best is None or change > best[3]):
-            best = (k, before, after, change)
-    return best
+        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
+        norm = entry.param_norm
+        if (previous is not None and previous.param_norm and norm is not None
+                and math.isfinite(norm) and math.isfinite(previous.param_norm)
+                and options.update_ratio):
+            change = abs(norm - previous.param_norm) / previous.param_norm
+            if change > options.update_ratio:
+                rate = f" (lr {previous.lr:.4g})" if previous.lr is not None else ""
+                warnings.append(EarlyWarning(
+                    kind="update-ratio", step=previous.step, began=previous.step, value=change,
+                    threshold=options.update_ratio,
+                    message=(f"the update of step {previous.step}{rate} took the weights' norm "
+                             f"from {previous.param_norm:.4g} to {norm:.4g}: |update| / "
+                             f"|weights| >= {change:.3g} (> {options.update_ratio:g}); healthy "
+                             f"training is near 1e-3")))
+        previous = entry
+    return warnings[:MAX_WARNINGS]
 
 
-def attribute_to_update(finding: Finding, timeline: list, trip: ScriptTrip) -> None:
-    """An fp32 overflow (or an op's NaN from finite inputs) after an update that changed the
-    weights' norm by more than scan's update-ratio threshold is divergence: the weights grew,
-    not a sample (as `scan` names it after an update-ratio warning). Low precision inputs keep
-    their dtype-overflow."""
-    if finding.cause not in ("dtype-overflow", "unknown") or finding.where not in ("forward",
-                                                                                  "backward"):
+def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers: int) -> None:
+    """The warnings of a one-optimizer run (several optimizers' steps interleave on one
+    timeline), linked to the finding as `scan` links them: growth before an overflow in float32
+    makes it divergence, which names the weights, not particular samples."""
+    if optimizers != 1:
         return
-    if any(s.dtype in ("float16", "bfloat16") for s in finding.inputs + finding.forward_inputs):
+    report.warnings = timeline_warnings(report.timeline)
+    finding = report.finding
+    if finding is None or trip is None:
         return
-    jump = weight_jump(timeline, finding.step)
-    if jump is None:
-        return
-    k, before, after, change = jump
-    lr = next((e.lr for e in timeline if e.step == k and e.lr is not None), None)
-    finding.cause = "divergence"
-    rate = f" (lr {lr:.4g})" if lr is not None else ""
-    finding.explanation += (
-        f"; the update of step {k}{rate} took the parameters' norm from {before:.4g} to "
-        f"{after:.4g}, a change of {change:.3g}x their norm (`scan` warns above "
-        f"{UPDATE_RATIO}): the weights grew until this op's values left their dtype's range, "
-        f"not a particular sample")
-    finding.fix = divergence_fix(trip.optimizer)
-    finding.samples = None
-    finding.sample_search = SampleSearch(None, 0, False,
-                                         "divergence: the weights, not particular rows")
+    low = {s.dtype for s in finding.inputs + finding.forward_inputs} & {"float16", "bfloat16"}
+    attach_warnings(finding, report.warnings, sorted(low)[0] if low else "fp32")
+    if finding.cause == "divergence":
+        finding.fix = divergence_fix(trip.optimizer)
+        finding.samples = None
+        finding.sample_search = SampleSearch(None, 0, False,
+                                             "divergence: the weights, not particular rows")
 
 
 def divergence_fix(optimizer: str) -> str:

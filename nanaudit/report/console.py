@@ -243,8 +243,8 @@ def _clean_hint(report: Report) -> str:
         return (f"next: the {limit}-step limit was reached; raise `steps:` (or --steps) to "
                 f"audit longer, or run this in CI with --junit-xml")
     if report.command == "run":
-        return (f"next: every optimizer step the script took was audited ({report.steps_run}); "
-                f"run this in CI with --junit-xml")
+        return (f"next: every step the script took was audited ({report.steps_run}); run this "
+                f"in CI with --junit-xml")
     return (f"next: every batch the data yielded was audited ({report.steps_run}); run this in "
             f"CI with --junit-xml")
 

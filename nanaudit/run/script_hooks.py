@@ -17,7 +17,10 @@ Nothing in the script changes. These global hooks, all removed on exit:
   loss, kept on the device until the step's read;
 * `GradScaler.scale` and `GradScaler.step` wrapped: the loss is recorded unscaled, and a step
   the scaler skips (inf gradients) is not a step: its losses and inputs are checked (a NaN
-  loss is still a finding, as under `scan`) and dropped.
+  loss is still a finding, as under `scan`) and dropped;
+* `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
+  none updates its weights by hand (`p.data.add_(p.grad, alpha=-lr)`), and each backward is
+  then its step, checked when backward returns, before the script's own update.
 
 A non-finite value raises ScriptStopped from inside the hook, before the optimizer applies the
 update: it unwinds the user's script up to the driver. On a re-run (`rerun_step=N`) the OpTracer
@@ -61,6 +64,15 @@ class ScriptTrip:
     rank: int | None = None
     skipped: bool = False               # the GradScaler skipped this step's update
     optimizers: int = 1                 # how many optimizers the script stepped so far
+    manual: bool = False                # the script updates its weights itself (no optimizer)
+
+
+class ManualUpdate:
+    """The script's own update, for a script that builds no torch.optim optimizer: the
+    parameters of the modules it called, as one group, in place of an optimizer's."""
+
+    def __init__(self):
+        self.param_groups: list = [{"params": []}]
 
 
 @dataclass
@@ -150,6 +162,8 @@ def _kind(value: float) -> str:
 
 
 def _hyper(optimizer) -> str:
+    if isinstance(optimizer, ManualUpdate):
+        return ""
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     hyper = ", ".join(f"{k}={group[k]:.4g}" for k in ("lr", "eps", "momentum", "weight_decay")
                       if isinstance(group.get(k), (int, float)))
@@ -180,10 +194,13 @@ class ScriptAuditor:
         self._stepped = 0                # optimizer steps taken (post-hook calls), every one
         self.skipped = 0                 # steps a GradScaler skipped (not steps)
         self._scaler_methods: dict = {}  # the GradScaler methods replaced, to restore
+        self._original_optimizer_init = None
         self._inputs: list = []          # (name, tensor) of the outermost call's float inputs
         self._input_flags: list = []
         self._names: dict = {}           # id(parameter) -> qualified name
-        self._roots: set = set()
+        self._roots: dict = {}           # id -> the modules called first (outermost)
+        self._optimizers_made = 0        # torch.optim optimizers the script built
+        self._manual = ManualUpdate()    # each backward's step when it built none
         self._optimizers: dict = {}      # id -> optimizer, for the final check
         self._updated_at: dict = {}      # id(optimizer) -> the step of its last update
         self._handles: list = []
@@ -203,8 +220,22 @@ class ScriptAuditor:
         self._original_backward = torch.autograd.backward
         torch.autograd.backward = self._backward
         self._wrap_grad_scaler()
+        self._wrap_optimizer_init()
         self._await_forward()
         return self
+
+    def _wrap_optimizer_init(self) -> None:
+        import functools
+
+        from torch.optim import Optimizer
+        original_init, auditor = Optimizer.__init__, self
+
+        @functools.wraps(original_init)
+        def init(optimizer, *args, **kwargs):
+            auditor._optimizer_built()
+            return original_init(optimizer, *args, **kwargs)
+        self._original_optimizer_init = original_init
+        Optimizer.__init__ = init
 
     def _wrap_grad_scaler(self) -> None:
         """`scale` remembers the unscaled loss; `step` notices a step it skipped. The class's
@@ -239,6 +270,10 @@ class ScriptAuditor:
         if self._original_backward is not None:
             torch.autograd.backward = self._original_backward
             self._original_backward = None
+        if self._original_optimizer_init is not None:
+            from torch.optim import Optimizer
+            Optimizer.__init__ = self._original_optimizer_init
+            self._original_optimizer_init = None
         if self._scaler_methods:
             from torch.amp import GradScaler
             GradScaler.scale = self._scaler_methods["scale"]
@@ -265,7 +300,7 @@ class ScriptAuditor:
         self._forward_handle.remove()
         self._forward_handle = None
         if id(module) not in self._roots:
-            self._roots.add(id(module))
+            self._roots[id(module)] = module
             for name, p in module.named_parameters():
                 self._names.setdefault(id(p), name)
         if self.armed is None and self.rerun_step is not None and self.step == self.rerun_step:
@@ -293,12 +328,38 @@ class ScriptAuditor:
         if self.armed is not None:
             self.armed.tracer.start_backward()
         try:
-            return self._original_backward(tensors, *args, **kwargs)
+            result = self._original_backward(tensors, *args, **kwargs)
         finally:
             if self.armed is not None:
                 # Gradient accumulation: the next micro-batch's forward is a forward again.
                 self.armed.tracer.phase = "forward"
             self._await_forward()
+        if not self._optimizers_made and self._roots:
+            self._check_manual()
+        return result
+
+    def _check_manual(self) -> None:
+        """A script without an optimizer: this backward was its step; check it before the
+        script applies its own update, then count the step as an optimizer's post-hook does."""
+        seen, params = set(), []
+        for module in self._roots.values():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self._manual.param_groups[0]["params"] = params
+        self._check(self._manual)
+        self._post_step(self._manual, (), {})
+
+    def _optimizer_built(self) -> None:
+        """An optimizer after backward calls already checked as steps: those were not training
+        steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
+        self._optimizers_made += 1
+        if self._optimizers_made == 1 and self.step and self.trip is None and self.armed is None:
+            self.step, self._stepped = 0, 0
+            self.timeline.clear()
+            self._updated_at.clear()
+            self._optimizers.pop(id(self._manual), None)
 
     def _pre_step(self, optimizer, args, kwargs):
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -454,7 +515,8 @@ class ScriptAuditor:
 
     def _trip(self, check, value, tensors, **fields) -> ScriptTrip:
         return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
-                          rank=self.rank, optimizers=len(self._optimizers), **fields)
+                          rank=self.rank, optimizers=len(self._optimizers),
+                          manual=not self._optimizers_made, **fields)
 
     def _name(self, p) -> str:
         return self._names.get(id(p), f"<parameter {tuple(p.shape)}>")
@@ -490,6 +552,11 @@ class ScriptAuditor:
         if self.armed is not None and not self.armed.closed:
             self.armed.closed = True
             self.armed.tracer.__exit__(None, None, None)
+
+    @property
+    def optimizer_count(self) -> int:
+        """The optimizers the script stepped (its own update counts as one)."""
+        return len(self._optimizers)
 
     def parameter_name(self, p) -> str:
         return self._name(p)
