@@ -277,6 +277,12 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                        rank=trip.rank)
     what = "loss" if trip.check == "loss" else "gradients"
     grads = (f"; the gradients of {_short(trip.tensors)} are non-finite" if trip.tensors else "")
+    if trip.evaluation:
+        grads += (f"; at call {trip.evaluation + 1} of the step's closure (the optimizer "
+                  f"evaluates it several times a step, as LBFGS does; the earlier calls were "
+                  f"finite)")
+    if trip.skipped:
+        grads += "; the GradScaler skipped this step, but the loss itself was already non-finite"
     return Finding(step=trip.step, where="forward" if trip.check == "loss" else "backward",
                    value=trip.value, cause="unknown", fix=fix_for("unknown"),
                    explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
@@ -337,8 +343,13 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         return {**section, "status": "not-reproduced", "note": note}
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
+    if trip.skipped:
+        finding.explanation += ("; the GradScaler skipped this step, but the loss was already "
+                                "non-finite before any scaling: every later step would be "
+                                "skipped too")
     report.finding = finding
-    return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced")}
+    return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced"),
+            "precision": result.get("precision")}
 
 
 def _rerun_process(target, options, trip, timeline):
@@ -347,6 +358,7 @@ def _rerun_process(target, options, trip, timeline):
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
         spec = {"target": target, "seed": options.seed, "step": trip.step, "check": trip.check,
+                "evaluation": trip.evaluation,
                 "result": str(result_path), "losses": [e.loss for e in timeline[:trip.step]]}
         spec_path.write_bytes(pickle.dumps(spec))
         with open(log_path, "wb") as log:
@@ -369,7 +381,7 @@ def timeline_warnings(timeline: list, options: WatchOptions = WatchOptions()) ->
     spikes and gradient growth (GrowthWatch), and an update that changed the weights' norm by
     more than `update_ratio` of it. Each entry holds the norm as the previous update left it,
     and | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
-    growth, warnings, previous = GrowthWatch(options), [], None
+    growth, warnings, previous, high = GrowthWatch(options), [], None, False
     for entry in timeline:
         if entry.skipped:
             continue
@@ -379,7 +391,9 @@ def timeline_warnings(timeline: list, options: WatchOptions = WatchOptions()) ->
                 and math.isfinite(norm) and math.isfinite(previous.param_norm)
                 and options.update_ratio):
             change = abs(norm - previous.param_norm) / previous.param_norm
-            if change > options.update_ratio:
+            # Warned once as it rises above the threshold, as `scan` warns, not every step.
+            was_high, high = high, change > options.update_ratio
+            if high and not was_high:
                 rate = f" (lr {previous.lr:.4g})" if previous.lr is not None else ""
                 warnings.append(EarlyWarning(
                     kind="update-ratio", step=previous.step, began=previous.step, value=change,
@@ -402,8 +416,10 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers
     finding = report.finding
     if finding is None or trip is None:
         return
-    low = {s.dtype for s in finding.inputs + finding.forward_inputs} & {"float16", "bfloat16"}
-    attach_warnings(finding, report.warnings, sorted(low)[0] if low else "fp32")
+    # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
+    # overflows float16's range, not by divergence).
+    precision = (report.run.get("rerun") or {}).get("precision") or "fp32"
+    attach_warnings(finding, report.warnings, precision)
     if finding.cause == "divergence":
         finding.fix = divergence_fix(trip.optimizer)
         finding.samples = None

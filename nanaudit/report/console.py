@@ -201,8 +201,8 @@ def _timeline(report: Report) -> Text:
     skipped = sum(e.skipped for e in report.timeline)
     if skipped:
         scales = [e.scale for e in report.timeline if e.scale is not None]
-        text.append(f"\n  GradScaler skipped {skipped} step(s); loss scale {scales[0]:g} -> "
-                    f"{scales[-1]:g}", style="dim")
+        scale = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
+        text.append(f"\n  GradScaler skipped {skipped} step(s){scale}", style="dim")
     return text
 
 

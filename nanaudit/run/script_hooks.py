@@ -6,8 +6,9 @@ Nothing in the script changes. These global hooks, all removed on exit:
   is about to update, its parameters as the previous update left them, the losses that reached
   `backward` and the first module call's floating inputs since the last step) in ONE host read;
   for an optimizer stepped with a closure (Lightning, LBFGS) forward and backward run inside
-  `step()`, so the closure is wrapped and the check runs when it returns, still before the
-  update;
+  `step()`, so the closure is wrapped and the check runs each time it returns, still before the
+  update (LBFGS evaluates it up to `max_iter` times a step: the step's timeline entry is its
+  first evaluation, and any evaluation may trip, named with its index);
 * an optimizer step post-hook: counts the step (the step is the optimizer step, so gradient
   accumulation's micro-batches belong to the step they feed);
 * a module forward pre-hook, registered only while waiting for a step's first module call (the
@@ -65,6 +66,7 @@ class ScriptTrip:
     skipped: bool = False               # the GradScaler skipped this step's update
     optimizers: int = 1                 # how many optimizers the script stepped so far
     manual: bool = False                # the script updates its weights itself (no optimizer)
+    evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
 
 
 class ManualUpdate:
@@ -174,6 +176,7 @@ class ScriptAuditor:
     """The hooks of one script run; `install()` / `remove()` (see the module docstring)."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
+                 rerun_evaluation: int = 0,
                  expected_losses: list | None = None, tracer=None):
         self.step = 0                    # optimizer steps completed
         # The re-run's instrument (localize's OpTracer), handed in: the cheap path never
@@ -183,6 +186,8 @@ class ScriptAuditor:
         self.trip: ScriptTrip | None = None
         self.rank = rank
         self.rerun_step = rerun_step
+        self.rerun_evaluation = rerun_evaluation   # the closure call of step N to trace
+        self._evaluation = 0             # closure calls checked in the current step
         self.expected_losses = expected_losses   # the first run's, to stop a re-run that left it
         self.armed: Armed | None = None
         self.localized = None            # set by the re-run at step N: (auditor, optimizer)
@@ -255,7 +260,7 @@ class ScriptAuditor:
             before = auditor._stepped
             result = original_step(scaler, optimizer, *args, **kwargs)
             if auditor._stepped == before and scaler.is_enabled():
-                auditor._skipped_step(optimizer)
+                auditor._skipped_step(optimizer, scaler)
             return result
         self._scaler_methods = {"scale": original_scale, "step": original_step}
         GradScaler.scale, GradScaler.step = scale, step
@@ -303,7 +308,7 @@ class ScriptAuditor:
             self._roots[id(module)] = module
             for name, p in module.named_parameters():
                 self._names.setdefault(id(p), name)
-        if self.armed is None and self.rerun_step is not None and self.step == self.rerun_step:
+        if self.armed is None and self._at_rerun_step():
             self._arm(module, args, kwargs)
             return
         if self.armed is not None:
@@ -361,15 +366,22 @@ class ScriptAuditor:
             self._updated_at.clear()
             self._optimizers.pop(id(self._manual), None)
 
+    def _at_rerun_step(self) -> bool:
+        return (self.rerun_step is not None and self.step == self.rerun_step
+                and self._evaluation == self.rerun_evaluation)
+
     def _pre_step(self, optimizer, args, kwargs):
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        self._evaluation = 0
         if closure is None:
             self._check(optimizer)
             return None
 
         def checked_closure(*c_args, **c_kwargs):
             result = closure(*c_args, **c_kwargs)
-            self._check(optimizer)
+            evaluation = self._evaluation
+            self._check(optimizer, evaluation)
+            self._evaluation = evaluation + 1
             return result
         if "closure" in kwargs:
             return args, {**kwargs, "closure": checked_closure}
@@ -383,10 +395,11 @@ class ScriptAuditor:
 
     # --- the check ----------------------------------------------------------------------------
 
-    def _check(self, optimizer) -> None:
-        """One host read: [inputs finite, parameter norm, mean loss, gradient norm]."""
+    def _check(self, optimizer, evaluation: int = 0) -> None:
+        """One host read: [inputs finite, parameter norm, mean loss, gradient norm]. A closure's
+        later evaluations in the same step (LBFGS) are checked but add no timeline entry."""
         self._optimizers[id(optimizer)] = optimizer
-        if self.rerun_step is not None and self.step == self.rerun_step:
+        if self._at_rerun_step():
             self._disarm()
             self.localized = optimizer
             raise ScriptStopped()
@@ -413,20 +426,25 @@ class ScriptAuditor:
             norm = exact_norm(params)
         now = time.perf_counter()
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-        self.timeline.append(TimelineEntry(
+        entry = TimelineEntry(
             step=self.step, loss=loss_value if had_loss else None, grad_norm=grad_norm,
             param_norm=norm, lr=float(lr) if isinstance(lr, (int, float)) else None,
-            time_ms=round((now - self._last_check) * 1000, 3)))
-        self._last_check = now
-        if self._left_first_run(loss_value if had_loss else None):
-            raise ScriptStopped()          # a re-run that already differs: no use going on
+            time_ms=round((now - self._last_check) * 1000, 3))
+        if evaluation == 0:
+            self.timeline.append(entry)
+            self._last_check = now
+            if self._left_first_run(loss_value if had_loss else None):
+                raise ScriptStopped()      # a re-run that already differs: no use going on
         trip = self._classify(optimizer, ok, norm, loss_value if had_loss else 0.0, grad_norm,
                               params, inputs)
         if trip is not None:
+            trip.evaluation = evaluation
+            if evaluation:
+                self.timeline[-1] = entry  # the step shows the evaluation that went bad
             self.trip = trip
             raise ScriptStopped()
 
-    def _skipped_step(self, optimizer) -> None:
+    def _skipped_step(self, optimizer, scaler) -> None:
         """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
         step and not a finding, unless the loss or the inputs were non-finite already (then
         the forward made the value, not the loss scale, and every later step would be skipped
@@ -465,7 +483,8 @@ class ScriptAuditor:
         self.timeline.append(TimelineEntry(
             step=self.step, loss=loss_value if losses else None, grad_norm=None,
             param_norm=None, lr=float(lr) if isinstance(lr, (int, float)) else None,
-            time_ms=round((now - self._last_check) * 1000, 3), skipped=True))
+            time_ms=round((now - self._last_check) * 1000, 3), skipped=True,
+            scale=float(scaler.get_scale())))
         self._last_check = now
         if ok < 1.0:
             trip = self._input_trip(inputs, loss_value, None)
