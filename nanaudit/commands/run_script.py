@@ -277,12 +277,7 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                        rank=trip.rank)
     what = "loss" if trip.check == "loss" else "gradients"
     grads = (f"; the gradients of {_short(trip.tensors)} are non-finite" if trip.tensors else "")
-    if trip.evaluation:
-        grads += (f"; at call {trip.evaluation + 1} of the step's closure (the optimizer "
-                  f"evaluates it several times a step, as LBFGS does; the earlier calls were "
-                  f"finite)")
-    if trip.skipped:
-        grads += "; the GradScaler skipped this step, but the loss itself was already non-finite"
+    grads += "".join(f"; {note}" for note in trip_notes(trip))
     return Finding(step=trip.step, where="forward" if trip.check == "loss" else "backward",
                    value=trip.value, cause="unknown", fix=fix_for("unknown"),
                    explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
@@ -290,6 +285,19 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                                 f"{grads}"),
                    tensor="loss" if trip.check == "loss" else (trip.tensors or [None])[0],
                    tensors=trip.tensors, rank=trip.rank)
+
+
+def trip_notes(trip: ScriptTrip) -> list:
+    """Where in the step the value appeared, when the step is not one forward and backward."""
+    notes = []
+    if trip.evaluation:
+        notes.append(f"at call {trip.evaluation + 1} of the step's closure (the optimizer "
+                     f"evaluates it several times a step, as LBFGS does; the earlier calls "
+                     f"were finite)")
+    if trip.skipped:
+        notes.append("the GradScaler skipped this step, but its loss was already non-finite "
+                     "before any scaling: every later step would be skipped too")
+    return notes
 
 
 # --- the re-run ---------------------------------------------------------------------------------
@@ -343,10 +351,7 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         return {**section, "status": "not-reproduced", "note": note}
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
-    if trip.skipped:
-        finding.explanation += ("; the GradScaler skipped this step, but the loss was already "
-                                "non-finite before any scaling: every later step would be "
-                                "skipped too")
+    finding.explanation += "".join(f"; {note}" for note in trip_notes(trip))
     report.finding = finding
     return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced"),
             "precision": result.get("precision")}

@@ -130,7 +130,7 @@ def _loss_factor(loss: torch.Tensor) -> float | None:
     if isinstance(other, torch.Tensor):
         if other.numel() != 1 or other.device.type != "cpu" or other.requires_grad:
             return None
-        other = other.item()
+        other = float(other)
     if not isinstance(other, (int, float)) or not other or not math.isfinite(other):
         return None
     return float(other) if name.startswith("Div") else 1.0 / float(other)
