@@ -422,8 +422,8 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers
     if finding is None or trip is None:
         return
     # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
-    # overflows float16's range, not by divergence).
-    precision = (report.run.get("rerun") or {}).get("precision") or "fp32"
+    # overflows float16's range, not by divergence); unknown without one: no cause is changed.
+    precision = (report.run.get("rerun") or {}).get("precision") or "unknown"
     attach_warnings(finding, report.warnings, precision)
     if finding.cause == "divergence":
         finding.fix = divergence_fix(trip.optimizer)

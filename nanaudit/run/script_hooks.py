@@ -176,8 +176,7 @@ class ScriptAuditor:
     """The hooks of one script run; `install()` / `remove()` (see the module docstring)."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
-                 rerun_evaluation: int = 0,
-                 expected_losses: list | None = None, tracer=None):
+                 expected_losses: list | None = None, tracer=None, rerun_evaluation: int = 0):
         self.step = 0                    # optimizer steps completed
         # The re-run's instrument (localize's OpTracer), handed in: the cheap path never
         # imports the expensive one.

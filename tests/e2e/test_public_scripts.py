@@ -283,3 +283,24 @@ def test_hooks_and_wrapped_methods_are_restored(data):
     assert report.status == "nonfinite"
     assert (GradScaler.scale, GradScaler.step, Optimizer.__init__,
             torch.autograd.backward) == methods
+
+
+def test_backward_calls_before_the_optimizer_is_built_are_not_its_steps(tmp_path):
+    # A gradient-based check before training (a warm-up, an init): checked as the steps of a
+    # script without an optimizer until one is built, then the steps are the optimizer's.
+    path = tmp_path / "warm.py"
+    path.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(3, 1)\n"
+        "for _ in range(2):\n"
+        "    model(torch.ones(4, 3)).sum().backward()\n"
+        "model.zero_grad()\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.ones(4, 3)).pow(2).mean().backward()\n"
+        "    optimizer.step()\n")
+    report = audited(str(path))
+    assert report.status == "clean" and report.steps_run == 3
+    assert [e.step for e in report.timeline] == [0, 1, 2]
+    assert all(e.lr == 0.1 for e in report.timeline)
