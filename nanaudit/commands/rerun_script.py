@@ -7,6 +7,9 @@ from __future__ import annotations
 import pickle
 import sys
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
 from nanaudit.localize.tracer import OpTracer, kinds_of
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
@@ -14,27 +17,29 @@ from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.script_hooks import ScriptAuditor
 
 
-def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Finding | None, int]:
-    """The finding of the traced step N (None when it came out finite) and the ops traced."""
+def localized_finding(auditor: ScriptAuditor, step: int,
+                      check: str) -> tuple[Finding | None, int, str | None]:
+    """The finding of the traced step N (None when it came out finite), the ops traced and the
+    creating op's precision."""
     armed, optimizer = auditor.armed, auditor.localized
     if armed is None or optimizer is None:
-        return None, 0
+        return None, 0, None
     trace = armed.tracer.trace
     names = None
     if check == "loss":
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if not sinks:
-            return None, trace.ops_seen
+            return None, trace.ops_seen, None
         loc = walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None)
     else:
         bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
                for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
         if not bad:
-            return None, trace.ops_seen
+            return None, trace.ops_seen, None
         names = [n for n, _ in bad]
         loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
     if not loc.reproduced:
-        return None, trace.ops_seen
+        return None, trace.ops_seen, None
     event = loc.event
     finding = Finding(
         step=step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
@@ -47,12 +52,33 @@ def localized_finding(auditor: ScriptAuditor, step: int, check: str) -> tuple[Fi
         chain=[ChainLink(e.op, e.phase, e.module, sorted(e.out_kinds),
                          e.source.line if e.source else None) for e in loc.chain])
     rows = created_rows(armed, event)
-    if rows:
+    if rows and len(rows) < armed.batch_size:
         finding.samples = rows
         finding.sample_search = SampleSearch(
             armed.batch_size, 0, False,
             f"the rows whose slice of {event.op}'s output went non-finite")
-    return finding, trace.ops_seen
+    elif rows:
+        # Every row: the weights or the op, not particular samples (no row to inspect).
+        finding.sample_search = SampleSearch(
+            armed.batch_size, 0, False,
+            f"every row's slice of {event.op}'s output went non-finite: a batch-level value, "
+            f"not particular samples")
+    return finding, trace.ops_seen, event_precision(event)
+
+
+def event_precision(event) -> str:
+    """fp16 or bf16 when the creating op (or, for a backward op, its forward op) read or wrote
+    that dtype (autocast's casts carry it as `dtype=`), else fp32: an overflow in float16 is
+    the dtype's range, one in float32 after the weights grew is divergence."""
+    dtypes = set()
+    for record in (event, event.forward):
+        if record is None or getattr(record, "args", None) is None:
+            continue
+        for leaf in tree_flatten((record.args, record.kwargs or {}))[0]:
+            dtypes.add(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf)
+    if torch.float16 in dtypes:
+        return "fp16"
+    return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
 
 def created_rows(armed, event) -> list[int] | None:
@@ -74,15 +100,16 @@ def main(spec_path: str) -> int:
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     auditor = ScriptAuditor(rerun_step=spec["step"], expected_losses=spec["losses"],
-                            tracer=OpTracer)
+                            rerun_evaluation=spec.get("evaluation", 0), tracer=OpTracer)
     result = {"timeline": [], "finding": None, "reached": False, "trip": None, "error": None}
     try:
         execute(spec["target"], auditor, spec["seed"])
         result["reached"] = auditor.localized is not None
         result["traced"] = auditor.armed is not None
         if result["reached"]:
-            result["finding"], result["ops_traced"] = localized_finding(auditor, spec["step"],
-                                                                        spec["check"])
+            finding, result["ops_traced"], result["precision"] = localized_finding(
+                auditor, spec["step"], spec["check"])
+            result["finding"] = finding
     except Exception as exc:  # noqa: BLE001 - reported back to the first run
         result["error"] = rerun_failure(exc)
     result["timeline"] = auditor.timeline

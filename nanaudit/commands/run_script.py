@@ -12,6 +12,7 @@ exits (cli.py does).
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import random
@@ -28,10 +29,13 @@ from pathlib import Path
 from typing import Callable
 
 from nanaudit._version import __version__
+from nanaudit.config.schema import WatchOptions
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.localize.causes import fix_for
-from nanaudit.report.model import Finding, Report, Status
+from nanaudit.localize.findings import attach_warnings
+from nanaudit.report.model import EarlyWarning, Finding, Report, SampleSearch, Status
 from nanaudit.run.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
+from nanaudit.run.watch import MAX_WARNINGS, GrowthWatch
 
 _RUNPY = os.path.abspath(runpy.__file__)
 
@@ -179,21 +183,25 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
         _record(report, auditor)
         first_run_s = time.perf_counter() - started
         report.run["first_run"] = {"steps": len(auditor.timeline),
-                                            "duration_s": round(first_run_s, 3),
-                                            "host_reads": auditor.host_reads}
+                                   "duration_s": round(first_run_s, 3),
+                                   "host_reads": auditor.host_reads,
+                                   "skipped": auditor.skipped}
         if auditor.trip is None:
             if auditor.step == 0:
                 raise NothingAuditedError(
-                    f"the script `{target.display}` finished without stepping an optimizer: "
-                    f"nanaudit checks at each `optimizer.step()`, so nothing was audited (does "
-                    f"it train? are its arguments right?)")
+                    f"the script `{target.display}` finished without stepping an optimizer "
+                    f"or calling backward: nanaudit checks at each `optimizer.step()` (at each "
+                    f"backward in a script that builds no optimizer), so nothing was audited "
+                    f"(does it train? are its arguments right?)")
+            attach_timeline_warnings(report, None, auditor.optimizer_count)
             report.status = Status.CLEAN
             return _done(report, started)
         report.status = Status.NONFINITE
         report.finding = first_run_finding(auditor.trip)
         if auditor.trip.check in ("loss", "gradient"):
             report.run["rerun"] = localize_by_rerun(target, options, auditor.trip,
-                                                             auditor.timeline, report)
+                                                    auditor.timeline, report)
+        attach_timeline_warnings(report, auditor.trip, auditor.optimizer_count)
     except KeyboardInterrupt:
         _record(report, auditor)
         report.status = Status.INTERRUPTED
@@ -253,8 +261,14 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                        fix=fix_for("nonfinite-input"), tensor=trip.tensors[0] if trip.tensors
                        else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
     if trip.check in ("optimizer", "parameter"):
-        when = (f"after {trip.optimizer}.step() of step {trip.step} (its gradients were finite)"
-                if trip.check == "optimizer" else f"before step {trip.step}'s update")
+        if trip.check == "optimizer" and trip.manual:
+            when = (f"after the script's own update of step {trip.step} (it builds no "
+                    f"torch.optim optimizer; the gradients were finite)")
+        elif trip.check == "optimizer":
+            when = (f"after {trip.optimizer}.step() of step {trip.step} (its gradients were "
+                    f"finite)")
+        else:
+            when = f"before step {trip.step}'s update"
         cause = "optimizer-update" if trip.check == "optimizer" else "nonfinite-parameter"
         return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
                        explanation=f"the parameters {_short(trip.tensors)} hold non-finite values "
@@ -263,6 +277,7 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                        rank=trip.rank)
     what = "loss" if trip.check == "loss" else "gradients"
     grads = (f"; the gradients of {_short(trip.tensors)} are non-finite" if trip.tensors else "")
+    grads += "".join(f"; {note}" for note in trip_notes(trip))
     return Finding(step=trip.step, where="forward" if trip.check == "loss" else "backward",
                    value=trip.value, cause="unknown", fix=fix_for("unknown"),
                    explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
@@ -270,6 +285,19 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
                                 f"{grads}"),
                    tensor="loss" if trip.check == "loss" else (trip.tensors or [None])[0],
                    tensors=trip.tensors, rank=trip.rank)
+
+
+def trip_notes(trip: ScriptTrip) -> list:
+    """Where in the step the value appeared, when the step is not one forward and backward."""
+    notes = []
+    if trip.evaluation:
+        notes.append(f"at call {trip.evaluation + 1} of the step's closure (the optimizer "
+                     f"evaluates it several times a step, as LBFGS does; the earlier calls "
+                     f"were finite)")
+    if trip.skipped:
+        notes.append("the GradScaler skipped this step, but its loss was already non-finite "
+                     "before any scaling: every later step would be skipped too")
+    return notes
 
 
 # --- the re-run ---------------------------------------------------------------------------------
@@ -323,8 +351,10 @@ def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTri
         return {**section, "status": "not-reproduced", "note": note}
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
+    finding.explanation += "".join(f"; {note}" for note in trip_notes(trip))
     report.finding = finding
-    return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced")}
+    return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced"),
+            "precision": result.get("precision")}
 
 
 def _rerun_process(target, options, trip, timeline):
@@ -333,6 +363,7 @@ def _rerun_process(target, options, trip, timeline):
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
         spec = {"target": target, "seed": options.seed, "step": trip.step, "check": trip.check,
+                "evaluation": trip.evaluation,
                 "result": str(result_path), "losses": [e.loss for e in timeline[:trip.step]]}
         spec_path.write_bytes(pickle.dumps(spec))
         with open(log_path, "wb") as log:
@@ -348,6 +379,70 @@ def _rerun_process(target, options, trip, timeline):
             return None, tail
         # Written by our own child process, from the spec above.
         return pickle.loads(result_path.read_bytes()), tail
+
+
+def timeline_warnings(timeline: list, options: WatchOptions = WatchOptions()) -> list:
+    """`scan`'s early warnings from the first run's timeline, on the host, after the run: loss
+    spikes and gradient growth (GrowthWatch), and an update that changed the weights' norm by
+    more than `update_ratio` of it. Each entry holds the norm as the previous update left it,
+    and | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
+    growth, warnings, previous, high = GrowthWatch(options), [], None, False
+    for entry in timeline:
+        if entry.skipped:
+            continue
+        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
+        norm = entry.param_norm
+        if (previous is not None and previous.param_norm and norm is not None
+                and math.isfinite(norm) and math.isfinite(previous.param_norm)
+                and options.update_ratio):
+            change = abs(norm - previous.param_norm) / previous.param_norm
+            # Warned once as it rises above the threshold, as `scan` warns, not every step.
+            was_high, high = high, change > options.update_ratio
+            if high and not was_high:
+                rate = f" (lr {previous.lr:.4g})" if previous.lr is not None else ""
+                warnings.append(EarlyWarning(
+                    kind="update-ratio", step=previous.step, began=previous.step, value=change,
+                    threshold=options.update_ratio,
+                    message=(f"the update of step {previous.step}{rate} took the weights' norm "
+                             f"from {previous.param_norm:.4g} to {norm:.4g}: |update| / "
+                             f"|weights| >= {change:.3g} (> {options.update_ratio:g}); healthy "
+                             f"training is near 1e-3")))
+        previous = entry
+    return warnings[:MAX_WARNINGS]
+
+
+def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers: int) -> None:
+    """The warnings of a one-optimizer run (several optimizers' steps interleave on one
+    timeline), linked to the finding as `scan` links them: growth before an overflow in float32
+    makes it divergence, which names the weights, not particular samples."""
+    if optimizers != 1:
+        return
+    report.warnings = timeline_warnings(report.timeline)
+    finding = report.finding
+    if finding is None or trip is None:
+        return
+    # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
+    # overflows float16's range, not by divergence); unknown without one: no cause is changed.
+    precision = (report.run.get("rerun") or {}).get("precision") or "unknown"
+    attach_warnings(finding, report.warnings, precision)
+    if finding.cause == "divergence":
+        finding.fix = divergence_fix(trip.optimizer)
+        finding.samples = None
+        finding.sample_search = SampleSearch(None, 0, False,
+                                             "divergence: the weights, not particular rows")
+
+
+def divergence_fix(optimizer: str) -> str:
+    """The fix for a divergence, in the script's terms: its optimizer and rate."""
+    fix = "lower the learning rate or warm it up"
+    if optimizer:
+        fix += f" (the optimizer at this step: {optimizer})"
+    if "Adam" in optimizer:
+        # Adam divides by the gradient's own scale: its update is about lr per weight.
+        fix += "; clipping the gradients does not shrink an Adam update, the rate does"
+    else:
+        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+    return fix
 
 
 def _fmt(x) -> str:

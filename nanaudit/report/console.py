@@ -201,8 +201,8 @@ def _timeline(report: Report) -> Text:
     skipped = sum(e.skipped for e in report.timeline)
     if skipped:
         scales = [e.scale for e in report.timeline if e.scale is not None]
-        text.append(f"\n  GradScaler skipped {skipped} step(s); loss scale {scales[0]:g} -> "
-                    f"{scales[-1]:g}", style="dim")
+        scale = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
+        text.append(f"\n  GradScaler skipped {skipped} step(s){scale}", style="dim")
     return text
 
 
@@ -242,6 +242,9 @@ def _clean_hint(report: Report) -> str:
     if limit is not None and report.steps_run >= limit:
         return (f"next: the {limit}-step limit was reached; raise `steps:` (or --steps) to "
                 f"audit longer, or run this in CI with --junit-xml")
+    if report.command == "run":
+        return (f"next: every step the script took was audited ({report.steps_run}); run this "
+                f"in CI with --junit-xml")
     return (f"next: every batch the data yielded was audited ({report.steps_run}); run this in "
             f"CI with --junit-xml")
 

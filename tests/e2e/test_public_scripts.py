@@ -1,0 +1,306 @@
+"""`nanaudit run` on the shapes of well-known public training scripts, unmodified.
+
+Each script under tests/e2e/scripts/ rebuilds, in miniature, the loop of a public script that
+was run under `nanaudit run` as-is (README, "`nanaudit run`"): karpathy/nanoGPT's train.py,
+pytorch/examples word_language_model/main.py (no optimizer: a hand-written SGD update) and
+time_sequence_prediction/train.py (LBFGS). Faults are injected only through each script's own
+arguments or data, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import run_cli
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run_script import (RunOptions, ScriptTarget, run_script,
+                                          timeline_warnings)
+from nanaudit.report.model import TimelineEntry
+from nanaudit.run.script_hooks import ScriptAuditor, window_loss
+
+SCRIPTS = Path(__file__).parent / "scripts"
+NANOGPT, WORD_LM, LBFGS = (str(SCRIPTS / n) for n in
+                           ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py"))
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """nanoGPT's prepared tokens (uint16 .bin files), a small text corpus, and (x, y) pairs."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 32, size=2000).astype(np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 32, size=500).astype(np.uint16).tofile(tmp_path / "val.bin")
+    words = "the a cat dog sat on mat ran fast slow big red".split()
+    (tmp_path / "corpus.txt").write_text(" ".join(words[i] for i in rng.integers(0, 12, 400)))
+    x = torch.linspace(-2, 2, 32, dtype=torch.float64)[:, None]
+    torch.save(torch.cat([x, 3 * torch.sin(x)], 1), tmp_path / "fit.pt")
+    return tmp_path
+
+
+def plain(script: str, *args: str) -> None:
+    """`python script args`, run in this process (its output is captured by capsys)."""
+    saved = sys.argv[:]
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def audited(script: str, *args: str, **options):
+    return run_script(ScriptTarget(path=script, args=args), RunOptions(**options))
+
+
+def printed(pattern: str, text: str) -> list[float]:
+    return [float(v) for v in re.findall(pattern, text)]
+
+
+# --- nanoGPT's train.py -------------------------------------------------------------------------
+
+def test_nanogpt_clean_run_prints_what_python_prints_and_times_the_micro_batches_mean(
+        data, capsys):
+    args = (f"--data_dir={data}", "--gradient_accumulation_steps=2")
+    plain(NANOGPT, *args)
+    alone = capsys.readouterr().out
+    report = audited(NANOGPT, *args)
+    under = capsys.readouterr().out
+    assert exit_code(report) == 0 and report.status == "clean"
+    assert under == alone                       # the script's own output is unchanged
+    # The loss reaches backward divided by the 2 micro-steps: the timeline counts it undivided,
+    # the mean of the micro-batches' losses, not half of it.
+    means = printed(r"mean (\S+),", alone)
+    assert len(means) == report.steps_run == 7
+    assert [e.loss for e in report.timeline] == pytest.approx(means, rel=1e-5)
+    assert [e.step for e in report.timeline] == list(range(7))
+    assert report.warnings == []
+    # One read per optimizer step (the evaluations' `.item()` are the script's) and the last.
+    assert report.run["first_run"]["host_reads"] == 8
+
+
+@pytest.mark.slow
+def test_nanogpt_huge_learning_rate_is_divergence_at_the_op_through_the_cli(data, tmp_path):
+    out = tmp_path / "report.json"
+    result = run_cli("run", "--quiet", "--json", out, NANOGPT, f"--data_dir={data}",
+                     "--learning_rate=1e6", "--warmup_iters=0", "--eval_interval=1")
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert result.code == 1 and report["status"] == "nonfinite" and report["command"] == "run"
+    assert (f["step"], f["where"], f["cause"], f["reproduced"]) == (1, "forward", "divergence",
+                                                                      True)
+    assert f["op"] == "aten.native_layer_norm.default" and f["module"] == "ln_f"
+    assert f["source"]["file"] == NANOGPT
+    # The weights, not particular rows: every row of the batch went bad.
+    assert f["samples"] is None and "not particular rows" in f["sample_search"]["note"]
+    assert "lower the learning rate" in f["fix"] and "AdamW(lr=" in f["fix"]
+    warning = report["warnings"][0]
+    assert (warning["kind"], warning["step"]) == ("update-ratio", 0)
+    assert "nanaudit warned at step 0: update-ratio" in f["explanation"]
+    rerun = report["run"]["rerun"]
+    assert rerun["status"] == "reproduced" and rerun["precision"] == "fp32"
+
+
+def test_nanogpt_float16_with_a_grad_scaler_times_unscaled_losses(data, capsys):
+    args = (f"--data_dir={data}", "--dtype='float16'")
+    report = audited(NANOGPT, *args)
+    means = printed(r"mean (\S+),", capsys.readouterr().out)
+    assert report.status == "clean"
+    # `scaler.scale(loss).backward()` reaches backward as loss x 65536: the timeline has loss.
+    assert [e.loss for e in report.timeline] == pytest.approx(means, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_nanogpt_float16_overflow_in_a_step_the_grad_scaler_skips(data):
+    report = audited(NANOGPT, f"--data_dir={data}", "--dtype='float16'", "--learning_rate=1e5",
+                     "--warmup_iters=0")
+    f = report.finding
+    assert exit_code(report) == 1
+    # The weights left float16's range; autocast's cast made inf; the scaler skipped the step,
+    # which is no step but still a finding: its loss was NaN before any scaling.
+    assert (f.step, f.where, f.cause) == (1, "forward", "dtype-overflow")
+    assert f.op == "aten._to_copy.default" and f.module == "h.c_attn"
+    assert "GradScaler skipped this step" in f.explanation
+    assert report.run["first_run"]["skipped"] == 1
+    last = report.timeline[-1]
+    assert last.skipped and last.scale == 65536.0 and last.step == 1
+    assert report.run["rerun"]["precision"] == "fp16"
+
+
+def test_an_evaluation_under_no_grad_is_not_the_training_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    armed = []
+
+    class Tracer:                                   # stands in for the OpTracer
+        phase = "forward"
+
+        def __init__(self, module):
+            armed.append(module)
+
+        def start_backward(self):
+            self.phase = "backward"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    auditor = ScriptAuditor(rerun_step=1, tracer=Tracer).install()
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(5, 3)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():                       # estimate_loss between two steps
+            model(torch.full((2, 3), float("nan")))
+        assert auditor.armed is None
+        model(torch.ones(4, 3)).sum().backward()
+    finally:
+        auditor.remove()
+    assert armed == [model] and auditor.armed.batch_size == 4
+
+
+# --- word_language_model: no optimizer ---------------------------------------------------------
+
+def test_word_lm_without_an_optimizer_is_audited_at_each_backward(data, capsys):
+    args = ("--data", str(data / "corpus.txt"))
+    plain(WORD_LM, *args)
+    alone = capsys.readouterr().out
+    report = audited(WORD_LM, *args)
+    assert capsys.readouterr().out == alone
+    losses = printed(r"batch \d+ loss (\S+)", alone)
+    assert exit_code(report) == 0 and report.steps_run == len(losses) == 26
+    assert [e.loss for e in report.timeline] == pytest.approx(losses, rel=1e-5)
+    assert all(e.lr is None for e in report.timeline)
+
+
+def test_word_lm_inf_learning_rate_is_the_scripts_own_update(data):
+    report = audited(WORD_LM, "--data", str(data / "corpus.txt"), "--lr", "inf")
+    f = report.finding
+    assert (f.step, f.where, f.cause) == (0, "optimizer", "optimizer-update")
+    assert "the script's own update of step 0" in f.explanation
+    assert f.tensors[0] == "encoder.weight"
+
+
+@pytest.mark.slow
+def test_word_lm_exploding_relu_rnn_is_localized_by_the_rerun(data, capsys):
+    args = ("--data", str(data / "corpus.txt"), "--model", "RNN_RELU", "--clip", "1e9",
+            "--lr", "20")
+    plain(WORD_LM, *args)
+    first_nan = [math.isnan(v) for v in printed(r"batch \d+ loss (\S+)",
+                                                capsys.readouterr().out)].index(True)
+    report = audited(WORD_LM, *args)
+    f = report.finding
+    assert exit_code(report) == 1 and report.run["rerun"]["status"] == "reproduced"
+    assert (f.step, f.where, f.op, f.module) == (first_nan, "forward", "aten.addmm.default",
+                                                 "rnn")
+    # An fp32 overflow after a warned update: divergence (as `scan` names it), no rows.
+    assert f.cause == "divergence" and "nanaudit warned at step 0: update-ratio" in f.explanation
+    assert f.samples is None and report.warnings[0].kind == "update-ratio"
+
+
+def test_fail_on_warning_exits_7_on_a_clean_run_with_an_early_warning(data, tmp_path):
+    # lr 40 on this toy corpus: the first update changes the weights' norm by more than 10%,
+    # and training goes on with finite values.
+    out = tmp_path / "r.json"
+    args = (WORD_LM, "--data", str(data / "corpus.txt"), "--epochs", "1", "--lr", "40")
+    result = run_cli("run", "--quiet", "--json", out, "--fail-on", "warning", *args)
+    report = json.loads(out.read_text())
+    assert result.code == 7 and report["status"] == "clean"
+    assert [(w["kind"], w["step"]) for w in report["warnings"]] == [("update-ratio", 0)]
+    assert run_cli("run", "--quiet", *args).code == 0
+
+
+# --- time_sequence_prediction: LBFGS ----------------------------------------------------------
+
+def test_lbfgs_closure_calls_are_one_step(data, capsys):
+    report = audited(LBFGS, str(data / "fit.pt"))
+    out = capsys.readouterr().out
+    assert report.status == "clean" and report.steps_run == 3
+    assert [e.step for e in report.timeline] == [0, 1, 2]
+    # Each step's entry is its first closure call: the loss before that step's updates.
+    firsts = [float(chunk.split("loss: ")[1].split()[0]) for chunk in out.split("fit:")[:3]]
+    assert [e.loss for e in report.timeline] == pytest.approx(firsts, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_lbfgs_nan_in_a_later_closure_call_is_traced_in_that_call(data):
+    report = audited(LBFGS, str(data / "fit.pt"), "--margin", "3.2")
+    f = report.finding
+    assert exit_code(report) == 1 and report.run["rerun"]["status"] == "reproduced"
+    assert (f.step, f.where, f.op, f.cause) == (0, "forward", "aten.log.default", "log-domain")
+    assert "call 3 of the step's closure" in f.explanation
+    assert f.source.file == LBFGS and "torch.log(args.margin" in f.source.code
+
+
+# --- the pieces ---------------------------------------------------------------------------------
+
+def test_a_loss_divided_by_the_window_size_counts_undivided():
+    losses = [torch.tensor(2.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
+    assert window_loss(losses, [2.0, 2.0]).item() == 6.0      # (4 + 8) / 2: the mean, undivided
+    assert window_loss(losses, [None, None]).item() == 3.0    # not divided: their mean
+    assert window_loss(losses, [3.0, 3.0]).item() == 3.0      # divided by something else
+    assert window_loss(losses[:1], [4.0]).item() == 2.0       # one micro-batch: as it is
+
+
+def test_the_divisor_is_read_from_the_autograd_node():
+    from nanaudit.run.script_hooks import _loss_factor
+    w = torch.ones(3, requires_grad=True)
+    assert _loss_factor(w.sum() / 4) == 4.0
+    assert _loss_factor(w.sum() * 0.25) == 4.0
+    assert _loss_factor(w.sum() / torch.tensor(8.0)) == 8.0
+    assert _loss_factor(w.sum()) is None
+    assert _loss_factor(w.sum() / w.sum().detach().requires_grad_()) is None
+
+
+def _entry(step, loss, norm):
+    return TimelineEntry(step=step, loss=loss, grad_norm=1.0, param_norm=norm, lr=0.1,
+                         time_ms=1.0)
+
+
+def test_update_ratio_warnings_from_the_weights_norms():
+    steady = [_entry(i, 2.0 - 0.01 * i, 10.0 + 0.01 * i) for i in range(8)]
+    assert timeline_warnings(steady) == []
+    jumps = steady[:3] + [_entry(3, 1.9, 30.0), _entry(4, 1.9, 90.0), _entry(5, 1.9, 90.1)]
+    warnings = timeline_warnings(jumps)
+    # Warned once as the change rises above 0.1 of the norm (step 2's update), not each step.
+    assert [(w.kind, w.step) for w in warnings] == [("update-ratio", 2)]
+    assert "from 10.02 to 30" in warnings[0].message
+
+
+def test_hooks_and_wrapped_methods_are_restored(data):
+    from torch.amp import GradScaler
+    from torch.optim import Optimizer
+    methods = (GradScaler.scale, GradScaler.step, Optimizer.__init__, torch.autograd.backward)
+    report = audited(WORD_LM, "--data", str(data / "corpus.txt"), "--lr", "inf")
+    assert report.status == "nonfinite"
+    assert (GradScaler.scale, GradScaler.step, Optimizer.__init__,
+            torch.autograd.backward) == methods
+
+
+def test_backward_calls_before_the_optimizer_is_built_are_not_its_steps(tmp_path):
+    # A gradient-based check before training (a warm-up, an init): checked as the steps of a
+    # script without an optimizer until one is built, then the steps are the optimizer's.
+    path = tmp_path / "warm.py"
+    path.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(3, 1)\n"
+        "for _ in range(2):\n"
+        "    model(torch.ones(4, 3)).sum().backward()\n"
+        "model.zero_grad()\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.ones(4, 3)).pow(2).mean().backward()\n"
+        "    optimizer.step()\n")
+    report = audited(str(path))
+    assert report.status == "clean" and report.steps_run == 3
+    assert [e.step for e in report.timeline] == [0, 1, 2]
+    assert all(e.lr == 0.1 for e in report.timeline)
