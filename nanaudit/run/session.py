@@ -163,21 +163,10 @@ def build_session(config: Config, coordinator=None) -> Session:
                    step_fn=step_fn, config=config)
 
 
-def training_state(session: Session) -> dict:
-    """Every optimizer's and scheduler's state, as checkpoints and bundles store it: the first
-    optimizer under `optimizer` (what a plain checkpoint has), all of them by name."""
-    state: dict = {}
-    if session.optimizer is not None:
-        state["optimizer"] = session.optimizer.state_dict()
-    if len(session.optimizers) > 1:
-        state["optimizers"] = {n: o.state_dict() for n, o in session.optimizers.items()}
-    if session.schedulers:
-        state["schedulers"] = {n: s.state_dict() for n, s in session.schedulers.items()}
-    return state
-
-
 def load_training_state(raw: dict, optimizers: dict, schedulers: dict) -> None:
-    """Load what `training_state` (or a user's checkpoint with an `optimizer` key) holds."""
+    """Load the optimizers' and schedulers' states a bundle or checkpoint holds: `optimizers`
+    and `schedulers` by name (what repro bundles write), or a plain checkpoint's `optimizer`
+    (for the first optimizer)."""
     by_name = dict(raw.get("optimizers") or {})
     if not by_name and "optimizer" in raw and optimizers:
         by_name = {next(iter(optimizers)): raw["optimizer"]}
