@@ -264,6 +264,11 @@ class Trace:
         return record
 
 
+# Allocations whose contents are undefined until something writes them.
+UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                 "empty_permuted"}
+
+
 class OpTracer(TorchDispatchMode):
     """Trace a forward and backward: use as `with OpTracer(model) as tracer:`; read `tracer.trace`."""
 
@@ -320,6 +325,10 @@ class OpTracer(TorchDispatchMode):
             for t in outputs:
                 self.trace.makers[id(t)] = (weakref.ref(t), record.index)
         out_kinds = frozenset().union(*(kinds_of(t) for t in outputs)) if outputs else frozenset()
+        if out_kinds and func.overloadpacket.__name__ in UNINITIALIZED:
+            # Fresh memory holds whatever bits were there, NaN patterns included: it is no
+            # value yet, and what later writes into it (numpy, a C extension) made the value.
+            out_kinds = frozenset()
         if record is not None:
             record.out_kinds = out_kinds
         if out_kinds:

@@ -111,3 +111,21 @@ def test_hand_written_backward_example_points_at_the_backward_line(tmp_path):
     assert f["explanation"].startswith("in the hand-written backward of the autograd.Function "
                                        "SafeLog (custom_backward.py:")
     assert f["chain"][0]["op"] == "aten.div.Tensor"
+
+
+def test_uninitialized_memory_is_never_the_op_that_made_a_value():
+    """`torch.empty*` hands out whatever bits were in memory, NaN patterns included: the
+    tracer must not name it as the creating op (what later writes the memory made the value)."""
+    import torch
+
+    from nanaudit.localize.tracer import OpTracer
+    model = torch.nn.Linear(2, 2)
+    for _ in range(500):
+        garbage = torch.full((64,), float("nan"))
+        del garbage                      # freed memory that the next allocation may reuse
+        with OpTracer(model) as tracer:
+            fresh = torch.empty(64)
+        if bool(torch.isnan(fresh).any()):
+            assert not [e for e in tracer.trace.events if "empty" in e.op]
+            return
+    pytest.skip("the allocator never handed back NaN garbage here")
