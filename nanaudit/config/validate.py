@@ -70,27 +70,29 @@ def validate_config(config: Config) -> list[Problem]:
 
 
 def _validate_optimizer(spec: OptimizerSpec | None, base_dir: Path) -> list[Problem]:
-    if spec is None:
-        return []
-    entry = spec.factory or Entrypoint(target=class_target(spec.class_path), key="optimizer.class")
-    try:
-        fn = resolve_callable(entry, base_dir)
-    except ConfigError as exc:
-        return exc.problems
-    except UserCodeError as exc:
-        return [Problem(entry.key, str(exc))]
-    if spec.factory:
-        problem = _bind_problem(fn, entry.key, ("model",), dict(entry.args),
-                                "the optimizer factory `fn(model, **args) -> Optimizer`")
-        return [problem] if problem else []
-    return optimizer_class_problems(fn, spec)
+    return _validate_builder(spec, base_dir, "model",
+                             "the optimizer factory `fn(model, **args) -> Optimizer`",
+                             optimizer_class_problems)
 
 
 def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path,
                         optimizer: OptimizerSpec | None = None) -> list[Problem]:
+    def class_problems(cls, spec):
+        return scheduler_class_problems(cls, spec) or _scheduler_trial(cls, spec, optimizer,
+                                                                       base_dir)
+    return _validate_builder(spec, base_dir, "optimizer",
+                             "the scheduler factory `fn(optimizer, **args) -> scheduler`",
+                             class_problems)
+
+
+def _validate_builder(spec, base_dir: Path, argument: str, role: str,
+                      class_problems: Callable) -> list[Problem]:
+    """An optimizer or scheduler: its factory resolves and binds `fn(argument, **args)`, or
+    its class resolves and passes `class_problems(cls, spec)`."""
     if spec is None:
         return []
-    entry = spec.factory or Entrypoint(target=class_target(spec.class_path), key="scheduler.class")
+    entry = spec.factory or Entrypoint(target=class_target(spec.class_path),
+                                       key=f"{spec.key}.class")
     try:
         fn = resolve_callable(entry, base_dir)
     except ConfigError as exc:
@@ -98,10 +100,9 @@ def _validate_scheduler(spec: SchedulerSpec | None, base_dir: Path,
     except UserCodeError as exc:
         return [Problem(entry.key, str(exc))]
     if spec.factory:
-        problem = _bind_problem(fn, entry.key, ("optimizer",), dict(entry.args),
-                                "the scheduler factory `fn(optimizer, **args) -> scheduler`")
+        problem = _bind_problem(fn, entry.key, (argument,), dict(entry.args), role)
         return [problem] if problem else []
-    return scheduler_class_problems(fn, spec) or _scheduler_trial(fn, spec, optimizer, base_dir)
+    return class_problems(fn, spec)
 
 
 def _scheduler_trial(cls, spec: SchedulerSpec, optimizer: OptimizerSpec | None,
