@@ -314,7 +314,7 @@ def _emit(report, terminal: Terminal, json_path, junit_path, markdown_path, fmt,
     if not terminal.quiet:
         print_report(report, terminal.err)
     elif report.status == "error" and report.error:
-        terminal.error(report.error.get("message", ""))
+        terminal.error(report.error.message)
     outputs = [("json", json_path), ("junit", junit_path), ("markdown", markdown_path)]
     for name, path in outputs:
         if not path:
@@ -390,18 +390,18 @@ def bisect(config, checkpoints, pattern, steps, device, skip_list_path, json_pat
             progress.stop()
     _note_signal(report, stop)
     failed = _emit(report, terminal, json_path, junit_path, markdown_path, fmt, plot_path)
-    section = report.bisect or {}
-    if skip_list_path and section.get("mode") == "data":
-        failed += _write_skip_list(skip_list_path, section["skip_list"])
+    if skip_list_path and report.bisect is not None and report.bisect.mode == "data":
+        failed += _write_skip_list(skip_list_path, report.bisect.skip_list)
     _exit(_final_code(report, failed, terminal))
 
 
 def _write_skip_list(path, skip_list) -> list[str]:
     import json
 
+    from nanaudit.report.model import jsonable
     from nanaudit.report.output import write_atomic
     try:
-        write_atomic(path, json.dumps({"skip": skip_list}, indent=2) + "\n")
+        write_atomic(path, json.dumps({"skip": jsonable(skip_list)}, indent=2) + "\n")
     except OSError as exc:
         return [f"cannot write the skip list to {path}: {_os_reason(exc)}"]
     return []
@@ -497,7 +497,7 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
     finally:
         stop.hold()
     _note_signal(report, stop)
-    rank = (report.run or {}).get("rank")
+    rank = report.run.rank if report.run is not None else None
     if rank:
         # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
         json_path, junit_path, markdown_path, plot_path = (

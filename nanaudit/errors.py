@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from nanaudit.exitcodes import ExitCode
+from nanaudit.report.model import (
+    ConfigFailure,
+    ConfigProblem,
+    ErrorInfo,
+    NanauditFailure,
+    UserCodeFailure,
+    UserFrame,
+)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,8 +36,10 @@ class NanauditError(Exception):
 
     exit_code = ExitCode.INTERNAL
 
-    def to_dict(self) -> dict:
-        return {"type": type(self).__name__, "message": str(self)}
+    def to_error_info(self) -> ErrorInfo:
+        """The report's `error` for this error."""
+        return NanauditFailure(type=type(self).__name__, message=str(self),
+                               exit_code=self.exit_code)
 
 
 class UsageError(NanauditError):
@@ -56,13 +66,10 @@ class ConfigError(NanauditError):
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {
-            "type": "ConfigError",
-            "message": str(self),
-            "source": self.source,
-            "problems": [{"key": p.key, "message": p.message} for p in self.problems],
-        }
+    def to_error_info(self) -> ConfigFailure:
+        return ConfigFailure(message=str(self), source=self.source,
+                             problems=[ConfigProblem(p.key, p.message) for p in self.problems],
+                             exit_code=self.exit_code)
 
 
 class NothingAuditedError(NanauditError):
@@ -118,15 +125,11 @@ class UserCodeError(NanauditError):
         lines += traceback.format_exception_only(type(self.exception), self.exception)
         return "".join(lines)
 
-    def to_dict(self) -> dict:
-        return {
-            "type": "UserCodeError",
-            "message": str(self),
-            "what": self.what,
-            "exception": type(self.exception).__name__,
-            "frames": [{"file": f.filename, "line": f.lineno, "function": f.name, "code": f.line}
-                       for f in self.frames],
-        }
+    def to_error_info(self) -> UserCodeFailure:
+        return UserCodeFailure(message=str(self), what=self.what,
+                               exception=type(self.exception).__name__,
+                               frames=[UserFrame(f.filename, f.lineno, f.name, f.line)
+                                       for f in self.frames], exit_code=self.exit_code)
 
 
 def call_user(what: str, fn, *args, **kwargs):

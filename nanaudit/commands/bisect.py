@@ -31,7 +31,14 @@ from nanaudit.errors import (
     UsageError,
 )
 from nanaudit.localize.findings import build_finding
-from nanaudit.report.model import Report, Status
+from nanaudit.report.model import (
+    CheckpointBisect,
+    CheckpointRef,
+    DataBisect,
+    Report,
+    SkipEntry,
+    Status,
+)
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
 from nanaudit.run.checks import dense_values
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
@@ -77,8 +84,8 @@ def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
     report.status = (Status.INTERRUPTED if outcome.interrupted else
                      Status.NONFINITE if findings else Status.CLEAN)
     report.finding = findings[0] if findings else None
-    report.bisect = {"mode": "data", "batches_audited": outcome.steps_run,
-                              "bad_batches": findings, "skip_list": result["skip_list"]}
+    report.bisect = DataBisect(batches_audited=outcome.steps_run, bad_batches=findings,
+                               skip_list=result["skip_list"])
 
 
 def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
@@ -90,11 +97,10 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
     with user_import_path(config.base_dir):
         session = build_session(config)
         report.device = str(session.device)
-        result = bisect_checkpoints(session, files)
-        outcome = result.pop("outcome")
-        result["note"] = result.get("note") or linear_cost_note(result)
-        report.bisect = {"mode": "checkpoints", **result}
-        if result["first_bad"] is None:
+        section, outcome = bisect_checkpoints(session, files)
+        section.note = section.note or linear_cost_note(section)
+        report.bisect = section
+        if section.first_bad is None:
             report.status = Status.CLEAN
             return
         report.status = Status.NONFINITE
@@ -108,16 +114,16 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
                 mark_unconfirmed(report.finding)
         else:
             from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
-            bad = result["first_bad"]
-            apply_model_state(session.model, load_checkpoint(Path(bad["path"])), "--checkpoints",
-                              bad["path"])
-            report.finding = state_finding(session, Trip(bad["step"], "parameter"))
+            bad = section.first_bad
+            apply_model_state(session.model, load_checkpoint(Path(bad.path)), "--checkpoints",
+                              bad.path)
+            report.finding = state_finding(session, Trip(bad.step, "parameter"))
             report.finding.explanation += (
-                f" ({bad['path']}; the replay from the last good checkpoint did not reach a "
-                f"non-finite value" + ("" if result["optimizer_state"] else
+                f" ({bad.path}; the replay from the last good checkpoint did not reach a "
+                f"non-finite value" + ("" if section.optimizer_state else
                                        ": the checkpoint holds no optimizer state, so a fresh "
                                        "optimizer may not follow the original trajectory") + ")"
-                if result["last_good"] else f" ({bad['path']}: the first checkpoint)")
+                if section.last_good else f" ({bad.path}: the first checkpoint)")
 
 
 DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
@@ -155,9 +161,9 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
         if finding.batch_index in changed:
             mark_unconfirmed(finding)
     # `batch` is the data index (with accumulation, not the optimizer step).
-    skip = [{"batch": f.batch_index if f.batch_index is not None else f.step, "rows": f.samples,
-             "sample_ids": ids, "cause": f.cause,
-             **({"confirmed": False} if f.batch_index in changed else {})}
+    skip = [SkipEntry(batch=f.batch_index if f.batch_index is not None else f.step,
+                      rows=f.samples, sample_ids=ids, cause=f.cause,
+                      confirmed=False if f.batch_index in changed else None)
             for f, ids in bad]
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
 
@@ -304,32 +310,36 @@ def first_bad_checkpoint(files: list[CheckpointFile]):
     return (lo if lo < len(files) else None), loads
 
 
-def bisect_checkpoints(session: Session, files: list[CheckpointFile]) -> dict:
+def bisect_checkpoints(session: Session, files: list[CheckpointFile]
+                       ) -> tuple[CheckpointBisect, ScanOutcome | None]:
+    """The first bad checkpoint, and the replay of training to it from the last good one (the
+    outcome; None when there is no good one before it)."""
     index, loads = first_bad_checkpoint(files)
-    result = {"checkpoints": len(files), "checkpoints_loaded": len(loads), "loaded_steps": loads,
-              "linear_loads": len(files) if index is None else index + 1,
-              "first_bad": None, "last_good": None, "steps_replayed": 0, "optimizer_state": None}
+    section = CheckpointBisect(checkpoints=len(files), checkpoints_loaded=len(loads),
+                               loaded_steps=loads,
+                               linear_loads=len(files) if index is None else index + 1)
     if index is None:
-        return result | {"outcome": None}
-    result["first_bad"] = {"step": files[index].step, "path": str(files[index].path)}
+        return section, None
+    section.first_bad = CheckpointRef(files[index].step, str(files[index].path))
     if index == 0:
-        return result | {"outcome": None, "note": "the first checkpoint is already non-finite"}
+        section.note = "the first checkpoint is already non-finite"
+        return section, None
     good = files[index - 1]
-    result["last_good"] = {"step": good.step, "path": str(good.path)}
+    section.last_good = CheckpointRef(good.step, str(good.path))
     checkpoint = load_checkpoint(good.path, key="--checkpoints")
     apply_model_state(session.model, checkpoint, "--checkpoints", str(good.path))
     session.model.to(session.device)
     has_optimizer = (("optimizer" in checkpoint.raw or "optimizers" in checkpoint.raw)
                      and session.optimizer is not None)
     load_training_state(checkpoint.raw, session.optimizers, session.schedulers)
-    result["optimizer_state"] = has_optimizer
+    section.optimizer_state = has_optimizer
     outcome = run_steps(session, files[index].step - good.step, start_step=good.step)
-    result["steps_replayed"] = outcome.steps_run - good.step if outcome.steps_run else 0
-    result["reproduced"] = outcome.trip is not None
-    return result | {"outcome": outcome}
+    section.steps_replayed = outcome.steps_run - good.step if outcome.steps_run else 0
+    section.reproduced = outcome.trip is not None
+    return section, outcome
 
 
-def linear_cost_note(result: dict) -> str:
-    c = result["checkpoints"]
-    return (f"loaded {result['checkpoints_loaded']} of {c} checkpoints (a linear scan loads up "
+def linear_cost_note(section: CheckpointBisect) -> str:
+    c = section.checkpoints
+    return (f"loaded {section.checkpoints_loaded} of {c} checkpoints (a linear scan loads up "
             f"to {c}; binary search needs at most {math.ceil(math.log2(c + 1))})")

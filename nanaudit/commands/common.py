@@ -17,7 +17,13 @@ from nanaudit.config.parse import load_config
 from nanaudit.config.schema import Config
 from nanaudit.errors import NanauditError
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import Report, Status
+from nanaudit.report.model import (
+    ErrorInfo,
+    InternalFailure,
+    Interruption,
+    Report,
+    Status,
+)
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,9 @@ def exit_code(report: Report) -> ExitCode:
         return ExitCode.CLEAN
     if report.status == "nonfinite":
         return ExitCode.NONFINITE
-    if report.status == "interrupted":
-        return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERRUPTED))
-    return ExitCode((report.error or {}).get("exit_code", ExitCode.INTERNAL))
+    if report.error is not None:
+        return ExitCode(report.error.exit_code)
+    return ExitCode.INTERRUPTED if report.status == "interrupted" else ExitCode.INTERNAL
 
 
 def early_report(target, command: str, signal_name: str) -> Report:
@@ -61,9 +67,9 @@ def mark_interrupted(report: Report, signal_name: str) -> None:
     import signal
     report.status = Status.INTERRUPTED
     code = ExitCode.TERMINATED if signal_name == signal.SIGTERM.name else ExitCode.INTERRUPTED
-    report.error = {"type": "Interrupted", "signal": signal_name, "exit_code": int(code),
-                    "message": f"stopped by {signal_name} after {report.steps_run} step(s); "
-                               f"this report is partial"}
+    report.error = Interruption(signal=signal_name, exit_code=code,
+                                message=f"stopped by {signal_name} after {report.steps_run} "
+                                        f"step(s); this report is partial")
 
 
 def base_report(config_path, config: Config | None) -> Report:
@@ -79,15 +85,13 @@ BUG_REPORT = ("this is a bug in nanaudit, not in your code; please report it wit
               "print(torch.__version__)'`")
 
 
-def error_dict(exc: BaseException) -> dict:
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The report's `error` for a failure: ours as typed, anything else as a bug of ours."""
     if isinstance(exc, NanauditError):
-        body = exc.to_dict()
-        body["exit_code"] = int(exc.exit_code)
-        return body
+        return exc.to_error_info()
     first = (str(exc).strip().splitlines() or [""])[0][:500]   # torch's can run 300 lines
-    return {"type": "InternalError", "message": f"{type(exc).__name__}: {first}",
-            "exit_code": int(ExitCode.INTERNAL), "hint": BUG_REPORT,
-            "traceback": traceback.format_exc()}
+    return InternalFailure(message=f"{type(exc).__name__}: {first}", hint=BUG_REPORT,
+                           traceback=traceback.format_exc())
 
 
 def guarded(report: Report, body: Callable[[], None],
@@ -101,7 +105,7 @@ def guarded(report: Report, body: Callable[[], None],
         report.status = Status.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
         report.status = Status.ERROR
-        report.error = error_dict(exc)
+        report.error = error_info(exc)
         if on_error is not None:
             on_error(exc)
     report.duration_s = time.perf_counter() - started

@@ -33,7 +33,17 @@ from nanaudit.config.schema import WatchOptions
 from nanaudit.errors import ConfigError, NanauditError, NothingAuditedError, UserCodeError
 from nanaudit.localize.causes import fix_for
 from nanaudit.localize.findings import attach_warnings
-from nanaudit.report.model import EarlyWarning, Finding, Report, SampleSearch, Status
+from nanaudit.report.model import (
+    EarlyWarning,
+    Finding,
+    FirstRun,
+    Report,
+    Rerun,
+    RerunStatus,
+    SampleSearch,
+    ScriptRun,
+    Status,
+)
 from nanaudit.run.script_hooks import ScriptAuditor, ScriptStopped, ScriptTrip, same_value
 from nanaudit.run.watch import MAX_WARNINGS, GrowthWatch
 
@@ -182,10 +192,9 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
             auditor.finish()
         _record(report, auditor)
         first_run_s = time.perf_counter() - started
-        report.run["first_run"] = {"steps": len(auditor.timeline),
-                                   "duration_s": round(first_run_s, 3),
-                                   "host_reads": auditor.host_reads,
-                                   "skipped": auditor.skipped}
+        report.run.first_run = FirstRun(steps=len(auditor.timeline),
+                                        duration_s=round(first_run_s, 3),
+                                        host_reads=auditor.host_reads, skipped=auditor.skipped)
         if auditor.trip is None:
             if auditor.step == 0:
                 raise NothingAuditedError(
@@ -199,19 +208,19 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
         report.status = Status.NONFINITE
         report.finding = first_run_finding(auditor.trip)
         if auditor.trip.check in ("loss", "gradient"):
-            report.run["rerun"] = localize_by_rerun(target, options, auditor.trip,
-                                                    auditor.timeline, report)
+            report.run.rerun = localize_by_rerun(target, options, auditor.trip,
+                                                 auditor.timeline, report)
         attach_timeline_warnings(report, auditor.trip, auditor.optimizer_count)
     except KeyboardInterrupt:
         _record(report, auditor)
         report.status = Status.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
-        from nanaudit.commands.common import error_dict
+        from nanaudit.commands.common import error_info
         _record(report, auditor)
         report.status = Status.ERROR
-        report.error = error_dict(exc)
+        report.error = error_info(exc)
         if isinstance(exc, UserCodeError):
-            report.error["traceback"] = exc.formatted_traceback()
+            report.error.traceback = exc.formatted_traceback()
     return _done(report, started)
 
 
@@ -227,9 +236,10 @@ def _record(report: Report, auditor: ScriptAuditor) -> None:
     report.timeline = auditor.timeline
     report.steps_run = len(auditor.timeline)
     report.device = auditor.device or report.device
-    report.run = report.run or {}
+    if report.run is None:
+        report.run = ScriptRun()
     if auditor.rank is not None:
-        report.run["rank"] = auditor.rank
+        report.run.rank = auditor.rank
 
 
 def _done(report: Report, started: float) -> Report:
@@ -303,58 +313,61 @@ def trip_notes(trip: ScriptTrip) -> list:
 # --- the re-run ---------------------------------------------------------------------------------
 
 def localize_by_rerun(target: ScriptTarget, options: RunOptions, trip: ScriptTrip,
-                      timeline: list, report: Report) -> dict:
+                      timeline: list, report: Report) -> Rerun:
     """Re-run the script to step `trip.step` with the tracer armed for that step; adopt its
     finding when the losses before that step match the first run's."""
     steps = trip.step + 1
     if not options.rerun:
         report.finding.explanation += "; not re-run (--no-rerun): the op is not named"
-        return {"status": "skipped", "note": "--no-rerun"}
+        return Rerun(status=RerunStatus.SKIPPED, note="--no-rerun")
     if options.max_rerun_steps is not None and steps > options.max_rerun_steps:
         note = (f"not re-run: localizing step {trip.step} repeats {steps} steps, more than "
                 f"--max-rerun-steps {options.max_rerun_steps}")
         report.finding.explanation += f"; {note}"
-        return {"status": "skipped", "note": note}
+        return Rerun(status=RerunStatus.SKIPPED, note=note)
     if trip.rank is not None:
         note = ("not re-run under torchrun: a re-run needs every rank; run the script on one "
                 "process, or move to a YAML config (`nanaudit scan`), to name the op")
         report.finding.explanation += f"; {note}"
-        return {"status": "skipped", "note": note}
+        return Rerun(status=RerunStatus.SKIPPED, note=note)
     if options.on_rerun is not None:
         options.on_rerun(trip.step)
     started = time.perf_counter()
     result, log_tail = _rerun_process(target, options, trip, timeline)
-    section = {"steps": steps, "duration_s": round(time.perf_counter() - started, 3)}
+    took = round(time.perf_counter() - started, 3)
+
+    def ran(status: RerunStatus, **details) -> Rerun:
+        return Rerun(steps=steps, duration_s=took, status=status, **details)
     if result is None or result.get("error"):
         error = (result or {}).get("error") or {}
         note = f"the re-run failed: {error.get('message', 'it wrote no result')}"
         report.finding.explanation += f"; {note}"
-        return {**section, "status": "failed", "note": note, "log_tail": log_tail}
+        return ran(RerunStatus.FAILED, note=note, log_tail=log_tail)
     mismatch = compare_losses(timeline, result["timeline"], trip.step, result.get("trip"),
                               result.get("reached", False))
     if mismatch is not None:
         _not_deterministic(report.finding, mismatch)
-        return {**section, "status": "nondeterministic", "note": mismatch}
+        return ran(RerunStatus.NONDETERMINISTIC, note=mismatch)
     finding = result.get("finding")
     if finding is None and not result.get("traced"):
         note = (f"the re-run reached step {trip.step} but no module was called between step "
                 f"{trip.step - 1}'s update and step {trip.step}'s optimizer step: nothing was "
                 f"traced, so the op is not named")
         report.finding.explanation += f"; {note}"
-        return {**section, "status": "not-traced", "note": note}
+        return ran(RerunStatus.NOT_TRACED, note=note)
     if finding is None:
         note = (f"the re-run matched the first run's losses up to step {trip.step}, but its "
                 f"step {trip.step} came out finite under the tracer: a non-deterministic kernel "
                 f"or a transient fault, not a reproducible bug in this step")
         report.finding.reproduced = False
         report.finding.explanation += f"; {note}"
-        return {**section, "status": "not-reproduced", "note": note}
+        return ran(RerunStatus.NOT_REPRODUCED, note=note)
     finding.tensors = finding.tensors or report.finding.tensors
     finding.rank = trip.rank
     finding.explanation += "".join(f"; {note}" for note in trip_notes(trip))
     report.finding = finding
-    return {**section, "status": "reproduced", "ops_traced": result.get("ops_traced"),
-            "precision": result.get("precision")}
+    return ran(RerunStatus.REPRODUCED, ops_traced=result.get("ops_traced"),
+               precision=result.get("precision"))
 
 
 def _rerun_process(target, options, trip, timeline):
@@ -423,7 +436,8 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers
         return
     # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
     # overflows float16's range, not by divergence); unknown without one: no cause is changed.
-    precision = (report.run.get("rerun") or {}).get("precision") or "unknown"
+    rerun = report.run.rerun
+    precision = (rerun.precision if rerun is not None else None) or "unknown"
     attach_warnings(finding, report.warnings, precision)
     if finding.cause == "divergence":
         finding.fix = divergence_fix(trip.optimizer)

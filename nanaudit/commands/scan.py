@@ -10,13 +10,19 @@ from nanaudit.commands.common import (
     ScanOptions,
     base_report,
     configured,
-    error_dict,
+    error_info,
     guarded,
     nothing_audited,
 )
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
-from nanaudit.report.model import Report, Status
+from nanaudit.report.model import (
+    RankStatus,
+    Report,
+    SentinelRead,
+    SentinelReadMode,
+    Status,
+)
 
 
 def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
@@ -35,8 +41,8 @@ def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
         if coordinator is not None:
             _rank_failed(coordinator, exc, report)
     guarded(report, body, on_error)
-    if coordinator is not None:
-        report.distributed = {**coordinator.describe(), **(report.distributed or {})}
+    if coordinator is not None and report.distributed is None:
+        report.distributed = coordinator.describe()     # the ranks did not get to meet
     return report
 
 
@@ -50,15 +56,15 @@ def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
     """Under torchrun: adopt the error of the peer that failed first, or announce our own."""
     from nanaudit.run.distributed import DistributedError, is_collective_failure
     peer = coordinator.peer_error(wait_s=0.5)
-    if peer is not None and peer.get("rank") != coordinator.rank:
+    if peer is not None and peer.rank != coordinator.rank:
         report.error = peer
         return
     if is_collective_failure(exc):
         # Nobody left an error: a peer died without one, or stopped answering.
-        report.error = error_dict(DistributedError(
+        report.error = error_info(DistributedError(
             f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
             f"within distributed.timeout_s ({coordinator.options.timeout_s:g}s): {exc}"))
-    report.error["rank"] = coordinator.rank
+    report.error.rank = coordinator.rank
     coordinator.fail(report.error)
 
 
@@ -81,8 +87,10 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.steps_run = outcome.steps_run
             report.timeline = outcome.timeline
             report.warnings = outcome.warnings
-            if outcome.read_mode is not None:
-                report.sentinel_read = outcome.read_mode.describe()
+            read = outcome.read_mode
+            if read is not None:
+                report.sentinel_read = SentinelRead(SentinelReadMode(read.mode), read.reason,
+                                                    read.sync_from)
         if outcome.interrupted:
             report.status = Status.INTERRUPTED
         elif outcome.trip is None:
@@ -138,18 +146,17 @@ def _localizes_here(coordinator, trip) -> bool:
 def _merge_ranks(coordinator, report: Report) -> None:
     """Every rank learns every rank's status and the one finding (the others wait here while
     the finding's rank localizes, bounded by distributed.timeout_s)."""
-    mine = {"rank": coordinator.rank, "status": report.status, "steps_run": report.steps_run,
-            "device": report.device, "host": coordinator.describe()["host"],
-            "warnings": len(report.warnings), "finding": report.finding,
-            "repro": report.repro}
-    ranks = coordinator.gather(mine)
-    report.finding = next((r["finding"] for r in ranks if r["finding"] is not None), None)
-    repro = next((r["repro"] for r in ranks if r["repro"]), None)
+    section = coordinator.describe()
+    mine = RankStatus(rank=coordinator.rank, status=report.status, steps_run=report.steps_run,
+                      device=report.device, host=section.host, warnings=len(report.warnings))
+    ranks = coordinator.gather((mine, report.finding, report.repro))
+    report.finding = next((finding for _, finding, _ in ranks if finding is not None), None)
+    repro = next((repro for _, _, repro in ranks if repro), None)
     if repro:
         # Written by the rank that localized, on its own host.
         report.repro = repro
-    report.distributed = {"ranks": [
-        {k: v for k, v in r.items() if k not in ("finding", "repro")} for r in ranks]}
+    section.ranks = [status for status, _, _ in ranks]
+    report.distributed = section
 
 
 def audit(config_or_path, **overrides) -> Report:

@@ -11,7 +11,16 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from nanaudit.report.model import Finding, Report
+from nanaudit.report.model import (
+    BisectMode,
+    CheckpointBisect,
+    DataBisect,
+    DistributedRun,
+    Finding,
+    InternalFailure,
+    Report,
+    UserCodeFailure,
+)
 from nanaudit.report.text import finding_facts, headline, sparkline, step_marks, warning_line
 
 
@@ -26,46 +35,46 @@ def print_report(report: Report, console: Console) -> None:
         console.print(_finding_panel(report.finding, boxed=console.is_terminal))
     if report.bisect:
         console.print(_bisect_summary(report.bisect))
-    if (report.distributed or {}).get("ranks"):
+    if report.distributed is not None and report.distributed.ranks:
         console.print(_ranks(report.distributed))
     if report.warnings:
         console.print(_warnings(report))
     if report.timeline:
         console.print(_timeline(report))
-    if report.error and report.error.get("frames"):
+    if isinstance(report.error, UserCodeFailure) and report.error.frames:
         console.print(Text(_user_traceback(report.error), style="red"))
-    if report.error and report.error.get("type") == "InternalError":
-        console.print(Text(_short_traceback(report.error.get("traceback", "")), style="red"))
-        console.print(Text(report.error.get("hint", ""), style="bold"))
+    if isinstance(report.error, InternalFailure):
+        console.print(Text(_short_traceback(report.error.traceback), style="red"))
+        console.print(Text(report.error.hint, style="bold"))
     console.print(_next_steps(report))
 
 
-def _bisect_summary(section: dict):
-    if section["mode"] == "checkpoints":
+def _bisect_summary(section: DataBisect | CheckpointBisect):
+    if section.mode == BisectMode.CHECKPOINTS:
         text = Text("bisect over checkpoints: ", style="bold")
-        text.append(section.get("note", ""))
-        if section.get("first_bad"):
-            text.append(f"\n  first bad checkpoint: step {section['first_bad']['step']}")
-        if section.get("last_good"):
-            text.append(f"; last good: step {section['last_good']['step']}; replayed "
-                        f"{section['steps_replayed']} step(s); optimizer state "
-                        f"{'restored' if section['optimizer_state'] else 'absent (fresh optimizer)'}")
+        text.append(section.note)
+        if section.first_bad:
+            text.append(f"\n  first bad checkpoint: step {section.first_bad.step}")
+        if section.last_good:
+            text.append(f"; last good: step {section.last_good.step}; replayed "
+                        f"{section.steps_replayed} step(s); optimizer state "
+                        f"{'restored' if section.optimizer_state else 'absent (fresh optimizer)'}")
         return text
-    table = Table(title=f"bad batches ({len(section['bad_batches'])} of "
-                        f"{section['batches_audited']} audited)", title_justify="left")
+    table = Table(title=f"bad batches ({len(section.bad_batches)} of "
+                        f"{section.batches_audited} audited)", title_justify="left")
     for col in ("batch", "where", "op", "cause", "samples"):
         table.add_column(col)
-    for f in section["bad_batches"]:
+    for f in section.bad_batches:
         table.add_row(str(f.batch_index if f.batch_index is not None else f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
                       Text(str(f.samples)))
     return table
 
 
-def _ranks(section: dict) -> Text:
-    text = Text(f"ranks ({section['world_size']}, {section['backend']})\n", style="bold")
-    for r in section["ranks"]:
-        text.append(f"  rank {r['rank']}  {r['status']:<11} {r['steps_run']} step(s)  "
-                    f"{r['device']} on {r['host']}\n")
+def _ranks(section: DistributedRun) -> Text:
+    text = Text(f"ranks ({section.world_size}, {section.backend})\n", style="bold")
+    for r in section.ranks:
+        text.append(f"  rank {r.rank}  {r.status:<11} {r.steps_run} step(s)  "
+                    f"{r.device} on {r.host}\n")
     return text
 
 
@@ -210,17 +219,17 @@ def _num(v) -> str:
     return "—" if v is None else f"{v:.4g}"
 
 
-def _user_traceback(error: dict) -> str:
+def _user_traceback(error: UserCodeFailure) -> str:
     lines = ["Traceback (user code):"]
-    for fr in error["frames"]:
-        lines.append(f'  File "{fr["file"]}", line {fr["line"]}, in {fr["function"]}')
-        if fr.get("code"):
-            lines.append(f"    {fr['code']}")
-    exception = error.get("exception", "")
+    for fr in error.frames:
+        lines.append(f'  File "{fr.file}", line {fr.line}, in {fr.function}')
+        if fr.code:
+            lines.append(f"    {fr.code}")
+    exception = error.exception
     # The message is "<what> raised <Exception>: <text>"; <what> may hold a colon itself.
     marker = f" raised {exception}: "
-    text = (error["message"].split(marker, 1)[-1] if marker in error["message"]
-            else error["message"].split(": ", 1)[-1])
+    text = (error.message.split(marker, 1)[-1] if marker in error.message
+            else error.message.split(": ", 1)[-1])
     lines.append(f"{exception}: {text}")
     return "\n".join(lines)
 

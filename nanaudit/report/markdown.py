@@ -39,7 +39,7 @@ class MarkdownRenderer(Renderer):
                 out.append("")
             out += [f"**Why:** {_cell(f.explanation)}", "", f"**Fix:** {_cell(f.fix)}", ""]
         if report.error:
-            out += ["```", report.error.get("message", ""), "```", ""]
+            out += ["```", report.error.message, "```", ""]
         if report.warnings:
             out += [f"**Early warnings** ({len(report.warnings)})", ""]
             out += [f"- {_cell(warning_line(w))}" for w in report.warnings]

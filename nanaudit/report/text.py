@@ -32,9 +32,11 @@ def headline(report: Report) -> str:
     if report.status == "interrupted":
         return f"interrupted after {report.steps_run} step(s): partial report"
     if report.status == "error":
-        error = report.error or {}
-        rank = f" on rank {error['rank']}" if error.get("rank") is not None else ""
-        return f"error{rank}: {error.get('message', 'unknown error')}"
+        error = report.error
+        if error is None:
+            return "error: unknown error"
+        rank = f" on rank {error.rank}" if error.rank is not None else ""
+        return f"error{rank}: {error.message}"
     f = report.finding
     if f is None:
         return f"non-finite value after {report.steps_run} step(s)"

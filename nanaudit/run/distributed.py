@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import json
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ import torch
 from nanaudit.config.schema import Config, DistributedOptions
 from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
+from nanaudit.report.model import DistributedRun, ErrorInfo
 
 FLAGS = ("input", "loss", "gradient", "exhausted")
 _ERROR_KEY = "nanaudit/error"
@@ -238,7 +239,7 @@ class Coordinator:
             raise DistributedError(f"rank {self.rank}: reading the step's exchanged flags "
                                    f"failed: {exc}") from None
 
-    def gather(self, payload: dict) -> list[dict]:
+    def gather(self, payload: Any) -> list:
         import torch.distributed as dist
         out: list = [None] * self.world_size
         dist.all_gather_object(out, payload)
@@ -246,24 +247,25 @@ class Coordinator:
 
     # --- failure and exit --------------------------------------------------------------------
 
-    def fail(self, error: dict) -> None:
+    def fail(self, error: ErrorInfo) -> None:
         """Tell the peers this rank failed. The CLI then ends this process at once (rank 0
         after writing the report): only a closed connection frees a peer blocked in one of
         DDP's collectives, and destroying the group does not close it while DDP holds it."""
         self.failed = True
         try:
-            self.store.set(_ERROR_KEY, json.dumps({"rank": self.rank, **error}, default=str))
+            # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
+            self.store.set(_ERROR_KEY, pickle.dumps(error))
             self.store.add(_EXIT_KEY, 1)
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0; nothing to add
             pass
 
-    def peer_error(self, wait_s: float = 5.0) -> dict | None:
+    def peer_error(self, wait_s: float = 5.0) -> ErrorInfo | None:
         """The error a failed peer left in the store (waits briefly: it writes, then closes)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 if self.store.check([_ERROR_KEY]):
-                    return json.loads(self.store.get(_ERROR_KEY))
+                    return pickle.loads(self.store.get(_ERROR_KEY))
             except Exception:  # noqa: BLE001 - the store went away: no error to read
                 return None
             if time.monotonic() > deadline:
@@ -288,12 +290,12 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a peer hosting the store already left: we are done
             pass
 
-    def describe(self) -> dict:
-        body = {"rank": self.rank, "world_size": self.world_size, "backend": self.backend,
-                "host": socket.gethostname(), "local_rank": self.local_rank}
-        if self.placement is not None and self.placement.note:
-            body["note"] = self.placement.note
-        return body
+    def describe(self) -> DistributedRun:
+        """The report's `distributed` section, before the ranks meet."""
+        note = self.placement.note if self.placement is not None else None
+        return DistributedRun(rank=self.rank, world_size=self.world_size, backend=self.backend,
+                              host=socket.gethostname(), local_rank=self.local_rank,
+                              note=note or None)
 
 
 def _flag_then_allreduce(coord: Coordinator, bucket):

@@ -63,8 +63,8 @@ def test_plain_loop_log_zero_is_localized_by_the_rerun_under_gradient_accumulati
     assert f.source.file == str(path) and f.source.line == line_of(path, "torch.log(counts)")
     assert f.samples == [3] and f.reproduced is True
     assert f.chain[0].op == "aten.log.default"
-    assert report.run["rerun"]["status"] == "reproduced"
-    assert report.run["rerun"]["steps"] == 3
+    assert report.run.rerun.status == "reproduced"
+    assert report.run.rerun.steps == 3
     assert [e.step for e in report.timeline] == [0, 1, 2]
 
 
@@ -92,7 +92,7 @@ def test_no_rerun_and_max_rerun_steps_report_the_first_run_only():
     f = report.finding
     assert (f.step, f.where, f.op, f.reproduced) == (5, "forward", None, None)
     assert "--no-rerun" in f.explanation and "encoder.proj.weight" in f.tensors
-    assert report.run["rerun"]["status"] == "skipped"
+    assert report.run.rerun.status == "skipped"
     bounded = script("plain_log_counts.py", max_rerun_steps=3)
     assert bounded.finding.op is None
     assert "repeats 6 steps, more than --max-rerun-steps 3" in bounded.finding.explanation
@@ -102,9 +102,9 @@ def test_no_rerun_and_max_rerun_steps_report_the_first_run_only():
 def test_a_non_deterministic_script_is_reported_as_such():
     report = script("nondeterministic_seed.py")
     f = report.finding
-    rerun = report.run["rerun"]
+    rerun = report.run.rerun
     assert exit_code(report) == 1
-    assert rerun["status"] == "nondeterministic" and "loss at step 0" in rerun["note"]
+    assert rerun.status == "nondeterministic" and "loss at step 0" in rerun.note
     assert f.step == 3 and f.reproduced is False and f.op is None
     assert "not deterministic" in f.explanation and "body.0.weight" in f.tensors
 
@@ -183,16 +183,16 @@ def test_a_script_that_raises_is_exit_4_with_its_frames(tmp_path):
     """)
     report = run_script(ScriptTarget(path=str(path)))
     assert exit_code(report) == 4
-    frames = report.error["frames"]
-    assert frames[-1]["file"] == str(path) and frames[-1]["line"] == 3
-    assert all("runpy" not in f["file"] and "nanaudit" not in f["file"] for f in frames)
+    frames = report.error.frames
+    assert frames[-1].file == str(path) and frames[-1].line == 3
+    assert all("runpy" not in f.file and "nanaudit" not in f.file for f in frames)
 
 
 def test_a_script_that_never_steps_is_exit_5(tmp_path):
     path = write(tmp_path, "import torch\nprint(torch.ones(2).sum())\n")
     report = run_script(ScriptTarget(path=str(path)))
     assert exit_code(report) == 5
-    assert "without stepping an optimizer" in report.error["message"]
+    assert "without stepping an optimizer" in report.error.message
 
 
 def test_interrupt_leaves_a_valid_partial_report(tmp_path):

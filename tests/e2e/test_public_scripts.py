@@ -83,7 +83,7 @@ def test_nanogpt_clean_run_prints_what_python_prints_and_times_the_micro_batches
     assert [e.step for e in report.timeline] == list(range(7))
     assert report.warnings == []
     # One read per optimizer step (the evaluations' `.item()` are the script's) and the last.
-    assert report.run["first_run"]["host_reads"] == 8
+    assert report.run.first_run.host_reads == 8
 
 
 @pytest.mark.slow
@@ -128,10 +128,10 @@ def test_nanogpt_float16_overflow_in_a_step_the_grad_scaler_skips(data):
     assert (f.step, f.where, f.cause) == (1, "forward", "dtype-overflow")
     assert f.op == "aten._to_copy.default" and f.module == "h.c_attn"
     assert "GradScaler skipped this step" in f.explanation
-    assert report.run["first_run"]["skipped"] == 1
+    assert report.run.first_run.skipped == 1
     last = report.timeline[-1]
     assert last.skipped and last.scale == 65536.0 and last.step == 1
-    assert report.run["rerun"]["precision"] == "fp16"
+    assert report.run.rerun.precision == "fp16"
 
 
 def test_an_evaluation_under_no_grad_is_not_the_training_forward():
@@ -198,7 +198,7 @@ def test_word_lm_exploding_relu_rnn_is_localized_by_the_rerun(data, capsys):
                                                 capsys.readouterr().out)].index(True)
     report = audited(WORD_LM, *args)
     f = report.finding
-    assert exit_code(report) == 1 and report.run["rerun"]["status"] == "reproduced"
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
     assert (f.step, f.where, f.op, f.module) == (first_nan, "forward", "aten.addmm.default",
                                                  "rnn")
     # An fp32 overflow after a warned update: divergence (as `scan` names it), no rows.
@@ -234,7 +234,7 @@ def test_lbfgs_closure_calls_are_one_step(data, capsys):
 def test_lbfgs_nan_in_a_later_closure_call_is_traced_in_that_call(data):
     report = audited(LBFGS, str(data / "fit.pt"), "--margin", "3.2")
     f = report.finding
-    assert exit_code(report) == 1 and report.run["rerun"]["status"] == "reproduced"
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
     assert (f.step, f.where, f.op, f.cause) == (0, "forward", "aten.log.default", "log-domain")
     assert "call 3 of the step's closure" in f.explanation
     assert f.source.file == LBFGS and "torch.log(args.margin" in f.source.code

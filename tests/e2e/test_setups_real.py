@@ -378,7 +378,7 @@ def test_bisect_holds_the_weights_of_a_users_step(case, tmp_path):
         before = [p.detach().clone() for p in session.model.parameters()]
         result = bisect_data(session, None)
     assert all(torch.equal(a, b) for a, b in zip(before, session.model.parameters()))
-    assert [s["batch"] for s in result["skip_list"]] == [3]
+    assert [s.batch for s in result["skip_list"]] == [3]
     assert result["findings"][0].samples == [1]
 
 

@@ -11,11 +11,31 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from nanaudit.report.formats import renderer_for
 from nanaudit.report.console import print_report
+from nanaudit.report.formats import renderer_for
 from nanaudit.report.model import (
+    CheckpointBisect,
+    CheckpointRef,
+    ConfigFailure,
+    ConfigProblem,
+    DataBisect,
+    DistributedRun,
+    EarlyWarning,
+    Finding,
+    Interruption,
+    RankStatus,
+    Report,
+    Rerun,
+    RerunStatus,
     SampleSearch,
-    EarlyWarning, Finding, Report, SourceLine, TensorStats, TimelineEntry)
+    ScriptRun,
+    SkipEntry,
+    SourceLine,
+    TensorStats,
+    TimelineEntry,
+    UserCodeFailure,
+    UserFrame,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 FORMATS = {"json": "report.json", "junit": "report.xml", "github": "report.github.txt",
@@ -93,4 +113,80 @@ def test_console_report_shows_the_finding():
     text = console.export_text()
     for needle in ("finding: sqrt-domain", "aten.div.Tensor", "features", "model.py:26",
                    "inputs of the op that created it", "fix", "timeline"):
+        assert needle in text
+
+
+def _json(report: Report) -> dict:
+    return json.loads(renderer_for("json").render(report))
+
+
+def test_sections_keep_their_keys_and_key_order():
+    """Each section's shape as schema version 1 wrote it: a key present only sometimes is
+    left out, not null, and each shape keeps its order."""
+    report = canonical_report()
+    report.error = Interruption(signal="SIGTERM", exit_code=143, message="stopped")
+    report.run = ScriptRun(rerun=Rerun(status=RerunStatus.SKIPPED, note="--no-rerun"))
+    body = _json(report)
+    assert list(body["error"]) == ["type", "signal", "exit_code", "message"]
+    assert body["run"] == {"rerun": {"status": "skipped", "note": "--no-rerun"}}
+    report.error = UserCodeFailure(message="m", what="the loss", exception="OSError",
+                                   frames=[UserFrame("train.py", 3, "load", None)])
+    report.run = ScriptRun(rank=1, rerun=Rerun(steps=4, duration_s=0.5,
+                                               status=RerunStatus.REPRODUCED, ops_traced=9,
+                                               precision="fp16"))
+    body = _json(report)
+    assert list(body["error"]) == ["type", "message", "what", "exception", "frames", "exit_code"]
+    assert body["error"]["exit_code"] == 4 and body["error"]["frames"][0]["code"] is None
+    assert list(body["run"]) == ["rank", "rerun"]
+    assert list(body["run"]["rerun"]) == ["steps", "duration_s", "status", "ops_traced",
+                                          "precision"]
+    report.error = ConfigFailure(message="m", source=None, problems=[ConfigProblem("lr", "x")])
+    report.error.rank = 1
+    assert _json(report)["error"] == {"type": "ConfigError", "message": "m", "source": None,
+                                      "problems": [{"key": "lr", "message": "x"}],
+                                      "exit_code": 3, "rank": 1}
+
+
+def test_bisect_and_distributed_sections_keep_their_shape():
+    report = canonical_report()
+    first = CheckpointBisect(checkpoints=4, checkpoints_loaded=2, loaded_steps=[20, 0],
+                             linear_loads=1, first_bad=CheckpointRef(0, "step_0.pt"),
+                             note="the first checkpoint is already non-finite")
+    report.bisect = first
+    section = _json(report)["bisect"]
+    assert list(section)[0] == "mode" and section["mode"] == "checkpoints"
+    assert list(section)[-2:] == ["optimizer_state", "note"] and section["last_good"] is None
+    report.bisect = DataBisect(batches_audited=3, bad_batches=[report.finding], skip_list=[
+        SkipEntry(batch=2, rows=[5], sample_ids=None, cause="sqrt-domain"),
+        SkipEntry(batch=4, rows=None, sample_ids=None, cause="sqrt-domain", confirmed=False)])
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0)
+    body = _json(report)
+    assert [("confirmed" in s) for s in body["bisect"]["skip_list"]] == [False, True]
+    # The report's own finding leaves out optimizer/loss_name while unset; bisect's bad
+    # batches carry them as null, as schema version 1 shipped them.
+    assert "optimizer" not in body["finding"]
+    assert body["bisect"]["bad_batches"][0]["optimizer"] is None
+    assert list(body["distributed"]) == ["rank", "world_size", "backend", "host", "local_rank"]
+
+
+def test_console_shows_the_typed_sections():
+    report = canonical_report()
+    report.bisect = CheckpointBisect(checkpoints=10, checkpoints_loaded=4, loaded_steps=[],
+                                     linear_loads=10, first_bad=CheckpointRef(90, "b.pt"),
+                                     last_good=CheckpointRef(80, "a.pt"), steps_replayed=10,
+                                     optimizer_state=False, reproduced=True, note="loaded 4")
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0, ranks=[
+        RankStatus(0, "nonfinite", 4, "cpu", "h", 0), RankStatus(1, "nonfinite", 4, "cpu", "h", 1)])
+    report.error = UserCodeFailure(message="the loss `m:f` raised OSError: no data: x",
+                                   what="the loss `m:f`", exception="OSError",
+                                   frames=[UserFrame("train.py", 3, "load", "open(path)")])
+    console = Console(record=True, width=120, color_system=None)
+    print_report(report, console)
+    text = console.export_text()
+    for needle in ("first bad checkpoint: step 90; last good: step 80; replayed 10 step(s); "
+                   "optimizer state absent (fresh optimizer)", "ranks (2, gloo)",
+                   "rank 1  nonfinite   4 step(s)  cpu on h",
+                   'File "train.py", line 3, in load', "open(path)", "OSError: no data: x"):
         assert needle in text
