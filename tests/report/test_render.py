@@ -154,7 +154,7 @@ def test_bisect_and_distributed_sections_keep_their_shape():
                              note="the first checkpoint is already non-finite")
     report.bisect = first
     section = _json(report)["bisect"]
-    assert list(section)[0] == "mode" and section["mode"] == "checkpoints"
+    assert next(iter(section)) == "mode" and section["mode"] == "checkpoints"
     assert list(section)[-2:] == ["optimizer_state", "note"] and section["last_good"] is None
     report.bisect = DataBisect(batches_audited=3, bad_batches=[report.finding], skip_list=[
         SkipEntry(batch=2, rows=[5], sample_ids=None, cause="sqrt-domain"),
@@ -185,8 +185,8 @@ def test_console_shows_the_typed_sections():
     console = Console(record=True, width=120, color_system=None)
     print_report(report, console)
     text = console.export_text()
-    for needle in ("first bad checkpoint: step 90; last good: step 80; replayed 10 step(s); "
-                   "optimizer state absent (fresh optimizer)", "ranks (2, gloo)",
+    for needle in (("first bad checkpoint: step 90; last good: step 80; replayed 10 step(s); "
+                    "optimizer state absent (fresh optimizer)"), "ranks (2, gloo)",
                    "rank 1  nonfinite   4 step(s)  cpu on h",
                    'File "train.py", line 3, in load', "open(path)", "OSError: no data: x"):
         assert needle in text
