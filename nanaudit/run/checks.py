@@ -12,12 +12,21 @@ step that trips. Nothing here calls `.item()` on the common path.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
 _FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
+_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_DENSE = {torch.strided}
+
+# On the CPU every reduction kernel costs about a microsecond however small its tensor, and a
+# model's biases and norm weights are many small tensors: those below PACK_BELOW elements are
+# copied into one flat tensor (a copy that size costs less than a kernel) and reduced once.
+# On an accelerator `_foreach_norm` is already a few fused kernels: nothing is packed there.
+PACK_BELOW = 4096
 
 
 def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
@@ -103,10 +112,13 @@ class StepReadout:
         return 1 + self.n_batch + self.n_state + self.n_grads
 
     def read(self, host: Sequence[float]) -> tuple[float, float, float, float]:
-        """(batch norm, state norm, loss, gradient norm) from the host copy of `values`."""
-        a, b = 1 + self.n_batch, 1 + self.n_batch + self.n_state
-        return (_combine(host[1:a]), _combine(host[a:b]), host[0],
-                _combine(host[b:b + self.n_grads]))
+        """(batch norm, state norm, loss, gradient norm) from the host copy of `values`: each
+        group's L2 norm of its per-tensor norms, in float64 (an Inf or NaN makes it
+        non-finite; `hypot` scales, so finite norms never overflow their combination)."""
+        a = 1 + self.n_batch
+        b = a + self.n_state
+        return (math.hypot(*host[1:a]), math.hypot(*host[a:b]), host[0],
+                math.hypot(*host[b:b + self.n_grads]))
 
     def grad_norm(self) -> torch.Tensor:
         """The gradients' float64 norm on the device (for clipping: no sync)."""
@@ -123,12 +135,6 @@ class StepReadout:
         """1.0 (float64, on the device) when a batch norm is non-finite."""
         part = self.values[1:1 + self.n_batch]
         return (~torch.isfinite(part.sum(dtype=torch.float64))).to(torch.float64)
-
-
-def _combine(norms: Sequence[float]) -> float:
-    """The L2 norm of per-tensor norms, in float64 on the host (an Inf or NaN makes it
-    non-finite; `hypot` scales, so finite norms never overflow their combination)."""
-    return math.hypot(*norms)
 
 
 class StepChecks:
@@ -149,6 +155,7 @@ class StepChecks:
         # device); float64 or scattered tensors take the per-group path.
         self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
                           for t in self._state)
+        self._pack = _Pack(self._params) if self._fused and self.device.type == "cpu" else None
 
     def state_norm(self) -> torch.Tensor:
         return finite_norm(self._state, self.device)
@@ -157,17 +164,16 @@ class StepChecks:
         return list(self._state)
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
+        return [g for g in map(_GRAD, self.params) if g is not None]
 
     def grad_values(self) -> list[torch.Tensor]:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        for g in grads:
-            if g.layout is not torch.strided:
-                return [dense_values(g) for g in grads]
-        return grads
+        grads = [g for g in map(_GRAD, self.params) if g is not None]
+        if set(map(_LAYOUT, grads)) <= _DENSE:    # C-level: this runs every step
+            return grads
+        return [dense_values(g) for g in grads]
 
     def grad_norm(self) -> torch.Tensor:
         return finite_norm(self.grad_values(), self.device)
@@ -193,6 +199,8 @@ class StepChecks:
         state = self._state if state is None else state
         # The batch's leaves were moved to the device with the batch: only dtypes can differ.
         if self._fused and all(t.dtype in _FLOAT64_SAFE for t in batch_leaves):
+            if self._pack is not None:
+                state, grads = self._pack.state(state), self._pack.grads(grads)
             norms = torch._foreach_norm(batch_leaves + state + grads, 2.0,
                                         dtype=torch.float32)
             return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
@@ -215,6 +223,36 @@ class StepChecks:
             by_key.setdefault((g.device, g.dtype), []).append(g)
         for (device, dtype), group in by_key.items():
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+class _Pack:
+    """The small contiguous parameters (and their gradients) of a CPU model, to be reduced as
+    one flat tensor: a group's norm is the same whichever way its elements are grouped."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        small = [i for i, p in enumerate(params) if p.numel() < PACK_BELOW and p.is_contiguous()]
+        self.small = small if len(small) > 1 else []    # packing one tensor saves nothing
+        chosen = set(self.small)
+        self.large = [i for i in range(len(params)) if i not in chosen]
+        self.count = len(params)
+        # Flat views, made once: in-place updates keep them current.
+        self._small_views = [params[i].view(-1) for i in self.small]
+        self._large_params = [params[i] for i in self.large]
+
+    def state(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The state's tensors to reduce: the packed small parameters, the large ones, and the
+        buffers (state is the parameters, then the buffers)."""
+        if not self.small:
+            return state
+        return [torch.cat(self._small_views), *self._large_params, *state[self.count:]]
+
+    def grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients' tensors to reduce, packed like their parameters when every parameter
+        has one (otherwise their places do not line up: one by one)."""
+        if not self.small or len(grads) != self.count:
+            return grads
+        packed = torch.cat([grads[i].reshape(-1) for i in self.small])
+        return [packed, *[grads[i] for i in self.large]]
 
 
 def dense_values(t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,9 @@ class _Extras:
     labels: list | None = None          # the activation watch's labels (None: not sampled)
 
 
+_NO_EXTRAS = _Extras()                  # shared, never written: a step with nothing sampled
+
+
 class _Watches:
     """The early-warning detectors of one run, and where their readout values go."""
 
@@ -78,6 +81,9 @@ class _Watches:
     def extra_readout(self) -> tuple[list[torch.Tensor], _Extras]:
         """The values this step adds to the readout ([update norm (, its base)], [activation
         maxima]) and what they are, for `observe` (which may run a step later)."""
+        if self.updates.pending_norm is None and not self.activations.maxima:
+            self.activations.active = False
+            return [], _NO_EXTRAS           # most steps: nothing sampled
         step, norm, base = self.updates.take()
         act = self.activations.pending()
         extras, parts = _Extras(), []
@@ -180,6 +186,7 @@ class _StepLoop:
         self.session, self.outcome = session, outcome
         self.sentinels = StepChecks(session.model, session.device)
         self.optimizer = session.optimizer if update else None
+        self.optimizers = list(session.optimizers.values())
         self.precision = session.precision
         self.coord = session.coordinator
         self.watches = _Watches(session, self.sentinels, self.optimizer is not None)
@@ -292,12 +299,16 @@ class _StepLoop:
         readout = self.sentinels.step_readout(loss, leaves, state)
         read, table, extras = self._readout(readout, loss, last)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
-        ok_batch = _batch_ok(batch_norm, leaves)
-        norm, gnorm = confirm_norms(self.sentinels, norm, gnorm, state)
+        # The common case, all finite, needs nothing confirmed or classified.
+        all_finite = math.isfinite(batch_norm + norm + loss_value + gnorm)
+        ok_batch = 1.0 if all_finite else _batch_ok(batch_norm, leaves)
+        if not all_finite:
+            norm, gnorm = confirm_norms(self.sentinels, norm, gnorm, state)
         if scale is not None:
             gnorm = gnorm / scale
         self.outcome.steps_run = step + 1
-        trip = self._classify(step, table, ok_batch, norm, loss_value, gnorm)
+        trip = (None if all_finite and self.coord is None else
+                self._classify(step, table, ok_batch, norm, loss_value, gnorm))
         lr = current_lr(self.optimizer)
         trip, scaler_step = self._advance(step, trip, norm, readout, scale, loss_value, gnorm)
         fields = self.watches.observe(step, read[len(readout) + len(table):],
@@ -369,11 +380,13 @@ class _StepLoop:
         self.skip.note(readout.values)
         if self.session.options.grad_clip:
             self.sentinels.clip_(readout.grad_norm(), self.session.options.grad_clip)
-        if _samples_update(self.watches.updates, step):
+        sampled = self.watches.updates.samples(step)
+        if sampled:
             self.watches.updates.before_update(step, readout.state_norm())
         self.skip.step(self.optimizer, lambda: call_user(self.optimizer_what,
                                                          self.optimizer.step))
-        self.watches.updates.after_update()
+        if sampled:
+            self.watches.updates.after_update()
         self.updated = True
         extra, extras = self.watches.extra_readout()
         values = readout.values
@@ -430,9 +443,8 @@ class _StepLoop:
         gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step)."""
         precision, optimizer = self.precision, self.optimizer
         if trip is not None and trip.check == "gradient" and precision.scaler is not None:
-            optimizers = list(self.session.optimizers.values())
-            scaler_step = precision.after_readout(optimizers, grads_finite=False)
-            precision.finish_update(optimizers)
+            scaler_step = precision.after_readout(self.optimizers, grads_finite=False)
+            precision.finish_update(self.optimizers)
             if scaler_step.collapsed:
                 return Trip(step, "gradient", loss_value, gnorm, note=scaler_step.collapsed,
                             rank=trip.rank), scaler_step
@@ -444,16 +456,21 @@ class _StepLoop:
                                                or not self.updated) else None
         if problem:
             return Trip(step, "schedule", loss_value, gnorm, note=problem), None
-        optimizers = list(self.session.optimizers.values())
-        scaler_step = precision.after_readout(optimizers, grads_finite=True)
+        scaler_step = None
+        if precision.scaler is not None:
+            scaler_step = precision.after_readout(self.optimizers, grads_finite=True)
         if self.session.options.grad_clip:
             total = readout.grad_norm()
             total = total / scale if scale is not None else total
             self.sentinels.clip_(total, self.session.options.grad_clip)
-        self.watches.updates.before_update(step, norm)
+        sampled = self.watches.updates.samples(step)
+        if sampled:
+            self.watches.updates.before_update(step, norm)
         self.unit.update(loss_value)
-        self.watches.updates.after_update()
-        precision.finish_update(optimizers)
+        if sampled:
+            self.watches.updates.after_update()
+        if precision.scaler is not None:
+            precision.finish_update(self.optimizers)
         self.updated = True
         return None, scaler_step
 
@@ -612,11 +629,6 @@ def _rank_row(coord, readout, loss, exhausted: bool) -> torch.Tensor:
     return torch.stack([readout.batch_bad(), bad_loss, grad_flag.reshape(()),
                         torch.tensor(float(exhausted), dtype=torch.float64,
                                      device=readout.values.device)])
-
-
-def _samples_update(updates, step: int) -> bool:
-    """Does the update-ratio watch sample this step? (its base norm is then worth computing)"""
-    return bool(updates.every and step % updates.every == 0 and updates.params)
 
 
 def _batch_ok(batch_norm: float, leaves) -> float:

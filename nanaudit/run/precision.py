@@ -34,6 +34,9 @@ class ScaleStep:
     collapsed: str | None = None     # why the skips became a finding, when they did
 
 
+_NO_AUTOCAST = contextlib.nullcontext()    # reusable: one fewer object per step
+
+
 class Precision:
     """The run's precision: autocast dtype, GradScaler, and the host mirror of its scale."""
 
@@ -53,7 +56,7 @@ class Precision:
 
     def autocast(self):
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -34,7 +34,8 @@ class RngState:
     @classmethod
     def capture(cls) -> "RngState":
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return cls(_PYTHON.state(), torch.get_rng_state(), cuda, _NUMPY.state())
+        # The generator's own get_state: `torch.get_rng_state()` wraps it at twice the cost.
+        return cls(_PYTHON.state(), torch.default_generator.get_state(), cuda, _NUMPY.state())
 
     def restore(self) -> None:
         random.setstate(self.python)
@@ -58,36 +59,32 @@ class _ReusedState:
     can have one cached. The in-place view is checked against the real state once; where it
     does not match (another Python or NumPy build) every step captures in full."""
 
-    def __init__(self, full_state, owner, view):
-        self._full_state, self._owner_now, self._view_of = full_state, owner, view
-        self._owner = self._words = self._last = None
+    def __init__(self, full_state, owner, fingerprint_of):
+        self._full_state, self._owner_now, self._fingerprint_of = full_state, owner, fingerprint_of
+        self._owner = self._fingerprint = self._last = None
         self._moving = False
 
     def state(self):
-        owner, words = self._view()
-        if owner is None:
-            return None                   # NumPy not imported: nothing to capture
-        if words is None or self._moving:
-            return self._full_state()
-        fingerprint = (words[0], words[1], words[312], getattr(owner, "gauss_next", None))
-        if self._last is not None and self._last[0] != fingerprint:
-            self._moving = True           # the run draws from it: capture every step
-            return self._full_state()
-        if self._last is None:
-            self._last = (fingerprint, self._full_state())
-        return self._last[1]
-
-    def _view(self):
         owner = self._owner_now()
         if owner is not self._owner:      # first use, or the generator object was replaced
-            self._owner, self._words, self._last = owner, self._view_of(owner), None
-            self._moving = False
-        return owner, self._words
+            self._owner, self._last, self._moving = owner, None, False
+            self._fingerprint = self._fingerprint_of(owner) if owner is not None else None
+        if owner is None:
+            return None                   # NumPy not imported: nothing to capture
+        if self._fingerprint is None or self._moving:
+            return self._full_state()
+        fingerprint = self._fingerprint()
+        if self._last is None:
+            self._last = (fingerprint, self._full_state())
+        elif self._last[0] != fingerprint:
+            self._moving = True           # the run draws from it: capture every step
+            return self._full_state()
+        return self._last[1]
 
 
-def _python_words(owner):
-    """CPython's Random object: PyObject header, `int index`, `uint32 state[624]`; as one
-    array [index, state...], checked against `getstate()`."""
+def _python_fingerprint(owner):
+    """CPython's Random object: PyObject header, `int index`, `uint32 state[624]`, read in
+    place after a check against `getstate()`; None where the layout differs."""
     try:
         words = (ctypes.c_uint32 * 625).from_address(id(owner) + 16)
         version, saved, _ = owner.getstate()
@@ -95,18 +92,20 @@ def _python_words(owner):
             return None
     except (ValueError, TypeError, IndexError):
         return None
-    return words
+    return lambda: (words[0], words[1], words[312], owner.gauss_next)
 
 
 def _numpy_generator():
-    numpy = sys.modules.get("numpy")
-    return getattr(getattr(getattr(numpy, "random", None), "mtrand", None), "_rand", None)
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    if mtrand is None:                # NumPy not imported, or its `random` not loaded yet
+        numpy = sys.modules.get("numpy")
+        mtrand = getattr(getattr(numpy, "random", None), "mtrand", None)
+    return getattr(mtrand, "_rand", None)
 
 
-def _numpy_words(owner):
-    """NumPy's legacy global generator: its MT19937 `key[624], pos`, as [pos, key...]."""
-    if owner is None:
-        return None
+def _numpy_fingerprint(owner):
+    """NumPy's legacy global generator: its MT19937 `key[624], pos`, read in place after a
+    check against `get_state()`; None where the layout differs."""
     try:
         raw = (ctypes.c_uint32 * 625).from_address(owner._bit_generator.ctypes.state_address)
         state = owner.get_state()
@@ -114,17 +113,7 @@ def _numpy_words(owner):
             return None
     except (AttributeError, TypeError, ValueError):
         return None
-    return _Rotated(raw)
-
-
-class _Rotated:
-    """[pos, key[0], key[1], ...] over NumPy's [key..., pos] layout, for the fingerprint."""
-
-    def __init__(self, raw):
-        self.raw = raw
-
-    def __getitem__(self, i):
-        return self.raw[624] if i == 0 else self.raw[i - 1]
+    return lambda: (raw[624], raw[0], raw[311])
 
 
 def _numpy_full_state():
@@ -132,8 +121,8 @@ def _numpy_full_state():
     return numpy.random.get_state() if numpy is not None else None
 
 
-_PYTHON = _ReusedState(random.getstate, lambda: random._inst, _python_words)
-_NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_words)
+_PYTHON = _ReusedState(random.getstate, lambda: random._inst, _python_fingerprint)
+_NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_fingerprint)
 
 
 @dataclass
@@ -245,7 +234,7 @@ def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scal
                    ended=None, lr=None, **fields) -> TimelineEntry:
     """The timeline's record of one step (the step loop's and the Sentinel's). `lr`: the one
     the step's update used, read before a scheduler moved it (default: the optimizer's now)."""
-    lr = current_lr(optimizer) if lr is None else lr
-    return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm, lr=lr,
-                         time_ms=round(((ended or time.perf_counter()) - started) * 1000, 3), scale=scale,
-                         skipped=bool(scaler_step and scaler_step.skipped), **fields)
+    ended = time.perf_counter() if ended is None else ended
+    return TimelineEntry(step, loss, gnorm, norm, current_lr(optimizer) if lr is None else lr,
+                         round((ended - started) * 1000, 3), scale,
+                         bool(scaler_step and scaler_step.skipped), **fields)

@@ -97,27 +97,33 @@ class UpdateWatch:
 
     def __init__(self, params: list[torch.Tensor], every: int, device):
         self.params = [p.detach() for p in params if p.is_floating_point()]
-        self.every, self.device = every, device
+        self.every, self.device = (every if self.params else 0), device
+        # CUDA copies a tensor list in a few fused kernels; the CPU has no fused foreach
+        # kernels, and there one clone per tensor costs half of `_foreach_mul(x, 1.0)`.
+        self._fused_copy = torch.device(device).type == "cuda"
         self._snapshot = None
         self._base = 0.0                  # the weights' norm before the sampled update
         self.pending_step: int | None = None
         self.pending_base = 0.0
         self.pending_norm: torch.Tensor | None = None
 
-    def before_update(self, step: int, weight_norm: float) -> None:
-        if self.every and step % self.every == 0 and self.params:
-            self._base = weight_norm
-            with torch.no_grad():
-                self._snapshot = torch._foreach_mul(self.params, 1.0)
-            self.pending_step = step
+    def samples(self, step: int) -> bool:
+        """Is this step's update measured? (the loop calls before/after_update only then)"""
+        return bool(self.every) and step % self.every == 0
+
+    def before_update(self, step: int, weight_norm) -> None:
+        # The parameters are detached aliases: no autograd bookkeeping to switch off.
+        self._base = weight_norm
+        self._snapshot = (torch._foreach_mul(self.params, 1.0) if self._fused_copy
+                          else [p.clone() for p in self.params])
+        self.pending_step = step
 
     def after_update(self) -> None:
         if self._snapshot is None:
             return
-        with torch.no_grad():
-            # In place on the snapshot (before - after has the update's norm): one copy, not two.
-            torch._foreach_sub_(self._snapshot, self.params)
-            self.pending_norm = finite_norm(self._snapshot, self.device)
+        # In place on the snapshot (before - after has the update's norm): one copy, not two.
+        torch._foreach_sub_(self._snapshot, self.params)
+        self.pending_norm = finite_norm(self._snapshot, self.device)
         self.pending_base = self._base
         self._snapshot = None
 
