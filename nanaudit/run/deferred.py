@@ -36,12 +36,6 @@ class ReadMode:
     def defers(self) -> bool:
         return self.mode == "deferred" and self.sync_from is None
 
-    def describe(self) -> dict:
-        body = {"mode": self.mode, "reason": self.reason}
-        if self.sync_from is not None:
-            body["sync_from_step"] = self.sync_from
-        return body
-
 
 def skips_on_device(optimizer) -> bool:
     """Can this optimizer skip its update on the device given a `found_inf` tensor?"""

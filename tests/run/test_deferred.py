@@ -201,7 +201,7 @@ def test_false_alarm_applies_the_update_and_reads_synchronously_after(case):
     assert 1e19 < deferred.timeline[0].grad_norm < 1e22
     assert [e.grad_norm for e in sync.timeline] == [e.grad_norm for e in deferred.timeline]
     _same(_state(sync_session), _state(session))
-    assert deferred.read_mode.describe()["sync_from_step"] == 0
+    assert deferred.read_mode.sync_from == 0
 
 
 def test_backward_finding_and_report_name_the_mode(case, tmp_path):
