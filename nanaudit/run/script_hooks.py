@@ -297,8 +297,10 @@ class ScriptAuditor:
         """The first module call after a step or a backward: the outermost one of a forward.
         A call without autograd (an evaluation under `no_grad` or `inference_mode` between two
         steps) is not the training forward: keep waiting, so that neither the input check nor
-        the re-run's traced window is spent on it."""
-        if not torch.is_grad_enabled():
+        the re-run's traced window is spent on it. Nor is a module without parameters: a data
+        transform the DataLoader calls on each sample (torchvision's `Normalize` is an
+        nn.Module) runs before the model, on one sample, and trains nothing."""
+        if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
             return
         kwargs = _caller_kwargs()
         self._forward_handle.remove()

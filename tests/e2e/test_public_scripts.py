@@ -28,8 +28,9 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.run.script_hooks import ScriptAuditor, window_loss
 
 SCRIPTS = Path(__file__).parent / "scripts"
-NANOGPT, WORD_LM, LBFGS = (str(SCRIPTS / n) for n in
-                           ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py"))
+NANOGPT, WORD_LM, LBFGS, MNIST = (str(SCRIPTS / n) for n in
+                                  ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py",
+                                   "mnist_loop.py"))
 
 
 @pytest.fixture
@@ -43,6 +44,8 @@ def data(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text(" ".join(words[i] for i in rng.integers(0, 12, 400)))
     x = torch.linspace(-2, 2, 32, dtype=torch.float64)[:, None]
     torch.save(torch.cat([x, 3 * torch.sin(x)], 1), tmp_path / "fit.pt")
+    images = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    torch.save((images, torch.arange(64) % 10), tmp_path / "digits.pt")
     return tmp_path
 
 
@@ -304,3 +307,32 @@ def test_backward_calls_before_the_optimizer_is_built_are_not_its_steps(tmp_path
     assert report.status == "clean" and report.steps_run == 3
     assert [e.step for e in report.timeline] == [0, 1, 2]
     assert all(e.lr == 0.1 for e in report.timeline)
+
+
+# --- pytorch/examples mnist/main.py: a transform module in the DataLoader -----------------------
+
+@pytest.mark.slow
+def test_mnist_transform_module_is_not_the_model_so_the_rerun_names_the_models_modules(data):
+    # The DataLoader calls the parameterless Normalize module on each sample after every step,
+    # before the model: the step's first module call is the model's, whose names the re-run
+    # gives (not `<Conv2d>` relative to the transform).
+    report = audited(MNIST, f"--data={data / 'digits.pt'}", "--lr=1e30")
+    f = report.finding
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
+    assert (f.step, f.where, f.cause) == (1, "forward", "divergence")
+    assert f.module in ("conv1", "fc1") and f.source.file == MNIST
+    assert "conv1.weight" in f.tensors and not any(t.startswith("<") for t in f.tensors)
+
+
+def test_mnist_nan_pixel_is_a_batch_row_not_the_transforms_sample(data, capsys):
+    images, labels = torch.load(data / "digits.pt")
+    images[37, 0, 4, 4] = float("nan")
+    torch.save((images, labels), data / "dirty.pt")
+    report = audited(MNIST, f"--data={data / 'dirty.pt'}", "--epochs=1")
+    f = report.finding
+    # Stopped before the update of the step whose batch holds sample 37 (the script printed
+    # the steps before it), at its one row of the 8, from the model's input, not the sample's.
+    steps_printed = len(printed(r"Loss: (\S+)", capsys.readouterr().out))
+    assert (f.step, f.where, f.cause) == (steps_printed, "input", "nonfinite-input")
+    assert len(f.samples) == 1 and 0 <= f.samples[0] < 8
+    assert "shapes [[8, 1, 8, 8]]" in f.explanation
