@@ -28,9 +28,9 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.run.script_hooks import ScriptAuditor, window_loss
 
 SCRIPTS = Path(__file__).parent / "scripts"
-NANOGPT, WORD_LM, LBFGS, MNIST = (str(SCRIPTS / n) for n in
-                                  ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py",
-                                   "mnist_loop.py"))
+NANOGPT, WORD_LM, LBFGS, MNIST, DCGAN = (str(SCRIPTS / n) for n in
+                                         ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py",
+                                          "mnist_loop.py", "dcgan_loop.py"))
 
 
 @pytest.fixture
@@ -336,3 +336,64 @@ def test_mnist_nan_pixel_is_a_batch_row_not_the_transforms_sample(data, capsys):
     assert (f.step, f.where, f.cause) == (steps_printed, "input", "nonfinite-input")
     assert len(f.samples) == 1 and 0 <= f.samples[0] < 8
     assert "shapes [[8, 1, 8, 8]]" in f.explanation
+
+
+# --- pytorch/examples dcgan/main.py: BCELoss raises on the NaN ---------------------------------
+
+def test_dcgan_inf_learning_rate_is_the_update_not_the_bce_error_it_caused():
+    # Adam(lr=inf) makes the discriminator's weights inf at step 0; the generator's step then
+    # feeds NaN to BCELoss, which raises before any backward or optimizer check.
+    report = audited(DCGAN, "--lr=1e400")
+    f = report.finding
+    assert exit_code(report) == 1 and report.status == "nonfinite"
+    assert (f.step, f.where, f.cause) == (0, "optimizer", "optimizer-update")
+    assert "Adam(lr=inf" in f.explanation and "0.weight" in f.tensors
+    assert ("the script then raised RuntimeError: all elements of input should be between 0 "
+            "and 1") in f.explanation
+    assert report.error.exception == "RuntimeError" and report.error.frames[0].line == 45
+
+
+@pytest.mark.slow
+def test_dcgan_overflowing_discriminator_is_localized_by_the_rerun_of_the_step_that_raised():
+    # lr 1e30: the weights are finite (1e30), the next forward overflows and BCELoss raises on
+    # the NaN: the frames hold it, and the re-run names the op that made it.
+    report = audited(DCGAN, "--lr=1e30")
+    f = report.finding
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
+    assert (f.step, f.where, f.reproduced) == (1, "forward", True)
+    assert f.op == "aten.addmm.default" and f.module == "2" and f.source.line == 45
+    assert any(s.name == "mat2" and s.max >= 1e29 for s in f.inputs)
+    assert f.explanation.endswith("the script then raised RuntimeError: all elements of input "
+                                  "should be between 0 and 1")
+    assert report.error.exception == "RuntimeError"
+
+
+def test_a_script_error_without_a_nonfinite_value_stays_exit_4(tmp_path):
+    # The script's own check raises on a finite loss: no value to blame, no re-run.
+    path = tmp_path / "train.py"
+    path.write_text("import torch\nw = torch.nn.Linear(2, 1)\n"
+                    "opt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+                    "for step in range(3):\n"
+                    "    loss = w(torch.ones(4, 2)).pow(2).mean()\n"
+                    "    if step == 2: raise ValueError(f'loss {loss.item()} too high')\n"
+                    "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    report = audited(str(path))
+    assert exit_code(report) == 4 and report.finding is None and report.run.rerun is None
+    assert report.error.exception == "ValueError"
+
+
+def test_a_scripts_own_nan_check_names_the_tensor_and_the_step(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import torch\nw = torch.nn.Linear(2, 1)\n"
+                    "opt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+                    "for step in range(3):\n"
+                    "    x = torch.ones(4, 2) if step < 2 else torch.full((4, 2), 1e38)\n"
+                    "    loss = w(x).pow(2).mean()\n"
+                    "    if not torch.isfinite(loss): raise ValueError('loss is not finite')\n"
+                    "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    report = audited(str(path), rerun=False)
+    f = report.finding
+    assert exit_code(report) == 1 and (f.step, f.where, f.value) == (2, "forward", "inf")
+    assert f.tensors[0] == "`loss` in <module> (train.py:7)"
+    assert "the script raised ValueError: loss is not finite during optimizer step 2" \
+        in f.explanation
