@@ -10,9 +10,9 @@ import sys
 import torch
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.errors import UserCodeError
 from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
 from nanaudit.localize.tracer import OpTracer, kinds_of
-from nanaudit.errors import UserCodeError
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.script_hooks import ScriptAuditor

@@ -632,6 +632,6 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list:
                 return bad
             checked += 1
             if not bool(torch.isfinite(value.detach()).all()):
-                bad.append((f"`{name}` in {frame.f_code.co_name} ({os.path.basename(path)}:"
-                            f"{frame.f_lineno})", value_kind(value.detach())))
+                where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
+                bad.append((f"`{name}` in {where}", value_kind(value.detach())))
     return bad
