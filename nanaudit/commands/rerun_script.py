@@ -10,6 +10,7 @@ import sys
 import torch
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.errors import UserCodeError
 from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
 from nanaudit.localize.tracer import OpTracer, kinds_of
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
@@ -38,6 +39,29 @@ def localized_finding(auditor: ScriptAuditor, step: int,
             return None, trace.ops_seen, None
         names = [n for n, _ in bad]
         loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
+    return _finding(armed, loc, step, names)
+
+
+def raised_finding(auditor: ScriptAuditor, step: int) -> tuple[Finding | None, int, str | None]:
+    """The finding of a step N the script raised in (BCELoss refusing a NaN input): walked back
+    from the last non-finite value the tracer saw before the exception, to the op that made
+    it; None when the step held none (the exception was not about such a value)."""
+    armed = auditor.armed
+    trace = armed.tracer.trace
+    sinks = [t for t in reversed(armed.tracer._keep)
+             if trace.producer_of(t) is not None and kinds_of(t)]
+    if not sinks:
+        return None, trace.ops_seen, None
+    phase = trace.events[trace.producer_of(sinks[0])].phase
+    loc = walk_from_sink(trace, sinks[0], phase, auditor.timeline, None)
+    finding, ops, precision = _finding(armed, loc, step, None)
+    if finding is not None:
+        finding.tensor = None
+    return finding, ops, precision
+
+
+def _finding(armed, loc, step: int, names) -> tuple[Finding | None, int, str | None]:
+    trace = armed.tracer.trace
     if not loc.reproduced:
         return None, trace.ops_seen, None
     event = loc.event
@@ -103,13 +127,27 @@ def main(spec_path: str) -> int:
                             rerun_evaluation=spec.get("evaluation", 0), tracer=OpTracer)
     result = {"timeline": [], "finding": None, "reached": False, "trip": None, "error": None}
     try:
-        execute(spec["target"], auditor, spec["seed"])
-        result["reached"] = auditor.localized is not None
-        result["traced"] = auditor.armed is not None
-        if result["reached"]:
-            finding, result["ops_traced"], result["precision"] = localized_finding(
-                auditor, spec["step"], spec["check"])
-            result["finding"] = finding
+        try:
+            execute(spec["target"], auditor, spec["seed"])
+        except UserCodeError:
+            # The first run's script raised in step N after a non-finite value: so does this
+            # one, inside the traced window (earlier, it left the first run: not reached).
+            if spec["check"] != "error" or auditor.step != spec["step"]:
+                raise
+            auditor._disarm()
+            result["reached"] = True
+            result["traced"] = auditor.armed is not None
+            if auditor.armed is not None:
+                finding, result["ops_traced"], result["precision"] = raised_finding(
+                    auditor, spec["step"])
+                result["finding"] = finding
+        else:
+            result["reached"] = auditor.localized is not None
+            result["traced"] = auditor.armed is not None
+            if result["reached"]:
+                finding, result["ops_traced"], result["precision"] = localized_finding(
+                    auditor, spec["step"], spec["check"])
+                result["finding"] = finding
     except Exception as exc:  # noqa: BLE001 - reported back to the first run
         result["error"] = rerun_failure(exc)
     result["timeline"] = auditor.timeline

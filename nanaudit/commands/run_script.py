@@ -185,9 +185,17 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
                     command="run")
     auditor = ScriptAuditor(rank=_rank())
     started = time.perf_counter()
+    script_error = None
     try:
         check_target(target)
-        execute(target, auditor, options.seed)
+        try:
+            execute(target, auditor, options.seed)
+        except UserCodeError as error:
+            # A script that raised because of a non-finite value (BCELoss refusing a NaN, a
+            # weight an update made NaN): the value is the finding, the exception its effect.
+            if auditor.after_error(error.exception) is None:
+                raise
+            script_error = error
         if auditor.trip is None:
             auditor.finish()
         _record(report, auditor)
@@ -207,7 +215,9 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
             return _done(report, started)
         report.status = Status.NONFINITE
         report.finding = first_run_finding(auditor.trip)
-        if auditor.trip.check in ("loss", "gradient"):
+        if script_error is not None:
+            _attach_script_error(report, script_error)
+        if auditor.trip.check in ("loss", "gradient", "error"):
             report.run.rerun = localize_by_rerun(target, options, auditor.trip,
                                                  auditor.timeline, report)
         attach_timeline_warnings(report, auditor.trip, auditor.optimizer_count)
@@ -222,6 +232,14 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
         if isinstance(exc, UserCodeError):
             report.error.traceback = exc.formatted_traceback()
     return _done(report, started)
+
+
+def _attach_script_error(report: Report, error: UserCodeError) -> None:
+    """The script's exception, raised because of the value the finding names: its frames stay
+    in the report; the finding's cause comes from the value."""
+    from nanaudit.commands.common import error_info
+    report.error = error_info(error)
+    report.error.traceback = error.formatted_traceback()
 
 
 def rank_path(path: str | None, rank: int) -> str | None:
@@ -280,11 +298,19 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
         else:
             when = f"before step {trip.step}'s update"
         cause = "optimizer-update" if trip.check == "optimizer" else "nonfinite-parameter"
+        error = f"; the script then raised {trip.error}" if trip.error else ""
         return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
                        explanation=f"the parameters {_short(trip.tensors)} hold non-finite values "
-                                   f"{when}", fix=fix_for(cause),
+                                   f"{when}{error}", fix=fix_for(cause),
                        tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,
                        rank=trip.rank)
+    if trip.check == "error":
+        return Finding(step=trip.step, where=trip.where, value=trip.value, cause="unknown",
+                       fix=fix_for("unknown"), tensor=trip.tensors[0], tensors=trip.tensors,
+                       rank=trip.rank,
+                       explanation=(f"the script raised {trip.error} during optimizer step "
+                                    f"{trip.step}, with non-finite values in its frames: "
+                                    f"{_short(trip.tensors, 4)}"))
     what = "loss" if trip.check == "loss" else "gradients"
     grads = (f"; the gradients of {_short(trip.tensors)} are non-finite" if trip.tensors else "")
     grads += "".join(f"; {note}" for note in trip_notes(trip))
@@ -307,6 +333,8 @@ def trip_notes(trip: ScriptTrip) -> list:
     if trip.skipped:
         notes.append("the GradScaler skipped this step, but its loss was already non-finite "
                      "before any scaling: every later step would be skipped too")
+    if trip.error:
+        notes.append(f"the script then raised {trip.error}")
     return notes
 
 

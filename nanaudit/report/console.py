@@ -265,7 +265,11 @@ def _next_steps(report: Report) -> Text:
     if f is None:
         return Text("")
     hints = []
-    if f.source and f.reproduced is not False:
+    if f.source and f.reproduced is not False and f.cause == "divergence":
+        # The op only overflowed where the grown weights met it: the fix is the optimizer's.
+        hints.append(f"change the optimizer as the fix says ({os.path.basename(f.source.file)}:"
+                     f"{f.source.line} is where the grown weights overflowed, not the bug)")
+    elif f.source and f.reproduced is not False:
         hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
     if f.samples and report.command != "bisect":
         hints.append(f"inspect batch rows {f.samples} of step {f.step}")

@@ -67,6 +67,8 @@ class ScriptTrip:
     optimizers: int = 1                 # how many optimizers the script stepped so far
     manual: bool = False                # the script updates its weights itself (no optimizer)
     evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
+    error: str = ""                     # the script's exception after the value, first line
+    where: str = ""                     # error trips: raised in forward or in backward
 
 
 class ManualUpdate:
@@ -210,6 +212,7 @@ class ScriptAuditor:
         self._handles: list = []
         self._forward_handle = None
         self._original_backward = None
+        self._in_backward = False
         self._last_check = time.perf_counter()
 
     # --- installation ------------------------------------------------------------------------
@@ -297,8 +300,10 @@ class ScriptAuditor:
         """The first module call after a step or a backward: the outermost one of a forward.
         A call without autograd (an evaluation under `no_grad` or `inference_mode` between two
         steps) is not the training forward: keep waiting, so that neither the input check nor
-        the re-run's traced window is spent on it."""
-        if not torch.is_grad_enabled():
+        the re-run's traced window is spent on it. Nor is a module without parameters: a data
+        transform the DataLoader calls on each sample (torchvision's `Normalize` is an
+        nn.Module) runs before the model, on one sample, and trains nothing."""
+        if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
             return
         kwargs = _caller_kwargs()
         self._forward_handle.remove()
@@ -331,8 +336,10 @@ class ScriptAuditor:
                 self._factors.append(_loss_factor(unscaled))
         if self.armed is not None:
             self.armed.tracer.start_backward()
+        self._in_backward = True
         try:
             result = self._original_backward(tensors, *args, **kwargs)
+            self._in_backward = False     # left set when backward raises: where it raised
         finally:
             if self.armed is not None:
                 # Gradient accumulation: the next micro-batch's forward is a forward again.
@@ -559,6 +566,26 @@ class ScriptAuditor:
                 self.trip.optimizer = _hyper(opt)
                 return
 
+    def after_error(self, exc: BaseException) -> ScriptTrip | None:
+        """The script raised: was a non-finite value behind it? First the parameters the last
+        updates left (an update to NaN that a later op then refused), then the tensors in the
+        exception's frames (BCELoss refusing a NaN input, a distribution's argument check, the
+        script's own `if loss.isnan(): raise`). Once, at the error: a read per tensor is fine."""
+        if self.trip is not None or self.armed is not None:
+            return self.trip
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self.finish()
+        if self.trip is not None:
+            self.trip.error = f"{type(exc).__name__}: {first}"
+            return self.trip
+        bad = nonfinite_locals(exc)
+        if not bad:
+            return None
+        self.trip = self._trip("error", bad[0][1], [name for name, _ in bad],
+                               error=f"{type(exc).__name__}: {first}",
+                               where="backward" if self._in_backward else "forward")
+        return self.trip
+
     # --- the re-run's traced window -------------------------------------------------------------
 
     def _arm(self, module, args, kwargs) -> None:
@@ -578,3 +605,33 @@ class ScriptAuditor:
 
     def parameter_name(self, p) -> str:
         return self._name(p)
+
+
+def nonfinite_locals(exc: BaseException, limit: int = 32) -> list:
+    """[(description, kind)] of the floating tensors holding NaN or Inf among the local
+    variables of the frames an exception passed through, innermost first (the op that raised
+    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked."""
+    import os
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen, bad, checked = set(), [], 0
+    for frame in reversed(frames):
+        path = frame.f_code.co_filename
+        if os.path.abspath(path).startswith(ours + os.sep):
+            continue
+        for name, value in frame.f_locals.items():
+            if (not isinstance(value, torch.Tensor) or id(value) in seen or value.is_sparse
+                    or value.device.type == "meta" or not value.numel()
+                    or not (value.is_floating_point() or value.is_complex())):
+                continue
+            seen.add(id(value))
+            if checked >= limit:
+                return bad
+            checked += 1
+            if not bool(torch.isfinite(value.detach()).all()):
+                where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
+                bad.append((f"`{name}` in {where}", value_kind(value.detach())))
+    return bad

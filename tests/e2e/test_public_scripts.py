@@ -28,8 +28,9 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.run.script_hooks import ScriptAuditor, window_loss
 
 SCRIPTS = Path(__file__).parent / "scripts"
-NANOGPT, WORD_LM, LBFGS = (str(SCRIPTS / n) for n in
-                           ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py"))
+NANOGPT, WORD_LM, LBFGS, MNIST, DCGAN = (str(SCRIPTS / n) for n in
+                                         ("nanogpt_loop.py", "word_lm_loop.py", "lbfgs_fit.py",
+                                          "mnist_loop.py", "dcgan_loop.py"))
 
 
 @pytest.fixture
@@ -43,6 +44,8 @@ def data(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text(" ".join(words[i] for i in rng.integers(0, 12, 400)))
     x = torch.linspace(-2, 2, 32, dtype=torch.float64)[:, None]
     torch.save(torch.cat([x, 3 * torch.sin(x)], 1), tmp_path / "fit.pt")
+    images = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    torch.save((images, torch.arange(64) % 10), tmp_path / "digits.pt")
     return tmp_path
 
 
@@ -304,3 +307,93 @@ def test_backward_calls_before_the_optimizer_is_built_are_not_its_steps(tmp_path
     assert report.status == "clean" and report.steps_run == 3
     assert [e.step for e in report.timeline] == [0, 1, 2]
     assert all(e.lr == 0.1 for e in report.timeline)
+
+
+# --- pytorch/examples mnist/main.py: a transform module in the DataLoader -----------------------
+
+@pytest.mark.slow
+def test_mnist_transform_module_is_not_the_model_so_the_rerun_names_the_models_modules(data):
+    # The DataLoader calls the parameterless Normalize module on each sample after every step,
+    # before the model: the step's first module call is the model's, whose names the re-run
+    # gives (not `<Conv2d>` relative to the transform).
+    report = audited(MNIST, f"--data={data / 'digits.pt'}", "--lr=1e30")
+    f = report.finding
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
+    assert (f.step, f.where, f.cause) == (1, "forward", "divergence")
+    assert f.module in ("conv1", "fc1") and f.source.file == MNIST
+    assert "conv1.weight" in f.tensors and not any(t.startswith("<") for t in f.tensors)
+
+
+def test_mnist_nan_pixel_is_a_batch_row_not_the_transforms_sample(data, capsys):
+    images, labels = torch.load(data / "digits.pt")
+    images[37, 0, 4, 4] = float("nan")
+    torch.save((images, labels), data / "dirty.pt")
+    report = audited(MNIST, f"--data={data / 'dirty.pt'}", "--epochs=1")
+    f = report.finding
+    # Stopped before the update of the step whose batch holds sample 37 (the script printed
+    # the steps before it), at its one row of the 8, from the model's input, not the sample's.
+    steps_printed = len(printed(r"Loss: (\S+)", capsys.readouterr().out))
+    assert (f.step, f.where, f.cause) == (steps_printed, "input", "nonfinite-input")
+    assert len(f.samples) == 1 and 0 <= f.samples[0] < 8
+    assert "shapes [[8, 1, 8, 8]]" in f.explanation
+
+
+# --- pytorch/examples dcgan/main.py: BCELoss raises on the NaN ---------------------------------
+
+def test_dcgan_inf_learning_rate_is_the_update_not_the_bce_error_it_caused():
+    # Adam(lr=inf) makes the discriminator's weights inf at step 0; the generator's step then
+    # feeds NaN to BCELoss, which raises before any backward or optimizer check.
+    report = audited(DCGAN, "--lr=1e400")
+    f = report.finding
+    assert exit_code(report) == 1 and report.status == "nonfinite"
+    assert (f.step, f.where, f.cause) == (0, "optimizer", "optimizer-update")
+    assert "Adam(lr=inf" in f.explanation and "0.weight" in f.tensors
+    assert ("the script then raised RuntimeError: all elements of input should be between 0 "
+            "and 1") in f.explanation
+    assert report.error.exception == "RuntimeError" and report.error.frames[0].line == 45
+
+
+@pytest.mark.slow
+def test_dcgan_overflowing_discriminator_is_localized_by_the_rerun_of_the_step_that_raised():
+    # lr 1e30: the weights are finite (1e30), the next forward overflows and BCELoss raises on
+    # the NaN: the frames hold it, and the re-run names the op that made it.
+    report = audited(DCGAN, "--lr=1e30")
+    f = report.finding
+    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
+    assert (f.step, f.where, f.reproduced) == (1, "forward", True)
+    assert f.op == "aten.addmm.default" and f.module == "2" and f.source.line == 45
+    assert any(s.name == "mat2" and s.max >= 1e29 for s in f.inputs)
+    assert f.explanation.endswith("the script then raised RuntimeError: all elements of input "
+                                  "should be between 0 and 1")
+    assert report.error.exception == "RuntimeError"
+
+
+def test_a_script_error_without_a_nonfinite_value_stays_exit_4(tmp_path):
+    # The script's own check raises on a finite loss: no value to blame, no re-run.
+    path = tmp_path / "train.py"
+    path.write_text("import torch\nw = torch.nn.Linear(2, 1)\n"
+                    "opt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+                    "for step in range(3):\n"
+                    "    loss = w(torch.ones(4, 2)).pow(2).mean()\n"
+                    "    if step == 2: raise ValueError(f'loss {loss.item()} too high')\n"
+                    "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    report = audited(str(path))
+    assert exit_code(report) == 4 and report.finding is None and report.run.rerun is None
+    assert report.error.exception == "ValueError"
+
+
+def test_a_scripts_own_nan_check_names_the_tensor_and_the_step(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import torch\nw = torch.nn.Linear(2, 1)\n"
+                    "opt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+                    "for step in range(3):\n"
+                    "    x = torch.ones(4, 2) if step < 2 else torch.full((4, 2), 1e38)\n"
+                    "    loss = w(x).pow(2).mean()\n"
+                    "    if not torch.isfinite(loss): raise ValueError('loss is not finite')\n"
+                    "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    report = audited(str(path), rerun=False)
+    f = report.finding
+    assert exit_code(report) == 1 and (f.step, f.where, f.value) == (2, "forward", "inf")
+    assert f.tensors[0] == "`loss` in <module> (train.py:7)"
+    assert "the script raised ValueError: loss is not finite during optimizer step 2" \
+        in f.explanation

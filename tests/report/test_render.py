@@ -190,3 +190,21 @@ def test_console_shows_the_typed_sections():
                    "rank 1  nonfinite   4 step(s)  cpu on h",
                    'File "train.py", line 3, in load', "open(path)", "OSError: no data: x"):
         assert needle in text
+
+
+def _next_line(report: Report) -> str:
+    console = Console(record=True, width=400, color_system=None)
+    print_report(report, console)
+    return next(line for line in console.export_text().splitlines() if line.startswith("next:"))
+
+
+def test_next_step_of_a_divergence_is_the_optimizer_not_the_line():
+    # pytorch/examples imagenet/main.py --dummy --lr 1e30: the weights overflow in a
+    # convolution of torchvision's resnet.py, whose line is not what to edit.
+    report = canonical_report()
+    report.finding.cause, report.finding.source = "divergence", SourceLine(
+        "/site-packages/torchvision/models/resnet.py", 92, "out = self.conv1(x)", "forward")
+    line = _next_line(report)
+    assert "edit resnet.py" not in line
+    assert "change the optimizer as the fix says (resnet.py:92 is where" in line
+    assert "edit model.py:26 as the fix says" in _next_line(canonical_report())
