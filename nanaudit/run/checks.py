@@ -11,15 +11,18 @@ step that trips. Nothing here calls `.item()` on the common path.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 _FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
 _GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_IS_SET = functools.partial(operator.is_not, None)
 _DENSE = {torch.strided}
 
 # On the CPU every reduction kernel costs about a microsecond however small its tensor, and a
@@ -155,7 +158,7 @@ class StepChecks:
         # device); float64 or scattered tensors take the per-group path.
         self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
                           for t in self._state)
-        self._pack = _Pack(self._params) if self._fused and self.device.type == "cpu" else None
+        self._pack = ParamPack(self._params) if self._fused and self.device.type == "cpu" else None
 
     def state_norm(self) -> torch.Tensor:
         return finite_norm(self._state, self.device)
@@ -164,14 +167,15 @@ class StepChecks:
         return list(self._state)
 
     def grads(self) -> list[torch.Tensor]:
-        return [g for g in map(_GRAD, self.params) if g is not None]
+        # filter/map/attrgetter walk the parameters in C: this runs every step.
+        return list(filter(_IS_SET, map(_GRAD, self.params)))
 
     def grad_values(self) -> list[torch.Tensor]:
         """Each gradient as a dense tensor of its values: a sparse gradient
         (`Embedding(sparse=True)`) contributes its coalesced values, which no dense kernel
         such as `_foreach_norm` would take whole."""
-        grads = [g for g in map(_GRAD, self.params) if g is not None]
-        if set(map(_LAYOUT, grads)) <= _DENSE:    # C-level: this runs every step
+        grads = self.grads()
+        if set(map(_LAYOUT, grads)) <= _DENSE:
             return grads
         return [dense_values(g) for g in grads]
 
@@ -225,9 +229,10 @@ class StepChecks:
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
 
 
-class _Pack:
-    """The small contiguous parameters (and their gradients) of a CPU model, to be reduced as
-    one flat tensor: a group's norm is the same whichever way its elements are grouped."""
+class ParamPack:
+    """A CPU model's small contiguous parameters (below PACK_BELOW elements), handled as one
+    flat tensor: reduced once for a norm (a group's norm is the same whichever way its
+    elements are grouped) and copied once for a snapshot."""
 
     def __init__(self, params: list[torch.Tensor]):
         small = [i for i, p in enumerate(params) if p.numel() < PACK_BELOW and p.is_contiguous()]
@@ -237,22 +242,42 @@ class _Pack:
         self.count = len(params)
         # Flat views, made once: in-place updates keep them current.
         self._small_views = [params[i].view(-1) for i in self.small]
-        self._large_params = [params[i] for i in self.large]
+        self.large_params = [params[i] for i in self.large]
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters' tensors to reduce: the small ones packed, then the large ones."""
+        return [torch.cat(self._small_views), *self.large_params] if self.small \
+            else self.large_params
 
     def state(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The state's tensors to reduce: the packed small parameters, the large ones, and the
-        buffers (state is the parameters, then the buffers)."""
-        if not self.small:
-            return state
-        return [torch.cat(self._small_views), *self._large_params, *state[self.count:]]
+        """The state's tensors to reduce (state is the parameters, then the buffers)."""
+        return self.params() + state[self.count:] if self.small else state
 
     def grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients' tensors to reduce, packed like their parameters when every parameter
-        has one (otherwise their places do not line up: one by one)."""
+        has one (otherwise their places do not line up: one by one). The packing walks the
+        list in C (`flatten_dense_tensors`, as DDP's buckets do): a Python loop of reshapes
+        would cost what it saves."""
         if not self.small or len(grads) != self.count:
             return grads
-        packed = torch.cat([grads[i].reshape(-1) for i in self.small])
-        return [packed, *[grads[i] for i in self.large]]
+        if not self.large:                       # a small model: every gradient is packed
+            return [_flatten_dense_tensors(grads)]
+        small = [grads[i] for i in self.small]
+        return [_flatten_dense_tensors(small), *[grads[i] for i in self.large]]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the parameters, in `params()`'s layout."""
+        copies = [p.clone() for p in self.large_params]
+        return [torch.cat(self._small_views), *copies] if self.small else copies
+
+    def subtract_from(self, snapshot: list[torch.Tensor]) -> list[torch.Tensor]:
+        """snapshot - the parameters now, in place: the update since the snapshot, negated."""
+        if self.small:
+            snapshot[0].sub_(torch.cat(self._small_views))
+        large = snapshot[1:] if self.small else snapshot
+        if large:
+            torch._foreach_sub_(large, self.large_params)
+        return snapshot
 
 
 def dense_values(t: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,8 @@ class _StepLoop:
             loss = self.unit.forward_backward(
                 batch, zero_grad=self.sentinels.zero_grad if i == 0 else None)
             micros.append(_Micro(batch, rng, saved, first_index + i))
-            total = loss.detach() if total is None else total + loss.detach()
+            total = loss if total is None else total.detach() + loss.detach()
+        # One batch: the loss itself (the readout detaches it); a window: the mean.
         return micros, leaves, total / len(raws) if len(raws) > 1 else total
 
     def _trip_state(self, trip: Trip, micros: list, scale) -> StepState:
@@ -361,8 +362,10 @@ class _StepLoop:
         values = torch.cat(parts + extra) if len(parts) + len(extra) > 1 else parts[0]
         read = self.coord.read(values) if self.coord is not None else values.tolist()
         self.outcome.host_syncs += 1
-        width = self.coord.world_size * len(FLAGS) if self.coord is not None else 0
-        return read, read[len(readout):len(readout) + width], extras
+        if self.coord is None:
+            return read, (), extras
+        start = len(readout)
+        return read, read[start:start + self.coord.world_size * len(FLAGS)], extras
 
     def _deferred_step(self, step: int, raw_batch):
         """One training step whose readout is read at the next step (or at the end); the

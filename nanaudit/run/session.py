@@ -78,7 +78,7 @@ class Session:
 
     @functools.cached_property
     def loss_what(self) -> str:
-        """How an exception of the loss is introduced: `loss \`train:compute_loss\``."""
+        """How an exception of the loss is introduced: ``loss `train:compute_loss` ``."""
         return f"loss `{self.options.loss_label}`"
 
     @property

@@ -23,7 +23,7 @@ import torch
 
 from nanaudit.config.schema import WatchOptions
 from nanaudit.report.model import EarlyWarning
-from nanaudit.run.checks import finite_norm
+from nanaudit.run.checks import ParamPack, finite_norm
 
 MAX_WARNINGS = 50
 
@@ -98,9 +98,10 @@ class UpdateWatch:
     def __init__(self, params: list[torch.Tensor], every: int, device):
         self.params = [p.detach() for p in params if p.is_floating_point()]
         self.every, self.device = (every if self.params else 0), device
-        # CUDA copies a tensor list in a few fused kernels; the CPU has no fused foreach
-        # kernels, and there one clone per tensor costs half of `_foreach_mul(x, 1.0)`.
-        self._fused_copy = torch.device(device).type == "cuda"
+        # CUDA copies a tensor list in a few fused kernels; on the CPU, where a kernel per
+        # tensor is what a small step feels, the small parameters are copied as one.
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        self._pack = ParamPack(self.params) if on_cpu and self.params else None
         self._snapshot = None
         self._base = 0.0                  # the weights' norm before the sampled update
         self.pending_step: int | None = None
@@ -114,15 +115,18 @@ class UpdateWatch:
     def before_update(self, step: int, weight_norm) -> None:
         # The parameters are detached aliases: no autograd bookkeeping to switch off.
         self._base = weight_norm
-        self._snapshot = (torch._foreach_mul(self.params, 1.0) if self._fused_copy
-                          else [p.clone() for p in self.params])
+        self._snapshot = (self._pack.snapshot() if self._pack is not None
+                          else torch._foreach_mul(self.params, 1.0))
         self.pending_step = step
 
     def after_update(self) -> None:
         if self._snapshot is None:
             return
         # In place on the snapshot (before - after has the update's norm): one copy, not two.
-        torch._foreach_sub_(self._snapshot, self.params)
+        if self._pack is not None:
+            self._pack.subtract_from(self._snapshot)
+        else:
+            torch._foreach_sub_(self._snapshot, self.params)
         self.pending_norm = finite_norm(self._snapshot, self.device)
         self.pending_base = self._base
         self._snapshot = None
@@ -193,9 +197,12 @@ class GrowthWatch:
             # positive loss, judged on its log scale): a loss under that bound is no spike,
             # which spares most steps the noise estimate.
             low = min(self.losses)
-            bound = low * (1 + rtol) if low > 0 else low
-            threshold = self._spike_threshold(rtol) if loss > bound else None
-            spiking = threshold is not None and loss > threshold
+            if loss <= (low * (1 + rtol) if low > 0 else low):
+                self._in_spike = False
+                self.losses.append(loss)
+                return found
+            threshold = self._spike_threshold(rtol)
+            spiking = loss > threshold
             if spiking and not self._in_spike:
                 mean = _mean(self.losses)
                 found.append(EarlyWarning(

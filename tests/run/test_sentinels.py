@@ -1,5 +1,7 @@
 """The sentinels: element finiteness without false alarms, and no host read per tensor."""
 
+import math
+
 import torch
 
 from nanaudit.run.checks import StepChecks, finite_norm
@@ -35,3 +37,65 @@ def test_sentinels_keep_no_copies():
     model = torch.nn.Linear(4, 4)
     sentinels = StepChecks(model, "cpu")
     assert all(a is b for a, b in zip(sentinels.params, model.parameters()))
+
+
+def _model():
+    # Small tensors (packed on the CPU) next to one above PACK_BELOW (reduced alone).
+    return torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 3), torch.nn.LayerNorm(3))
+
+
+def _readout(model, batch):
+    sentinels = StepChecks(model, "cpu")
+    sentinels.zero_grad()
+    model(batch).square().sum().backward()
+    loss = torch.tensor(1.0)
+    readout = sentinels.step_readout(loss, [batch])
+    return readout, readout.read(readout.values.tolist())
+
+
+def test_packed_readout_gives_the_norms_of_every_tensor():
+    model, batch = _model(), torch.randn(4, 80)
+    readout, (batch_norm, state_norm, _, grad_norm) = _readout(model, batch)
+    params = list(model.parameters())
+    # Fewer reductions than tensors, the same norms as one per tensor.
+    assert readout.n_state < len(params) and readout.n_grads < len(params)
+    assert abs(state_norm - float(finite_norm(params, "cpu"))) < 1e-4 * state_norm
+    assert abs(grad_norm - float(finite_norm([p.grad for p in params], "cpu"))) < 1e-4 * grad_norm
+    assert abs(batch_norm - float(batch.norm())) < 1e-4 * batch_norm
+
+
+def test_packed_readout_sees_one_bad_element_in_a_small_tensor():
+    model, batch = _model(), torch.randn(4, 80)
+    with torch.no_grad():
+        model[3].bias[1] = float("nan")      # 3 elements: packed with the other small ones
+    assert math.isnan(_readout(model, batch)[1][1])
+    model = _model()
+    _readout(model, batch)
+    model[2].bias.grad[0] = float("inf")
+    readout = StepChecks(model, "cpu").step_readout(torch.tensor(1.0), [])
+    assert math.isinf(readout.read(readout.values.tolist())[3])
+
+
+def test_missing_gradients_are_reduced_one_by_one():
+    model, batch = _model(), torch.randn(4, 80)
+    model[3].weight.requires_grad_(False)       # no gradient: places no longer line up
+    readout, (_, _, _, grad_norm) = _readout(model, batch)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert readout.n_grads == len(grads)
+    assert abs(grad_norm - float(finite_norm(grads, "cpu"))) < 1e-4 * grad_norm
+
+
+def test_update_watch_measures_the_update_of_packed_parameters():
+    from nanaudit.run.watch import UpdateWatch
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    watch = UpdateWatch(list(model.parameters()), 1, "cpu")
+    watch.before_update(0, 1.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=1e-3)
+    watch.after_update()
+    step, norm, _ = watch.take()
+    expected = finite_norm([a - p.detach() for a, p in zip(before, model.parameters())], "cpu")
+    assert step == 0 and abs(float(norm) - float(expected)) < 1e-4 * float(expected)
