@@ -236,7 +236,8 @@ def measure(name, factory, device, rounds, steps, variants, optimizer="fused"):
     for v, fn in variants.items():        # counted outside the timed rounds
         syncs[v], outcome = count_syncs(fn, model, opt, loss, batches, device)
         if outcome is not None and outcome.read_mode is not None:
-            modes[v] = outcome.read_mode.describe()
+            read = outcome.read_mode
+            modes[v] = {"mode": read.mode, "reason": read.reason, "sync_from_step": read.sync_from}
     return {"workload": name, "params": params, "device": str(device), "rounds": rounds,
             "steps_per_round": steps, "optimizer": optimizer, "median_step_s": medians,
             "ratio": {v: m / base for v, m in medians.items()},

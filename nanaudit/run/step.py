@@ -6,7 +6,9 @@ host classifies a step from its one read. The step itself is a unit (units.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import operator
 import random
 import sys
 import time
@@ -113,7 +115,7 @@ def _numpy_fingerprint(owner):
             return None
     except (AttributeError, TypeError, ValueError):
         return None
-    return lambda: (raw[624], raw[0], raw[311])
+    return functools.partial(operator.itemgetter(624, 0, 311), raw)    # called in C
 
 
 def _numpy_full_state():
@@ -121,7 +123,8 @@ def _numpy_full_state():
     return numpy.random.get_state() if numpy is not None else None
 
 
-_PYTHON = _ReusedState(random.getstate, lambda: random._inst, _python_fingerprint)
+_PYTHON = _ReusedState(random.getstate, functools.partial(getattr, random, "_inst"),
+                       _python_fingerprint)
 _NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_fingerprint)
 
 
