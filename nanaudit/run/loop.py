@@ -135,6 +135,8 @@ class _Watches:
                 entry.update_ratio = ratio
 
     def _add(self, found: list) -> None:
+        if not found:
+            return
         room = MAX_WARNINGS - len(self.warnings)
         self.warnings.extend(found[:max(room, 0)])
 
@@ -276,6 +278,9 @@ class _StepLoop:
     def _fetch_window(self):
         """The raw batches of one optimizer step, or _END. A last window the data cannot fill
         is not run: a loop that steps every N micro-batches never applies it either."""
+        if self.window == 1:
+            raw = self._fetch()
+            return _END if raw is _END else [raw]
         raws = []
         for _ in range(self.window):
             raw = self._fetch()

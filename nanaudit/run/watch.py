@@ -127,7 +127,10 @@ class UpdateWatch:
             self._pack.subtract_from(self._snapshot)
         else:
             torch._foreach_sub_(self._snapshot, self.params)
-        self.pending_norm = finite_norm(self._snapshot, self.device)
+        if len(self._snapshot) == 1:      # a small model's packed copy: one float64 norm
+            self.pending_norm = torch.linalg.vector_norm(self._snapshot[0], dtype=torch.float64)
+        else:
+            self.pending_norm = finite_norm(self._snapshot, self.device)
         self.pending_base = self._base
         self._snapshot = None
 
@@ -172,12 +175,11 @@ class GrowthWatch:
         self._update_high = False
 
     def observe(self, step: int, loss: float | None, grad_norm: float | None) -> list:
-        warnings = []
-        if loss is not None and math.isfinite(loss):
-            warnings += self._spike(step, loss)
+        spikes = self._spike(step, loss) if loss is not None and math.isfinite(loss) else []
         if grad_norm is not None and math.isfinite(grad_norm):
-            warnings += self._growth(step, grad_norm)
-        return warnings
+            growth = self._growth(step, grad_norm)
+            return spikes + growth if growth else spikes
+        return spikes
 
     def _spike(self, step: int, loss: float) -> list:
         """A loss above the window's level by more than its own noise and scale allow.
