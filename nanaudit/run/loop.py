@@ -305,9 +305,9 @@ class _StepLoop:
         read, table, extras = self._readout(readout, loss, last)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
         # The common case, all finite, needs nothing confirmed or classified.
-        all_finite = math.isfinite(batch_norm + norm + loss_value + gnorm)
-        ok_batch = 1.0 if all_finite else _batch_ok(batch_norm, leaves)
+        all_finite, ok_batch = math.isfinite(batch_norm + norm + loss_value + gnorm), 1.0
         if not all_finite:
+            ok_batch = _batch_ok(batch_norm, leaves)
             norm, gnorm = confirm_norms(self.sentinels, norm, gnorm, state)
         if scale is not None:
             gnorm = gnorm / scale
@@ -388,13 +388,9 @@ class _StepLoop:
         self.skip.note(readout.values)
         if self.session.options.grad_clip:
             self.sentinels.clip_(readout.grad_norm(), self.session.options.grad_clip)
-        sampled = self.watches.updates.samples(step)
-        if sampled:
-            self.watches.updates.before_update(step, readout.state_norm())
-        self.skip.step(self.optimizer, lambda: call_user(self.optimizer_what,
-                                                         self.optimizer.step))
-        if sampled:
-            self.watches.updates.after_update()
+        self.watches.updates.measure(step, lambda: self.skip.step(
+            self.optimizer, lambda: call_user(self.optimizer_what, self.optimizer.step)),
+            readout.state_norm)
         self.updated = True
         extra, extras = self.watches.extra_readout()
         values = readout.values
@@ -471,12 +467,7 @@ class _StepLoop:
             total = readout.grad_norm()
             total = total / scale if scale is not None else total
             self.sentinels.clip_(total, self.session.options.grad_clip)
-        sampled = self.watches.updates.samples(step)
-        if sampled:
-            self.watches.updates.before_update(step, norm)
-        self.unit.update(loss_value)
-        if sampled:
-            self.watches.updates.after_update()
+        self.watches.updates.measure(step, lambda: self.unit.update(loss_value), lambda: norm)
         if precision.scaler is not None:
             precision.finish_update(self.optimizers)
         self.updated = True

@@ -108,9 +108,15 @@ class UpdateWatch:
         self.pending_base = 0.0
         self.pending_norm: torch.Tensor | None = None
 
-    def samples(self, step: int) -> bool:
-        """Is this step's update measured? (the loop calls before/after_update only then)"""
-        return bool(self.every) and step % self.every == 0
+    def measure(self, step: int, apply, weight_norm) -> None:
+        """Run the update (`apply()`); on a sampled step, between a snapshot of the weights
+        and its difference. `weight_norm()`: their norm before it (computed only then)."""
+        if not (self.every and step % self.every == 0):
+            apply()
+            return
+        self.before_update(step, weight_norm())
+        apply()
+        self.after_update()
 
     def before_update(self, step: int, weight_norm) -> None:
         # The parameters are detached aliases: no autograd bookkeeping to switch off.

@@ -91,11 +91,13 @@ def test_update_watch_measures_the_update_of_packed_parameters():
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     watch = UpdateWatch(list(model.parameters()), 1, "cpu")
-    watch.before_update(0, 1.0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p), alpha=1e-3)
-    watch.after_update()
-    step, norm, _ = watch.take()
+
+    def update():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+    watch.measure(0, update, lambda: 1.0)
+    step, norm, base = watch.take()
     expected = finite_norm([a - p.detach() for a, p in zip(before, model.parameters())], "cpu")
-    assert step == 0 and abs(float(norm) - float(expected)) < 1e-4 * float(expected)
+    assert (step, base) == (0, 1.0)
+    assert abs(float(norm) - float(expected)) < 1e-4 * float(expected)
