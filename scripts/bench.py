@@ -39,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanaudit.config.schema import WatchOptions
+from nanaudit.report.model import jsonable
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session
 from nanaudit.run.step import RngState, StepState, Trip
@@ -236,8 +237,7 @@ def measure(name, factory, device, rounds, steps, variants, optimizer="fused"):
     for v, fn in variants.items():        # counted outside the timed rounds
         syncs[v], outcome = count_syncs(fn, model, opt, loss, batches, device)
         if outcome is not None and outcome.read_mode is not None:
-            read = outcome.read_mode
-            modes[v] = {"mode": read.mode, "reason": read.reason, "sync_from_step": read.sync_from}
+            modes[v] = jsonable(outcome.read_mode.section())
     return {"workload": name, "params": params, "device": str(device), "rounds": rounds,
             "steps_per_round": steps, "optimizer": optimizer, "median_step_s": medians,
             "ratio": {v: m / base for v, m in medians.items()},

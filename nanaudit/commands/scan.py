@@ -19,8 +19,6 @@ from nanaudit.errors import FindingInterrupted, NothingAuditedError
 from nanaudit.report.model import (
     RankStatus,
     Report,
-    SentinelRead,
-    SentinelReadMode,
     Status,
 )
 
@@ -89,8 +87,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.warnings = outcome.warnings
             read = outcome.read_mode
             if read is not None:
-                report.sentinel_read = SentinelRead(SentinelReadMode(read.mode), read.reason,
-                                                    read.sync_from)
+                report.sentinel_read = read.section()
         if outcome.interrupted:
             report.status = Status.INTERRUPTED
         elif outcome.trip is None:

@@ -34,6 +34,10 @@ PACK_BELOW = 4096
 
 def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     """The float64 L2 norm of all tensors together, on `device`; non-finite iff an element is."""
+    if len(tensors) == 1 and tensors[0].dtype in _FLOAT64_SAFE \
+            and tensors[0].device == torch.device(device):
+        # One tensor (a packed copy): one kernel. Squares of these dtypes fit in float64.
+        return torch.linalg.vector_norm(tensors[0], dtype=torch.float64)
     return finite_norms([tensors], device)[0]
 
 

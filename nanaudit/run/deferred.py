@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanaudit.report.model import SentinelRead, SentinelReadMode
+
 READ_MODES = ("auto", "sync", "deferred")
 
 
@@ -35,6 +37,10 @@ class ReadMode:
     @property
     def defers(self) -> bool:
         return self.mode == "deferred" and self.sync_from is None
+
+    def section(self) -> SentinelRead:
+        """The report's `sentinel_read` section."""
+        return SentinelRead(SentinelReadMode(self.mode), self.reason, self.sync_from)
 
 
 def skips_on_device(optimizer) -> bool:

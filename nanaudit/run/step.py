@@ -238,6 +238,7 @@ def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scal
     """The timeline's record of one step (the step loop's and the Sentinel's). `lr`: the one
     the step's update used, read before a scheduler moved it (default: the optimizer's now)."""
     ended = time.perf_counter() if ended is None else ended
-    return TimelineEntry(step, loss, gnorm, norm, current_lr(optimizer) if lr is None else lr,
-                         round((ended - started) * 1000, 3), scale,
-                         bool(scaler_step and scaler_step.skipped), **fields)
+    return TimelineEntry(step=step, loss=loss, grad_norm=gnorm, param_norm=norm,
+                         lr=current_lr(optimizer) if lr is None else lr,
+                         time_ms=round((ended - started) * 1000, 3), scale=scale,
+                         skipped=bool(scaler_step and scaler_step.skipped), **fields)

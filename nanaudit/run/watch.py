@@ -133,10 +133,7 @@ class UpdateWatch:
             self._pack.subtract_from(self._snapshot)
         else:
             torch._foreach_sub_(self._snapshot, self.params)
-        if len(self._snapshot) == 1:      # a small model's packed copy: one float64 norm
-            self.pending_norm = torch.linalg.vector_norm(self._snapshot[0], dtype=torch.float64)
-        else:
-            self.pending_norm = finite_norm(self._snapshot, self.device)
+        self.pending_norm = finite_norm(self._snapshot, self.device)
         self.pending_base = self._base
         self._snapshot = None
 
