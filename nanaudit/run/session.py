@@ -212,16 +212,21 @@ def build_optimizers(config: Config, model) -> dict:
                          **dict(spec.kwargs))
         where, target = "optimizer.class", spec.class_path
     optimizers = named_collection(made, "optimizer")
-    for name, opt in optimizers.items():
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
-                                       f"{type(opt).__name__}, not a torch.optim.Optimizer; "
-                                       f"return one optimizer, a list or a dict name -> "
-                                       f"optimizer")])
+    _require(optimizers, torch.optim.Optimizer, made, where, target,
+             "a torch.optim.Optimizer; return one optimizer, a list or a dict name -> optimizer")
     if not optimizers:
         raise ConfigError([Problem(where, f"`{target}` returned an empty "
                                    f"{type(made).__name__}: no optimizer to step")])
     return optimizers
+
+
+def _require(built: dict, kinds, made, where: str, target: str, expected: str) -> None:
+    """Each object `target` returned (`made`, named in `built`) is one of `kinds`; otherwise a
+    config problem at `where` that names the entry."""
+    for name, obj in built.items():
+        if not isinstance(obj, kinds):
+            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
+                                       f"{type(obj).__name__}, not {expected}")])
 
 
 def _entry(made, name: str) -> str:
@@ -270,11 +275,8 @@ def build_schedulers(config: Config, optimizers: dict) -> dict:
                       for name, opt in optimizers.items()}
         where, target, made = "scheduler.class", spec.class_path, schedulers
     kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    for name, sched in schedulers.items():
-        if not isinstance(sched, kinds):
-            raise ConfigError([Problem(where, f"`{target}` {_entry(made, name)} a "
-                                       f"{type(sched).__name__}, not a learning-rate "
-                                       f"scheduler (torch.optim.lr_scheduler)")])
+    _require(schedulers, kinds, made, where, target,
+             "a learning-rate scheduler (torch.optim.lr_scheduler)")
     return schedulers
 
 
