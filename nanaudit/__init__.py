@@ -8,7 +8,7 @@ does not import torch.
 
 from nanaudit._version import __version__
 
-__all__ = ["__version__", "audit", "Sentinel", "NonFiniteError"]
+__all__ = ["NonFiniteError", "Sentinel", "__version__", "audit"]
 
 
 def audit(config_or_path, **overrides):

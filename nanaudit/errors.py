@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.model import (
@@ -138,5 +138,5 @@ def call_user(what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (KeyboardInterrupt, NanauditError):
         raise
-    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+    except Exception as exc:
         raise UserCodeError(what, exc) from exc

@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 
-
 @pytest.fixture(autouse=True)
 def _scratch_cwd(tmp_path, monkeypatch):
     """Run every test in its own folder: default outputs (./nanaudit-reports) land there."""

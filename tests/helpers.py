@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from nanaudit.cli import main
 
-
 ROOT = Path(__file__).resolve().parent.parent
 
 

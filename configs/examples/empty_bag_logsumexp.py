@@ -4,8 +4,8 @@ supervised detection and histopathology MIL): padded instances are masked with -
 logsumexp over nothing but -inf is -inf, and BCE-with-logits turns it into NaN. The -inf is the
 mask's, on purpose; the bug is the empty bag, not an overflow."""
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class LSEPoolingMIL(nn.Module):

@@ -4,8 +4,8 @@ clamps x to eps first; this copy pools a convolution with no ReLU after it, so t
 is negative for some channels and its cube root, pow(negative, 1/3), is NaN. The fix is about the
 negative base, not the sqrt-at-zero text."""
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class GeM(nn.Module):

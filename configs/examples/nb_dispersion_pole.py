@@ -4,8 +4,8 @@ head's output is below -104, softplus underflows to exactly 0 in float32, and lg
 its pole at 0: lgamma(0) = inf, and lgamma(x + theta) - lgamma(theta) is inf - inf = NaN where the
 count is 0."""
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class CountDecoder(nn.Module):

@@ -40,8 +40,8 @@ from nanaudit.report.model import (
     Status,
 )
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
-from nanaudit.run.checks import dense_values
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
+from nanaudit.run.checks import dense_values
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session, load_training_state
 from nanaudit.run.step import ScanOutcome

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from nanaudit._version import __version__
 from nanaudit.config.parse import load_config
@@ -103,7 +103,7 @@ def guarded(report: Report, body: Callable[[], None],
         body()
     except KeyboardInterrupt:
         report.status = Status.INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
+    except Exception as exc:
         report.status = Status.ERROR
         report.error = error_info(exc)
         if on_error is not None:

@@ -38,9 +38,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -293,7 +294,7 @@ def load_bundle(folder: Path) -> Bundle:
     try:
         state, rng, batch = (torch.load(folder / name, map_location="cpu", weights_only=True)
                              for name in ("state.pt", "rng.pt", "batch.pt"))
-    except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
+    except Exception as exc:
         raise ConfigError(f"cannot read the repro bundle {folder}: {exc}") from None
     return Bundle(folder, meta, state, rng, batch)
 
@@ -429,7 +430,7 @@ def _build(what: str, build, meta: dict, resolve, override):
         raise UsageError(f"cannot replay the bundle: {missing}") from None
     except NanauditError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's constructor or factory raised
+    except Exception as exc:
         raise UserCodeError(what, exc) from exc
 
 

@@ -113,7 +113,7 @@ def _recipe_class(recipe, what, resolve):
                       f"module:factory (a callable returning the model)")
     try:
         return resolve(recipe["class"])
-    except Exception as exc:  # noqa: BLE001 - an import error of any kind
+    except Exception as exc:
         raise Missing(f"it cannot build {what}: importing `{recipe['class']}` failed "
                       f"({type(exc).__name__}: {exc}); pass --model module:factory") from None
 
@@ -153,7 +153,7 @@ def _trainer_loss(recipe, resolve):
     if recipe.get("compute_loss_func"):
         try:
             func = resolve(recipe["compute_loss_func"])
-        except Exception as exc:  # noqa: BLE001 - an import error of any kind
+        except Exception as exc:
             raise Missing(f"it cannot compute the loss: importing the Trainer's "
                           f"compute_loss_func `{recipe['compute_loss_func']}` failed "
                           f"({type(exc).__name__}: {exc}); pass --loss module:fn") from None
@@ -195,7 +195,7 @@ def _rebuild(plain, node, resolve, roots, notes):
     if cls is not None:
         try:
             return _construct(cls, node["kind"], plain)
-        except Exception as exc:  # noqa: BLE001 - the user's constructor may raise anything
+        except Exception as exc:
             why = f"building it from the saved fields raised {type(exc).__name__}: {exc}"
     notes.append(f"`{node['name']}` was replayed as a plain {type(plain).__name__}: {why}")
     return plain
@@ -206,7 +206,7 @@ def _batch_class(node, resolve, roots):
         return None, node.get("why", "it cannot be imported")
     try:
         cls = resolve(node["type"])
-    except Exception as exc:  # noqa: BLE001 - an import error of any kind
+    except Exception as exc:
         failure = f"importing `{node['type']}` failed ({type(exc).__name__}: {exc})"
         source = node.get("file")
         # A module the run loaded from a file has a name only that process knew: load the
@@ -215,7 +215,7 @@ def _batch_class(node, resolve, roots):
             return None, failure
         try:
             cls = resolve(f"{source}:{node['type'].rsplit(':', 1)[1]}")
-        except Exception as again:  # noqa: BLE001
+        except Exception as again:
             return None, f"{failure}; loading {source} failed ({type(again).__name__}: {again})"
     return cls, None
 

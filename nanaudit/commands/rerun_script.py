@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import UserCodeError
-from nanaudit.localize.replay import walk_from_sink, forward_input_stats, input_stats
+from nanaudit.localize.replay import forward_input_stats, input_stats, walk_from_sink
 from nanaudit.localize.tracer import OpTracer, kinds_of
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.run.batch import nonfinite_rows
@@ -148,7 +148,7 @@ def main(spec_path: str) -> int:
                 finding, result["ops_traced"], result["precision"] = localized_finding(
                     auditor, spec["step"], spec["check"])
                 result["finding"] = finding
-    except Exception as exc:  # noqa: BLE001 - reported back to the first run
+    except Exception as exc:
         result["error"] = rerun_failure(exc)
     result["timeline"] = auditor.timeline
     result["trip"] = auditor.trip

@@ -24,9 +24,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from nanaudit._version import __version__
 from nanaudit.config.schema import WatchOptions
@@ -144,7 +144,7 @@ def execute(target: ScriptTarget, auditor: ScriptAuditor, seed: int) -> None:
             raise _user_error(target, exc, f"exited with status {exc.code}") from None
     except (KeyboardInterrupt, NanauditError):
         raise
-    except Exception as exc:  # noqa: BLE001 - the script may raise anything
+    except Exception as exc:
         raise _user_error(target, exc) from exc
     finally:
         auditor.remove()
@@ -224,7 +224,7 @@ def run_script(target: ScriptTarget, options: RunOptions = RunOptions()) -> Repo
     except KeyboardInterrupt:
         _record(report, auditor)
         report.status = Status.INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a report, never a traceback
+    except Exception as exc:
         from nanaudit.commands.common import error_info
         _record(report, auditor)
         report.status = Status.ERROR

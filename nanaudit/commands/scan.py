@@ -128,7 +128,7 @@ def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None
         report.repro = str(folder)
         write_bundle(folder, session, outcome.state, outcome.trip, report.finding,
                      renderer_for("json").render(report))
-    except Exception as exc:  # noqa: BLE001 - the finding stands without its bundle
+    except Exception as exc:
         report.repro = None
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         report.repro_error = f"cannot write the repro bundle to {folder}: {reason}"

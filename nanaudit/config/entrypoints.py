@@ -12,8 +12,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from nanaudit.config.schema import Entrypoint
 from nanaudit.errors import ConfigError, Problem, UserCodeError
@@ -79,7 +80,7 @@ def _import_module(entry: Entrypoint, base_dir: Path):
             raise ConfigError([Problem(entry.key, f"module `{module_part}` not found (looked on "
                                        f"sys.path and in the config's folder {base_dir})")]) from None
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
-    except Exception as exc:  # noqa: BLE001 - the user's module raised while importing
+    except Exception as exc:
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
 
 
@@ -101,7 +102,7 @@ def _import_file(entry: Entrypoint, base_dir: Path):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         del sys.modules[name]
         raise UserCodeError(f"importing `{entry.module_part}`", exc) from exc
     return module

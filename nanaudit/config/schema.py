@@ -4,9 +4,10 @@ derived from them. What a run is asked to do, as data; nothing here parses or im
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 SCHEMA_VERSION = 1
 

@@ -6,8 +6,8 @@ the device; `scan` runs the same checks, so a problem is the same exit code in b
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from nanaudit.config.entrypoints import class_target, resolve_callable, user_import_path
 from nanaudit.config.schema import Config, Entrypoint, OptimizerSpec, SchedulerSpec
@@ -128,14 +128,14 @@ def _scheduler_trial(cls, spec: SchedulerSpec, optimizer: OptimizerSpec | None,
     for make in trials:
         try:
             opt = make()
-        except Exception:  # noqa: BLE001 - the optimizer's own problem is reported apart
+        except Exception:
             return []
         try:
             cls(opt, **dict(spec.kwargs))
         except (TypeError, ValueError) as exc:
             refusal = refusal or exc
             continue
-        except Exception:  # noqa: BLE001 - a user class may refuse a dummy optimizer
+        except Exception:
             return []
         return []
     first = (str(refusal).strip().splitlines() or [""])[0]
@@ -169,7 +169,7 @@ def optimizer_class_problems(cls, spec: OptimizerSpec) -> list[Problem]:
         cls([torch.nn.Parameter(torch.zeros(1))], **dict(spec.kwargs))
     except (TypeError, ValueError, RuntimeError) as exc:
         return [Problem("optimizer", f"`{spec.class_path}` rejects these arguments: {exc}")]
-    except Exception:  # noqa: BLE001 - a user class may refuse a dummy parameter: build tells
+    except Exception:
         return []
     return []
 

@@ -137,8 +137,11 @@ class NanauditCallback(Callback):
         if self.report_path:
             write_atomic(self.report_path, text)
         if self.output_dir:
-            from nanaudit.integrations._output import (precision_name, write_reports,
-                                                       write_step_bundle)
+            from nanaudit.integrations._output import (
+                precision_name,
+                write_reports,
+                write_step_bundle,
+            )
             trip, state = self.sentinel.tripped
             batch_idx = finding.batch_index if finding and finding.batch_index is not None \
                 else self._batch_idx

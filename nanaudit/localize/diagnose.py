@@ -11,8 +11,9 @@ SqrtBackward's division by zero is explained by the zeros sqrt saw.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 

@@ -6,8 +6,8 @@ group the model can take.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from nanaudit.errors import UserCodeError
 

@@ -495,7 +495,7 @@ def jsonable(obj: Any) -> Any:
         body = {}
         for f in fields(obj):
             value = getattr(obj, f.name)
-            if not (f.name in empty and not value or f.name in none and value is None):
+            if not ((f.name in empty and not value) or (f.name in none and value is None)):
                 body[f.name] = jsonable(value)
         return body
     if obj is None or isinstance(obj, (str, int, bool)):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -144,7 +143,7 @@ def rebuild(tree: Any, values: list) -> Any:
             return pairs
         try:
             return type(tree)(pairs)
-        except Exception:  # noqa: BLE001 - a Mapping type that cannot be built from a dict
+        except Exception:
             return pairs
     if dataclasses.is_dataclass(tree):
         return dataclasses.replace(tree, **{f.name: v for f, v in

@@ -38,7 +38,7 @@ def load_checkpoint(path: Path, key: str = "checkpoint", weights_only: bool = Tr
         raise ConfigError([Problem(key, f"{path} cannot be loaded with weights_only=True "
                                    f"(it holds more than tensors and plain containers: {first}); "
                                    f"re-save it as a state_dict")]) from None
-    except Exception as exc:  # noqa: BLE001 - corrupt zip, truncated file, ...
+    except Exception as exc:
         raise ConfigError([Problem(key, f"{path} is not a loadable checkpoint: "
                                    f"{type(exc).__name__}: {exc}")]) from None
     if not isinstance(raw, dict):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors

@@ -40,7 +40,7 @@ from nanaudit.report.model import DistributedRun, ErrorInfo
 FLAGS = ("input", "loss", "gradient", "exhausted")
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
-_CURRENT: "Coordinator | None" = None
+_CURRENT: Coordinator | None = None
 
 
 class DistributedError(NanauditError):
@@ -111,7 +111,7 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def current() -> "Coordinator | None":
+def current() -> Coordinator | None:
     return _CURRENT
 
 
@@ -129,7 +129,7 @@ class Coordinator:
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
 
     @classmethod
-    def start(cls, config: Config, device_name: str) -> "Coordinator":
+    def start(cls, config: Config, device_name: str) -> Coordinator:
         """Initialise the process group from torchrun's environment variables."""
         global _CURRENT
         import torch.distributed as dist
@@ -152,7 +152,7 @@ class Coordinator:
         try:
             if not dist.is_initialized():
                 dist.init_process_group(coord.backend, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - rendezvous failures come in many types
+        except Exception as exc:
             raise DistributedError(f"cannot join the process group (backend {coord.backend}, "
                                    f"rank {rank} of {world}): {exc}") from None
         coord.store = dist.distributed_c10d._get_default_store()
@@ -226,7 +226,7 @@ class Coordinator:
         table[self.rank] = row
         try:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
-        except Exception as exc:  # noqa: BLE001 - any backend's failure: a peer is gone
+        except Exception as exc:
             raise DistributedError(f"rank {self.rank}: the step's exchange of flags failed: "
                                    f"{exc}") from None
         return table
@@ -235,7 +235,7 @@ class Coordinator:
         """The step's one host read, which is where a failed NCCL collective shows."""
         try:
             return values.tolist()
-        except Exception as exc:  # noqa: BLE001 - an aborted communicator's error
+        except Exception as exc:
             raise DistributedError(f"rank {self.rank}: reading the step's exchanged flags "
                                    f"failed: {exc}") from None
 
@@ -256,7 +256,7 @@ class Coordinator:
             # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
             self.store.set(_ERROR_KEY, pickle.dumps(error))
             self.store.add(_EXIT_KEY, 1)
-        except Exception:  # noqa: BLE001 - the store may be gone with rank 0; nothing to add
+        except Exception:
             pass
 
     def peer_error(self, wait_s: float = 5.0) -> ErrorInfo | None:
@@ -266,7 +266,7 @@ class Coordinator:
             try:
                 if self.store.check([_ERROR_KEY]):
                     return pickle.loads(self.store.get(_ERROR_KEY))
-            except Exception:  # noqa: BLE001 - the store went away: no error to read
+            except Exception:
                 return None
             if time.monotonic() > deadline:
                 return None
@@ -287,7 +287,7 @@ class Coordinator:
             deadline = time.monotonic() + min(self.options.timeout_s, 60.0)
             while self.store.add(_EXIT_KEY, 0) < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.01)
-        except Exception:  # noqa: BLE001 - a peer hosting the store already left: we are done
+        except Exception:
             pass
 
     def describe(self) -> DistributedRun:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def _next_batch(iterator, what: str):
         return _END
     except (KeyboardInterrupt, UserCodeError, ConfigError):
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's generator or DataLoader raised
+    except Exception as exc:
         raise UserCodeError(what, exc) from exc
 
 
@@ -504,7 +505,7 @@ class _StepLoop:
             batch_index=self.fetched - 1,
             halt_at=run.halted.index if run.halted else None, undo=run.undo)
 
-    def _gate(self, step: int, point, seen: "_UserReads") -> bool:
+    def _gate(self, step: int, point, seen: _UserReads) -> bool:
         """The check before one optimizer step inside the user's step: its parameters as
         their last update left them, its gradients, the losses backpropagated since the last
         check and (at the first) the batch, in one read."""
@@ -545,7 +546,7 @@ class _StepLoop:
         seen.trip = trip
         return False
 
-    def _returned_losses(self, step: int, run, seen: "_UserReads") -> Trip | None:
+    def _returned_losses(self, step: int, run, seen: _UserReads) -> Trip | None:
         """A returned loss the checks before the updates did not see (the step made no
         update, or never backpropagated it): one more read, only then."""
         unseen = {n: t for n, t in run.losses.items()
@@ -599,7 +600,7 @@ class _UserReads:
     trip: Trip | None = None
 
 
-def _first_bad_micro(trip: Trip, micros: list, loop: "_StepLoop") -> int:
+def _first_bad_micro(trip: Trip, micros: list, loop: _StepLoop) -> int:
     """The micro-batch of a window that made the bad value (syncs: only after a trip)."""
     if trip.check == "input":
         for i, micro in enumerate(micros):

@@ -217,7 +217,7 @@ class ScriptAuditor:
 
     # --- installation ------------------------------------------------------------------------
 
-    def install(self) -> "ScriptAuditor":
+    def install(self) -> ScriptAuditor:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,

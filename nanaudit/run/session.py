@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from nanaudit.config.entrypoints import class_target, resolve_callable
 from nanaudit.config.schema import Config, Entrypoint, RunOptions
@@ -88,7 +89,7 @@ class Session:
 
     @classmethod
     def for_loop(cls, model, optimizer, loss_fn: Callable, device, batches: Iterable = (),
-                 label: str = "<your loop>", precision: Any = None, **options) -> "Session":
+                 label: str = "<your loop>", precision: Any = None, **options) -> Session:
         """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML, no
         entrypoints, no config. `label` names the loss and the data in messages; `options`
         are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...)."""
@@ -291,7 +292,7 @@ def _scheduler(cls, spec, name: str, optimizer, config: Config):
         raise ConfigError([Problem("scheduler", f"`{spec.class_path}` rejects these arguments "
                                    f"with optimizer `{name}` ({type(optimizer).__name__}): "
                                    f"{first}")], source=str(config.path)) from None
-    except Exception as exc:  # noqa: BLE001 - a user's scheduler class may raise anything
+    except Exception as exc:
         raise UserCodeError(f"scheduler `{spec.class_path}`", exc) from exc
 
 

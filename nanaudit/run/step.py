@@ -34,7 +34,7 @@ class RngState:
     numpy: Any = None
 
     @classmethod
-    def capture(cls) -> "RngState":
+    def capture(cls) -> RngState:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         # The generator's own get_state: `torch.get_rng_state()` wraps it at twice the cost.
         return cls(_PYTHON.state(), torch.default_generator.get_state(), cuda, _NUMPY.state())

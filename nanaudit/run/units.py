@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from nanaudit.errors import UserCodeError, call_user
 from nanaudit.run.step import StepState, scalar_loss
 
 
-def unit_for(session) -> "LossStep | UserStep":
+def unit_for(session) -> LossStep | UserStep:
     """The unit the run asks for: the user's own step, or the loss's (in windows)."""
     if session.step_fn is not None:
         return UserStep(session)

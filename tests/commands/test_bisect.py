@@ -3,7 +3,6 @@
 import json
 
 import torch
-
 from helpers import LINEAR_CASE, ROOT, run_cli
 
 from nanaudit.commands.bisect import first_bad_checkpoint, list_checkpoints

@@ -12,7 +12,6 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 EXAMPLES = ROOT / "configs" / "examples"
@@ -87,6 +86,7 @@ def test_json_path_that_is_a_folder_fails_before_any_step(tmp_path):
 def test_disk_full_is_exit_9_and_leaves_the_old_report_and_no_temp_file(tmp_path, monkeypatch,
                                                                        option):
     import errno
+
     import nanaudit.report.output
     out = tmp_path / "reports" / "out.txt"
     out.parent.mkdir()
@@ -454,6 +454,7 @@ def test_readme_ci_recipe_installs_from_the_repository_not_an_index():
 @pytest.mark.parametrize("noise", ["half-normal", "log-normal", "uniform", "signed"])
 def test_a_long_clean_run_of_a_noisy_loss_near_zero_raises_no_spike(noise):
     import math
+
     from nanaudit.config.schema import WatchOptions
     from nanaudit.run.watch import GrowthWatch
     draw = {"half-normal": lambda r: abs(r.gauss(0, 1)) * 1e-4,
@@ -577,8 +578,10 @@ def test_an_edited_or_linked_bundle_is_the_users_and_is_never_replaced(tmp_path)
 
 def test_a_callbacks_bundle_never_deletes_a_users_folder(tmp_path):
     # The integrations write their bundles under the same rules as `scan`.
-    import torch
     from types import SimpleNamespace
+
+    import torch
+
     from nanaudit.integrations._output import write_step_bundle
     taken = tmp_path / "out" / "repro-step3"
     taken.mkdir(parents=True)

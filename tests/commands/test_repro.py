@@ -7,9 +7,7 @@ import sys
 
 import pytest
 import torch
-
 from helpers import BLOCK_NANAUDIT, ROOT, run_cli, scan
-
 
 EXAMPLES = ROOT / "configs" / "examples"
 

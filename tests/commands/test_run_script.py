@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import ROOT, run_cli
+
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script
 

@@ -4,7 +4,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import LINEAR_CASE, run_cli, scan
 
 

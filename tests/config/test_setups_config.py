@@ -4,7 +4,6 @@ when built, optimizer factories returning what is not an optimizer. Each is exit
 key, the same in `validate` and `scan`; a valid `step:` config validates."""
 
 import pytest
-
 from helpers import LINEAR_CASE, run_cli, scan
 
 CODE = LINEAR_CASE + """

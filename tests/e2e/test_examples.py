@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-
 from helpers import ROOT, run_cli, scan
 
 EXPECTED = {
@@ -88,7 +87,7 @@ SHARED_SOURCE = {"llama_fp16_massive_activation": "transformers/models/llama/mod
 
 
 def test_every_example_has_an_expectation():
-    from test_setups import SETUPS, SETUPS_CLEAN    # the training-setup examples' own file
+    from test_setups import SETUPS, SETUPS_CLEAN  # the training-setup examples' own file
     names = {p.stem for p in (ROOT / "configs" / "examples").glob("*.yaml")}
     assert names == set(EXPECTED) | CLEAN | DISTRIBUTED | set(SETUPS) | SETUPS_CLEAN
 

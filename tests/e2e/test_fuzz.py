@@ -15,9 +15,9 @@ import yaml
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz suite needs the test extra "
                                  "(pip install -e '.[test]')")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
 from helpers import LINEAR_CASE, run_cli  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from nanaudit.exitcodes import ExitCode  # noqa: E402
 

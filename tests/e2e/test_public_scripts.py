@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import run_cli
+
 from nanaudit.commands.common import exit_code
-from nanaudit.commands.run_script import (RunOptions, ScriptTarget, run_script,
-                                          timeline_warnings)
+from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script, timeline_warnings
 from nanaudit.report.model import TimelineEntry
 from nanaudit.run.script_hooks import ScriptAuditor, window_loss
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 EXAMPLES = ROOT / "configs" / "examples"

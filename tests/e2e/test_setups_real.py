@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from helpers import run_cli, scan
 
 # A small regression model and data whose batch 3 has x[1, 0] = -5: `log(x0 + 3)` in the loss

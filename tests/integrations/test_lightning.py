@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import BLOCK_NANAUDIT, run_cli
 
 lightning = pytest.importorskip("lightning", reason="the lightning extra is not installed")

@@ -10,9 +10,7 @@ import sys
 
 import pytest
 import torch
-
 from helpers import ROOT
-
 
 EXAMPLES = ROOT / "configs" / "examples"
 

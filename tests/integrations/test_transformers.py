@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from helpers import run_cli  # noqa: E402
+
 from nanaudit import NonFiniteError  # noqa: E402
 from nanaudit.integrations.transformers import NanauditCallback  # noqa: E402
 

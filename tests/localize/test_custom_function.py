@@ -2,7 +2,6 @@
 line in that backward, named by the Function's class; one made outside torch ops is said so."""
 
 import pytest
-
 from helpers import ROOT, scan
 
 CASE = """

@@ -3,7 +3,6 @@
 import textwrap
 
 import pytest
-
 from helpers import scan
 
 HEADER = """
@@ -418,6 +417,7 @@ def test_rsqrt_at_zero_in_forward_keeps_sqrt_domain_with_a_true_text(case, tmp_p
 
 def test_one_op_registry_keys_rules_on_overload_packets():
     import torch
+
     from nanaudit.localize import diagnose
     assert diagnose.RULES[torch.ops.aten.log] is diagnose.RULES[torch.ops.aten.log_]
     assert diagnose.keeps_inputs(torch.ops.aten.lgamma.default)
@@ -429,6 +429,7 @@ def test_one_op_registry_keys_rules_on_overload_packets():
 
 def test_overflow_is_claimed_only_when_the_result_can_exceed_the_range():
     import torch
+
     from nanaudit.localize.diagnose import overflow_bound
     a = torch.full((2, 64), 3.1e4, dtype=torch.float16)
     b = torch.full((64, 2), 1.0, dtype=torch.float16)

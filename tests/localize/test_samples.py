@@ -3,10 +3,10 @@
 import math
 
 import torch
-
-from nanaudit.run.batch import infer_layout, select_rows
-from nanaudit.localize.samples import isolate_rows
 from helpers import scan
+
+from nanaudit.localize.samples import isolate_rows
+from nanaudit.run.batch import infer_layout, select_rows
 
 
 def _oracle(bad, need_all=False):

@@ -5,7 +5,6 @@ import json
 import textwrap
 
 import torch
-
 from helpers import scan
 
 from nanaudit.run.batch import float_leaves, map_tensors, to_device, to_plain
@@ -83,6 +82,7 @@ def test_an_object_with_its_own_to_is_moved_by_it():
 
 def test_per_sample_lists_of_non_tensors_are_sliced_with_the_rows():
     import collections
+
     from nanaudit.run.batch import infer_layout, row_values, select_rows
     Pair = collections.namedtuple("Pair", "a b")
     batch = {"x": torch.arange(8.0).reshape(4, 2), "ids": ["a.wav", "b.wav", "c.wav", "d.wav"],
@@ -103,6 +103,7 @@ def test_per_sample_lists_of_non_tensors_are_sliced_with_the_rows():
 
 def test_a_dataclass_with_names_is_sliced_as_the_dataclass():
     import dataclasses
+
     from nanaudit.run.batch import infer_layout, select_rows
 
     @dataclasses.dataclass
@@ -118,6 +119,7 @@ def test_a_dataclass_with_names_is_sliced_as_the_dataclass():
 def test_batch_structure_round_trips_through_the_plain_form():
     import collections
     import dataclasses
+
     from nanaudit.commands.repro_template import Importer, rebuild_batch
     from nanaudit.run.batch import batch_structure
 

@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-
 from helpers import LINEAR_CASE, ROOT, scan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -12,10 +11,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _syncs_of_ten_steps(case, optimizer):
     """Run 10 steps under torch's sync debug mode; return (outcome, synchronization warnings)."""
-    from nanaudit.config.parse import load_config
-    from nanaudit.run.session import build_session
     from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.config.parse import load_config
     from nanaudit.run.loop import run_steps
+    from nanaudit.run.session import build_session
     code = LINEAR_CASE.replace("range(4)", "range(12)")
     config = load_config(case(code, optimizer=optimizer, device="cuda"))
     with user_import_path(config.base_dir):

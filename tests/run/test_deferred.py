@@ -5,13 +5,13 @@ import textwrap
 
 import pytest
 import torch
-
 from helpers import scan
+
+from nanaudit.config.entrypoints import user_import_path
 from nanaudit.config.parse import load_config
 from nanaudit.run.deferred import BufferKeeper, DeviceSkip, choose_read
-from nanaudit.run.session import build_session
-from nanaudit.config.entrypoints import user_import_path
 from nanaudit.run.loop import run_steps
+from nanaudit.run.session import build_session
 
 BN_CASE = textwrap.dedent("""
     import torch

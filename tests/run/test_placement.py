@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nanaudit.run.distributed import choose_placement
 from nanaudit.errors import ConfigError
+from nanaudit.run.distributed import choose_placement
 
 
 @pytest.mark.parametrize("gpus, local_world, backend, device, note", [

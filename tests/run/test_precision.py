@@ -3,7 +3,6 @@
 import struct
 
 import pytest
-
 from helpers import LINEAR_CASE, ROOT, run_cli, scan
 
 EXAMPLES = ROOT / "configs" / "examples"
@@ -135,10 +134,10 @@ def test_update_ratio_is_the_sgd_step_over_the_weights(case, tmp_path):
 
 
 def test_host_scale_mirror_matches_the_grad_scaler():
-    from nanaudit.config.parse import load_config
-    from nanaudit.run.session import build_session
     from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.config.parse import load_config
     from nanaudit.run.loop import run_steps
+    from nanaudit.run.session import build_session
     config = load_config(EXAMPLES / "amp_fp16_clean.yaml")
     with user_import_path(config.base_dir):
         session = build_session(config)

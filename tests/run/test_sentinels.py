@@ -3,9 +3,9 @@
 import math
 
 import torch
+from helpers import LINEAR_CASE, scan
 
 from nanaudit.run.checks import StepChecks, finite_norm
-from helpers import LINEAR_CASE, scan
 
 
 def test_norm_is_nonfinite_exactly_when_an_element_is():
