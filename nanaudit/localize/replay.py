@@ -41,7 +41,7 @@ from nanaudit.localize.tracer import (
 from nanaudit.run.checks import StepChecks, value_kind
 from nanaudit.run.session import Session
 from nanaudit.run.step import StepState, Trip
-from nanaudit.run.units import ReplayHooks
+from nanaudit.run.step import ReplayHooks
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import operator
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,3 +243,12 @@ def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scal
                          lr=current_lr(optimizer) if lr is None else lr,
                          time_ms=round((ended - started) * 1000, 3), scale=scale,
                          skipped=bool(scaler_step and scaler_step.skipped), **fields)
+
+
+@dataclass
+class ReplayHooks:
+    """What an instrumented replay needs told: when backward starts and ends (the tracer's
+    phases), and a batch of rows to use instead of the recorded one (sample search)."""
+
+    before_backward: Callable[[], None] | None = None
+    after_backward: Callable[[], None] | None = None

@@ -1,0 +1,302 @@
+"""The user's own step (`step:` in the config): their `step(model, batch, optimizer)` runs
+forward, backward and every optimizer step itself, and nanaudit checks before each update.
+
+The call is seen through the shared interception (intercept.py): the losses it differentiates
+(before any loss scaling), and each optimizer's step pre-hook, where the loop's gate reads that
+optimizer's gradients and parameters and the losses backpropagated since, and raises
+`StepHalted` out of the hook before a bad update. The updates made earlier in the same call are
+put back from copies taken just before them (only when a later optimizer step may follow in the
+call), so a replay starts from the state before the call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanaudit.errors import UserCodeError, call_user
+from nanaudit.run.intercept import LossTap, StepHalted, checked_closure_args
+from nanaudit.run.step import ReplayHooks, StepState
+
+
+@dataclass
+class UpdatePoint:
+    """An optimizer about to step inside the user's step: which, and the losses so far."""
+
+    index: int                       # the optimizer step's place in this call (0, 1, ...)
+    name: str
+    optimizer: Any
+    losses: list                     # loss tensors backpropagated since the previous update
+    loss_names: list                 # their names when known (from an earlier call's dict)
+
+
+@dataclass
+class UserRun:
+    """What one call of the user's step did."""
+
+    # name -> the floating scalar tensor it returned as a loss; one that no check before an
+    # update saw is handed over detached: the loop reads those after the call.
+    losses: dict = field(default_factory=dict)
+    updates: int = 0                               # optimizer steps applied
+    halted: UpdatePoint | None = None              # where a check stopped it
+    undo: list = field(default_factory=list)       # put back the updates applied before it
+
+
+class UserStep:
+    """The user's `step(model, batch, optimizer)`, checked at each optimizer step.
+
+    What the call differentiates is seen by wrapping `torch.autograd.backward` and
+    `torch.autograd.grad` (a scalar differentiated for the trained parameters is a loss) and
+    `GradScaler.scale` (the loss checked and shown is the one before scaling). An optimizer
+    stepped with a closure (LBFGS) is checked after the closure's first evaluation, which
+    computes the loss and gradients inside `step()` before any parameter changes."""
+
+    owns_update = True
+    window = 1
+    name = "user step"
+
+    def __init__(self, session):
+        self.session = session
+        self.hold_weights = False       # bisect over data: every update is put back after the call
+        self._gate: Callable[[UpdatePoint], bool] | None = None
+        self._run: UserRun | None = None
+        self._pending: list = []
+        self._backwarded: list = []      # every loss this call differentiated, in order
+        self._gated: list = []           # the UpdatePoints this call checked
+        self._returned: dict = {}        # the losses the last call returned, as returned
+        self._named: dict = {}           # id(checked loss) -> the name it was returned under
+        self._updates_per_call: int | None = None   # the most updates a complete call made
+        self._names_at: list = []        # loss names by differentiation order in a call (learnt)
+        self._loss_of: dict = {}         # optimizer name -> the returned loss it stepped on
+        self._snapshot_all = False       # a replay: every update it makes is put back
+        self._snapshotted: set = set()   # ids of the optimizers copied in this call
+        self._scalers: list = []         # the GradScalers this call scaled a loss with
+        self._hooks: ReplayHooks | None = None
+        self._by_optimizer = {id(o): n for n, o in session.optimizers.items()}
+        self._trained = {id(p) for o in session.optimizers.values()
+                         for g in o.param_groups for p in g["params"]}
+        self._handles = [o.register_step_pre_hook(self._pre_step)
+                         for o in session.optimizers.values()]
+
+    @property
+    def optimizer_argument(self):
+        """What the user's function gets: the optimizer, or all of them as the config gave."""
+        optimizers = self.session.optimizers
+        if len(optimizers) == 1:
+            return next(iter(optimizers.values()))
+        if all(n.startswith("optimizer[") for n in optimizers):
+            return list(optimizers.values())
+        return dict(optimizers)
+
+    def run(self, batch: Any, gate: Callable[[UpdatePoint], bool],
+            hooks: ReplayHooks | None = None) -> UserRun:
+        """Call the user's step; `gate(point)` runs before each optimizer step and returns
+        False to stop the call there (before that update)."""
+        self._gate, self._run, self._pending, self._hooks = gate, UserRun(), [], hooks
+        self._backwarded, self._gated, self._returned = [], [], {}
+        self._snapshotted, self._scalers = set(), []
+        saved_scalers: list = []
+        tap = self._tap(saved_scalers).install()
+        try:
+            self.session.model.zero_grad(set_to_none=True)
+            with self.session.precision.autocast():
+                returned = call_user(f"step `{self.session.loss_label}`", self.session.step_fn,
+                                     self.session.model, batch, self.optimizer_argument,
+                                     **dict(self.session.options.loss_args))
+            self._run.losses = self._named_losses(returned)
+            self._learn_names()
+            self._updates_per_call = max(self._updates_per_call or 0, self._run.updates)
+        except StepHalted:
+            self._abandon_scalers()     # stopped inside `scaler.step`: no `update()` followed
+        finally:
+            tap.remove()
+            self._gate = None
+        for scaler, state in saved_scalers:       # a replay leaves the user's scaler as it was
+            scaler.load_state_dict(state)
+            _forget_optimizers(scaler, self.session.optimizers.values())
+        if self.hold_weights and self._run.halted is None:
+            for put_back in reversed(self._run.undo):
+                put_back()
+            self._run.undo, self._run.updates = [], 0
+        return self._run
+
+    def _tap(self, saved_scalers: list) -> LossTap:
+        """What the call differentiates and scales with, seen for the call's duration."""
+        hooks = self._hooks
+
+        def on_scale(scaler: Any) -> None:
+            if not any(s is scaler for s in self._scalers):
+                self._scalers.append(scaler)
+                if self._snapshot_all and getattr(scaler, "is_enabled", lambda: False)():
+                    saved_scalers.append((scaler, scaler.state_dict()))
+
+        def on_loss(loss: torch.Tensor) -> None:
+            self._pending.append(loss)
+            self._backwarded.append(loss)
+        return LossTap(on_loss, before=hooks.before_backward if hooks else None,
+                       after=(lambda raised: hooks.after_backward()) if hooks and
+                       hooks.after_backward else None,
+                       on_scale=on_scale, trained=self._trained)
+
+    def _pre_step(self, optimizer, args, kwargs):
+        if self._gate is None:
+            return None                 # a step outside nanaudit's call: not ours to check
+        evaluations = [0]
+
+        def after_closure() -> None:
+            # The closure computes the loss and gradients inside step(): check after its first
+            # evaluation, before the optimizer changes anything.
+            evaluations[0] += 1
+            if evaluations[0] == 1:
+                self._check(optimizer)
+        wrapped = checked_closure_args(args, kwargs, after_closure)
+        if wrapped is not None:
+            return wrapped
+        self._check(optimizer)
+        return None
+
+    def _check(self, optimizer) -> None:
+        """The gate before one update; raises StepHalted to stop the call there."""
+        run = self._run
+        if run.halted is not None:
+            raise StepHalted()                # a bare `except:` in the step swallowed the first one
+        name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
+        count = len(self._pending)
+        start = len(self._backwarded) - count
+        names = [self._loss_name(start + i, name) for i in range(count)]
+        point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
+        self._pending = []
+        self._gated.append(point)
+        if not self._gate(point):
+            run.halted = point
+            raise StepHalted()
+        # Only the call's first update of each optimizer is copied: a trip puts the call's
+        # updates back to the state before the call, whatever came between.
+        if id(optimizer) not in self._snapshotted and (
+                self._snapshot_all or self.hold_weights or self._updates_per_call is None
+                or run.updates + 1 < self._updates_per_call):
+            self._snapshotted.add(id(optimizer))
+            run.undo.append(_undo_for(optimizer))
+        run.updates += 1
+
+    def _loss_name(self, position: int, optimizer_name: str) -> str | None:
+        """A differentiated loss's name, learnt from the dicts earlier calls returned: by its
+        place in the call, else the loss this optimizer stepped on."""
+        if position < len(self._names_at) and self._names_at[position]:
+            return self._names_at[position]
+        return self._loss_of.get(optimizer_name)
+
+    def _named_losses(self, returned) -> dict:
+        """The floating scalar tensors the call returned, by name (logits, counts and Python
+        floats beside them are not losses); a loss no check saw is detached for the loop."""
+        if isinstance(returned, Mapping):
+            items = [(str(k), v) for k, v in returned.items()]
+        elif isinstance(returned, (list, tuple)):
+            items = [(f"[{i}]", v) for i, v in enumerate(returned)]
+        else:
+            items = [("loss", returned)]
+        losses = {n: v for n, v in items if isinstance(v, torch.Tensor)
+                  and v.is_floating_point() and v.numel() == 1}
+        if len(losses) == 1 and not isinstance(returned, Mapping):
+            losses = {"loss": next(iter(losses.values()))}
+        self._returned = losses
+        checked = [t for point in self._gated for t in point.losses]
+        ids = {id(t) for t in checked}
+        out, self._named = {}, {}
+        for n, t in losses.items():
+            seen = t if id(t) in ids else _alias_of(t, checked)
+            if seen is not None:
+                self._named[id(seen)] = n
+            out[n] = seen if seen is not None else t.detach()
+        return out
+
+    def _learn_names(self) -> None:
+        ids = {**{id(t): n for n, t in self._returned.items()}, **self._named}
+        if not ids:
+            return
+        for i, t in enumerate(self._backwarded):
+            name = ids.get(id(t))
+            if name:
+                self._names_at += [None] * (i + 1 - len(self._names_at))
+                self._names_at[i] = name
+        for point in self._gated:
+            for t in point.losses:
+                if id(t) in ids:
+                    self._loss_of[point.name] = ids[id(t)]
+
+    def _abandon_scalers(self) -> None:
+        for scaler in self._scalers:
+            _forget_optimizers(scaler, self.session.optimizers.values())
+
+    def replay(self, state: StepState, batch: Any = None,
+               hooks: ReplayHooks | None = None) -> torch.Tensor:
+        """The user's step again from the pre-step state, stopped where it tripped (the whole
+        call when a returned loss tripped after it); returns the last bad loss it
+        differentiated or returned, else the last one (the sink of a loss trip)."""
+        state.rewind()
+        halt_at = state.halt_at
+        seen: list = []
+
+        def gate(point: UpdatePoint) -> bool:
+            seen.extend(point.losses)
+            return halt_at is None or point.index < halt_at
+        self._snapshot_all = True
+        try:
+            run = self.run(state.batch if batch is None else batch, gate, hooks)
+        finally:
+            self._snapshot_all = False
+        for put_back in reversed(run.undo):
+            put_back()              # the replay's own updates: state as before
+        seen.extend(self._pending)
+        if run.halted is None:
+            seen.extend(self._returned.values())
+        if not seen:
+            raise UserCodeError(f"step `{self.session.loss_label}`",
+                                RuntimeError("the step backpropagated no loss"))
+        bad = [t for t in seen if not bool(torch.isfinite(t.detach()).all())]
+        return (bad or seen)[-1]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _alias_of(tensor: torch.Tensor, checked: list):
+    """The checked loss a returned `loss.detach()` shares its storage with (no read needed)."""
+    try:
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        for t in checked:
+            if (t.untyped_storage().data_ptr(), t.storage_offset()) == where:
+                return t
+    except (RuntimeError, NotImplementedError):
+        return None
+    return None
+
+
+def _forget_optimizers(scaler, optimizers) -> None:
+    """A GradScaler whose step was stopped (or replayed) must not remember the optimizers as
+    unscaled or stepped: its `update()` never ran, and the next call unscales again."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        for optimizer in optimizers:
+            states.pop(id(optimizer), None)
+
+
+def _undo_for(optimizer) -> Callable[[], None]:
+    """A copy of what `optimizer.step()` is about to change (its parameters and state), and
+    how to put it back: taken only when a later optimizer step in the same call could trip."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [p.detach().clone() for p in params]
+    state = copy.deepcopy(optimizer.state_dict())
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
+        optimizer.load_state_dict(copy.deepcopy(state))
+    return put_back
