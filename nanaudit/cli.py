@@ -477,7 +477,8 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
     name the op. nanaudit's options go before the script; everything after it is the script's."""
-    from nanaudit.commands.run_script import RunOptions, ScriptTarget, rank_path, run_script
+    from nanaudit.commands.run import run_script
+    from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     terminal = Terminal(quiet or json_path == "-")
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     if script_args[:1] == ("-m",) and len(script_args) > 1:
@@ -488,7 +489,7 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
         terminal.error("nothing to run: give a script (`nanaudit run train.py ARGS...`) or "
                        "a module (`nanaudit run -m pkg.train ARGS...`)")
         _exit(ExitCode.USAGE)
-    options = RunOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
+    options = ScriptOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
                          fail_on=fail_on, on_rerun=lambda step: terminal.info(
                              f"non-finite at optimizer step {step}: re-running the script from "
                              f"the start to localize it (--no-rerun skips this)"))

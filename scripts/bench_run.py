@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.commands.run_script import ScriptTarget, execute, seed_everything
-from nanaudit.run.script_hooks import ScriptAuditor
+from nanaudit.run.seeding import seed_everything
+from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.target import ScriptTarget, execute
 
 PLAIN_LOOP = '''
 import argparse

@@ -1,13 +1,16 @@
-"""The README's Layout holds: stage packages import only the stages below them (no cycle)."""
+"""The README's Layout holds: stage packages import only the stages below them, and no module
+imports itself back through others (no cycle), counting imports made by a module-name string
+(`python -m nanaudit.script.child`, `importlib.import_module("nanaudit...")`) as imports."""
 
 import ast
+import re
 from pathlib import Path
 
 import nanaudit
 
 # Bottom to top, as README's Layout table names them; a stage may import itself and below.
 STAGES = [("_version", "exitcodes"), ("report",), ("errors",), ("config",), ("run",),
-          ("localize",), ("commands",), ("integrations", "cli", "demo"),
+          ("localize",), ("script",), ("commands",), ("integrations", "cli", "demo"),
           ("__init__", "__main__")]
 RANK = {name: level for level, names in enumerate(STAGES) for name in names}
 PACKAGE = Path(nanaudit.__file__).parent
@@ -30,7 +33,19 @@ def _imports(path: Path) -> set[str]:
                 found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("nanaudit."))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and MODULE_NAME.fullmatch(node.value) and _exists(node.value):
+            found.add(node.value)          # a module run or imported by its name
     return found
+
+
+MODULE_NAME = re.compile(r"nanaudit(\.[a-z_][a-z0-9_]*)+")
+
+
+def _exists(module: str) -> bool:
+    """A string naming a module of the package (not a file name like `nanaudit.json`)."""
+    path = PACKAGE.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _files():
@@ -48,3 +63,34 @@ def test_no_import_runs_up_a_stage():
               for stage, path in _files() for target in sorted(_imports(path))
               if RANK[_stage(target)] > RANK[stage]]
     assert upward == []
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("nanaudit",) + tuple(p for p in parts if p != "__init__"))
+
+
+def test_no_import_cycle():
+    modules = {_module(path): path for _, path in _files()}
+    edges = {name: {t for t in _imports(path) if t in modules and t != name}
+             for name, path in modules.items()}
+    cycles, state = [], {}
+
+    def visit(name, trail):
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(trail[trail.index(target):] + [target]))
+            elif target not in state:
+                visit(target, trail + [target])
+        state[name] = "done"
+    for name in sorted(modules):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_a_module_name_string_counts_as_an_import():
+    # The re-run is started as `python -m <CHILD_MODULE>`: the layout sees that edge.
+    script = PACKAGE / "script" / "rerun.py"
+    assert "nanaudit.script.child" in _imports(script)

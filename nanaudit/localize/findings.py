@@ -4,12 +4,14 @@ checks; through a traced replay (localize) and a sample search for the loss and 
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
 from nanaudit.localize.replay import (
     forward_input_stats,
     input_stats,
+    Localization,
     localize,
     preserved_buffers,
     replay_reproduces,
@@ -145,25 +147,76 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
     loc = localize(session, state, trip, timeline)
     if not loc.reproduced:
         return _not_reproduced(trip, own_step=session.step_fn is not None)
-    event = loc.event
-    loss_name = _loss_name(session)
-    finding = Finding(
-        step=trip.step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
-        explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
-        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
-        module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
-        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
-        reproduced=True, tensors=loc.bad_tensors or [],
-        tensor=(loc.bad_tensors or [None])[0] if trip.check == "gradient" else "loss",
-        chain=[_chain_link(e, loss_name) for e in loc.chain])
+    bad = loc.bad_tensors or []
+    finding = traced_finding(loc, trip.step, tensor=bad[0] if trip.check == "gradient" and bad
+                             else (None if trip.check == "gradient" else "loss"),
+                             tensors=bad, loss_name=_loss_name(session))
     if trip.note:
-        finding.explanation += f"; {trip.note}"
+        finding.explain(trip.note)
     if finding.cause == "divergence":
         finding.sample_search = SampleSearch(None, 0, False,
                                              "divergence: the weights, not particular rows")
     elif isolate_samples:
         _isolate(session, state, trip, finding)
     return finding
+
+
+def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: list,
+                   loss_name: str | None = None) -> Finding:
+    """The finding of a reproduced localization, for every command that traces a step: the
+    creating op (and its forward op), its module, line and inputs, the diagnosis, the chain.
+    `loss_name`: what ops outside every module ran in (the loss callable), when known."""
+    event = loc.event
+    assert event is not None and loc.diagnosis is not None, "a reproduced localization"
+    return Finding(
+        step=step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
+        explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
+        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
+        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        reproduced=True, tensors=tensors, tensor=tensor,
+        chain=[_chain_link(e, loss_name) for e in loc.chain or []])
+
+
+def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
+    """For a forward-created value: the batch rows whose slice of the op's output is bad."""
+    if event.phase != "forward" or not batch_size:
+        return None
+    trace = tracer.trace
+    rows: set[int] = set()
+    for t in tracer.kept_tensors():
+        if trace.producer.get(id(t)) == event.index and t.dim() >= 1 \
+                and t.shape[0] == batch_size:
+            rows.update(nonfinite_rows(t.detach(), 0))
+    return sorted(rows) or None
+
+
+def rows_search(op: str, rows: list[int] | None, batch_size: int | None) -> SampleSearch | None:
+    """How the rows of a traced step were found: from the creating op's output, no replays."""
+    if not rows or batch_size is None:
+        return None
+    if len(rows) < batch_size:
+        return SampleSearch(batch_size, 0, False,
+                            f"the rows whose slice of {op}'s output went non-finite")
+    # Every row: the weights or the op, not particular samples (no row to inspect).
+    return SampleSearch(batch_size, 0, False,
+                        f"every row's slice of {op}'s output went non-finite: a batch-level "
+                        f"value, not particular samples")
+
+
+def event_precision(event) -> str:
+    """fp16 or bf16 when the creating op (or, for a backward op, its forward op) read or wrote
+    that dtype (autocast's casts carry it as `dtype=`), else fp32: an overflow in float16 is
+    the dtype's range, one in float32 after the weights grew is divergence."""
+    dtypes = set()
+    for record in (event, event.forward):
+        if record is None or getattr(record, "args", None) is None:
+            continue
+        for leaf in tree_flatten((record.args, record.kwargs or {}))[0]:
+            dtypes.add(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf)
+    if torch.float16 in dtypes:
+        return "fp16"
+    return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
 
 GROWTH_WARNINGS = ("loss-spike", "grad-growth", "update-ratio")
@@ -190,8 +243,8 @@ def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> 
     first = min(relevant, key=lambda w: (w.step, w.began))
     finding.first_warning = first
     began = f" (growing since step {first.began})" if first.began < first.step else ""
-    finding.explanation += (f"; nanaudit warned at step {first.step}{began}: {first.kind}, "
-                            f"{first.message}")
+    finding.explain(f"nanaudit warned at step {first.step}{began}: {first.kind}, "
+                    f"{first.message}")
 
 
 def _loss_name(session) -> str:
@@ -313,7 +366,8 @@ def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
 
 def _int_leaves(batch):
     from nanaudit.run.batch import tensor_leaves
-    return [(p, t) for p, t in tensor_leaves(batch) if not (t.is_floating_point() or t.is_complex())]
+    return [(p, t) for p, t in tensor_leaves(batch)
+            if not (t.is_floating_point() or t.is_complex())]
 
 
 def _short(items, limit: int = 10) -> str:

@@ -293,6 +293,10 @@ class OpTracer(TorchDispatchMode):
         finally:
             self.modules.__exit__(*exc)
 
+    def kept_tensors(self) -> list:
+        """The non-finite outputs the trace kept alive (their ids name their producers)."""
+        return list(self._keep)
+
     def start_backward(self) -> None:
         self._tag_pending()
         self.phase = "backward"

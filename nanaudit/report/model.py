@@ -204,6 +204,10 @@ class Finding:
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).
     OMIT_WHEN_NONE_AS_FINDING = ("optimizer", "loss_name")
 
+    def explain(self, clause: str) -> None:
+        """Add a clause to the explanation: the one place clauses are joined ("; ")."""
+        self.explanation = f"{self.explanation}; {clause}" if self.explanation else clause
+
 
 @dataclass
 class TimelineEntry:

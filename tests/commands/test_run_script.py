@@ -12,13 +12,14 @@ import torch
 from helpers import ROOT, run_cli
 
 from nanaudit.commands.common import exit_code
-from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script
+from nanaudit.commands.run import run_script
+from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 SCRIPTS = ROOT / "configs" / "examples" / "scripts"
 
 
 def script(name: str, *args: str, **options):
-    return run_script(ScriptTarget(path=str(SCRIPTS / name), args=args), RunOptions(**options))
+    return run_script(ScriptTarget(path=str(SCRIPTS / name), args=args), ScriptOptions(**options))
 
 
 def line_of(path: Path, text: str) -> int:
@@ -321,3 +322,13 @@ def test_under_torchrun_each_rank_checks_and_reports_its_rank(tmp_path):
     assert (rank1["finding"]["step"], rank1["finding"]["where"], rank1["finding"]["rank"]) == (
         3, "forward", 1)
     assert rank1["run"]["rerun"]["status"] == "skipped"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**40])
+def test_any_seed_the_command_line_takes_seeds_numpy_too(tmp_path, seed):
+    # Two seeding routines disagreed: one reduced the seed for NumPy, the other did not, so
+    # `nanaudit run --seed -1` made NumPy raise inside our seeding, reported as the script's.
+    path = write(tmp_path, "    import numpy\n" + LOOP.format(poison="pass").lstrip("\n"))
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(seed=seed))
+    assert report.status == "clean", report.error
+    assert report.config["seed"] == seed

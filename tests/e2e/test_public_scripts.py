@@ -22,9 +22,12 @@ import torch
 from helpers import run_cli
 
 from nanaudit.commands.common import exit_code
-from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script, timeline_warnings
+from nanaudit.commands.run import run_script
 from nanaudit.report.model import TimelineEntry
-from nanaudit.run.script_hooks import ScriptAuditor, window_loss
+from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.runner import timeline_warnings
+from nanaudit.script.step_values import window_loss
+from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NANOGPT, WORD_LM, LBFGS, MNIST, DCGAN = (str(SCRIPTS / n) for n in
@@ -59,7 +62,7 @@ def plain(script: str, *args: str) -> None:
 
 
 def audited(script: str, *args: str, **options):
-    return run_script(ScriptTarget(path=script, args=args), RunOptions(**options))
+    return run_script(ScriptTarget(path=script, args=args), ScriptOptions(**options))
 
 
 def printed(pattern: str, text: str) -> list[float]:
@@ -149,6 +152,9 @@ def test_an_evaluation_under_no_grad_is_not_the_training_forward():
         def start_backward(self):
             self.phase = "backward"
 
+        def end_backward(self):
+            self.phase = "forward"
+
         def __enter__(self):
             return self
 
@@ -162,11 +168,11 @@ def test_an_evaluation_under_no_grad_is_not_the_training_forward():
         optimizer.step()
         with torch.no_grad():                       # estimate_loss between two steps
             model(torch.full((2, 3), float("nan")))
-        assert auditor.armed is None
+        assert auditor.window.armed is None
         model(torch.ones(4, 3)).sum().backward()
     finally:
         auditor.remove()
-    assert armed == [model] and auditor.armed.batch_size == 4
+    assert armed == [model] and auditor.window.armed.batch_size == 4
 
 
 # --- word_language_model: no optimizer ---------------------------------------------------------
@@ -253,13 +259,13 @@ def test_a_loss_divided_by_the_window_size_counts_undivided():
 
 
 def test_the_divisor_is_read_from_the_autograd_node():
-    from nanaudit.run.script_hooks import _loss_factor
+    from nanaudit.script.step_values import loss_factor
     w = torch.ones(3, requires_grad=True)
-    assert _loss_factor(w.sum() / 4) == 4.0
-    assert _loss_factor(w.sum() * 0.25) == 4.0
-    assert _loss_factor(w.sum() / torch.tensor(8.0)) == 8.0
-    assert _loss_factor(w.sum()) is None
-    assert _loss_factor(w.sum() / w.sum().detach().requires_grad_()) is None
+    assert loss_factor(w.sum() / 4) == 4.0
+    assert loss_factor(w.sum() * 0.25) == 4.0
+    assert loss_factor(w.sum() / torch.tensor(8.0)) == 8.0
+    assert loss_factor(w.sum()) is None
+    assert loss_factor(w.sum() / w.sum().detach().requires_grad_()) is None
 
 
 def _entry(step, loss, norm):

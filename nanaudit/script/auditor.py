@@ -1,0 +1,378 @@
+"""The checks of `nanaudit run`: at each optimizer step of an unmodified script, ONE host read
+of the step's values (its inputs' finiteness, the weights as the previous update left them, the
+step's loss and its gradients' norm), classified as the step loop classifies a step; a
+non-finite value raises StepHalted before the optimizer applies the update, which unwinds the
+script up to the runner.
+
+A closure's later evaluations in a step (LBFGS evaluates it up to `max_iter` times) are checked
+too: the step's timeline entry is its first evaluation, and any evaluation may trip, named with
+its index. A step the GradScaler skips (inf gradients) is not a step: its losses and inputs are
+checked (a NaN loss is still a finding) and dropped. A script that builds no optimizer updates
+its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then its step,
+checked when backward returns, before the script's own update.
+
+On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
+N-1's update to step N's check (rerun_window.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanaudit.report.model import Check, TimelineEntry
+from nanaudit.run.batch import nonfinite_rows
+from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
+from nanaudit.run.intercept import StepHalted
+from nanaudit.script.hooks import ScriptHooks
+from nanaudit.script.rerun_window import RerunWindow
+from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
+from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
+
+
+class ManualUpdate:
+    """The script's own update, for a script that builds no torch.optim optimizer: the
+    parameters of the modules it called, as one group, in place of an optimizer's."""
+
+    def __init__(self) -> None:
+        self.param_groups: list = [{"params": []}]
+
+
+def describe_optimizer(optimizer: Any) -> str:
+    """`Adam(lr=0.001, eps=1e-08, ...)`: its class and the hyper-parameters that matter."""
+    if isinstance(optimizer, ManualUpdate):
+        return ""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    hyper = ", ".join(f"{k}={group[k]:.4g}" for k in ("lr", "eps", "momentum", "weight_decay")
+                      if isinstance(group.get(k), (int, float)))
+    return f"{type(optimizer).__name__}({hyper})"
+
+
+def _lr(optimizer: Any) -> float | None:
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None
+
+
+@dataclass
+class StepInbox:
+    """What the hooks collected since the last check, on the device (no read yet)."""
+
+    losses: list = field(default_factory=list)       # 0-dim float64 losses that reached backward
+    factors: list = field(default_factory=list)      # what each was divided by, or None
+    input_flags: list = field(default_factory=list)  # 0-dim bools: the first call's inputs finite
+    inputs: list = field(default_factory=list)       # (name, tensor) of that call's float inputs
+
+    def loss(self, device: torch.device) -> torch.Tensor:
+        if not self.losses:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return window_loss([v.to(device) for v in self.losses], self.factors)
+
+    def inputs_ok(self, device: torch.device) -> torch.Tensor:
+        if not self.input_flags:
+            return torch.ones((), dtype=torch.bool, device=device)
+        return torch.stack([f.to(device) for f in self.input_flags]).all()
+
+
+class ScriptAuditor:
+    """The checks of one script run; its hooks are `hooks` (install() / remove())."""
+
+    def __init__(self, rerun_step: int | None = None, rank: int | None = None,
+                 expected_losses: list | None = None, tracer: Any = None,
+                 rerun_evaluation: int = 0):
+        self.step = 0                    # optimizer steps completed
+        self.timeline: list[TimelineEntry] = []
+        self.trip: ScriptTrip | None = None
+        self.rank = rank
+        self.host_reads = 0
+        self.device = ""
+        self.skipped = 0                 # steps a GradScaler skipped (not steps)
+        # The re-run's traced window (the tracer class handed in: the cheap path never imports
+        # the expensive one) and the first run's losses, to stop a re-run that left it.
+        self.window = RerunWindow(rerun_step, rerun_evaluation, tracer)
+        self.expected_losses = expected_losses
+        self.hooks = ScriptHooks(self)
+        self._inbox = StepInbox()
+        self._evaluation = 0             # closure calls checked in the current step
+        self._stepped = 0                # optimizer steps taken (post-hook calls), every one
+        self._names: dict = {}           # id(parameter) -> qualified name
+        self._roots: dict = {}           # id -> the modules called first (outermost)
+        self._optimizers_made = 0        # torch.optim optimizers the script built
+        self._manual = ManualUpdate()    # each backward's step when it built none
+        self._optimizers: dict = {}      # id -> optimizer, for the final check
+        self._updated_at: dict = {}      # id(optimizer) -> the step of its last update
+        self._last_check = time.perf_counter()
+
+    def install(self) -> ScriptAuditor:
+        self.hooks.install()
+        return self
+
+    def remove(self) -> None:
+        self.hooks.remove()
+        self.window.close()
+
+    # --- what the hooks tell -----------------------------------------------------------------
+
+    def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        if id(module) not in self._roots:
+            self._roots[id(module)] = module
+            for name, p in module.named_parameters():
+                self._names.setdefault(id(p), name)
+        if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
+            self.window.arm(module, args, kwargs)
+            return True
+        if self.window.armed is not None:
+            return True
+        inputs = data_inputs(args, kwargs)
+        if inputs:
+            self._inbox.inputs = inputs
+            self._inbox.input_flags.append(torch.stack([torch.isfinite(t).all()
+                                                        for _, t in inputs]).all())
+        return True
+
+    def loss(self, loss: torch.Tensor) -> None:
+        armed = self.window.armed
+        if armed is not None:
+            armed.sinks.append(loss)          # no ops of ours inside the traced window
+            return
+        self._inbox.losses.append(loss.detach().reshape(()).to(torch.float64))
+        self._inbox.factors.append(loss_factor(loss))
+
+    def backward_started(self) -> None:
+        if self.window.armed is not None:
+            self.window.armed.tracer.start_backward()
+
+    def backward_ended(self, raised: bool) -> None:
+        if self.window.armed is not None:
+            self.window.armed.tracer.end_backward()
+        if not raised and not self._optimizers_made and self._roots:
+            self._check_manual()
+
+    def update_starting(self) -> None:
+        self._evaluation = 0
+
+    def before_update(self, optimizer: Any, evaluation: int | None) -> None:
+        """The check before an update; `evaluation`: which call of the step's closure just
+        returned (None: a step without a closure)."""
+        if evaluation is None:
+            self._check(optimizer)
+            return
+        self._evaluation = evaluation
+        self._check(optimizer, evaluation)
+        self._evaluation = evaluation + 1
+
+    def after_update(self, optimizer: Any) -> None:
+        self._stepped += 1
+        self._updated_at[id(optimizer)] = self.step
+        self.step += 1
+
+    def stepped(self) -> int:
+        return self._stepped
+
+    def optimizer_built(self) -> None:
+        """An optimizer after backward calls already checked as steps: those were not training
+        steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
+        self._optimizers_made += 1
+        if (self._optimizers_made == 1 and self.step and self.trip is None
+                and self.window.armed is None):
+            self.step, self._stepped = 0, 0
+            self.timeline.clear()
+            self._updated_at.clear()
+            self._optimizers.pop(id(self._manual), None)
+
+    def _check_manual(self) -> None:
+        """A script without an optimizer: this backward was its step; check it before the
+        script applies its own update, then count the step as an optimizer's post-hook does."""
+        seen, params = set(), []
+        for module in self._roots.values():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self._manual.param_groups[0]["params"] = params
+        self._check(self._manual)
+        self.after_update(self._manual)
+
+    # --- the check ---------------------------------------------------------------------------
+
+    def _check(self, optimizer: Any, evaluation: int = 0) -> None:
+        """One host read: [inputs finite, parameter norm, window loss, gradient norm]. A
+        closure's later evaluations in the same step add no timeline entry."""
+        self._optimizers[id(optimizer)] = optimizer
+        if self.window.arms_at(self.step, self._evaluation):
+            self.window.reached(optimizer)
+            raise StepHalted()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not params:
+            return
+        device = params[0].device
+        self.device = str(device)
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        state, gnorm = finite_norms([[p.detach() for p in params], grads], device)
+        inbox, self._inbox = self._inbox, StepInbox()
+        ok, norm, loss_value, grad_norm = torch.stack(
+            [inbox.inputs_ok(device).to(torch.float64), state, inbox.loss(device),
+             gnorm]).tolist()
+        self.host_reads += 1
+        loss = loss_value if inbox.losses else None
+        if not math.isfinite(grad_norm) and not confirm_nonfinite(grads):
+            grad_norm = exact_norm(grads)      # a float32 sum of squares overflowed: finite
+        if not math.isfinite(norm) and not confirm_nonfinite(params):
+            norm = exact_norm(params)
+        entry = self._entry(optimizer, loss, grad_norm, norm)
+        if evaluation == 0:
+            self._append(entry)
+            if self._left_first_run(loss):
+                raise StepHalted()             # a re-run that already differs: no use going on
+        trip = self._classify(optimizer, ok, norm, loss if loss is not None else 0.0,
+                              grad_norm, params, inbox.inputs)
+        if trip is not None:
+            trip.evaluation = evaluation
+            if evaluation:
+                self.timeline[-1] = entry      # the step shows the evaluation that went bad
+            self.trip = trip
+            raise StepHalted()
+
+    def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
+               norm: float | None, **fields: Any) -> TimelineEntry:
+        return TimelineEntry(step=self.step, loss=loss, grad_norm=grad_norm, param_norm=norm,
+                             lr=_lr(optimizer), time_ms=round(
+                                 (time.perf_counter() - self._last_check) * 1000, 3), **fields)
+
+    def _append(self, entry: TimelineEntry) -> None:
+        self.timeline.append(entry)
+        self._last_check = time.perf_counter()
+
+    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
+        """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
+        step and not a finding, unless the loss or the inputs were non-finite already (then
+        the forward made the value, not the loss scale, and every later step would be skipped
+        too). One host read, on skipped steps only; the step's losses and inputs are dropped."""
+        if self.window.armed is not None:
+            # The re-run inside step N's window: this try of step N is the bad one if its loss
+            # is; a clean skip is traced again from the next forward.
+            if self.window.skipped_try_was_bad():
+                self.window.reached(optimizer)
+                raise StepHalted()
+            self.hooks.await_forward()
+            return
+        self._optimizers[id(optimizer)] = optimizer
+        self.skipped += 1
+        inbox, self._inbox = self._inbox, StepInbox()
+        if not inbox.losses and not inbox.input_flags:
+            return
+        device = (inbox.losses or inbox.input_flags)[0].device
+        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
+                                      inbox.loss(device)]).tolist()
+        self.host_reads += 1
+        if ok >= 1.0 and math.isfinite(loss_value):
+            return
+        if self.window.step is not None and self.step == self.window.step:
+            self.window.reached(optimizer)     # step N reached, but nothing was armed
+            raise StepHalted()
+        self._append(self._entry(optimizer, loss_value if inbox.losses else None, None, None,
+                                 skipped=True, scale=float(scaler.get_scale())))
+        if ok < 1.0:
+            trip = self._input_trip(inbox.inputs, loss_value, None)
+        else:
+            trip = self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value)
+        trip.skipped = True
+        trip.optimizer = describe_optimizer(optimizer)
+        self.trip = trip
+        raise StepHalted()
+
+    def _left_first_run(self, loss: float | None) -> bool:
+        expected = self.expected_losses
+        if expected is None or self.step >= len(expected):
+            return False
+        return not same_value(expected[self.step], loss)
+
+    def _classify(self, optimizer: Any, ok: float, norm: float, loss: float, grad_norm: float,
+                  params: list, inputs: list) -> ScriptTrip | None:
+        if ok < 1.0:
+            return self._input_trip(inputs, loss, grad_norm)
+        name = self.parameter_name
+        if not math.isfinite(norm):
+            bad = [p for p in params if not bool(torch.isfinite(p).all())]
+            updated = self._updated_at.get(id(optimizer))
+            check = Check.OPTIMIZER if updated is not None else Check.PARAMETER
+            trip = self._trip(check, value_kind(bad[0]), [name(p) for p in bad])
+            trip.step = updated if updated is not None else self.step
+            trip.optimizer = describe_optimizer(optimizer)
+            return trip
+        bad = [p for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if not math.isfinite(loss):
+            trip = self._trip(Check.LOSS, float_kind(loss), [name(p) for p in bad], loss=loss,
+                              grad_norm=grad_norm)
+        elif not math.isfinite(grad_norm):
+            trip = self._trip(Check.GRADIENT, value_kind(bad[0].grad), [name(p) for p in bad],
+                              loss=loss, grad_norm=grad_norm)
+        else:
+            return None
+        trip.optimizer = describe_optimizer(optimizer)
+        return trip
+
+    def _input_trip(self, inputs: list, loss: float, grad_norm: float | None) -> ScriptTrip:
+        bad = [(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
+        rows = sorted({r for _, t in bad for r in nonfinite_rows(t, 0 if t.dim() else None)})
+        return self._trip(Check.INPUT, value_kind(bad[0][1]) if bad else "nan",
+                          [n for n, _ in bad], rows=rows, loss=loss, grad_norm=grad_norm,
+                          input_shapes=[list(t.shape) for _, t in bad])
+
+    def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
+        return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
+                          rank=self.rank, optimizers=len(self._optimizers),
+                          manual=not self._optimizers_made, **fields)
+
+    def parameter_name(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"<parameter {tuple(p.shape)}>")
+
+    @property
+    def optimizer_count(self) -> int:
+        """The optimizers the script stepped (its own update counts as one)."""
+        return len(self._optimizers)
+
+    # --- after the script --------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """After the script returned: the parameters the last updates left (one read)."""
+        tensors = [p for opt in self._optimizers.values()
+                   for group in opt.param_groups for p in group["params"]]
+        if not tensors:
+            return
+        self.host_reads += 1
+        if math.isfinite(finite_norms([[p.detach() for p in tensors]], tensors[0].device)[0]
+                         .item()) or not confirm_nonfinite(tensors):
+            return
+        for opt in self._optimizers.values():
+            bad = [p for group in opt.param_groups for p in group["params"]
+                   if not bool(torch.isfinite(p).all())]
+            if bad:
+                self.trip = self._trip(Check.OPTIMIZER, value_kind(bad[0]),
+                                       [self.parameter_name(p) for p in bad])
+                self.trip.step = self._updated_at.get(id(opt), self.step - 1)
+                self.trip.optimizer = describe_optimizer(opt)
+                return
+
+    def after_error(self, exc: BaseException) -> ScriptTrip | None:
+        """The script raised: was a non-finite value behind it? First the parameters the last
+        updates left (an update to NaN that a later op then refused), then the tensors in the
+        exception's frames (BCELoss refusing a NaN input, a distribution's argument check, the
+        script's own `if loss.isnan(): raise`). Once, at the error: a read per tensor is fine."""
+        if self.trip is not None or self.window.armed is not None:
+            return self.trip
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self.finish()
+        if self.trip is not None:
+            self.trip.error = f"{type(exc).__name__}: {first}"
+            return self.trip
+        bad = nonfinite_locals(exc)
+        if not bad:
+            return None
+        self.trip = self._trip(ERROR_CHECK, bad[0][1], [name for name, _ in bad],
+                               error=f"{type(exc).__name__}: {first}",
+                               where="backward" if self.hooks.raised_in_backward else "forward")
+        return self.trip

@@ -1,0 +1,114 @@
+"""The re-run of `nanaudit run`, in a fresh process: `python -m nanaudit.script.child SPEC
+RESULT` runs the script again from the start with the op tracer armed for the bad step only,
+and writes back the finding there and the losses it saw on the way (the parent checks that the
+re-run followed the first run before it believes the finding)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from nanaudit.errors import UserCodeError
+from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.replay import Localization, walk_from_sink
+from nanaudit.localize.tracer import OpTracer, kinds_of
+from nanaudit.report.model import Check
+from nanaudit.script import protocol
+from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
+from nanaudit.script.rerun_window import Armed
+from nanaudit.script.target import execute
+from nanaudit.script.trip import ERROR_CHECK
+
+
+def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
+    """The finding of the traced step N from its loss or gradients (none: it came out
+    finite)."""
+    armed, optimizer = auditor.window.armed, auditor.window.localized
+    if armed is None or optimizer is None:
+        return
+    trace = armed.tracer.trace
+    result.ops_traced = trace.ops_seen
+    if spec.check == Check.LOSS:
+        sinks = [s for s in armed.sinks if kinds_of(s)]
+        if sinks:
+            _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
+                   spec.step, None, result)
+        return
+    bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
+           for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
+    if bad:
+        names = [n for n, _ in bad]
+        loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
+        _adopt(armed, loc, spec.step, names, result)
+
+
+def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
+    """The finding of a step N the script raised in (BCELoss refusing a NaN input): walked back
+    from the last non-finite value the tracer saw before the exception, to the op that made
+    it; none when the step held none (the exception was not about such a value)."""
+    armed = auditor.window.armed
+    if armed is None:
+        return
+    trace = armed.tracer.trace
+    result.ops_traced = trace.ops_seen
+    sinks = [t for t in reversed(armed.tracer.kept_tensors())
+             if trace.producer_of(t) is not None and kinds_of(t)]
+    if not sinks:
+        return
+    phase = trace.events[trace.producer_of(sinks[0])].phase
+    _adopt(armed, walk_from_sink(trace, sinks[0], phase, auditor.timeline, None), spec.step,
+           None, result)
+    if result.finding is not None:
+        result.finding.tensor = None
+
+
+def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
+           result: RerunResult) -> None:
+    if not loc.reproduced or loc.event is None:
+        return
+    event = loc.event
+    finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
+                             tensors=names or [])
+    rows = created_rows(armed.tracer, event, armed.batch_size)
+    finding.sample_search = rows_search(event.op, rows, armed.batch_size)
+    if rows and armed.batch_size is not None and len(rows) < armed.batch_size:
+        finding.samples = rows
+    result.finding, result.precision = finding, event_precision(event)
+
+
+def rerun(spec: RerunSpec) -> RerunResult:
+    auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=list(spec.losses),
+                            rerun_evaluation=spec.evaluation, tracer=OpTracer)
+    result = RerunResult()
+    try:
+        try:
+            execute(spec.target, auditor, spec.seed)
+        except UserCodeError:
+            # The first run's script raised in step N after a non-finite value: so does this
+            # one, inside the traced window (earlier, it left the first run: not reached).
+            if spec.check != ERROR_CHECK or auditor.step != spec.step:
+                raise
+            auditor.window.close()
+            result.reached = True
+            result.traced = auditor.window.armed is not None
+            localize_raised(auditor, spec, result)
+        else:
+            result.reached = auditor.window.localized is not None
+            result.traced = auditor.window.armed is not None
+            if result.reached:
+                localize_step(auditor, spec, result)
+    except Exception as exc:
+        result.error = RerunFailure.of(exc)
+    result.timeline = auditor.timeline
+    result.trip = auditor.trip
+    return result
+
+
+def main(spec_path: str, result_path: str) -> int:
+    protocol.write(Path(result_path), rerun(protocol.read_spec(spec_path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,113 @@
+"""Every finding of `nanaudit run` that the first run alone can state (the step, the check,
+the tensors, the rows), and what the re-run adds to it or says instead; the localized finding
+itself comes from localize (`traced_finding`), as for every other command."""
+
+from __future__ import annotations
+
+from nanaudit.localize.causes import fix_for
+from nanaudit.report.model import Check, Finding, Where
+from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
+
+
+def short(items: object, limit: int = 8) -> str:
+    items = list(items)  # type: ignore[call-overload]
+    return "[" + ", ".join(map(str, items[:limit])) + (", ..." if len(items) > limit else "") + "]"
+
+
+def number(x: float | None) -> str:
+    return "none" if x is None else f"{x:.6g}"
+
+
+def first_run_finding(trip: ScriptTrip) -> Finding:
+    """The finding from the first run alone: the step, the check, the tensors, the rows."""
+    if trip.check == Check.INPUT:
+        return _input_finding(trip)
+    if trip.check in (Check.OPTIMIZER, Check.PARAMETER):
+        return _state_finding(trip)
+    if trip.check == ERROR_CHECK:
+        return Finding(step=trip.step, where=trip.where, value=trip.value, cause="unknown",
+                       fix=fix_for("unknown"), tensor=trip.tensors[0], tensors=trip.tensors,
+                       rank=trip.rank,
+                       explanation=(f"the script raised {trip.error} during optimizer step "
+                                    f"{trip.step}, with non-finite values in its frames: "
+                                    f"{short(trip.tensors, 4)}"))
+    what = "loss" if trip.check == Check.LOSS else "gradients"
+    finding = Finding(step=trip.step, where=trip.phase, value=trip.value, cause="unknown",
+                      fix=fix_for("unknown"),
+                      explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
+                                   f"(loss {number(trip.loss)}, gradient norm "
+                                   f"{number(trip.grad_norm)})"),
+                      tensor="loss" if trip.check == Check.LOSS else (trip.tensors or [None])[0],
+                      tensors=trip.tensors, rank=trip.rank)
+    if trip.tensors:
+        finding.explain(f"the gradients of {short(trip.tensors)} are non-finite")
+    for note in trip_notes(trip):
+        finding.explain(note)
+    return finding
+
+
+def _input_finding(trip: ScriptTrip) -> Finding:
+    return Finding(step=trip.step, where=Where.INPUT, value=trip.value, cause="nonfinite-input",
+                   explanation=(f"the floating inputs of the first module call of step "
+                                f"{trip.step} hold non-finite values before the model runs: "
+                                f"{short(trip.tensors)} (shapes {trip.input_shapes})"
+                                + (f", row(s) {short(trip.rows)}" if trip.rows else "")),
+                   fix=fix_for("nonfinite-input"), tensor=trip.tensors[0] if trip.tensors
+                   else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
+
+
+def _state_finding(trip: ScriptTrip) -> Finding:
+    if trip.check == Check.OPTIMIZER and trip.manual:
+        when = (f"after the script's own update of step {trip.step} (it builds no "
+                f"torch.optim optimizer; the gradients were finite)")
+    elif trip.check == Check.OPTIMIZER:
+        when = f"after {trip.optimizer}.step() of step {trip.step} (its gradients were finite)"
+    else:
+        when = f"before step {trip.step}'s update"
+    cause = "optimizer-update" if trip.check == Check.OPTIMIZER else "nonfinite-parameter"
+    error = f"; the script then raised {trip.error}" if trip.error else ""
+    return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
+                   explanation=f"the parameters {short(trip.tensors)} hold non-finite values "
+                               f"{when}{error}", fix=fix_for(cause),
+                   tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,
+                   rank=trip.rank)
+
+
+def trip_notes(trip: ScriptTrip) -> list[str]:
+    """Where in the step the value appeared, when the step is not one forward and backward."""
+    notes = []
+    if trip.evaluation:
+        notes.append(f"at call {trip.evaluation + 1} of the step's closure (the optimizer "
+                     f"evaluates it several times a step, as LBFGS does; the earlier calls "
+                     f"were finite)")
+    if trip.skipped:
+        notes.append("the GradScaler skipped this step, but its loss was already non-finite "
+                     "before any scaling: every later step would be skipped too")
+    if trip.error:
+        notes.append(f"the script then raised {trip.error}")
+    return notes
+
+
+def not_deterministic(finding: Finding, mismatch: str) -> None:
+    """The re-run did not follow the first run: what the first run saw stands, unlocalized."""
+    finding.reproduced = False
+    finding.explain(f"the re-run from the start (same argv, environment and seeds) did not "
+                    f"reproduce the first run ({mismatch}): the script is not deterministic, "
+                    f"so this is what the first run saw and the op is not named")
+    finding.fix = ("make the script deterministic: seed it (`torch.manual_seed`, the "
+                   "DataLoader's `generator` and worker seeds) rather than from the clock or "
+                   "os.urandom, and `torch.use_deterministic_algorithms(True)`; or move to a YAML "
+                   "config (`nanaudit scan`), which replays the step from its saved state")
+
+
+def divergence_fix(optimizer: str) -> str:
+    """The fix for a divergence, in the script's terms: its optimizer and rate."""
+    fix = "lower the learning rate or warm it up"
+    if optimizer:
+        fix += f" (the optimizer at this step: {optimizer})"
+    if "Adam" in optimizer:
+        # Adam divides by the gradient's own scale: its update is about lr per weight.
+        fix += "; clipping the gradients does not shrink an Adam update, the rate does"
+    else:
+        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+    return fix

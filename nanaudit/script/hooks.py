@@ -1,0 +1,148 @@
+"""The global hooks `nanaudit run` puts into an unmodified script, all removed on exit.
+
+Nothing in the script changes. What is installed, and what each tells the auditor:
+
+* an optimizer step pre-hook: the step's check, before the update; for an optimizer stepped
+  with a closure (Lightning, LBFGS) forward and backward run inside `step()`, so the closure is
+  wrapped and the check runs each time it returns (intercept.py);
+* an optimizer step post-hook: counts the step (the step is the optimizer step, so gradient
+  accumulation's micro-batches belong to the step they feed);
+* a module forward pre-hook, registered only while waiting for a step's first module call (the
+  outermost one) and removed in it, so the rest of the forward keeps PyTorch's hook-free path;
+* the loss tap (intercept.py): the scalar reaching `backward`, unscaled, kept on the device
+  until the step's read;
+* `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
+* `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
+  none updates its weights by hand, and each backward is then its step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
+
+import torch
+
+from nanaudit.run.intercept import LossTap, checked_closure_args
+from nanaudit.script.step_values import caller_kwargs
+
+
+class Listener(Protocol):
+    """What the hooks tell (the auditor)."""
+
+    def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool: ...
+    def loss(self, loss: torch.Tensor) -> None: ...
+    def backward_started(self) -> None: ...
+    def backward_ended(self, raised: bool) -> None: ...
+    def update_starting(self) -> None: ...
+    def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
+    def after_update(self, optimizer: Any) -> None: ...
+    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None: ...
+    def optimizer_built(self) -> None: ...
+    def stepped(self) -> int: ...
+
+
+class ScriptHooks:
+    """Installs and removes the hooks of one script run (see the module docstring)."""
+
+    def __init__(self, listener: Listener):
+        self.listener = listener
+        self._handles: list = []
+        self._forward_handle: Any = None
+        self._restore: list = []
+        self._tap = LossTap(listener.loss, before=listener.backward_started,
+                            after=self._backward_ended)
+
+    @property
+    def raised_in_backward(self) -> bool:
+        return self._tap.raised_in_backward
+
+    def install(self) -> ScriptHooks:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+        self._handles = [register_optimizer_step_pre_hook(self._pre_step),
+                         register_optimizer_step_post_hook(self._post_step)]
+        self._tap.install()
+        self._wrap_scaler_step()
+        self._wrap_optimizer_init()
+        self.await_forward()
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stop_waiting()
+        self._tap.remove()
+        for restore in reversed(self._restore):
+            restore()
+        self._restore = []
+
+    def await_forward(self) -> None:
+        """Listen for the next outermost module call (after a step or a backward)."""
+        if self._forward_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
+            self._forward_handle = register_module_forward_pre_hook(self._first_call)
+
+    def _stop_waiting(self) -> None:
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+
+    def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
+        # A call without autograd (an evaluation under `no_grad` between two steps) is not the
+        # training forward; nor is a module without parameters (a data transform the
+        # DataLoader calls on each sample, as torchvision's `Normalize`): keep waiting.
+        if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
+            return
+        kwargs = caller_kwargs()
+        self._stop_waiting()
+        self.listener.first_call(module, args, kwargs)
+
+    def _backward_ended(self, raised: bool) -> None:
+        self.await_forward()            # gradient accumulation: the next micro-batch's forward
+        self.listener.backward_ended(raised)
+
+    def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        self.listener.update_starting()
+        evaluations = [0]
+
+        def after_closure() -> None:
+            evaluation = evaluations[0]
+            evaluations[0] += 1
+            self.listener.before_update(optimizer, evaluation)
+        wrapped = checked_closure_args(args, kwargs, after_closure)
+        if wrapped is None:
+            self.listener.before_update(optimizer, None)     # no closure: one check
+        return wrapped
+
+    def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.listener.after_update(optimizer)
+        self.await_forward()
+
+    def _wrap_scaler_step(self) -> None:
+        """A step the GradScaler skipped: no post-hook ran during its `step`."""
+        from torch.amp import GradScaler
+        original, listener = GradScaler.step, self.listener
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = listener.stepped()
+            result = original(scaler, optimizer, *args, **kwargs)
+            if listener.stepped() == before and scaler.is_enabled():
+                listener.scaler_skipped(optimizer, scaler)
+            return result
+        GradScaler.step = step                          # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(GradScaler, "step", original))
+
+    def _wrap_optimizer_init(self) -> None:
+        from torch.optim import Optimizer
+        original, listener = Optimizer.__init__, self.listener
+
+        @functools.wraps(original)
+        def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            listener.optimizer_built()
+            original(optimizer, *args, **kwargs)
+        Optimizer.__init__ = init                       # type: ignore[method-assign]
+        self._restore.append(lambda: setattr(Optimizer, "__init__", original))

@@ -1,0 +1,131 @@
+"""The re-run of `nanaudit run`: the script again from the start in a fresh process, with the
+same argv, environment and seeds, the op tracer armed for the bad step only. The re-run must
+reproduce the first run's losses before that step; if it does not, the script is not
+deterministic and the report says so with what the first run saw, never a guess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nanaudit.report.model import Finding, Rerun, RerunStatus, TimelineEntry
+from nanaudit.script import protocol
+from nanaudit.script.findings import not_deterministic, number, trip_notes
+from nanaudit.script.protocol import RerunResult, RerunSpec
+from nanaudit.script.step_values import same_value
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+from nanaudit.script.trip import ScriptTrip
+
+CHILD_MODULE = "nanaudit.script.child"     # run as `python -m` (test_layout sees the name)
+
+
+def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
+                      timeline: list[TimelineEntry], finding: Finding) -> tuple[Rerun, Finding]:
+    """Re-run the script to `trip.step` with the tracer armed for that step: the re-run's
+    record, and the finding (the re-run's when it reproduced the value, else the first run's
+    with the reason the op is not named)."""
+    skipped = _why_not(options, trip)
+    if skipped is not None:
+        finding.explain(skipped[1])
+        return Rerun(status=RerunStatus.SKIPPED, note=skipped[0]), finding
+    if options.on_rerun is not None:
+        options.on_rerun(trip.step)
+    started = time.perf_counter()
+    result, log_tail = run_child(target, options, trip, timeline)
+    took = round(time.perf_counter() - started, 3)
+    steps = trip.step + 1
+
+    def ran(status: RerunStatus, **details: object) -> Rerun:
+        return Rerun(steps=steps, duration_s=took, status=status, **details)  # type: ignore[arg-type]
+    if result is None or result.error is not None:
+        message = result.error.message if result is not None and result.error else \
+            "it wrote no result"
+        note = f"the re-run failed: {message}"
+        finding.explain(note)
+        return ran(RerunStatus.FAILED, note=note, log_tail=log_tail), finding
+    mismatch = compare_losses(timeline, result, trip.step)
+    if mismatch is not None:
+        not_deterministic(finding, mismatch)
+        return ran(RerunStatus.NONDETERMINISTIC, note=mismatch), finding
+    if result.finding is None:
+        status, note = _unlocalized(result, trip.step)
+        if status is RerunStatus.NOT_REPRODUCED:
+            finding.reproduced = False
+        finding.explain(note)
+        return ran(status, note=note), finding
+    localized = result.finding
+    localized.tensors = localized.tensors or finding.tensors
+    localized.rank = trip.rank
+    for note in trip_notes(trip):
+        localized.explain(note)
+    return ran(RerunStatus.REPRODUCED, ops_traced=result.ops_traced,
+               precision=result.precision), localized
+
+
+def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:
+    """(the re-run's note, the finding's clause) when the re-run is not made; else None."""
+    steps = trip.step + 1
+    if not options.rerun:
+        return "--no-rerun", "not re-run (--no-rerun): the op is not named"
+    if options.max_rerun_steps is not None and steps > options.max_rerun_steps:
+        note = (f"not re-run: localizing step {trip.step} repeats {steps} steps, more than "
+                f"--max-rerun-steps {options.max_rerun_steps}")
+        return note, note
+    if trip.rank is not None:
+        note = ("not re-run under torchrun: a re-run needs every rank; run the script on one "
+                "process, or move to a YAML config (`nanaudit scan`), to name the op")
+        return note, note
+    return None
+
+
+def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
+    if not result.traced:
+        return RerunStatus.NOT_TRACED, (
+            f"the re-run reached step {step} but no module was called between step "
+            f"{step - 1}'s update and step {step}'s optimizer step: nothing was traced, so the "
+            f"op is not named")
+    return RerunStatus.NOT_REPRODUCED, (
+        f"the re-run matched the first run's losses up to step {step}, but its step {step} came "
+        f"out finite under the tracer: a non-deterministic kernel or a transient fault, not a "
+        f"reproducible bug in this step")
+
+
+def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
+              timeline: list[TimelineEntry]) -> tuple[RerunResult | None, str]:
+    """Run `python -m nanaudit.script.child SPEC RESULT` in the same folder and environment;
+    (its result or None, the tail of its output)."""
+    spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
+                     evaluation=trip.evaluation,
+                     losses=tuple(e.loss for e in timeline[:trip.step]))
+    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder:
+        spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
+        log_path = Path(folder) / "rerun.log"
+        protocol.write(spec_path, spec)
+        with open(log_path, "wb") as log:
+            try:
+                subprocess.run([sys.executable, "-m", CHILD_MODULE, str(spec_path),
+                                str(result_path)], cwd=os.getcwd(), env=dict(os.environ),
+                               stdout=log, stderr=subprocess.STDOUT,
+                               timeout=options.rerun_timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                pass
+        tail = log_path.read_text(errors="replace")[-2000:]
+        return protocol.read_result(result_path), tail
+
+
+def compare_losses(first: list[TimelineEntry], result: RerunResult, step: int) -> str | None:
+    """None when the re-run followed the first run to `step`; else what differed."""
+    for old, new in zip(first[:step], result.timeline[:step]):
+        if not same_value(old.loss, new.loss):
+            return (f"the loss at step {old.step} was {number(old.loss)} in the first run and "
+                    f"{number(new.loss)} in the re-run")
+    if result.trip is not None:
+        return (f"the re-run went non-finite earlier, at step {result.trip.step} "
+                f"({result.trip.check})")
+    if not result.reached:
+        return f"the re-run ended after {len(result.timeline)} step(s) without reaching step {step}"
+    return None

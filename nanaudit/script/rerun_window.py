@@ -1,0 +1,63 @@
+"""The re-run's traced window: from the outermost module call after step N-1's update to step
+N's check, the op tracer is armed (and nothing of the cheap checks runs inside it, so the trace
+holds the script's ops only); the losses that reached backward in it are the sinks to walk
+back from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanaudit.script.step_values import leading_size
+
+
+@dataclass
+class Armed:
+    """The tracer of an armed window and what the localizer needs from it."""
+
+    tracer: Any
+    model: torch.nn.Module
+    batch_size: int | None
+    sinks: list = field(default_factory=list)       # the loss tensors that reached backward
+    closed: bool = False
+
+
+class RerunWindow:
+    """Where the re-run arms the tracer (step N, closure evaluation E), and what it saw there.
+    Unused (`step` None) on the first run."""
+
+    def __init__(self, step: int | None, evaluation: int, tracer: Any):
+        self.step, self.evaluation, self.tracer = step, evaluation, tracer
+        self.armed: Armed | None = None
+        self.localized: Any = None       # the optimizer whose step N was reached
+
+    def arms_at(self, step: int, evaluation: int) -> bool:
+        return self.step is not None and step == self.step and evaluation == self.evaluation
+
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        tracer = self.tracer(module)
+        self.armed = Armed(tracer, module, leading_size(args, kwargs))
+        tracer.__enter__()
+
+    def reached(self, optimizer: Any) -> None:
+        """Step N's check: the traced window ends here, before the update."""
+        self.close()
+        self.localized = optimizer
+
+    def skipped_try_was_bad(self) -> bool:
+        """A GradScaler skipped step N's update: this try is the bad one if its loss is;
+        otherwise the window starts again at the next forward."""
+        armed = self.armed
+        self.close()
+        if armed is not None and any(not bool(torch.isfinite(s.detach()).all())
+                                     for s in armed.sinks):
+            return True
+        self.armed = None
+        return False
+
+    def close(self) -> None:
+        if self.armed is not None and not self.armed.closed:
+            self.armed.closed = True
+            self.armed.tracer.__exit__(None, None, None)

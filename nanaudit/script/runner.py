@@ -1,0 +1,132 @@
+"""`nanaudit run` from start to report: the first run under the auditor's hooks, stopped at the
+first non-finite value before the update; then, for a loss, gradient or error trip, the re-run
+that names the op; then the early warnings read off the first run's timeline. It fills the
+command's Report and raises on failure (the command's error shell turns that into the report's
+error); it never prints or exits."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from nanaudit.config.schema import WatchOptions
+from nanaudit.errors import NothingAuditedError, UserCodeError
+from nanaudit.localize.findings import attach_warnings
+from nanaudit.report.model import EarlyWarning, FirstRun, Report, SampleSearch, ScriptRun, Status
+from nanaudit.run.watch import MAX_WARNINGS, GrowthWatch
+from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.findings import divergence_fix, first_run_finding
+from nanaudit.script.rerun import localize_by_rerun
+from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute, script_rank
+from nanaudit.script.trip import ScriptTrip
+
+
+def new_auditor() -> ScriptAuditor:
+    return ScriptAuditor(rank=script_rank())
+
+
+def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
+                 auditor: ScriptAuditor) -> UserCodeError | None:
+    """Fill `report` from the first run (and the re-run). Returns the script's own exception
+    when it raised because of the non-finite value the finding names (its frames stay in the
+    report); the script raising for another reason is raised, as its UserCodeError."""
+    started = time.perf_counter()
+    check_target(target)
+    script_error = None
+    try:
+        execute(target, auditor, options.seed)
+    except UserCodeError as error:
+        # A script that raised because of a non-finite value (BCELoss refusing a NaN, a
+        # weight an update made NaN): the value is the finding, the exception its effect.
+        if auditor.after_error(error.exception) is None:
+            raise
+        script_error = error
+    if auditor.trip is None:
+        auditor.finish()
+    record(report, auditor)
+    assert report.run is not None
+    report.run.first_run = FirstRun(steps=len(auditor.timeline),
+                                    duration_s=round(time.perf_counter() - started, 3),
+                                    host_reads=auditor.host_reads, skipped=auditor.skipped)
+    trip = auditor.trip
+    if trip is None:
+        if auditor.step == 0:
+            raise NothingAuditedError(
+                f"the script `{target.display}` finished without stepping an optimizer or "
+                f"calling backward: nanaudit checks at each `optimizer.step()` (at each backward "
+                f"in a script that builds no optimizer), so nothing was audited (does it "
+                f"train? are its arguments right?)")
+        attach_timeline_warnings(report, None, auditor.optimizer_count)
+        report.status = Status.CLEAN
+        return None
+    report.status = Status.NONFINITE
+    report.finding = first_run_finding(trip)
+    if trip.needs_rerun:
+        report.run.rerun, report.finding = localize_by_rerun(
+            target, options, trip, auditor.timeline, report.finding)
+    attach_timeline_warnings(report, trip, auditor.optimizer_count)
+    return script_error
+
+
+def record(report: Report, auditor: ScriptAuditor) -> None:
+    """What the first run saw so far, also when it was stopped or failed."""
+    report.timeline = auditor.timeline
+    report.steps_run = len(auditor.timeline)
+    report.device = auditor.device or report.device
+    if report.run is None:
+        report.run = ScriptRun()
+    if auditor.rank is not None:
+        report.run.rank = auditor.rank
+
+
+def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:
+    """`scan`'s early warnings from the first run's timeline, on the host, after the run: loss
+    spikes and gradient growth (GrowthWatch), and an update that changed the weights' norm by
+    more than `update_ratio` of it. Each entry holds the norm as the previous update left it,
+    and | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
+    options = options or WatchOptions()
+    growth, warnings, previous, high = GrowthWatch(options), [], None, False
+    for entry in timeline:
+        if entry.skipped:
+            continue
+        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
+        norm = entry.param_norm
+        if (previous is not None and previous.param_norm and norm is not None
+                and math.isfinite(norm) and math.isfinite(previous.param_norm)
+                and options.update_ratio):
+            change = abs(norm - previous.param_norm) / previous.param_norm
+            # Warned once as it rises above the threshold, as `scan` warns, not every step.
+            was_high, high = high, change > options.update_ratio
+            if high and not was_high:
+                rate = f" (lr {previous.lr:.4g})" if previous.lr is not None else ""
+                warnings.append(EarlyWarning(
+                    kind="update-ratio", step=previous.step, began=previous.step, value=change,
+                    threshold=options.update_ratio,
+                    message=(f"the update of step {previous.step}{rate} took the weights' norm "
+                             f"from {previous.param_norm:.4g} to {norm:.4g}: |update| / "
+                             f"|weights| >= {change:.3g} (> {options.update_ratio:g}); healthy "
+                             f"training is near 1e-3")))
+        previous = entry
+    return warnings[:MAX_WARNINGS]
+
+
+def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers: int) -> None:
+    """The warnings of a one-optimizer run (several optimizers' steps interleave on one
+    timeline), linked to the finding as `scan` links them: growth before an overflow in float32
+    makes it divergence, which names the weights, not particular samples."""
+    if optimizers != 1:
+        return
+    report.warnings = timeline_warnings(report.timeline)
+    finding = report.finding
+    if finding is None or trip is None:
+        return
+    # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
+    # overflows float16's range, not by divergence); unknown without one: no cause is changed.
+    rerun = report.run.rerun if report.run is not None else None
+    precision = (rerun.precision if rerun is not None else None) or "unknown"
+    attach_warnings(finding, report.warnings, precision)
+    if finding.cause == "divergence":
+        finding.fix = divergence_fix(trip.optimizer)
+        finding.samples = None
+        finding.sample_search = SampleSearch(None, 0, False,
+                                             "divergence: the weights, not particular rows")

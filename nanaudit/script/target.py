@@ -1,0 +1,162 @@
+"""What `nanaudit run` runs and how: the script (a path or `-m module`) executed as `__main__`,
+with the argv, `sys.path[0]` and `__file__` that `python` would give it, under the auditor's
+hooks; the script's exceptions become the user's error with its own frames.
+
+Ctrl-C and SIGTERM during the script raise KeyboardInterrupt (so the partial report is
+written) and are remembered: a framework that catches it and returns normally (Lightning's
+graceful shutdown) still ends as interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from nanaudit.errors import ConfigError, NanauditError, UserCodeError
+from nanaudit.run.intercept import StepHalted
+from nanaudit.run.seeding import seed_everything
+
+_RUNPY = os.path.abspath(runpy.__file__)
+
+
+@dataclass(frozen=True)
+class ScriptTarget:
+    """What to run: a script path or a module (`-m`), and the script's own arguments."""
+
+    path: str | None = None
+    module: str | None = None
+    args: tuple = ()
+
+    @property
+    def display(self) -> str:
+        return f"-m {self.module}" if self.module else str(self.path)
+
+
+@dataclass(frozen=True)
+class ScriptOptions:
+    """How `nanaudit run` audits: the seed set before the script, and the re-run's limits."""
+
+    seed: int = 0
+    rerun: bool = True
+    max_rerun_steps: int | None = None     # do not re-run past this many steps
+    fail_on: str | None = None
+    rerun_timeout_s: float | None = None
+    on_rerun: Callable[[int], None] | None = None   # told the step the re-run goes to
+
+
+class Hooks(Protocol):
+    """What `execute` installs around the script (the auditor's global hooks)."""
+
+    def install(self) -> Any: ...
+
+    def remove(self) -> None: ...
+
+
+def script_rank() -> int | None:
+    """This process's rank under torchrun (None for a single process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ.get("RANK", "0"))
+    return None
+
+
+class Interrupts:
+    """SIGINT and SIGTERM as KeyboardInterrupt while the script runs, remembered (see the
+    module docstring); the handlers in place before are restored on exit."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _raise(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        # The command's own handler (the CLI's) learns of it too: it names the signal in the
+        # report and makes a second one exit at once.
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt()
+
+
+def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
+    """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it) ends it
+    quietly. The script's exceptions become UserCodeError with its frames (runpy's and ours
+    removed)."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    interrupts = Interrupts().__enter__()
+    hooks.install()
+    try:
+        seed_everything(seed)
+        if target.module:
+            sys.argv = [target.module, *target.args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target.module, run_name="__main__", alter_sys=True)
+        else:
+            path = os.path.abspath(str(target.path))
+            sys.argv = [str(target.path), *target.args]
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
+    except StepHalted:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise user_error(target, exc, f"exited with status {exc.code}") from None
+    except (KeyboardInterrupt, NanauditError):
+        raise
+    except Exception as exc:
+        raise user_error(target, exc) from exc
+    finally:
+        hooks.remove()
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        interrupts.__exit__()
+    if interrupts.seen:
+        raise KeyboardInterrupt()
+
+
+def user_error(target: ScriptTarget, exc: BaseException, note: str = "") -> UserCodeError:
+    """The script's exception as the user's error, with the script's frames only."""
+    error = UserCodeError(f"the script `{target.display}`" + (f" {note};" if note else ""), exc)
+    error.frames = [f for f in error.frames if os.path.abspath(f.filename) != _RUNPY
+                    and not f.filename.startswith("<frozen runpy")]
+    return error
+
+
+def check_target(target: ScriptTarget) -> None:
+    """The script or module exists (a usage problem, before anything runs)."""
+    if target.module:
+        import importlib.util
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(target.module) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ConfigError(f"no module named `{target.module}` (from {os.getcwd()})")
+    elif not Path(str(target.path)).is_file():
+        raise ConfigError(f"no such script: {target.path}")
+
+
+def rank_path(path: str | None, rank: int) -> str | None:
+    """Where rank `rank` writes a report file given as PATH (stdout stays rank 0's)."""
+    if not path or path == "-":
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))

@@ -1,0 +1,83 @@
+"""What the first run of a script saw at the step that tripped (`ScriptTrip`), and the
+non-finite tensors in the frames of an exception the script raised."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nanaudit.report.model import Check, Where
+from nanaudit.run.checks import value_kind
+
+
+@dataclass
+class ScriptTrip:
+    """What the first run saw at the step that tripped (sync allowed: it happens once)."""
+
+    step: int
+    check: str                          # a Check, or "error": the script raised after the value
+    loss: float | None = None
+    grad_norm: float | None = None
+    value: str = "nan"
+    tensors: list = field(default_factory=list)    # bad parameters, or the bad input names
+    rows: list | None = None            # input trips: the rows holding the non-finite values
+    input_shapes: list = field(default_factory=list)
+    optimizer: str = ""                 # the optimizer's class and hyper-parameters
+    rank: int | None = None
+    skipped: bool = False               # the GradScaler skipped this step's update
+    optimizers: int = 1                 # how many optimizers the script stepped so far
+    manual: bool = False                # the script updates its weights itself (no optimizer)
+    evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
+    error: str = ""                     # the script's exception after the value, first line
+    where: str = ""                     # error trips: raised in forward or in backward
+
+    @property
+    def needs_rerun(self) -> bool:
+        """A loss, gradient or error trip names no op until the step is re-run traced."""
+        return self.check in (Check.LOSS, Check.GRADIENT, ERROR_CHECK)
+
+    @property
+    def phase(self) -> str:
+        """Where the value showed: the loss in forward, the gradients in backward."""
+        return Where.FORWARD if self.check == Check.LOSS else Where.BACKWARD
+
+
+ERROR_CHECK = "error"     # not a sentinel: the script raised with non-finite values in its frames
+
+
+def float_kind(value: float) -> str:
+    return "nan" if value != value else ("inf" if value > 0 else "-inf")
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str]]:
+    """[(description, kind)] of the floating tensors holding NaN or Inf among the local
+    variables of the frames an exception passed through, innermost first (the op that raised
+    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    seen: set[int] = set()
+    bad, checked = [], 0
+    for frame in reversed(frames):
+        path = frame.f_code.co_filename
+        if os.path.abspath(path).startswith(_OURS + os.sep):
+            continue
+        for name, value in frame.f_locals.items():
+            if (not isinstance(value, torch.Tensor) or id(value) in seen or value.is_sparse
+                    or value.device.type == "meta" or not value.numel()
+                    or not (value.is_floating_point() or value.is_complex())):
+                continue
+            seen.add(id(value))
+            if checked >= limit:
+                return bad
+            checked += 1
+            if not bool(torch.isfinite(value.detach()).all()):
+                where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
+                bad.append((f"`{name}` in {where}", value_kind(value.detach())))
+    return bad
