@@ -173,6 +173,14 @@ class EarlyWarning:
 
 @dataclass
 class Finding:
+    """The first non-finite value of a run and what made it: the `step` and (with
+    `batch_index`, `micro_batch`) the batch, the `samples` (rows) that carry it, the `rank`,
+    `where` it was made, the `op` that created it (and its `forward_op` for a backward op) in
+    `module` at the user's `source` line, that op's `inputs` statistics, the `chain` of ops
+    that carried it to the check that tripped, the `cause` (an id of the cause catalogue), the
+    `explanation` (clauses joined by `explain`) and the `fix`. `reproduced` says whether a
+    replay made the value again (None: none was needed)."""
+
     step: int
     where: str
     value: str                    # "nan" | "inf" | "-inf"
@@ -451,6 +459,12 @@ class ScriptRun:
 
 @dataclass
 class Report:
+    """Everything one command found: how it ended (`status`), the `finding`, the `timeline` of
+    audited steps and the early `warnings`, the `error` that stopped it, and the sections of
+    the commands that have them (the repro bundle, bisect's bad batches or checkpoints, each
+    rank's status under torchrun, `nanaudit run`'s first run and re-run). Every renderer reads
+    this; `report_to_dict` is its JSON contract."""
+
     tool_version: str
     config: dict
     torch_version: str
