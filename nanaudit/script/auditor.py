@@ -42,6 +42,53 @@ class ManualUpdate:
         self.param_groups: list = [{"params": []}]
 
 
+class Ledger:
+    """What the auditor knows of the script's training: the modules it called first (the
+    outermost ones) and their parameters' names, the optimizers it built and stepped, and when
+    each last updated. A script that builds no optimizer updates by hand: `manual` stands in."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}          # id(parameter) -> qualified name
+        self.roots: dict[int, torch.nn.Module] = {}
+        self.optimizers_made = 0                 # torch.optim optimizers the script built
+        self.manual = ManualUpdate()
+        self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
+        self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
+        self.steps_taken = 0                     # post-hook calls, every one
+
+    def called(self, module: torch.nn.Module) -> None:
+        if id(module) not in self.roots:
+            self.roots[id(module)] = module
+            for name, p in module.named_parameters():
+                self.names.setdefault(id(p), name)
+
+    def name(self, p: torch.Tensor) -> str:
+        return self.names.get(id(p), f"<parameter {tuple(p.shape)}>")
+
+    @property
+    def updates_by_hand(self) -> bool:
+        """No optimizer built, and a module trained: each backward is the script's step."""
+        return not self.optimizers_made and bool(self.roots)
+
+    def manual_step(self) -> ManualUpdate:
+        """The script's own update: the trainable parameters of the modules it called."""
+        seen, params = set(), []
+        for module in self.roots.values():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.manual.param_groups[0]["params"] = params
+        return self.manual
+
+    def forget_manual_steps(self) -> None:
+        """An optimizer built after backward calls were checked as steps: those were not an
+        optimizer's training steps (a warm-up, a gradient-based init)."""
+        self.steps_taken = 0
+        self.updated_at.clear()
+        self.stepped.pop(id(self.manual), None)
+
+
 def describe_optimizer(optimizer: Any) -> str:
     """`Adam(lr=0.001, eps=1e-08, ...)`: its class and the hyper-parameters that matter."""
     if isinstance(optimizer, ManualUpdate):
@@ -97,13 +144,7 @@ class ScriptAuditor:
         self.hooks = ScriptHooks(self)
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
-        self._stepped = 0                # optimizer steps taken (post-hook calls), every one
-        self._names: dict = {}           # id(parameter) -> qualified name
-        self._roots: dict = {}           # id -> the modules called first (outermost)
-        self._optimizers_made = 0        # torch.optim optimizers the script built
-        self._manual = ManualUpdate()    # each backward's step when it built none
-        self._optimizers: dict = {}      # id -> optimizer, for the final check
-        self._updated_at: dict = {}      # id(optimizer) -> the step of its last update
+        self.ledger = Ledger()
         self._last_check = time.perf_counter()
 
     def install(self) -> ScriptAuditor:
@@ -117,10 +158,7 @@ class ScriptAuditor:
     # --- what the hooks tell -----------------------------------------------------------------
 
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-        if id(module) not in self._roots:
-            self._roots[id(module)] = module
-            for name, p in module.named_parameters():
-                self._names.setdefault(id(p), name)
+        self.ledger.called(module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
             return True
@@ -148,8 +186,12 @@ class ScriptAuditor:
     def backward_ended(self, raised: bool) -> None:
         if self.window.armed is not None:
             self.window.armed.tracer.end_backward()
-        if not raised and not self._optimizers_made and self._roots:
-            self._check_manual()
+        if not raised and self.ledger.updates_by_hand:
+            # This backward was the script's step: check it before the script's own update,
+            # then count the step as an optimizer's post-hook does.
+            manual = self.ledger.manual_step()
+            self._check(manual)
+            self.after_update(manual)
 
     def update_starting(self) -> None:
         self._evaluation = 0
@@ -165,43 +207,29 @@ class ScriptAuditor:
         self._evaluation = evaluation + 1
 
     def after_update(self, optimizer: Any) -> None:
-        self._stepped += 1
-        self._updated_at[id(optimizer)] = self.step
+        self.ledger.steps_taken += 1
+        self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
 
     def stepped(self) -> int:
-        return self._stepped
+        return self.ledger.steps_taken
 
     def optimizer_built(self) -> None:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
-        self._optimizers_made += 1
-        if (self._optimizers_made == 1 and self.step and self.trip is None
+        self.ledger.optimizers_made += 1
+        if (self.ledger.optimizers_made == 1 and self.step and self.trip is None
                 and self.window.armed is None):
-            self.step, self._stepped = 0, 0
+            self.step = 0
             self.timeline.clear()
-            self._updated_at.clear()
-            self._optimizers.pop(id(self._manual), None)
-
-    def _check_manual(self) -> None:
-        """A script without an optimizer: this backward was its step; check it before the
-        script applies its own update, then count the step as an optimizer's post-hook does."""
-        seen, params = set(), []
-        for module in self._roots.values():
-            for p in module.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        self._manual.param_groups[0]["params"] = params
-        self._check(self._manual)
-        self.after_update(self._manual)
+            self.ledger.forget_manual_steps()
 
     # --- the check ---------------------------------------------------------------------------
 
     def _check(self, optimizer: Any, evaluation: int = 0) -> None:
         """One host read: [inputs finite, parameter norm, window loss, gradient norm]. A
         closure's later evaluations in the same step add no timeline entry."""
-        self._optimizers[id(optimizer)] = optimizer
+        self.ledger.stepped[id(optimizer)] = optimizer
         if self.window.arms_at(self.step, self._evaluation):
             self.window.reached(optimizer)
             raise StepHalted()
@@ -259,7 +287,7 @@ class ScriptAuditor:
                 raise StepHalted()
             self.hooks.await_forward()
             return
-        self._optimizers[id(optimizer)] = optimizer
+        self.ledger.stepped[id(optimizer)] = optimizer
         self.skipped += 1
         inbox, self._inbox = self._inbox, StepInbox()
         if not inbox.losses and not inbox.input_flags:
@@ -297,7 +325,7 @@ class ScriptAuditor:
         name = self.parameter_name
         if not math.isfinite(norm):
             bad = [p for p in params if not bool(torch.isfinite(p).all())]
-            updated = self._updated_at.get(id(optimizer))
+            updated = self.ledger.updated_at.get(id(optimizer))
             check = Check.OPTIMIZER if updated is not None else Check.PARAMETER
             trip = self._trip(check, value_kind(bad[0]), [name(p) for p in bad])
             trip.step = updated if updated is not None else self.step
@@ -324,22 +352,22 @@ class ScriptAuditor:
 
     def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
         return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
-                          rank=self.rank, optimizers=len(self._optimizers),
-                          manual=not self._optimizers_made, **fields)
+                          rank=self.rank, optimizers=len(self.ledger.stepped),
+                          manual=not self.ledger.optimizers_made, **fields)
 
     def parameter_name(self, p: torch.Tensor) -> str:
-        return self._names.get(id(p), f"<parameter {tuple(p.shape)}>")
+        return self.ledger.name(p)
 
     @property
     def optimizer_count(self) -> int:
         """The optimizers the script stepped (its own update counts as one)."""
-        return len(self._optimizers)
+        return len(self.ledger.stepped)
 
     # --- after the script --------------------------------------------------------------------
 
     def finish(self) -> None:
         """After the script returned: the parameters the last updates left (one read)."""
-        tensors = [p for opt in self._optimizers.values()
+        tensors = [p for opt in self.ledger.stepped.values()
                    for group in opt.param_groups for p in group["params"]]
         if not tensors:
             return
@@ -347,13 +375,13 @@ class ScriptAuditor:
         if math.isfinite(finite_norms([[p.detach() for p in tensors]], tensors[0].device)[0]
                          .item()) or not confirm_nonfinite(tensors):
             return
-        for opt in self._optimizers.values():
+        for opt in self.ledger.stepped.values():
             bad = [p for group in opt.param_groups for p in group["params"]
                    if not bool(torch.isfinite(p).all())]
             if bad:
                 self.trip = self._trip(Check.OPTIMIZER, value_kind(bad[0]),
                                        [self.parameter_name(p) for p in bad])
-                self.trip.step = self._updated_at.get(id(opt), self.step - 1)
+                self.trip.step = self.ledger.updated_at.get(id(opt), self.step - 1)
                 self.trip.optimizer = describe_optimizer(opt)
                 return
 
