@@ -118,12 +118,12 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
             apply_model_state(session.model, load_checkpoint(Path(bad.path)), "--checkpoints",
                               bad.path)
             report.finding = state_finding(session, Trip(bad.step, "parameter"))
-            report.finding.explanation += (
-                f" ({bad.path}; the replay from the last good checkpoint did not reach a "
+            report.finding.qualify(
+                f"{bad.path}; the replay from the last good checkpoint did not reach a "
                 f"non-finite value" + ("" if section.optimizer_state else
                                        ": the checkpoint holds no optimizer state, so a fresh "
-                                       "optimizer may not follow the original trajectory") + ")"
-                if section.last_good else f" ({bad.path}: the first checkpoint)")
+                                       "optimizer may not follow the original trajectory")
+                if section.last_good else f"{bad.path}: the first checkpoint")
 
 
 DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
@@ -196,8 +196,8 @@ def unrepeatable_batches(session: Session, seen: dict) -> list:
 
 
 def mark_unconfirmed(finding) -> None:
-    finding.explanation += (
-        f"; the rows could not be confirmed: read a second time, the data gave a different batch "
+    finding.explain(
+        f"the rows could not be confirmed: read a second time, the data gave a different batch "
         f"{finding.batch_index} (shuffling or random augmentation outside the seeded RNG), so "
         f"the rows name the batch nanaudit saw, which the data may not give again")
     search = finding.sample_search
@@ -237,9 +237,9 @@ def _renumber(finding, remaining: list[int], size: int) -> None:
     finding.sample_rows = [replace(row, index=remaining[row.index])
                            for row in finding.sample_rows if row.index < len(remaining)]
     if finding.samples:
-        finding.explanation += (f" (found once the rows of the earlier finding were set aside: "
-                                f"the row numbers above count the {len(remaining)} remaining of "
-                                f"{size}; in the full batch they are {finding.samples})")
+        finding.qualify(f"found once the rows of the earlier finding were set aside: the row "
+                        f"numbers above count the {len(remaining)} remaining of {size}; in the "
+                        f"full batch they are {finding.samples}")
 
 
 def _sample_ids(batch, rows):

@@ -40,7 +40,7 @@ def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -
             raise
     finding.rank = outcome.trip.rank
     if notes:
-        finding.explanation += f"; replay note: {'; '.join(notes)}"
+        finding.explain(f"replay note: {'; '.join(notes)}")
     report.finding = finding
     report.status = Status.CLEAN if finding.reproduced is False else Status.NONFINITE
     report.repro = str(folder)

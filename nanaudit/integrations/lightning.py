@@ -128,9 +128,8 @@ class NanauditCallback(Callback):
                          "gradient_clip_val": trainer.gradient_clip_val,
                          "epoch": trainer.current_epoch}
         if finding is not None and finding.batch_index is not None:
-            finding.explanation += (f" (epoch {trainer.current_epoch}, batch_idx "
-                                    f"{finding.batch_index}, trainer.global_step "
-                                    f"{trainer.global_step})")
+            finding.qualify(f"epoch {trainer.current_epoch}, batch_idx {finding.batch_index}, "
+                            f"trainer.global_step {trainer.global_step}")
         from nanaudit.report.formats import renderer_for
         from nanaudit.report.output import write_atomic
         text = renderer_for("json").render(report)

@@ -216,6 +216,10 @@ class Finding:
         """Add a clause to the explanation: the one place clauses are joined ("; ")."""
         self.explanation = f"{self.explanation}; {clause}" if self.explanation else clause
 
+    def qualify(self, note: str) -> None:
+        """Add a parenthetical note to the explanation's last clause."""
+        self.explanation = f"{self.explanation} ({note})"
+
 
 @dataclass
 class TimelineEntry:
