@@ -515,12 +515,11 @@ def run(seed, no_rerun, max_rerun_steps, json_path, junit_path, markdown_path, f
 def validate(config):
     """Check CONFIG without running anything: keys, types, entrypoints and their signatures,
     checkpoint path and device. Lists every problem at once."""
-    from nanaudit.config.parse import load_config
-    from nanaudit.config.validate import validate_config
+    from nanaudit.config.validate import load_with_all_problems, validate_config
     from nanaudit.errors import ConfigError, NanauditError
     terminal = Terminal()
     try:
-        loaded = load_config(config)
+        loaded = load_with_all_problems(config)
         problems = validate_config(loaded)
         if problems:
             raise ConfigError(problems, source=str(config))

@@ -6,7 +6,11 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    def __new__(cls, value: int, doc: str):
+    """Each member's `doc` says when the process exits with it."""
+
+    doc: str
+
+    def __new__(cls, value: int, doc: str = ""):
         member = int.__new__(cls, value)
         member._value_ = value
         member.doc = doc
@@ -24,11 +28,13 @@ class ExitCode(IntEnum):
     OUTPUT = 9, ("a requested output (report, plot, repro bundle, skip list) could not be "
                  "written, whatever the scan found")
     INTERRUPTED = 130, "interrupted by Ctrl-C (SIGINT): the partial report is valid"
-    TERMINATED = 143, "stopped by SIGTERM (CI timeout, Kubernetes, `timeout`): the partial " \
-                      "report is valid"
+    TERMINATED = 143, ("stopped by SIGTERM (CI timeout, Kubernetes, `timeout`): the partial "
+                       "report is valid")
 
 
 def exit_code_help() -> str:
+    """The `Exit codes:` epilog of every command's --help (its first line stops click rewrapping
+    the list)."""
     lines = ["\b", "Exit codes:"]
     lines += [f"  {code.value:<4} {code.doc}" for code in ExitCode]
     return "\n".join(lines)

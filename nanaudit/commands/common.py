@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanaudit._version import __version__
-from nanaudit.config.parse import load_config
 from nanaudit.config.schema import Config
 from nanaudit.errors import NanauditError
 from nanaudit.exitcodes import ExitCode
@@ -113,8 +112,10 @@ def guarded(report: Report, body: Callable[[], None],
 
 
 def configured(config_path, options: ScanOptions) -> Config:
-    """The config with the command-line overrides, each validated like the key it replaces."""
-    return load_config(config_path, {"steps": options.steps, "device": options.device,
+    """The config with the command-line overrides, each validated like the key it replaces;
+    a file with problems raises them all, those of the code it names included."""
+    from nanaudit.config.validate import load_with_all_problems
+    return load_with_all_problems(config_path, {"steps": options.steps, "device": options.device,
                                      "seed": options.seed, "fail_on": options.fail_on})
 
 

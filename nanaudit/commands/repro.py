@@ -351,7 +351,8 @@ def bundle_import_path(bundle: Bundle, with_cwd: bool = False):
 
 
 def _scan_session(bundle: Bundle):
-    from nanaudit.config.parse import parse_config, read_yaml
+    from nanaudit.config.parse import parse_config
+    from nanaudit.config.reader import read_yaml
     from nanaudit.run.checkpoint import Checkpoint, apply_model_state
     from nanaudit.run.session import build_session, load_training_state
     meta = bundle.meta

@@ -1,1 +1,3 @@
-"""What a run is asked to do: the YAML schema, its parsing and validation, and the user's entrypoints (no torch at import time)."""
+"""What a run is asked to do: the YAML schema (schema.py), reading and parsing it (reader.py,
+values.py, sections.py, parse.py), and resolving and checking the user's code it names
+(entrypoints.py, validate.py). Nothing here imports torch at import time."""

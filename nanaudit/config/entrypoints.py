@@ -12,16 +12,18 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from nanaudit.config.schema import Entrypoint
+from nanaudit.config.values import did_you_mean
 from nanaudit.errors import ConfigError, Problem, UserCodeError
 
 
 @contextlib.contextmanager
-def user_import_path(base_dir: Path):
+def user_import_path(base_dir: Path) -> Iterator[None]:
     """Make the config's folder importable for the duration of the run, then restore sys.path."""
     entry = str(base_dir)
     added = entry not in sys.path
@@ -49,12 +51,13 @@ def resolve(entry: Entrypoint, base_dir: Path) -> Any:
         if not hasattr(obj, part):
             names = [n for n in dir(module) if not n.startswith("_")]
             raise ConfigError([Problem(entry.key, f"`{entry.module_part}` has no attribute "
-                                       f"`{entry.attr_part}`" + _did_you_mean(part, names))])
+                                       f"`{entry.attr_part}`" + did_you_mean(part, names))])
         obj = getattr(obj, part)
     return obj
 
 
 def resolve_callable(entry: Entrypoint, base_dir: Path) -> Callable:
+    """resolve(), and ConfigError when what it names cannot be called."""
     obj = resolve(entry, base_dir)
     if not callable(obj):
         raise ConfigError([Problem(entry.key, f"`{entry.target}` is a {type(obj).__name__}, "
@@ -62,13 +65,7 @@ def resolve_callable(entry: Entrypoint, base_dir: Path) -> Callable:
     return obj
 
 
-def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    import difflib
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean `{close[0]}`?" if close else ""
-
-
-def _import_module(entry: Entrypoint, base_dir: Path):
+def _import_module(entry: Entrypoint, base_dir: Path) -> ModuleType:
     module_part = entry.module_part
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         return _import_file(entry, base_dir)
@@ -77,14 +74,15 @@ def _import_module(entry: Entrypoint, base_dir: Path):
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if module_part == missing or module_part.startswith(missing + "."):
-            raise ConfigError([Problem(entry.key, f"module `{module_part}` not found (looked on "
-                                       f"sys.path and in the config's folder {base_dir})")]) from None
+            raise ConfigError([Problem(entry.key, f"module `{module_part}` not found (looked "
+                                       f"on sys.path and in the config's folder {base_dir})")]
+                              ) from None
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
     except Exception as exc:
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
 
 
-def _import_file(entry: Entrypoint, base_dir: Path):
+def _import_file(entry: Entrypoint, base_dir: Path) -> ModuleType:
     path = Path(entry.module_part).expanduser()
     path = path if path.is_absolute() else (base_dir / path)
     if not path.is_file():
@@ -109,5 +107,6 @@ def _import_file(entry: Entrypoint, base_dir: Path):
 
 
 def class_target(class_path: str) -> str:
+    """`torch.optim.AdamW` as an entrypoint target, `torch.optim:AdamW`."""
     module, _, name = class_path.rpartition(".")
     return f"{module}:{name}"

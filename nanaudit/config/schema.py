@@ -1,5 +1,9 @@
-"""The config's schema (version 1): frozen dataclasses for every section, and the key lists
-derived from them. What a run is asked to do, as data; nothing here parses or imports torch.
+"""The config's schema (version 1): a glossary of what a run is asked to do, as frozen
+dataclasses, and every key list and choice derived from them. Nothing here parses, resolves or
+imports torch; `parse.py` reads YAML into these classes and `validate.py` resolves them.
+
+A YAML key is the name of a field: the top level is `Config`'s fields, each section (`amp:`,
+`watch:`, ...) its options class's fields, so a key list never drifts from the class.
 """
 
 from __future__ import annotations
@@ -9,14 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nanaudit.report.model import SentinelReadMode
+
 SCHEMA_VERSION = 1
-
-
-TOP_LEVEL_KEYS = (
-    "schema_version", "model", "data", "loss", "optimizer", "steps", "seed",
-    "checkpoint", "device", "grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
-    "fail_on", "distributed", "sentinel_read", "scheduler", "accumulate", "step",
-)
 
 
 ENTRYPOINT_KEYS = ("entrypoint", "args")
@@ -26,20 +25,24 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 FAIL_ON = ("nonfinite", "warning")
+"""`fail_on` and `--fail-on`: exit 1 on a non-finite value only, or also exit 7 on a warning."""
 
 
 BACKENDS = ("auto", "gloo", "nccl")
 
 
-SENTINEL_READS = ("auto", "sync", "deferred")   # see nanaudit/deferred.py
+SENTINEL_READS = ("auto", *(mode.value for mode in SentinelReadMode))
+"""`sentinel_read`: auto, or one of the read modes a report records (see run/deferred.py)."""
 
 
 @dataclass(frozen=True)
 class Entrypoint:
-    """A callable named in the config: `module.path:attr` or `relative/file.py:attr`, plus kwargs."""
+    """A callable the config names (`model:`, `data:`, `loss:`, `step:`, a factory): the target
+    `module.path:attr` or `relative/file.py:attr` (relative to the config's folder), the key
+    path it came from (`optimizer.entrypoint`, for messages), and keyword arguments (`args:`)."""
 
     target: str
-    key: str                      # the config key path it came from, for error messages
+    key: str
     args: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -53,7 +56,8 @@ class Entrypoint:
 
 @dataclass(frozen=True)
 class BuilderSpec:
-    """Either a class path with keyword arguments, or a factory entrypoint."""
+    """`optimizer:` or `scheduler:`: either a class path with its keyword arguments
+    (`class: torch.optim.AdamW`, `lr: 1e-3`), or a factory entrypoint."""
 
     key: str
     class_path: str | None = None
@@ -63,6 +67,7 @@ class BuilderSpec:
     def summary(self) -> dict:
         if self.class_path:
             return {"class": self.class_path, **dict(self.kwargs)}
+        assert self.factory is not None, "a spec has a class path or a factory"
         return {"entrypoint": self.factory.target}
 
 
@@ -80,24 +85,29 @@ class SchedulerSpec(BuilderSpec):
 
 @dataclass(frozen=True)
 class LocalizeOptions:
-    samples: bool = True          # isolate the offending batch rows after a finding
-    max_replays: int = 64         # cap on replays spent isolating samples
+    """`localize:`, the expensive path after a finding: whether to isolate the offending
+    batch rows (samples), and how many replays that may spend."""
+
+    samples: bool = True
+    max_replays: int = 64
 
 
 @dataclass(frozen=True)
 class AmpOptions:
-    """The GradScaler under `precision: fp16` and when its skipped steps become a finding."""
+    """`amp:`, the GradScaler under `precision: fp16` and when its skipped steps become a
+    finding: the scale falling below `scale_floor`, or `max_skipped` skipped steps in a row."""
 
     grad_scaler: bool | None = None   # None: on for fp16, off for bf16
     init_scale: float = 65536.0
     growth_interval: int = 2000
-    scale_floor: float = 1.0          # a finding when the scale falls below this
-    max_skipped: int = 10             # ... or when this many steps in a row are skipped
+    scale_floor: float = 1.0
+    max_skipped: int = 10
 
 
 @dataclass(frozen=True)
 class WatchOptions:
-    """Early-warning detectors. `False` (or 0) turns one off."""
+    """`watch:`, the early-warning detectors that fire while values are still finite.
+    `False` (or 0) turns one off."""
 
     activations: int | str = "auto"   # sample module outputs every N steps; auto: 1 under fp16
     near_overflow: float = 0.5        # warn at this fraction of the dtype's largest value
@@ -116,7 +126,7 @@ class WatchOptions:
 
 @dataclass(frozen=True)
 class DistributedOptions:
-    """How a run under torchrun (WORLD_SIZE > 1) sets up torch.distributed."""
+    """`distributed:`, how a run under torchrun (WORLD_SIZE > 1) sets up torch.distributed."""
 
     backend: str = "auto"             # auto: nccl on CUDA, gloo on CPU
     ddp: bool = True                  # wrap the model in DistributedDataParallel
@@ -124,21 +134,21 @@ class DistributedOptions:
     find_unused_parameters: bool = False
 
 
-def _keys(options) -> tuple[str, ...]:
+def section_keys(options: type) -> tuple[str, ...]:
     """A section's YAML keys are its dataclass's fields: one list, never a hand-kept copy."""
     return tuple(f.name for f in fields(options))
 
 
-LOCALIZE_KEYS = _keys(LocalizeOptions)
+LOCALIZE_KEYS = section_keys(LocalizeOptions)
 
 
-AMP_KEYS = _keys(AmpOptions)
+AMP_KEYS = section_keys(AmpOptions)
 
 
-WATCH_KEYS = _keys(WatchOptions)
+WATCH_KEYS = section_keys(WatchOptions)
 
 
-DISTRIBUTED_KEYS = _keys(DistributedOptions)
+DISTRIBUTED_KEYS = section_keys(DistributedOptions)
 
 
 @dataclass(frozen=True)
@@ -171,15 +181,49 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
+class UserCode:
+    """The keys that name the user's code, and the folder they resolve from: what validation
+    resolves and a session calls. A file with problems elsewhere still gives the keys that
+    parsed, so their problems are reported with the rest."""
+
+    base_dir: Path
+    model: Entrypoint | None = None
+    data: Entrypoint | None = None
+    loss: Entrypoint | None = None
+    step: Entrypoint | None = None
+    optimizer: OptimizerSpec | None = None
+    scheduler: SchedulerSpec | None = None
+
+
+@dataclass(frozen=True)
 class Config:
+    """A config file, parsed and checked (what `nanaudit scan CONFIG` is asked to do):
+
+    model, data      factories the run calls: `fn(**args) -> nn.Module`, `-> iterable of batches`
+    loss             `fn(model, batch, **args) -> scalar tensor` (or `{"loss": tensor, ...}`);
+                     None when `step` names the user's own step
+    step             `fn(model, batch, optimizer, **args)`: forward, backward and update in the
+                     user's code, nanaudit checking each optimizer step it makes
+    optimizer        how the optimizers are built (`OptimizerSpec`); `scheduler` likewise
+    steps            audit at most this many steps (None: the whole data)
+    seed             seeds Python, torch and NumPy before the user's code is imported
+    checkpoint       weights (and optimizer state) to start from, resolved beside the config
+    device           auto, cpu, cuda, cuda:N or mps
+    grad_clip        the gradient-norm clip the training applies
+    batch_dim        the batch dimension: `{"*": dim}` for every leaf, or per batch path
+    precision        fp32, fp16 or bf16 (autocast; `amp` configures fp16's GradScaler)
+    localize, watch, distributed   the sections of their options classes
+    fail_on          nonfinite, or warning (an early warning also fails the run, exit 7)
+    sentinel_read    auto, sync or deferred (see run/deferred.py)
+    accumulate       micro-batches (consecutive batches) per optimizer step
+
+    Field order is the order unknown-key messages list the YAML keys in."""
+
     path: Path
     model: Entrypoint
     data: Entrypoint
-    loss: Entrypoint | None           # None when `step:` names the user's own step
+    loss: Entrypoint | None
     optimizer: OptimizerSpec | None = None
-    scheduler: SchedulerSpec | None = None
-    accumulate: int = 1               # micro-batches (consecutive batches) per optimizer step
-    step: Entrypoint | None = None    # fn(model, batch, optimizer) -> loss or {name: loss}
     steps: int | None = None
     seed: int | None = None
     checkpoint: Path | None = None
@@ -192,20 +236,34 @@ class Config:
     watch: WatchOptions = field(default_factory=WatchOptions)
     fail_on: str = "nonfinite"
     distributed: DistributedOptions = field(default_factory=DistributedOptions)
-    sentinel_read: str = "auto"       # auto: deferred on CUDA when the optimizer can skip
+    sentinel_read: str = "auto"
+    scheduler: SchedulerSpec | None = None
+    accumulate: int = 1
+    step: Entrypoint | None = None
+
+    @property
+    def own_code(self) -> Entrypoint:
+        """The entrypoint that computes the loss: `step:` when given, else `loss:`."""
+        code = self.step if self.step is not None else self.loss
+        assert code is not None, "parsing requires `loss:` or `step:`"
+        return code
 
     @property
     def uses_grad_scaler(self) -> bool:
         return self.run_options().uses_grad_scaler
 
     def run_options(self) -> RunOptions:
-        code = self.step if self.step is not None else self.loss
+        code = self.own_code
         return RunOptions(
             grad_clip=self.grad_clip, batch_dim=self.batch_dim, localize=self.localize,
             precision=self.precision, amp=self.amp, watch=self.watch,
             sentinel_read=self.sentinel_read, accumulate=self.accumulate,
             checkpoint=self.checkpoint, data_label=self.data.target, loss_label=code.target,
             loss_key=code.key, loss_args=dict(code.args))
+
+    def user_code(self) -> UserCode:
+        return UserCode(self.base_dir, self.model, self.data, self.loss, self.step,
+                        self.optimizer, self.scheduler)
 
     @property
     def base_dir(self) -> Path:
@@ -214,7 +272,7 @@ class Config:
     def summary(self) -> dict:
         """The config as it appears in reports: paths and entrypoint names, no live objects."""
         opt = self.optimizer.summary() if self.optimizer is not None else None
-        extra = {}
+        extra: dict[str, Any] = {}
         # Keys a run did not use stay out, so existing reports keep their shape.
         if self.scheduler is not None:
             extra["scheduler"] = self.scheduler.summary()
@@ -230,3 +288,6 @@ class Config:
             "device": self.device, "grad_clip": self.grad_clip, "precision": self.precision,
             "grad_scaler": self.uses_grad_scaler, "fail_on": self.fail_on,
         }
+
+
+TOP_LEVEL_KEYS = ("schema_version", *(f.name for f in fields(Config) if f.name != "path"))

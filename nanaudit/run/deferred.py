@@ -23,8 +23,6 @@ import torch
 
 from nanaudit.report.model import SentinelRead, SentinelReadMode
 
-READ_MODES = ("auto", "sync", "deferred")
-
 
 @dataclass(frozen=True)
 class ReadMode:

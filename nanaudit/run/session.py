@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nanaudit.config.entrypoints import class_target, resolve_callable
-from nanaudit.config.schema import Config, Entrypoint, RunOptions
+from nanaudit.config.schema import Config, RunOptions
 from nanaudit.config.validate import (
+    SHARD_KWARGS,
+    Callables,
+    check_config,
     data_accepts,
     device_problem,
-    optimizer_class_problems,
-    scheduler_class_problems,
 )
 from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
@@ -103,14 +103,17 @@ class Session:
 
 def build_session(config: Config, coordinator=None) -> Session:
     """Build model, optimizer, loss and data from the config; call within user_import_path.
-    Under torchrun (`coordinator`), the model is wrapped in DDP and the data sharded."""
+    Every problem of the config is raised first (config.validate.check_config), before the
+    model is built, a checkpoint loaded or DDP wraps it; what the check resolved is what is
+    called. Under torchrun (`coordinator`), the model is wrapped in DDP and the data sharded."""
     import torch
+    if config.seed is not None:
+        seed_everything(config.seed)     # before the user's modules import, as they always did
+    code = check_config(config, sharded=coordinator is not None)
     device = resolve_device(config.device)
     if coordinator is not None:
         device = coordinator.device(device)
-    if config.seed is not None:
-        seed_everything(config.seed)
-    model_fn = resolve_callable(config.model, config.base_dir)
+    model_fn, data_fn = _present(code.model), _present(code.data)
     model = call_user(f"model factory `{config.model.target}`", model_fn, **dict(config.model.args))
     if not isinstance(model, torch.nn.Module):
         raise ConfigError([Problem(config.model.key, f"`{config.model.target}` returned a "
@@ -120,18 +123,15 @@ def build_session(config: Config, coordinator=None) -> Session:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))
     model.to(device)
     model.train()
-    optimizers = build_optimizers(config, model)
-    schedulers = build_schedulers(config, optimizers)
+    optimizers = build_optimizers(config, code, model)
+    schedulers = build_schedulers(config, code, optimizers)
     wrapped = coordinator.wrap(model, device) if coordinator is not None else model
     if checkpoint is not None:
         load_training_state(checkpoint.raw, optimizers, schedulers)
-    data_fn = resolve_callable(config.data, config.base_dir)
-    loss_fn = resolve_callable(config.loss, config.base_dir) if config.loss else None
-    step_fn = resolve_callable(config.step, config.base_dir) if config.step else None
     names = {id(p): n for n, p in model.named_parameters()}
 
-    shards_itself = (coordinator is not None and data_accepts(data_fn, "rank")
-                     and data_accepts(data_fn, "world_size"))
+    shards_itself = (coordinator is not None
+                     and all(data_accepts(data_fn, name) for name in SHARD_KWARGS))
 
     def make_data():
         what = f"data factory `{config.data.target}`"
@@ -148,9 +148,14 @@ def build_session(config: Config, coordinator=None) -> Session:
         return data
 
     first = next(iter(optimizers.values()), None)
-    return Session(config.run_options(), device, wrapped, first, loss_fn, make_data, names,
+    return Session(config.run_options(), device, wrapped, first, code.loss, make_data, names,
                    coordinator=coordinator, optimizers=optimizers, schedulers=schedulers,
-                   step_fn=step_fn, config=config)
+                   step_fn=code.step, config=config)
+
+
+def _present(fn: Callable | None) -> Callable:
+    assert fn is not None, "a checked config resolves its model and data"
+    return fn
 
 
 def load_training_state(raw: dict, optimizers: dict, schedulers: dict) -> None:
@@ -181,26 +186,22 @@ def _is_iterable(obj) -> bool:
     return True
 
 
-def build_optimizers(config: Config, model) -> dict:
-    """name -> optimizer; a factory may return one, a list or a dict of them."""
+def build_optimizers(config: Config, code: Callables, model) -> dict:
+    """name -> optimizer, made by the checked factory or class (`code.optimizer`); a factory
+    may return one, a list or a dict of them."""
     import torch
     spec = config.optimizer
     if spec is None:
         return {}
+    make = _present(code.optimizer)
     if spec.factory:
-        fn = resolve_callable(spec.factory, config.base_dir)
-        made = call_user(f"optimizer factory `{spec.factory.target}`", fn, model,
+        made = call_user(f"optimizer factory `{spec.factory.target}`", make, model,
                          **dict(spec.factory.args))
         where, target = spec.factory.key, spec.factory.target
     else:
-        cls = resolve_callable(Entrypoint(class_target(spec.class_path), "optimizer.class"),
-                               config.base_dir)
-        problems = optimizer_class_problems(cls, spec)
-        if problems:
-            raise ConfigError(problems, source=str(config.path))
-        made = call_user(f"optimizer `{spec.class_path}`", cls, model.parameters(),
-                         **dict(spec.kwargs))
-        where, target = "optimizer.class", spec.class_path
+        target = str(spec.class_path)
+        made = call_user(f"optimizer `{target}`", make, model.parameters(), **dict(spec.kwargs))
+        where = "optimizer.class"
     optimizers = named_collection(made, "optimizer")
     _require(optimizers, torch.optim.Optimizer, made, where, target,
              "a torch.optim.Optimizer; return one optimizer, a list or a dict name -> optimizer")
@@ -237,17 +238,18 @@ def _given(optimizers: dict) -> str:
     return f"a {kind} of {len(optimizers)} optimizers ({', '.join(optimizers)})"
 
 
-def build_schedulers(config: Config, optimizers: dict) -> dict:
-    """name -> scheduler. A class is built once per optimizer; a factory is called with the
-    optimizer (the list or dict when there are several) and may return a list or dict."""
+def build_schedulers(config: Config, code: Callables, optimizers: dict) -> dict:
+    """name -> scheduler, made by the checked factory or class (`code.scheduler`). A class is
+    built once per optimizer; a factory is called with the optimizer (the list or dict when
+    there are several) and may return a list or dict."""
     import torch
     spec = config.scheduler
     if spec is None:
         return {}
     if not optimizers:
         raise ConfigError([Problem("scheduler", "a scheduler needs an `optimizer:`")])
+    fn = _present(code.scheduler)
     if spec.factory:
-        fn = resolve_callable(spec.factory, config.base_dir)
         given = (next(iter(optimizers.values())) if len(optimizers) == 1
                  else (optimizers if _named(optimizers) else list(optimizers.values())))
         made = call_user(f"scheduler factory `{spec.factory.target}` (given "
@@ -255,15 +257,10 @@ def build_schedulers(config: Config, optimizers: dict) -> dict:
         schedulers = named_collection(made, "scheduler")
         where, target = spec.factory.key, spec.factory.target
     else:
-        cls = resolve_callable(Entrypoint(class_target(spec.class_path), "scheduler.class"),
-                               config.base_dir)
-        problems = scheduler_class_problems(cls, spec)
-        if problems:
-            raise ConfigError(problems, source=str(config.path))
         schedulers = {f"scheduler({name})" if len(optimizers) > 1 else "scheduler":
-                      _scheduler(cls, spec, name, opt, config)
+                      _scheduler(fn, spec, name, opt, config)
                       for name, opt in optimizers.items()}
-        where, target, made = "scheduler.class", spec.class_path, schedulers
+        where, target, made = "scheduler.class", str(spec.class_path), schedulers
     kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     _require(schedulers, kinds, made, where, target,
              "a learning-rate scheduler (torch.optim.lr_scheduler)")

@@ -213,3 +213,50 @@ def test_optimizer_factory_entrypoint(case, tmp_path):
     result = scan(path, tmp_path=tmp_path)
     assert result.code == 0
     assert result.report["timeline"][0]["lr"] == 0.1
+
+
+# A model factory that leaves a mark, to prove `scan` checks the whole file before building.
+MARKING_CASE = LINEAR_CASE + """
+
+def marking_model():
+    import pathlib
+    pathlib.Path(__file__).with_name("model-built").touch()
+    return build_model()
+"""
+
+
+def test_scan_reports_every_problem_of_the_file_before_building_the_model(case, tmp_path):
+    """A typo in `data:` and an argument the optimizer class does not take: both reported,
+    exit 3, and the model factory never called (the data typo used to show alone, after the
+    model and the optimizer were built)."""
+    path = case(MARKING_CASE, model="case:marking_model", data="case:batchez",
+                optimizer={"class": "torch.optim.SGD", "lr": 0.1, "momentun": 0.9})
+    result = scan(path, tmp_path=tmp_path)
+    assert result.code == 3
+    problems = _error(result)["problems"]
+    assert {p["key"] for p in problems} == {"data", "optimizer"}
+    assert "did you mean `batches`?" in _error(result)["message"]
+    assert "unexpected keyword argument 'momentun'" in _error(result)["message"]
+    assert not (tmp_path / "model-built").exists()
+
+
+def test_scan_reports_key_and_entrypoint_problems_together(case, tmp_path):
+    """A file whose keys have problems still has its entrypoints resolved: one error."""
+    path = case(MARKING_CASE, model="case:marking_model", data="case:batchez", steps="many")
+    result = scan(path, tmp_path=tmp_path)
+    assert result.code == 3
+    assert {p["key"] for p in _error(result)["problems"]} == {"steps", "data"}
+    assert not (tmp_path / "model-built").exists()
+    checked = run_cli("validate", path)
+    assert checked.code == 3
+    assert "steps: expected an integer" in checked.stderr and "data: `case` has no " \
+        "attribute `batchez`" in checked.stderr
+
+
+def test_scan_checks_the_loss_signature_before_building(case, tmp_path):
+    code = MARKING_CASE + "\ndef one_arg_loss(batch):\n    return batch[0].sum()\n"
+    result = scan(case(code, model="case:marking_model", loss="case:one_arg_loss"),
+                  tmp_path=tmp_path)
+    assert result.code == 3
+    assert "loss: cannot be called as the loss" in _error(result)["message"]
+    assert not (tmp_path / "model-built").exists()
