@@ -62,8 +62,8 @@ class LossTap:
         autograd, scaler_class = torch.autograd, torch.amp.GradScaler
         backward, grad = autograd.backward, autograd.grad
         scale = scaler_class.__dict__["scale"]
-        autograd.backward = self._wrap_backward(backward)     # type: ignore[assignment]
-        scaler_class.scale = self._wrap_scale(scale)          # type: ignore[method-assign]
+        autograd.backward = self._wrap_backward(backward)
+        scaler_class.scale = self._wrap_scale(scale)
         self._restore = [lambda: setattr(autograd, "backward", backward),
                          lambda: setattr(scaler_class, "scale", scale)]
         if self.trained is not None:

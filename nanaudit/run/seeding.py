@@ -4,7 +4,6 @@ global generator, from any int the user gives (negative, or wider than a generat
 from __future__ import annotations
 
 import random
-import sys
 
 
 def seed_everything(seed: int) -> None:
@@ -14,10 +13,8 @@ def seed_everything(seed: int) -> None:
     import torch
     random.seed(seed)
     torch.manual_seed(seed % 2**64)          # seeds every CUDA device too
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        try:
-            import numpy
-        except ImportError:
-            return
+    try:
+        import numpy
+    except ImportError:
+        return
     numpy.random.seed(seed % 2**32)

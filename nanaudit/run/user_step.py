@@ -137,9 +137,9 @@ class UserStep:
         def on_loss(loss: torch.Tensor) -> None:
             self._pending.append(loss)
             self._backwarded.append(loss)
+        after = hooks.after_backward if hooks else None
         return LossTap(on_loss, before=hooks.before_backward if hooks else None,
-                       after=(lambda raised: hooks.after_backward()) if hooks and
-                       hooks.after_backward else None,
+                       after=(lambda raised: after()) if after is not None else None,
                        on_scale=on_scale, trained=self._trained)
 
     def _pre_step(self, optimizer, args, kwargs):
@@ -161,7 +161,8 @@ class UserStep:
 
     def _check(self, optimizer) -> None:
         """The gate before one update; raises StepHalted to stop the call there."""
-        run = self._run
+        run, gate = self._run, self._gate
+        assert run is not None and gate is not None, "checked only inside run()"
         if run.halted is not None:
             raise StepHalted()                # a bare `except:` in the step swallowed the first one
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
@@ -171,7 +172,7 @@ class UserStep:
         point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
         self._pending = []
         self._gated.append(point)
-        if not self._gate(point):
+        if not gate(point):
             run.halted = point
             raise StepHalted()
         # Only the call's first update of each optimizer is copied: a trip puts the call's

@@ -4,14 +4,16 @@ itself comes from localize (`traced_finding`), as for every other command."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from nanaudit.localize.causes import fix_for
 from nanaudit.report.model import Check, Finding, Where
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
 
 
-def short(items: object, limit: int = 8) -> str:
-    items = list(items)  # type: ignore[call-overload]
-    return "[" + ", ".join(map(str, items[:limit])) + (", ..." if len(items) > limit else "") + "]"
+def short(items: Iterable[object], limit: int = 8) -> str:
+    shown = list(items)
+    return "[" + ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "") + "]"
 
 
 def number(x: float | None) -> str:

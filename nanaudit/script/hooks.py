@@ -133,7 +133,7 @@ class ScriptHooks:
             if listener.stepped() == before and scaler.is_enabled():
                 listener.scaler_skipped(optimizer, scaler)
             return result
-        GradScaler.step = step                          # type: ignore[method-assign]
+        GradScaler.step = step  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(GradScaler, "step", original))
 
     def _wrap_optimizer_init(self) -> None:
@@ -144,5 +144,5 @@ class ScriptHooks:
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
-        Optimizer.__init__ = init                       # type: ignore[method-assign]
+        Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))

@@ -63,7 +63,8 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     seen: set[int] = set()
-    bad, checked = [], 0
+    bad: list[tuple[str, str]] = []
+    checked = 0
     for frame in reversed(frames):
         path = frame.f_code.co_filename
         if os.path.abspath(path).startswith(_OURS + os.sep):
