@@ -63,11 +63,11 @@ class LossTap:
         backward, grad = autograd.backward, autograd.grad
         scale = scaler_class.__dict__["scale"]
         autograd.backward = self._wrap_backward(backward)
-        scaler_class.scale = self._wrap_scale(scale)
+        scaler_class.scale = self._wrap_scale(scale)  # type: ignore[method-assign]
         self._restore = [lambda: setattr(autograd, "backward", backward),
                          lambda: setattr(scaler_class, "scale", scale)]
         if self.trained is not None:
-            autograd.grad = self._wrap_grad(grad)             # type: ignore[assignment]
+            autograd.grad = self._wrap_grad(grad)
             self._restore.append(lambda: setattr(autograd, "grad", grad))
         return self
 
