@@ -189,7 +189,7 @@ def scan(config, steps, device, seed, no_samples, repro_dir, no_repro, json_path
     terminal = Terminal(quiet or json_path == "-" or not _is_rank_zero())
     _check_outputs(terminal, [json_path, junit_path, markdown_path, plot_path], plot_path)
     progress, hooks = _progress_hooks(terminal)
-    from nanaudit.commands.repro import default_folder
+    from nanaudit.commands.bundle import default_folder
     repro = (None if no_repro else Path(repro_dir) if repro_dir else
              default_folder([json_path, junit_path, markdown_path], 0).parent)
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
