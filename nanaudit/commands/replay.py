@@ -20,7 +20,9 @@ def replay(folder: str | Path, model: str | None = None, loss: str | None = None
 
 
 def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -> None:
-    from nanaudit.commands.repro import _source, bundle_import_path, load_bundle, replay_bundle
+    from nanaudit.commands.bundle import bundle_source as _source
+    from nanaudit.commands.bundle import load_bundle
+    from nanaudit.commands.bundle_session import bundle_import_path, replay_bundle
     from nanaudit.localize.findings import build_finding
     bundle = load_bundle(folder)
     if not bundle.from_scan:

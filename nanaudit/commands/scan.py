@@ -23,17 +23,20 @@ from nanaudit.report.model import (
 )
 
 
-def scan(config_path: str | Path, options: ScanOptions = ScanOptions(),
+def scan(config_path: str | Path, options: ScanOptions | None = None,
          config: Config | None = None) -> Report:
+    """`nanaudit scan CONFIG` (or a loaded `config`): the report of the run, every failure
+    recorded in it."""
+    chosen = options if options is not None else ScanOptions()
     report = base_report(config_path, config)
     coordinator = None
 
     def body():
         nonlocal coordinator
-        loaded = config or configured(config_path, options)
+        loaded = config or configured(config_path, chosen)
         report.config = loaded.summary()
         coordinator = _join(loaded)
-        _run(loaded, options, report, coordinator)
+        _run(loaded, chosen, report, coordinator)
 
     def on_error(exc):
         if coordinator is not None:
@@ -62,6 +65,7 @@ def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
         report.error = error_info(DistributedError(
             f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
             f"within distributed.timeout_s ({coordinator.options.timeout_s:g}s): {exc}"))
+    assert report.error is not None, "guarded() records the error before on_error"
     report.error.rank = coordinator.rank
     coordinator.fail(report.error)
 
@@ -114,10 +118,10 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
 
 def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None:
     """The repro bundle of the finding, in a folder that holds nothing of the user's (see
-    repro.bundle_folder); a failure is recorded for the CLI (exit 9 when --repro asked)."""
+    bundle.bundle_folder); a failure is recorded for the CLI (exit 9 when --repro asked)."""
     if options.repro_dir is None or outcome.state is None:
         return
-    from nanaudit.commands.repro import bundle_folder, write_bundle
+    from nanaudit.commands.bundle import bundle_folder, write_bundle
     from nanaudit.report.formats import renderer_for
     folder = Path(options.repro_dir)
     if options.repro_per_step:

@@ -6,6 +6,8 @@ Both files run as written (a small MLP on random data scans clean), so a new use
 
 from __future__ import annotations
 
+from nanaudit.exitcodes import ExitCode
+
 CONFIG = """\
 # nanaudit starter config: `nanaudit scan {config}` runs the steps below under cheap
 # sentinels and, on the first NaN/Inf, names the batch, sample, module, op, line and cause.
@@ -30,7 +32,7 @@ device: auto                       # auto | cpu | cuda | cuda:N
 # watch:                           # early warnings (see the README)
 #   loss_spike: 2.0
 #   update_ratio: 0.1
-# fail_on: warning                 # CI: also fail (exit 7) on an early warning
+# fail_on: warning                 # CI: also fail (exit {warning_exit}) on an early warning
 """
 
 MODULE = '''\
@@ -59,5 +61,6 @@ def loss(model, batch):
 
 def render(config_name: str, module_name: str) -> tuple[str, str]:
     """The config text and the module text, naming each other."""
-    return (CONFIG.format(config=config_name, module=module_name),
+    return (CONFIG.format(config=config_name, module=module_name,
+                          warning_exit=int(ExitCode.WARNING)),
             MODULE.format(config=config_name))

@@ -54,7 +54,8 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
     the integration's loss: `loss` an importable function, or `loss_recipe`), and repro.py /
     `nanaudit replay` ask for `--model` / `--loss` where it cannot. The module itself is not
     pickled: the bundle stays loadable with weights_only=True."""
-    from nanaudit.commands.repro import _TEMPLATE, bundle_folder, publish_bundle, save_step
+    from nanaudit.commands.bundle import BUNDLE_SCRIPT as _TEMPLATE
+    from nanaudit.commands.bundle import bundle_folder, publish_bundle, save_step
     from nanaudit.run.batch import batch_structure
     # The same rules as `scan`'s bundles: never replace a folder nanaudit did not write.
     folder = bundle_folder(Path(folder), state.step)

@@ -83,3 +83,30 @@ def test_library_api_returns_the_report():
     report = nanaudit.audit(str(ROOT / "configs" / "demo.yaml"), steps=8)
     assert report.status == "nonfinite" and report.finding.step == 6
     assert report.finding.module == "features"
+
+
+def test_every_output_format_is_an_option_of_every_report_command_and_renders():
+    """The outputs table is the one source: each format's option is on every command that
+    writes a report, `--format` offers the stdout formats, and each renderer renders."""
+    import importlib.util
+
+    from nanaudit.cli import main
+    from nanaudit.cli.outputs import FORMATS, STREAM_FORMATS
+    from nanaudit.commands.common import early_report
+    for name in ("scan", "bisect", "replay", "run"):
+        params = {p.name: p for p in main.commands[name].params}
+        assert {f.param for f in FORMATS if f.option} <= set(params), name
+        assert tuple(params["fmt"].type.choices) == STREAM_FORMATS
+    report = early_report("x.yaml", "scan", "SIGINT")
+    for fmt in FORMATS:
+        if fmt.name == "plot" and importlib.util.find_spec("matplotlib") is None:
+            continue
+        assert fmt.render(report), fmt.name
+
+
+def test_fail_on_choices_are_the_configs():
+    from nanaudit.cli import main
+    from nanaudit.config.schema import FAIL_ON
+    for name in ("scan", "bisect", "replay", "run"):
+        fail_on = next(p for p in main.commands[name].params if p.name == "fail_on")
+        assert tuple(fail_on.type.choices) == FAIL_ON

@@ -103,11 +103,11 @@ def test_disk_full_is_exit_9_and_leaves_the_old_report_and_no_temp_file(tmp_path
 
 
 def test_unwritable_explicit_repro_is_exit_9_default_bundle_only_a_note(tmp_path, monkeypatch):
-    import nanaudit.commands.repro
+    import nanaudit.commands.bundle
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(nanaudit.commands.repro.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(nanaudit.commands.bundle.tempfile, "mkdtemp", refuse)
     explicit = scan(EXAMPLES / "log_negative.yaml", "--repro", tmp_path / "b", tmp_path=tmp_path)
     assert explicit.code == 9 and "Permission denied" in explicit.stderr
     assert explicit.report["finding"]["op"] == "aten.log.default"   # the report is still out

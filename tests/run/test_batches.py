@@ -120,7 +120,7 @@ def test_batch_structure_round_trips_through_the_plain_form():
     import collections
     import dataclasses
 
-    from nanaudit.commands.repro_template import Importer, rebuild_batch
+    from nanaudit.commands.bundle_script import Importer, rebuild_batch
     from nanaudit.run.batch import batch_structure
 
     # Types importable by module path: collections' own, and this test module's.

@@ -65,7 +65,8 @@ class Importer:
             path = Path(module_part)
             if not path.is_absolute() and self.roots:
                 path = self.roots[0] / path
-            name = f"_repro_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
+            digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+            name = f"_repro_{path.stem}_{digest}"
             module = sys.modules.get(name)
             if module is None:
                 spec = importlib.util.spec_from_file_location(name, path)
@@ -186,7 +187,8 @@ def _rebuild(plain, node, resolve, roots, notes):
         return plain
     below = node.get("children")
     if below and isinstance(plain, dict):
-        plain = {k: _rebuild(v, n, resolve, roots, notes) for (k, v), n in zip(plain.items(), below)}
+        plain = {k: _rebuild(v, n, resolve, roots, notes)
+                 for (k, v), n in zip(plain.items(), below)}
     elif below and isinstance(plain, (list, tuple)):
         plain = type(plain)(_rebuild(v, n, resolve, roots, notes) for v, n in zip(plain, below))
     if "name" not in node:

@@ -21,8 +21,8 @@ def _bundle(tmp_path, name="log_negative"):
 def test_bundle_holds_state_batch_rows_config_and_report(tmp_path):
     folder, finding = _bundle(tmp_path)
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["batch.pt", "config.yaml", "meta.json", "nanaudit-bundle.json", "report.json", "repro.py",
-                     "rng.pt", "rows.pt", "state.pt"]
+    assert names == ["batch.pt", "config.yaml", "meta.json", "nanaudit-bundle.json", "report.json",
+                     "repro.py", "rng.pt", "rows.pt", "state.pt"]
     meta = json.loads((folder / "meta.json").read_text())
     assert (meta["step"], meta["check"], meta["samples"]) == (finding["step"], "loss", [2])
     rows = torch.load(folder / "rows.pt", weights_only=True)
@@ -237,8 +237,8 @@ def test_numpy_and_python_rng_states_round_trip_through_a_bundle(tmp_path):
     import random
     from types import SimpleNamespace
 
-    from nanaudit.commands.repro import rng_payload
-    from nanaudit.commands.repro_template import restore_rng
+    from nanaudit.commands.bundle import rng_payload
+    from nanaudit.commands.bundle_script import restore_rng
     numpy.random.seed(3)
     random.seed(4)
     rng = SimpleNamespace(python=random.getstate(), torch_cpu=torch.get_rng_state(), cuda=None,

@@ -1,4 +1,5 @@
-"""Repro bundles: a folder that reproduces a finding without the user's data pipeline.
+"""A repro bundle on disk: write one atomically, recognise our own, read one back. A bundle is a
+folder that reproduces a finding without the user's data pipeline.
 
     state.pt     the model (and optimizer) state before the failing step
     rng.pt       the RNG states captured before the step's forward (torch, Python, NumPy)
@@ -11,7 +12,8 @@
                  `weights_only=True`, runs the step and prints the non-finite values (exit 1
                  when they reproduce, 2 when it needs `--model` / `--loss`)
 
-`nanaudit replay DIR` re-runs the localization from a bundle. Everything is loaded with
+`nanaudit replay DIR` re-runs the localization from a bundle (bundle_session.py sets its step
+up again; bundle_script.py is the standalone repro.py). Everything is loaded with
 `torch.load(..., weights_only=True)`, and the bundle is written to a temporary folder first
 and renamed into place, so a bundle is complete or absent.
 
@@ -26,26 +28,27 @@ to a bug report loads with `weights_only=True` and runs no code of its own but `
 
 nanaudit never deletes what it did not create: a bundle carries a manifest
 (`nanaudit-bundle.json`: the tool version and each file's SHA-256), and only a folder holding
-nothing but those files, unchanged, is replaced. Any other existing folder (`--repro .`, a user's results folder)
-receives the bundle in a new subfolder `repro-step<N>` (`-2`, `-3`, ... when that is taken).
+nothing but those files, unchanged, is replaced. Any other existing folder (`--repro .`, a
+user's results folder) receives the bundle in a new subfolder `repro-step<N>` (`-2`, `-3`, ...
+when that is taken).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanaudit.errors import ConfigError, NanauditError, Problem, UsageError, UserCodeError
+from nanaudit._version import __version__
+from nanaudit.errors import ConfigError
 from nanaudit.report.output import honour_umask
 from nanaudit.run.batch import batch_structure, to_plain
 
@@ -55,7 +58,8 @@ BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "r
 RECORDED_FILES = ("state.pt", "rng.pt", "batch.pt", "meta.json")
 OPTIONAL_FILES = ("rows.pt",)
 MANIFEST = "nanaudit-bundle.json"
-_TEMPLATE = Path(__file__).with_name("repro_template.py")
+BUNDLE_SCRIPT = Path(__file__).with_name("bundle_script.py")
+"""The standalone script every bundle carries as repro.py."""
 
 
 def bundle_folder(requested: Path, step: int) -> Path:
@@ -157,7 +161,7 @@ def _remove_bundle(folder: Path) -> None:
 
 def _write_manifest(folder: Path) -> None:
     files = {p.name: _sha256(p) for p in sorted(folder.iterdir())}
-    (folder / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": _version(),
+    (folder / MANIFEST).write_text(json.dumps({"tool": "nanaudit", "version": __version__,
                                                "files": files}, indent=2) + "\n",
                                    encoding="utf-8")
     for path in folder.iterdir():
@@ -185,7 +189,7 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "report.json").write_text(report_json, encoding="utf-8")
-    shutil.copyfile(_TEMPLATE, tmp / "repro.py")
+    shutil.copyfile(BUNDLE_SCRIPT, tmp / "repro.py")
 
 
 def save_step(tmp: Path, model, optimizers, state, finding, batch_dim=None,
@@ -229,11 +233,6 @@ def rng_payload(rng) -> dict:
     return payload
 
 
-def _version() -> str:
-    from nanaudit._version import __version__
-    return __version__
-
-
 def to_plain_cpu(tree: Any) -> Any:
     """Tensors to the CPU, containers to plain dict/list/tuple (what weights_only loads)."""
     return to_plain(tree, lambda leaf: leaf.detach().cpu() if isinstance(leaf, torch.Tensor)
@@ -247,16 +246,12 @@ def plain_rng(value: Any) -> Any:
     return value
 
 
-def _tupled(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tupled(v) for v in value)
-    return value
-
-
 # --- reading a bundle -----------------------------------------------------------------------
 
 @dataclass
 class Bundle:
+    """A bundle read back: its folder, meta.json, and the state, RNG and batch it saved."""
+
     folder: Path
     meta: dict
     state: dict
@@ -266,14 +261,19 @@ class Bundle:
     @property
     def from_scan(self) -> bool:
         """Written by `scan` (a config names the model and loss), not by a training run."""
-        return _source(self.meta) == "scan"
+        return bundle_source(self.meta) == "scan"
+
+    @property
+    def source(self) -> str:
+        return bundle_source(self.meta)
 
     def import_roots(self) -> list[Path]:
-        from nanaudit.commands.repro_template import import_roots
+        from nanaudit.commands.bundle_script import import_roots
         return [Path(r) for r in import_roots(self.meta)]
 
 
 def load_bundle(folder: Path) -> Bundle:
+    """The bundle in `folder`; ConfigError (exit 3) when it is incomplete or unreadable."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"repro bundle not found: {folder} is not a folder")
@@ -286,7 +286,7 @@ def load_bundle(folder: Path) -> Bundle:
     if meta is not None and not isinstance(meta, dict):
         raise ConfigError(f"cannot read the repro bundle {folder}: meta.json holds a "
                           f"{type(meta).__name__}, not an object")
-    required = BUNDLE_FILES if meta is None or _source(meta) == "scan" else RECORDED_FILES
+    required = BUNDLE_FILES if meta is None or bundle_source(meta) == "scan" else RECORDED_FILES
     missing = [name for name in required if not (folder / name).exists()]
     if missing:
         raise ConfigError(f"{folder} is not a complete nanaudit repro bundle: missing "
@@ -296,180 +296,19 @@ def load_bundle(folder: Path) -> Bundle:
                              for name in ("state.pt", "rng.pt", "batch.pt"))
     except Exception as exc:
         raise ConfigError(f"cannot read the repro bundle {folder}: {exc}") from None
+    assert meta is not None, "meta.json is in every list of required files"
     return Bundle(folder, meta, state, rng, batch)
 
 
-def _source(meta: dict) -> str:
+def bundle_source(meta: dict) -> str:
     """Who wrote the bundle: `scan`, or a training run (bundles of the callbacks from before
     `source` was recorded have no config path)."""
     return meta.get("source") or ("scan" if "config_path" in meta else "training run")
 
 
-def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = None):
-    """Rebuild the session and set up the bundle's step again: from its config for a `scan`
-    bundle, from the recorded recipes (or `model` / `loss` entrypoints) for one written by
-    Sentinel or a callback. Returns (session, ScanOutcome, notes) ready for `build_finding`;
-    `notes` say what the replay could not rebuild as it was (a batch type kept plain). Call
-    within `bundle_import_path`."""
-    if bundle.from_scan:
-        if model or loss:
-            raise UsageError("--model and --loss are for bundles written by Sentinel or a "
-                             "training callback; this bundle's config names the model and loss")
-        session = _scan_session(bundle)
-    else:
-        session = _recorded_session(bundle, model, loss)
-    from nanaudit.run.step import ScanOutcome, StepState, Trip
-    meta = bundle.meta
-    batch, notes = _batch(bundle, session.device)
-    state = StepState(meta["step"], batch, rng_state(bundle.rng), meta.get("scale"),
-                      batch_index=meta.get("batch_index"), micro_batch=meta.get("micro_batch"),
-                      window=meta.get("window") or 1, halt_at=meta.get("halt_at"))
-    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"), note=meta.get("note"),
-                optimizer=meta.get("optimizer"), loss_name=meta.get("loss_name"),
-                micro_batch=meta.get("micro_batch"))
-    if trip.check not in ("input", "parameter", "optimizer", "loss", "gradient", "schedule"):
-        raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
-    if trip.check == "optimizer" and not bundle.from_scan:
-        raise UsageError(f"the bundle's finding is an optimizer update (step {trip.step}): "
-                         f"the weights went non-finite in `optimizer.step()`, which replay does "
-                         f"not re-run (it replays forward and backward); report.json holds the "
-                         f"finding")
-    outcome = ScanOutcome(steps_run=meta["step"] + 1, trip=trip, state=state)
-    return session, outcome, notes
-
-
-@contextlib.contextmanager
-def bundle_import_path(bundle: Bundle, with_cwd: bool = False):
-    """The folders the run imported the user's code from are importable during the replay
-    (and the working folder for `--model` / `--loss`), then removed again."""
-    from nanaudit.config.entrypoints import user_import_path
-    roots = bundle.import_roots() + ([Path.cwd()] if with_cwd else [])
-    with contextlib.ExitStack() as stack:
-        for root in reversed(roots):
-            stack.enter_context(user_import_path(root))
-        yield
-
-
-def _scan_session(bundle: Bundle):
-    from nanaudit.config.parse import parse_config
-    from nanaudit.config.reader import read_yaml
-    from nanaudit.run.checkpoint import Checkpoint, apply_model_state
-    from nanaudit.run.session import build_session, load_training_state
-    meta = bundle.meta
-    # Entrypoints resolve against the original config's folder, as in the original run.
-    config = parse_config(read_yaml(bundle.folder / "config.yaml"), Path(meta["config_path"]))
-    config = replace(config, checkpoint=None)
-    session = build_session(config)
-    apply_model_state(session.local_model, Checkpoint(bundle.state["model"], bundle.state,
-                                                      str(bundle.folder)),
-                      "repro bundle", str(bundle.folder / "state.pt"))
-    session.local_model.to(session.device)
-    load_training_state(bundle.state, session.optimizers, session.schedulers)
-    if session.precision.scaler is not None and meta.get("scale"):
-        session.precision.scale = float(meta["scale"])
-    return session
-
-
-class _RecordedLoss:
-    """The loss a recorded bundle replays, named in findings as the training code named it
-    (`Regressor.training_step`, `Trainer.compute_loss`, your loss_fn)."""
-
-    def __init__(self, fn, label: str):
-        self.fn, self.loss_label = fn, label
-
-    def __call__(self, model, batch):
-        return self.fn(model, batch)
-
-
-class BundlePrecision:
-    """The recorded run's autocast (`precision` in meta.json) and its loss scale."""
-
-    def __init__(self, name: str | None, device):
-        from nanaudit.run.precision import DTYPES
-        self.name = name if name in DTYPES else "fp32"
-        self.dtype = DTYPES[self.name]
-        self.device_type = torch.device(device).type
-        self.scaler = None
-        self.scale = 1.0
-
-    def autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
-
-    def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        return loss * scale if scale is not None else loss
-
-
-def _recorded_session(bundle: Bundle, model_target: str | None, loss_target: str | None):
-    """A session over the model and loss a Sentinel or callback bundle records: built as its
-    repro.py builds them (the same functions), with the saved weights loaded."""
-    from nanaudit.commands import repro_template as recipes
-    from nanaudit.run.checkpoint import Checkpoint, apply_model_state
-    from nanaudit.run.session import Session
-    meta = bundle.meta
-    resolve = bundle_resolver(bundle)
-    model = _build("building the model", recipes.build_model, meta, resolve, model_target)
-    loss_fn = _build("setting up the loss", recipes.build_loss, meta, resolve, loss_target)
-    apply_model_state(model, Checkpoint(bundle.state["model"], bundle.state, str(bundle.folder)),
-                      "repro bundle", str(bundle.folder / "state.pt"))
-    recorded = str(meta.get("device") or "cpu")
-    device = torch.device(recorded if recorded.startswith("cuda") and torch.cuda.is_available()
-                          else "cpu")
-    model.to(device).train()
-    label = loss_target or meta.get("loss_label") or "<recorded loss>"
-    loss = _RecordedLoss(loss_fn, label)
-    return Session.for_loop(model, None, loss.__call__, device, label=f"<{label}>",
-                            precision=BundlePrecision(meta.get("precision"), device))
-
-
-def _build(what: str, build, meta: dict, resolve, override):
-    from nanaudit.commands.repro_template import Missing
-    try:
-        return build(meta, resolve, override)
-    except Missing as missing:
-        raise UsageError(f"cannot replay the bundle: {missing}") from None
-    except NanauditError:
-        raise
-    except Exception as exc:
-        raise UserCodeError(what, exc) from exc
-
-
-def bundle_resolver(bundle: Bundle) -> Callable[[str], Any]:
-    """`module:attr` / `file.py:attr` resolved as the config's entrypoints are (the first
-    import root is the config's folder), so a type rebuilt here is the one the loss knows."""
-    from nanaudit.config.entrypoints import resolve
-    from nanaudit.config.schema import Entrypoint
-    roots = bundle.import_roots()
-    base = roots[0] if roots else Path.cwd()
-    return lambda target: resolve(Entrypoint(target, "meta.json"), base)
-
-
-def _batch(bundle: Bundle, device) -> tuple[Any, list]:
-    """The saved batch on the device, with the user's container types rebuilt."""
-    from nanaudit.commands.repro_template import rebuild_batch
-    from nanaudit.run.batch import to_device
-    plain = to_device(bundle.batch, device)
-    return rebuild_batch(plain, bundle.meta.get("batch_structure"), bundle_resolver(bundle),
-                         bundle.import_roots())
-
-
-def rng_state(payload: dict):
-    """The RngState a replay restores, from rng.pt (NumPy's state when it was saved)."""
-    import dataclasses as dc
-
-    from nanaudit.commands.repro_template import numpy_state
-    from nanaudit.run.step import RngState
-    fields = {
-        "python": _tupled(payload["python"]), "torch_cpu": payload["torch_cpu"],
-        "cuda": payload.get("cuda") if torch.cuda.is_available() else None}
-    if payload.get("numpy") is not None and "numpy" in {f.name for f in dc.fields(RngState)}:
-        fields["numpy"] = numpy_state(payload["numpy"])
-    return RngState(**fields)
-
-
 def default_folder(report_paths: list, step: int) -> Path:
-    """Where a bundle goes without --repro: beside the first file report, else ./nanaudit-reports."""
+    """Where a bundle goes without --repro: beside the first file report, else under
+    ./nanaudit-reports."""
     files = [Path(p) for p in report_paths if p and p != "-"]
     base = files[0].parent if files else Path("nanaudit-reports")
     return base / f"repro-step{step}"

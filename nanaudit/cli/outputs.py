@@ -1,0 +1,180 @@
+"""The outputs a command writes, from one table of formats (name -> renderer, option, wording).
+
+Every requested output is checked before the run (a path that cannot be written is exit 9
+before any step; --plot without matplotlib is exit 2), and a failure to write one after it is
+exit 9 whatever the scan found: CI must never read a stale report from an earlier run and pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nanaudit.cli.process import code_of, exit_with
+from nanaudit.cli.terminal import Terminal
+from nanaudit.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from nanaudit.report.model import Report
+
+
+def _rendered_by(name: str) -> Callable[[Report], str]:
+    """The text of the report renderer `name` (report.formats)."""
+    def render(report: Report) -> str:
+        from nanaudit.report.formats import renderer_for
+        return renderer_for(name).render(report)
+    return render
+
+
+def _png(report: Report) -> bytes:
+    from nanaudit.report.plot import render_png
+    return render_png(report)
+
+
+def _plot_available() -> None:
+    from nanaudit.report.plot import check_available
+    check_available()
+
+
+@dataclass(frozen=True)
+class Format:
+    """One way to write a report: its renderer, the option asking for it (None: chosen by
+    `--format`, written to stdout), how messages name it, and what it needs installed."""
+
+    name: str
+    what: str
+    render: Callable[[Report], str | bytes]
+    option: str | None = None
+    param: str | None = None             # click's parameter name for the option
+    metavar: str = "PATH"
+    help: str = ""
+    quiets_console: bool = False         # on stdout, the console report steps aside
+    requires: Callable[[], None] | None = None   # raises PlotUnavailable when missing
+
+
+FORMATS = (
+    Format("json", "the json report", _rendered_by("json"), "--json", "json_path",
+           help="Write the JSON report to PATH ('-' for stdout).", quiets_console=True),
+    Format("junit", "the junit report", _rendered_by("junit"), "--junit-xml", "junit_path",
+           help="Write a JUnit XML report."),
+    Format("markdown", "the markdown report", _rendered_by("markdown"), "--markdown",
+           "markdown_path", help="Write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
+    Format("github", "the github annotations", _rendered_by("github")),
+    Format("plot", "the plot", _png, "--plot", "plot_path", "PATH.png",
+           help="Draw loss, gradient norm, update ratio and activation maxima against steps, "
+                "warnings and the finding marked (needs matplotlib: "
+                "pip install 'nanaudit[plot]').", requires=_plot_available),
+)
+"""Every output format, in the order they are written."""
+
+
+STREAM_FORMATS = ("console", *(f.name for f in FORMATS if f.option is None))
+"""`--format`: the console report alone, or also a stdout format (github: ::error lines)."""
+
+
+@dataclass(frozen=True)
+class Requested:
+    """The outputs a command was asked for: (format, destination) pairs; '-' is stdout."""
+
+    writes: tuple[tuple[Format, str], ...]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Requested:
+        """From a command's click parameters; `--format` defaults to github under Actions."""
+        stream = options.get("fmt")
+        if stream is None and os.environ.get("GITHUB_ACTIONS") == "true":
+            stream = "github"
+        writes = []
+        for fmt in FORMATS:
+            destination = options.get(fmt.param) if fmt.param else (
+                "-" if stream == fmt.name else None)
+            if destination:
+                writes.append((fmt, str(destination)))
+        return cls(tuple(writes))
+
+    @property
+    def quiets_console(self) -> bool:
+        return any(fmt.quiets_console and dest == "-" for fmt, dest in self.writes)
+
+    def files(self) -> list[str]:
+        return [dest for _, dest in self.writes if dest != "-"]
+
+    def without(self, name: str) -> Requested:
+        return Requested(tuple((fmt, dest) for fmt, dest in self.writes if fmt.name != name))
+
+    def relocated(self, move: Callable[[str], str | None]) -> Requested:
+        """Each option's destination moved (`move` returning None drops it)."""
+        writes = [(fmt, move(dest) if fmt.param else dest) for fmt, dest in self.writes]
+        return Requested(tuple((fmt, dest) for fmt, dest in writes if dest))
+
+    def check(self, terminal: Terminal, also: Iterable[str | None] = ()) -> None:
+        """Refuse, before any step runs, outputs that cannot be written (and `also`, a
+        command's own files)."""
+        from nanaudit.report.output import output_problem
+        from nanaudit.report.plot import PlotUnavailable
+        paths = dict.fromkeys([*self.files(), *(str(p) for p in also if p and p != "-")])
+        problems = [f"cannot write {p}: {problem}" for p in paths
+                    if (problem := output_problem(p))]
+        if problems:
+            for problem in problems:
+                terminal.error(problem)
+            exit_with(ExitCode.OUTPUT)
+        for fmt, _ in self.writes:
+            try:
+                if fmt.requires is not None:
+                    fmt.requires()
+            except PlotUnavailable as exc:
+                terminal.error(str(exc))
+                exit_with(ExitCode.USAGE)
+
+    def emit(self, report: Report, terminal: Terminal) -> list[str]:
+        """Print the console report and write every requested output; returns the failures."""
+        from nanaudit.report.console import print_report
+        from nanaudit.report.plot import PlotUnavailable
+        if not terminal.quiet:
+            print_report(report, terminal.err)
+        elif report.status == "error" and report.error:
+            terminal.error(report.error.message)
+        failed = []
+        for fmt, destination in self.writes:
+            try:
+                data = fmt.render(report)
+            except PlotUnavailable as exc:
+                failed.append(str(exc))
+                continue
+            problem = write(fmt.what, destination, data)
+            if problem:
+                failed.append(problem)
+        return failed
+
+
+def write(what: str, destination: str, data: str | bytes) -> str | None:
+    """Write `data` atomically to the file `destination`, or text to stdout when it is '-'
+    (bytes, a PNG or the skip list, always go to a file); the failure message, or None."""
+    from nanaudit.report.output import write_atomic_bytes
+    try:
+        if destination == "-" and isinstance(data, str):
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        else:
+            write_atomic_bytes(destination, data.encode("utf-8") if isinstance(data, str)
+                               else data)
+    except OSError as exc:      # a closed pipe (`| head`), a full disk: it did not arrive
+        where = "stdout" if destination == "-" else destination
+        return f"cannot write {what} to {where}: {exc.strerror or str(exc)}"
+    return None
+
+
+def final_code(report: Report, failed: list[str], terminal: Terminal) -> ExitCode:
+    """The report's exit code, unless a requested output could not be written."""
+    if not failed:
+        return code_of(report)
+    for message in failed:
+        terminal.error(message)
+    terminal.error(f"exit {int(ExitCode.OUTPUT)}: {len(failed)} requested output(s) could not "
+                   f"be written; the scan itself ended {report.status} "
+                   f"(exit {int(code_of(report))})")
+    return ExitCode.OUTPUT
