@@ -9,7 +9,6 @@ and are what findings and the timeline call them.
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from nanaudit.config.validate import (
 )
 from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
+from nanaudit.run.seeding import seed_everything
 
 
 def resolve_device(device: str):
@@ -99,17 +99,6 @@ class Session:
         names = {id(p): n for n, p in model.named_parameters()}
         return cls(run_options, torch.device(device), model, optimizer, loss_fn,
                    lambda: batches, names, precision=precision)
-
-
-def seed_everything(seed: int) -> None:
-    import torch
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds every CUDA device too
-    try:
-        import numpy
-        numpy.random.seed(seed % (2**32))
-    except ImportError:
-        pass
 
 
 def build_session(config: Config, coordinator=None) -> Session:
