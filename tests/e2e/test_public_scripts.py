@@ -22,9 +22,10 @@ import torch
 from helpers import run_cli
 
 from nanaudit.commands.common import exit_code
-from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script, timeline_warnings
+from nanaudit.commands.run_script import RunOptions, ScriptTarget, run_script
 from nanaudit.report.model import TimelineEntry
 from nanaudit.run.script_hooks import ScriptAuditor, window_loss
+from nanaudit.run.watch import timeline_warnings
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NANOGPT, WORD_LM, LBFGS, MNIST, DCGAN = (str(SCRIPTS / n) for n in
