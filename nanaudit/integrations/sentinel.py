@@ -45,7 +45,6 @@ be rebuilt without arguments: see integrations/_output.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -82,23 +81,6 @@ class MicroBatch:
     rng: RngState               # the RNG state before its forward
     finite: torch.Tensor        # 0-dim float64 on the device: 1.0 when the batch is finite
     loss: torch.Tensor          # 0-dim float64 on the device
-
-
-class _ReplayPrecision:
-    """The Session's precision for a Sentinel replay: autocast is the user's (inside loss_fn or
-    the model), and a replay backpropagates the loss times the step's recorded scale."""
-
-    def __init__(self, scaler):
-        self.name = "fp32"
-        self.scaler = scaler
-        self.scale = 1.0
-
-    @staticmethod
-    def autocast():
-        return contextlib.nullcontext()
-
-    def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        return loss * scale if scale is not None else loss
 
 
 class _Scope:
@@ -265,12 +247,13 @@ class Sentinel:
 
     def _report(self, trip: Trip, window: list[MicroBatch], where: int | None,
                 scale: float | None) -> Report:
+        from nanaudit.integrations.sentinel_replay import replay_session, search_window
         from nanaudit.localize.findings import build_finding, unreplayed_finding
         started = time.perf_counter()
-        session = self._session()
+        session = replay_session(self)
         note = None
         if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None:
-            where, note = self._search_window(session, trip, window, scale)
+            where, note = search_window(self, session, trip, window, scale)
         if where is None:
             where = len(window) - 1 if window else None
         micro = window[where] if where is not None else None
@@ -304,38 +287,3 @@ class Sentinel:
                       torch_version=torch.__version__, device=str(self.device),
                       status=Status(status), steps_run=self.steps_checked, command="sentinel",
                       finding=finding, timeline=list(self.timeline), duration_s=duration_s)
-
-    def _search_window(self, session, trip: Trip, window: list[MicroBatch], scale):
-        """The first micro-batch whose own gradients reproduce the non-finite accumulated ones
-        (untraced replays, one per micro-batch until found). Returns (index, note)."""
-        from nanaudit.localize.replay import preserved_buffers, replay_reproduces
-        with preserved_buffers(self.model):
-            for i, micro in enumerate(window):
-                self.replaying = micro
-                state = StepState(trip.step, micro.batch, micro.rng, scale)
-                if replay_reproduces(session, state, micro.batch, Check.GRADIENT):
-                    return i, None
-            if len(window) > 1 and self._accumulated_reproduces(session, window, scale):
-                return None, (f"each of the {len(window)} micro-batches alone gives finite "
-                              f"gradients, their accumulated sum does not: it overflowed")
-        return None, None
-
-    def _accumulated_reproduces(self, session, window: list[MicroBatch], scale) -> bool:
-        from nanaudit.errors import call_user
-        from nanaudit.run.step import scalar_loss
-        self.model.zero_grad(set_to_none=True)
-        for micro in window:        # the user's loss raising here is their error, not a verdict
-            self.replaying = micro
-            micro.rng.restore()
-            loss = scalar_loss(call_user("loss_fn (replaying the accumulation window)",
-                                         self.loss_fn, self.model, micro.batch))
-            call_user("backward of the loss", (loss * scale if scale is not None else loss)
-                      .backward)
-        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
-        return not all(bool(torch.isfinite(g).all()) for g in grads)
-
-    def _session(self):
-        from nanaudit.run.session import Session
-        return Session.for_loop(self.model, self.optimizer,
-                                self.loss_fn or (lambda model, batch: None), self.device,
-                                label="<Sentinel>", precision=_ReplayPrecision(self.scaler))
