@@ -45,7 +45,6 @@ be rebuilt without arguments: see integrations/_output.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -54,10 +53,12 @@ from typing import Any
 
 import torch
 
-from nanaudit.report.model import Finding, Report, TimelineEntry
+from nanaudit.report.model import Check, Finding, Report, Status, TimelineEntry
 from nanaudit.run.batch import float_leaves
-from nanaudit.run.checks import all_finite, dense_values, finite_norms
-from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, confirm_norms, timeline_entry
+from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
+from nanaudit.run.precision import backoff_scale, collapse_reason
+from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, timeline_entry
+from nanaudit.run.verdict import tripped_check
 
 
 class NonFiniteError(RuntimeError):
@@ -80,23 +81,6 @@ class MicroBatch:
     rng: RngState               # the RNG state before its forward
     finite: torch.Tensor        # 0-dim float64 on the device: 1.0 when the batch is finite
     loss: torch.Tensor          # 0-dim float64 on the device
-
-
-class _ReplayPrecision:
-    """The Session's precision for a Sentinel replay: autocast is the user's (inside loss_fn or
-    the model), and a replay backpropagates the loss times the step's recorded scale."""
-
-    def __init__(self, scaler):
-        self.name = "fp32"
-        self.scaler = scaler
-        self.scale = 1.0
-
-    @staticmethod
-    def autocast():
-        return contextlib.nullcontext()
-
-    def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        return loss * scale if scale is not None else loss
 
 
 class _Scope:
@@ -187,7 +171,8 @@ class Sentinel:
         window = self._window or self._last_window
         self._window, self._last_window = [], window
         scope = self._scope(optimizer)
-        state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grad_values()], self.device)
+        state_norm, grad_norm = finite_norms([scope.state_tensors(), scope.grad_values()],
+                                             self.device)
         head = [state_norm, grad_norm]
         live_scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
         if live_scale is not None:
@@ -200,7 +185,7 @@ class Sentinel:
         losses = values[len(head) + len(window):]
         norm, gnorm = confirm_norms(scope, norm, gnorm)
         self.steps_checked += 1
-        trip, where = self._classify(step, window, flags, losses, norm, gnorm, scale)
+        trip, where = self._classify(step, flags, losses, norm, gnorm, scale)
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
         self._record(step, mean_loss, gnorm, norm, started, scale)
         self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
@@ -224,42 +209,34 @@ class Sentinel:
             self._scopes[key] = _Scope(self.model, params)
         return self._scopes[key]
 
-    def _classify(self, step, window, flags, losses, norm, gnorm, scale):
+    def _classify(self, step, flags, losses, norm, gnorm, scale):
         """(Trip, index of the micro-batch it names, or None for a search) or (None, None)."""
-        first_bad = next((i for i, ok in enumerate(flags) if ok < 1.0), None)
-        if first_bad is not None:
-            return Trip(step, "input", losses[first_bad], gnorm), first_bad
-        if not math.isfinite(norm):
-            # The weights were fine at the last check; the update after it made them bad.
-            return (Trip(self._last_step, "optimizer") if self._last_step is not None
-                    else Trip(step, "parameter")), None
-        bad_loss = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-        if bad_loss is not None:
-            return Trip(step, "loss", losses[bad_loss], gnorm), bad_loss
-        if math.isfinite(gnorm):
+        verdict = tripped_check(step, inputs_ok=[ok >= 1.0 for ok in flags],
+                                weights_finite=math.isfinite(norm),
+                                # The weights were fine at the last check; the update after
+                                # it made them bad.
+                                updated_at=self._last_step,
+                                loss_finite=[math.isfinite(v) for v in losses],
+                                grads_finite=math.isfinite(gnorm))
+        if verdict is None:
             if self.scaler is not None:
                 self.skipped_in_row = 0
             return None, None
-        if self.scaler is None:
-            return Trip(step, "gradient", losses[-1] if losses else None, gnorm), None
+        if verdict.part is not None:     # a micro-batch's own input or loss
+            return Trip.found(verdict, losses[verdict.part], gnorm), verdict.part
+        last_loss = losses[-1] if losses else None
+        if verdict.check != Check.GRADIENT or self.scaler is None:
+            return Trip.found(verdict, last_loss, gnorm), None
         # The GradScaler will skip this update and back off its scale: AMP's normal course,
         # unless the scale collapsed, which means the gradients overflow whatever the scale.
         self.skipped += 1
         self.skipped_in_row += 1
-        collapsed = self._collapse_reason(scale)
+        next_scale = backoff_scale(self.scaler, scale) if scale is not None else None
+        collapsed = collapse_reason(next_scale, self.scale_floor, self.skipped_in_row,
+                                    self.max_skipped, options="")
         if collapsed is None:
             return None, None
-        return Trip(step, "gradient", losses[-1] if losses else None, gnorm,
-                    note=collapsed), None
-
-    def _collapse_reason(self, scale: float | None) -> str | None:
-        if scale is not None and scale * 0.5 < self.scale_floor:
-            return (f"the loss scale fell to {scale * 0.5:g}, below scale_floor "
-                    f"{self.scale_floor:g}, after {self.skipped_in_row} skipped step(s) in a row")
-        if self.skipped_in_row >= self.max_skipped:
-            return (f"the GradScaler skipped {self.skipped_in_row} steps in a row "
-                    f"(max_skipped)" + (f" at loss scale {scale:g}" if scale is not None else ""))
-        return None
+        return Trip(step, Check.GRADIENT, last_loss, gnorm, note=collapsed), None
 
     def _record(self, step, loss_value, gnorm, norm, started, scale) -> None:
         self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
@@ -270,12 +247,13 @@ class Sentinel:
 
     def _report(self, trip: Trip, window: list[MicroBatch], where: int | None,
                 scale: float | None) -> Report:
+        from nanaudit.integrations.sentinel_replay import replay_session, search_window
         from nanaudit.localize.findings import build_finding, unreplayed_finding
         started = time.perf_counter()
-        session = self._session()
+        session = replay_session(self)
         note = None
-        if where is None and trip.check == "gradient" and window and self.loss_fn is not None:
-            where, note = self._search_window(session, trip, window, scale)
+        if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None:
+            where, note = search_window(self, session, trip, window, scale)
         if where is None:
             where = len(window) - 1 if window else None
         micro = window[where] if where is not None else None
@@ -285,12 +263,12 @@ class Sentinel:
         self.tripped = (trip, state)         # for integrations writing a repro bundle
         outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
                               state=state)
-        if trip.check in ("loss", "gradient") and (self.loss_fn is None or micro is None):
+        if trip.check in (Check.LOSS, Check.GRADIENT) and (self.loss_fn is None or micro is None):
             finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
                                                "loss_fn(model, batch))")
         else:
             finding = build_finding(session, outcome, self.isolate_samples)
-        if micro is not None and trip.check in ("input", "loss", "gradient"):
+        if micro is not None and trip.check in (Check.INPUT, Check.LOSS, Check.GRADIENT):
             finding.batch_index = micro.index
             if len(window) > 1:
                 finding.micro_batch = where
@@ -301,46 +279,11 @@ class Sentinel:
             finding.explanation += f"; {note}"
         return self.make_report("nonfinite", finding, time.perf_counter() - started)
 
-    def make_report(self, status: str, finding: Finding | None = None,
+    def make_report(self, status: Status | str, finding: Finding | None = None,
                     duration_s: float = 0.0) -> Report:
         """The Report of this sentinel's run so far (integrations write a clean one at the end)."""
         from nanaudit._version import __version__
         return Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
                       torch_version=torch.__version__, device=str(self.device),
-                      status=status, steps_run=self.steps_checked, command="sentinel",
+                      status=Status(status), steps_run=self.steps_checked, command="sentinel",
                       finding=finding, timeline=list(self.timeline), duration_s=duration_s)
-
-    def _search_window(self, session, trip: Trip, window: list[MicroBatch], scale):
-        """The first micro-batch whose own gradients reproduce the non-finite accumulated ones
-        (untraced replays, one per micro-batch until found). Returns (index, note)."""
-        from nanaudit.localize.replay import preserved_buffers, replay_reproduces
-        with preserved_buffers(self.model):
-            for i, micro in enumerate(window):
-                self.replaying = micro
-                state = StepState(trip.step, micro.batch, micro.rng, scale)
-                if replay_reproduces(session, state, micro.batch, "gradient"):
-                    return i, None
-            if len(window) > 1 and self._accumulated_reproduces(session, window, scale):
-                return None, (f"each of the {len(window)} micro-batches alone gives finite "
-                              f"gradients, their accumulated sum does not: it overflowed")
-        return None, None
-
-    def _accumulated_reproduces(self, session, window: list[MicroBatch], scale) -> bool:
-        from nanaudit.errors import call_user
-        from nanaudit.run.step import scalar_loss
-        self.model.zero_grad(set_to_none=True)
-        for micro in window:        # the user's loss raising here is their error, not a verdict
-            self.replaying = micro
-            micro.rng.restore()
-            loss = scalar_loss(call_user("loss_fn (replaying the accumulation window)",
-                                         self.loss_fn, self.model, micro.batch))
-            call_user("backward of the loss", (loss * scale if scale is not None else loss)
-                      .backward)
-        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
-        return not all(bool(torch.isfinite(g).all()) for g in grads)
-
-    def _session(self):
-        from nanaudit.run.session import Session
-        return Session.for_loop(self.model, self.optimizer,
-                                self.loss_fn or (lambda model, batch: None), self.device,
-                                label="<Sentinel>", precision=_ReplayPrecision(self.scaler))

@@ -141,11 +141,12 @@ def rebuild(tree: Any, values: list) -> Any:
         pairs = dict(zip(tree.keys(), values))
         if type(tree) is dict:
             return pairs
+        mapping_class: Any = type(tree)   # a concrete Mapping; its constructor may differ
         try:
-            return type(tree)(pairs)
+            return mapping_class(pairs)
         except Exception:
             return pairs
-    if dataclasses.is_dataclass(tree):
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):   # as `children`
         return dataclasses.replace(tree, **{f.name: v for f, v in
                                             zip(dataclasses.fields(tree), values)})
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple

@@ -50,10 +50,10 @@ def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device) -> list[torch
         # The common case, kept to a handful of ops: one fused pass, one stack, one norm per group.
         per_tensor = torch.stack(torch._foreach_norm(flat, 2.0, dtype=torch.float32))
     else:
-        per_tensor = torch.stack(_mixed_norms(flat, device)) if flat else None
+        per_tensor = torch.stack(_mixed_norms(flat, device)) if flat else torch.zeros(0)
     out, start = [], 0
     for group in groups:
-        if group:
+        if group:                     # then `flat`, and so `per_tensor`, has its norms
             out.append(torch.linalg.vector_norm(per_tensor[start:start + len(group)],
                                                 dtype=torch.float64))
         else:
@@ -94,6 +94,25 @@ def exact_norm(tensors: Sequence[torch.Tensor]) -> float:
 def confirm_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     """Element-wise: does any tensor really hold NaN/Inf? (syncs; only after a norm trips)"""
     return any(not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def batch_finite(batch_norm: float, leaves: Sequence[torch.Tensor]) -> bool:
+    """Is the batch finite: its norm is, or (a float32 overflow) every element is?"""
+    return math.isfinite(batch_norm) or not confirm_nonfinite(leaves)
+
+
+def confirm_norms(checks, norm: float, gnorm: float,
+                  state: list | None = None) -> tuple[float, float]:
+    """(state norm, gradient norm) with a non-finite one replaced by the exact norm when no
+    element is actually non-finite. `checks`: a StepChecks (or anything with its
+    `state_tensors` and `grad_values`); `state`: the tensors the state norm was taken over
+    (default: the live state)."""
+    state = checks.state_tensors() if state is None else state
+    if not math.isfinite(norm) and not confirm_nonfinite(state):
+        norm = exact_norm(state)
+    if not math.isfinite(gnorm) and not confirm_nonfinite(checks.grad_values()):
+        gnorm = exact_norm(checks.grad_values())
+    return norm, gnorm
 
 
 def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
@@ -147,22 +166,23 @@ class StepReadout:
 class StepChecks:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
-    def __init__(self, model: torch.nn.Module | None, device, params: list | None = None):
+    def __init__(self, model: torch.nn.Module, device, params: list | None = None):
         self.device = torch.device(device)
-        self.params = list(params) if params is not None else [p for p in model.parameters()]
-        buffers = [] if model is None else [b for b in model.buffers()]
+        self.params = list(params) if params is not None else list(model.parameters())
+        buffers = list(model.buffers())
         # Which buffers the state check reads (floating ones), by their place in
         # `model.buffers()`: a BufferKeeper's copies of them stand in for the live ones.
         self.float_buffers = [i for i, b in enumerate(buffers) if b.is_floating_point()]
         self.state = self.params + [buffers[i] for i in self.float_buffers]
         # Detached once: aliases of the same storage, which in-place updates keep current.
         self._state = [t.detach() for t in self.state]
-        self._params = self._state[:len(self.params)]
+        self.param_values = self._state[:len(self.params)]   # the parameters, detached
         # One fused float32 pass covers them (gradients share their parameter's dtype and
         # device); float64 or scattered tensors take the per-group path.
         self._fused = all(t.dtype in _FLOAT64_SAFE and t.device == self.device
                           for t in self._state)
-        self._pack = ParamPack(self._params) if self._fused and self.device.type == "cpu" else None
+        self._pack = (ParamPack(self.param_values) if self._fused and self.device.type == "cpu"
+                      else None)
 
     def state_norm(self) -> torch.Tensor:
         return finite_norm(self._state, self.device)
@@ -197,7 +217,7 @@ class StepChecks:
         inside the forward; a NaN made there is this step's, not an earlier update's)."""
         if not saved_buffers or not self.float_buffers:
             return self._state
-        return self._params + [saved_buffers[i] for i in self.float_buffers]
+        return self.param_values + [saved_buffers[i] for i in self.float_buffers]
 
     def step_readout(self, loss: torch.Tensor, batch_leaves: list,
                      state: list | None = None) -> StepReadout:
@@ -213,8 +233,9 @@ class StepChecks:
                                         dtype=torch.float32)
             return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
                                len(state), len(grads))
-        batch, state, grad = finite_norms([batch_leaves, state, grads], self.device)
-        values = torch.stack([loss.detach().to(torch.float64), batch, state, grad])
+        batch_norm, state_norm, grad_norm = finite_norms([batch_leaves, state, grads],
+                                                         self.device)
+        values = torch.stack([loss.detach().to(torch.float64), batch_norm, state_norm, grad_norm])
         return StepReadout(values, 1, 1, 1)
 
     def zero_grad(self) -> None:

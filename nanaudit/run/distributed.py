@@ -35,9 +35,10 @@ import torch
 from nanaudit.config.schema import Config, DistributedOptions
 from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import DistributedRun, ErrorInfo
+from nanaudit.report.model import Check, DistributedRun, ErrorInfo
 
-FLAGS = ("input", "loss", "gradient", "exhausted")
+EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
+FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED)   # a rank's row in the exchange
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
 _CURRENT: Coordinator | None = None
@@ -123,7 +124,7 @@ class Coordinator:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.backend = ""
         self.placement: Placement | None = None
-        self.store = None
+        self.store: Any = None           # the rendezvous store (torch.distributed.Store)
         self.local_grad_bad: torch.Tensor | None = None
         self.failed = False
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
@@ -202,8 +203,9 @@ class Coordinator:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
         if isinstance(data, DataLoader) and data.batch_size is not None:
-            sampler = DistributedSampler(data.dataset, num_replicas=self.world_size,
-                                         rank=self.rank, shuffle=False, drop_last=data.drop_last)
+            sampler: DistributedSampler[Any] = DistributedSampler(
+                data.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False,
+                drop_last=data.drop_last)
             return DataLoader(data.dataset, batch_size=data.batch_size, sampler=sampler,
                               collate_fn=data.collate_fn, num_workers=data.num_workers,
                               drop_last=data.drop_last, pin_memory=data.pin_memory)
@@ -303,5 +305,8 @@ def _flag_then_allreduce(coord: Coordinator, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     buffer = bucket.buffer()
     bad = (~torch.isfinite(buffer)).any().to(torch.float64)
-    coord.local_grad_bad = torch.maximum(coord.local_grad_bad, bad.to(coord.local_grad_bad.device))
-    return allreduce_hook(None, bucket)
+    flag = coord.local_grad_bad
+    if flag is not None:                 # `wrap` sets it before registering this hook
+        coord.local_grad_bad = torch.maximum(flag, bad.to(flag.device))
+    # None is the default process group, as the hook's body handles; its stub says otherwise.
+    return allreduce_hook(None, bucket)  # type: ignore[arg-type]

@@ -9,7 +9,9 @@ arithmetic, exact in binary) for the timeline and for replays, so the scale is n
 
 A skipped step is normal AMP behaviour and only goes into the timeline. It becomes a finding when
 the scale collapses: it falls below `amp.scale_floor`, or `amp.max_skipped` steps in a row are
-skipped, which means the gradients overflow the low-precision dtype whatever the scale.
+skipped, which means the gradients overflow the low-precision dtype whatever the scale. That
+rule (`collapse_reason`, on the scale `backoff_scale` gives) is also `Sentinel`'s, whose
+GradScaler is the user's and may back off by another factor than torch's default.
 """
 
 from __future__ import annotations
@@ -82,13 +84,14 @@ class Precision:
             self._skipped_in_row = 0
             self._growth += 1
             if self._growth == self.amp.growth_interval:
-                self.scale, self._growth = self.scale * 2.0, 0
+                self.scale, self._growth = self.scale * self.scaler.get_growth_factor(), 0
         else:
             self._skipped_in_row += 1
-            self.scale, self._growth = self.scale * 0.5, 0
+            self.scale, self._growth = backoff_scale(self.scaler, self.scale), 0
         record = ScaleStep(before, self.scale, not grads_finite)
         if not grads_finite:
-            record.collapsed = self._collapse_reason()
+            record.collapsed = collapse_reason(self.scale, self.amp.scale_floor,
+                                               self._skipped_in_row, self.amp.max_skipped)
         return record
 
     def finish_update(self, optimizers) -> None:
@@ -96,12 +99,25 @@ class Precision:
         if self.scaler is not None and optimizers:
             self.scaler.update()
 
-    def _collapse_reason(self) -> str | None:
-        if self.scale < self.amp.scale_floor:
-            return (f"the loss scale fell to {self.scale:g}, below amp.scale_floor "
-                    f"{self.amp.scale_floor:g}, after {self._skipped_in_row} skipped step(s) in "
-                    f"a row")
-        if self._skipped_in_row >= self.amp.max_skipped:
-            return (f"the GradScaler skipped {self._skipped_in_row} steps in a row "
-                    f"(amp.max_skipped) and the scale fell to {self.scale:g}")
-        return None
+
+def backoff_scale(scaler, scale: float) -> float:
+    """The scale a GradScaler moves to when it skips a step: times its own backoff factor
+    (torch's default 0.5 for an object without `get_backoff_factor`)."""
+    get_factor = getattr(scaler, "get_backoff_factor", None)
+    return scale * (get_factor() if get_factor is not None else 0.5)
+
+
+def collapse_reason(next_scale: float | None, floor: float, skipped_in_row: int,
+                    max_skipped: int, options: str = "amp.") -> str | None:
+    """Why a skipped step is a finding (None: it is AMP's normal course): the scale after
+    this skip (None: unknown) fell below `floor`, or `max_skipped` steps in a row were
+    skipped. `options`: what the messages call the settings (`amp.` in a config; "" for
+    Sentinel's arguments)."""
+    if next_scale is not None and next_scale < floor:
+        return (f"the loss scale fell to {next_scale:g}, below {options}scale_floor {floor:g}, "
+                f"after {skipped_in_row} skipped step(s) in a row")
+    if skipped_in_row >= max_skipped:
+        fell = f" and the scale fell to {next_scale:g}" if next_scale is not None else ""
+        return (f"the GradScaler skipped {skipped_in_row} steps in a row ({options}max_skipped)"
+                f"{fell}")
+    return None

@@ -1,13 +1,13 @@
-"""The step's vocabulary: the RNG state captured before a step, what tripped (`Trip`), the
-pre-step state a replay needs (`StepState`), a run's outcome, the loss's checks, and how the
-host classifies a step from its one read. The step itself is a unit (units.py).
+"""The step's vocabulary, shared by the loop, the replays and `Sentinel`: the RNG state captured
+before a step, what tripped (`Trip`), the pre-step state a replay needs (`StepState`), a run's
+outcome and the timeline's record of a step. Which check tripped is decided in verdict.py; the
+step itself is a unit (units.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import operator
 import random
 import sys
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from nanaudit.errors import ConfigError, Problem
-from nanaudit.report.model import TimelineEntry
-from nanaudit.run.checks import StepChecks, confirm_nonfinite, exact_norm
+from nanaudit.report.model import Check, TimelineEntry
 from nanaudit.run.deferred import ReadMode
+from nanaudit.run.verdict import Tripped
 
 
 @dataclass
@@ -90,7 +90,7 @@ def _python_fingerprint(owner):
     place after a check against `getstate()`; None where the layout differs."""
     try:
         words = (ctypes.c_uint32 * 625).from_address(id(owner) + 16)
-        version, saved, _ = owner.getstate()
+        _, saved, _ = owner.getstate()
         if list(words[1:]) != list(saved[:624]) or words[0] != saved[624]:
             return None
     except (ValueError, TypeError, IndexError):
@@ -129,9 +129,13 @@ _PYTHON = _ReusedState(random.getstate, functools.partial(getattr, random, "_ins
 _NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_fingerprint)
 
 
+# A trip's check besides the sentinels' (Check): the learning rate, read before an update.
+SCHEDULE = "schedule"
+
+
 @dataclass
 class Trip:
-    """What tripped a sentinel: the step and the check (input, parameter, loss, gradient, optimizer)."""
+    """What tripped a sentinel: the step and the check (a Check, or SCHEDULE)."""
 
     step: int
     check: str
@@ -142,6 +146,15 @@ class Trip:
     micro_batch: int | None = None   # with accumulation: the micro-batch whose input/loss tripped
     optimizer: str | None = None     # with several optimizers: the one whose check tripped
     loss_name: str | None = None     # `step:` returning named losses: the one that tripped
+
+    @classmethod
+    def found(cls, tripped: Tripped, loss: float | None, grad_norm: float | None,
+              rank: int | None = None) -> Trip:
+        """The Trip of a verdict. Bad weights carry no loss or gradient norm: those are the
+        reading step's, not the step that made the weights."""
+        if tripped.check in (Check.PARAMETER, Check.OPTIMIZER):
+            return cls(tripped.step, tripped.check)
+        return cls(tripped.step, tripped.check, loss, grad_norm, rank=rank)
 
 
 @dataclass
@@ -199,31 +212,6 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
         raise ConfigError([Problem(entry_key, "the loss does not require grad: it is not "
                                    "connected to any trainable parameter")])
     return value.reshape(()) if value.dim() else value
-
-
-def confirm_norms(sentinels: StepChecks, norm: float, gnorm: float,
-                  state: list | None = None) -> tuple[float, float]:
-    """Replace a non-finite norm by the exact one when no element is actually non-finite.
-    `state`: the tensors the state norm was taken over (default: the live state)."""
-    state = sentinels.state_tensors() if state is None else state
-    if not math.isfinite(norm) and not confirm_nonfinite(state):
-        norm = exact_norm(state)
-    if not math.isfinite(gnorm) and not confirm_nonfinite(sentinels.grad_values()):
-        gnorm = exact_norm(sentinels.grad_values())
-    return norm, gnorm
-
-
-def classify_step(step, ok_batch, norm, loss_value, gnorm, updated) -> Trip | None:
-    if ok_batch < 1.0:
-        return Trip(step, "input", loss_value, gnorm)
-    if not math.isfinite(norm):
-        # The parameters were fine at the last read; an optimizer step ran since: blame it.
-        return Trip(step - 1, "optimizer") if updated else Trip(step, "parameter")
-    if not math.isfinite(loss_value):
-        return Trip(step, "loss", loss_value, gnorm)
-    if not math.isfinite(gnorm):
-        return Trip(step, "gradient", loss_value, gnorm)
-    return None
 
 
 def current_lr(optimizer) -> float | None:

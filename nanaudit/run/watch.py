@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from nanaudit.config.schema import WatchOptions
-from nanaudit.report.model import EarlyWarning
+from nanaudit.report.model import EarlyWarning, TimelineEntry, WarningKind
 from nanaudit.run.checks import ParamPack, finite_norm
 
 MAX_WARNINGS = 50
@@ -80,7 +80,8 @@ class ActivationWatch:
                 self.warned.add(name)
                 dtype_name = str(dtype).replace("torch.", "")
                 warnings.append(EarlyWarning(
-                    kind="near-overflow", step=step, began=step, module=name, value=value,
+                    kind=WarningKind.NEAR_OVERFLOW, step=step, began=step, module=name,
+                    value=value,
                     threshold=self.fraction * limit,
                     message=(f"the output of {name} reached |{value:.6g}|, {ratio:.0%} of "
                              f"{dtype_name}'s largest value {limit:.6g}")))
@@ -102,7 +103,7 @@ class UpdateWatch:
         # tensor is what a small step feels, the small parameters are copied as one.
         on_cpu = all(p.device.type == "cpu" for p in self.params)
         self._pack = ParamPack(self.params) if on_cpu and self.params else None
-        self._snapshot = None
+        self._snapshot: list[torch.Tensor] | None = None
         self._base = 0.0                  # the weights' norm before the sampled update
         self.pending_step: int | None = None
         self.pending_base = 0.0
@@ -122,7 +123,7 @@ class UpdateWatch:
         # The parameters are detached aliases: no autograd bookkeeping to switch off.
         self._base = weight_norm
         self._snapshot = (self._pack.snapshot() if self._pack is not None
-                          else torch._foreach_mul(self.params, 1.0))
+                          else list(torch._foreach_mul(self.params, 1.0)))
         self.pending_step = step
 
     def after_update(self) -> None:
@@ -137,7 +138,7 @@ class UpdateWatch:
         self.pending_base = self._base
         self._snapshot = None
 
-    def take(self) -> tuple[int | None, torch.Tensor | None, float]:
+    def take(self) -> tuple[int | None, torch.Tensor | None, float | torch.Tensor]:
         """The pending (step, update norm, weight norm before it) for the next readout."""
         step, norm, base = self.pending_step, self.pending_norm, self.pending_base
         self.pending_step = self.pending_norm = None
@@ -171,7 +172,7 @@ class GrowthWatch:
         self.losses: deque = deque(maxlen=options.spike_window)
         self._reference: list[float] = []   # |loss| over the first window: its own scale
         self._in_spike = False
-        self._run_start: tuple[int, float] | None = None
+        self._run_start: tuple[int, float] = (0, 0.0)   # set at the first gradient norm
         self._run = 0
         self._prev_gnorm: float | None = None
         self._warned_run = False
@@ -194,7 +195,7 @@ class GrowthWatch:
         cannot diverge). A positive loss is judged on a log scale, where its noise is
         multiplicative: a loss near zero that wanders by factors of two is noise, not a spike."""
         rtol = self.options.loss_spike
-        found = []
+        found: list[EarlyWarning] = []
         if len(self._reference) < self.options.spike_window:
             self._reference.append(abs(loss))
         if rtol and len(self.losses) >= min(5, self.options.spike_window):
@@ -211,7 +212,8 @@ class GrowthWatch:
             if spiking and not self._in_spike:
                 mean = _mean(self.losses)
                 found.append(EarlyWarning(
-                    kind="loss-spike", step=step, began=step, value=loss, threshold=threshold,
+                    kind=WarningKind.LOSS_SPIKE, step=step, began=step, value=loss,
+                    threshold=threshold,
                     message=(f"the loss jumped to {loss:.6g} against a mean of {mean:.6g} over "
                              f"the last {len(self.losses)} steps (above {threshold:.6g}, the "
                              f"window's level plus its noise)")))
@@ -242,19 +244,63 @@ class GrowthWatch:
                 and grew >= factor):
             self._warned_run = True
             return [EarlyWarning(
-                kind="grad-growth", step=step, began=start_step, value=gnorm, threshold=factor,
+                kind=WarningKind.GRAD_GROWTH, step=step, began=start_step, value=gnorm,
+                threshold=factor,
                 message=(f"the gradient norm grew {grew:.3g}x over {self._run} steps in a row, "
                          f"from {start_value:.4g} at step {start_step} to {gnorm:.4g}"))]
         return []
 
-    def observe_update(self, step: int, ratio: float) -> list:
+    def observe_update(self, step: int, ratio: float, lr: float | None = None,
+                       norms: tuple[float, float] | None = None) -> list:
+        """The update-ratio warning, once as the ratio rises above `update_ratio` (not every
+        step it stays there); `lr` and `norms` as `update_ratio_warning` takes them."""
         limit = self.options.update_ratio
         high = bool(limit) and math.isfinite(ratio) and ratio > limit
         warn = high and not self._update_high
         self._update_high = high
         if not warn:
             return []
-        return [EarlyWarning(
-            kind="update-ratio", step=step, began=step, value=ratio, threshold=limit,
-            message=(f"the optimizer step changed the weights by {ratio:.3g} of their norm "
-                     f"(|update| / |weights| > {limit:g}); healthy training is near 1e-3"))]
+        return [update_ratio_warning(step, ratio, limit, lr, norms)]
+
+
+def update_ratio_warning(step: int, ratio: float, limit: float, lr: float | None = None,
+                         norms: tuple[float, float] | None = None) -> EarlyWarning:
+    """The warning of an update that changed the weights by `ratio` of their norm (above
+    `limit`). `norms`: the weights' norm (before, after) when that is all there is to go on
+    (`nanaudit run`'s timeline): `ratio` is then | |w'| - |w| | / |w|, which bounds
+    |w' - w| / |w| from below; `lr`: the step's learning rate, shown with them."""
+    if norms is None:
+        message = (f"the optimizer step changed the weights by {ratio:.3g} of their norm "
+                   f"(|update| / |weights| > {limit:g}); healthy training is near 1e-3")
+    else:
+        rate = f" (lr {lr:.4g})" if lr is not None else ""
+        message = (f"the update of step {step}{rate} took the weights' norm from "
+                   f"{norms[0]:.4g} to {norms[1]:.4g}: |update| / |weights| >= {ratio:.3g} "
+                   f"(> {limit:g}); healthy training is near 1e-3")
+    return EarlyWarning(kind=WarningKind.UPDATE_RATIO, step=step, began=step, value=ratio,
+                        threshold=limit, message=message)
+
+
+def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:
+    """Early warnings from a finished run's timeline, on the host (`nanaudit run`, whose
+    script nanaudit does not step itself): loss spikes and gradient growth, and an update
+    that changed the weights' norm by more than `update_ratio` of it. Each entry holds the
+    norm as the previous update left it, and | |w'| - |w| | <= |w' - w|, so the norms bound
+    |update| / |weights| from below."""
+    options = options if options is not None else WatchOptions()
+    growth = GrowthWatch(options)
+    warnings: list[EarlyWarning] = []
+    previous: TimelineEntry | None = None
+    for entry in timeline:
+        if entry.skipped:
+            continue
+        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
+        norm = entry.param_norm
+        if (previous is not None and previous.param_norm and norm is not None
+                and math.isfinite(norm) and math.isfinite(previous.param_norm)
+                and options.update_ratio):
+            before = previous.param_norm
+            change = abs(norm - before) / before
+            warnings += growth.observe_update(previous.step, change, previous.lr, (before, norm))
+        previous = entry
+    return warnings[:MAX_WARNINGS]

@@ -28,6 +28,7 @@ from nanaudit.report.model import Check, TimelineEntry
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
+from nanaudit.run.verdict import tripped_check
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
@@ -320,26 +321,28 @@ class ScriptAuditor:
 
     def _classify(self, optimizer: Any, ok: float, norm: float, loss: float, grad_norm: float,
                   params: list, inputs: list) -> ScriptTrip | None:
-        if ok < 1.0:
+        """The step's trip, by the one rule every checker names what tripped with."""
+        verdict = tripped_check(self.step, inputs_ok=ok >= 1.0,
+                                weights_finite=math.isfinite(norm),
+                                updated_at=self.ledger.updated_at.get(id(optimizer)),
+                                loss_finite=math.isfinite(loss),
+                                grads_finite=math.isfinite(grad_norm))
+        if verdict is None:
+            return None
+        if verdict.check == Check.INPUT:
             return self._input_trip(inputs, loss, grad_norm)
         name = self.parameter_name
-        if not math.isfinite(norm):
+        if verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
             bad = [p for p in params if not bool(torch.isfinite(p).all())]
-            updated = self.ledger.updated_at.get(id(optimizer))
-            check = Check.OPTIMIZER if updated is not None else Check.PARAMETER
-            trip = self._trip(check, value_kind(bad[0]), [name(p) for p in bad])
-            trip.step = updated if updated is not None else self.step
-            trip.optimizer = describe_optimizer(optimizer)
-            return trip
-        bad = [p for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        if not math.isfinite(loss):
-            trip = self._trip(Check.LOSS, float_kind(loss), [name(p) for p in bad], loss=loss,
-                              grad_norm=grad_norm)
-        elif not math.isfinite(grad_norm):
-            trip = self._trip(Check.GRADIENT, value_kind(bad[0].grad), [name(p) for p in bad],
-                              loss=loss, grad_norm=grad_norm)
+            trip = self._trip(verdict.check, value_kind(bad[0]), [name(p) for p in bad])
+            trip.step = verdict.step
         else:
-            return None
+            bad = [p for p in params
+                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            kind = (float_kind(loss) if verdict.check == Check.LOSS
+                    else value_kind(bad[0].grad))
+            trip = self._trip(verdict.check, kind, [name(p) for p in bad], loss=loss,
+                              grad_norm=grad_norm)
         trip.optimizer = describe_optimizer(optimizer)
         return trip
 

@@ -6,14 +6,12 @@ error); it never prints or exits."""
 
 from __future__ import annotations
 
-import math
 import time
 
-from nanaudit.config.schema import WatchOptions
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.localize.findings import attach_warnings
-from nanaudit.report.model import EarlyWarning, FirstRun, Report, SampleSearch, ScriptRun, Status
-from nanaudit.run.watch import MAX_WARNINGS, GrowthWatch
+from nanaudit.report.model import FirstRun, Report, SampleSearch, ScriptRun, Status
+from nanaudit.run.watch import timeline_warnings
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.rerun import localize_by_rerun
@@ -77,37 +75,6 @@ def record(report: Report, auditor: ScriptAuditor) -> None:
         report.run = ScriptRun()
     if auditor.rank is not None:
         report.run.rank = auditor.rank
-
-
-def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:
-    """`scan`'s early warnings from the first run's timeline, on the host, after the run: loss
-    spikes and gradient growth (GrowthWatch), and an update that changed the weights' norm by
-    more than `update_ratio` of it. Each entry holds the norm as the previous update left it,
-    and | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
-    options = options or WatchOptions()
-    growth, warnings, previous, high = GrowthWatch(options), [], None, False
-    for entry in timeline:
-        if entry.skipped:
-            continue
-        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
-        norm = entry.param_norm
-        if (previous is not None and previous.param_norm and norm is not None
-                and math.isfinite(norm) and math.isfinite(previous.param_norm)
-                and options.update_ratio):
-            change = abs(norm - previous.param_norm) / previous.param_norm
-            # Warned once as it rises above the threshold, as `scan` warns, not every step.
-            was_high, high = high, change > options.update_ratio
-            if high and not was_high:
-                rate = f" (lr {previous.lr:.4g})" if previous.lr is not None else ""
-                warnings.append(EarlyWarning(
-                    kind="update-ratio", step=previous.step, began=previous.step, value=change,
-                    threshold=options.update_ratio,
-                    message=(f"the update of step {previous.step}{rate} took the weights' norm "
-                             f"from {previous.param_norm:.4g} to {norm:.4g}: |update| / "
-                             f"|weights| >= {change:.3g} (> {options.update_ratio:g}); healthy "
-                             f"training is near 1e-3")))
-        previous = entry
-    return warnings[:MAX_WARNINGS]
 
 
 def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers: int) -> None:

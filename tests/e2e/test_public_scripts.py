@@ -24,8 +24,8 @@ from helpers import run_cli
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
 from nanaudit.report.model import TimelineEntry
+from nanaudit.run.watch import timeline_warnings
 from nanaudit.script.auditor import ScriptAuditor
-from nanaudit.script.runner import timeline_warnings
 from nanaudit.script.step_values import window_loss
 from nanaudit.script.target import ScriptOptions, ScriptTarget
 

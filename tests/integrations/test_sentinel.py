@@ -340,3 +340,30 @@ def test_sentinel_bundle_with_a_loss_defined_in_a_function_asks_for_it(tmp_path,
     refused = run_cli("replay", bundle, "--model", "sentinel_case:build_model")
     assert refused.code == 2
     assert "defined inside a function" in refused.stderr and "--loss" in refused.stderr
+
+
+@pytest.mark.parametrize("backoff, floor, collapses", [
+    (0.25, 1.5, True),      # 4 * 0.25 = 1 < 1.5, though 4 * 0.5 = 2 is not
+    (0.9, 3.0, False),      # 4 * 0.9 = 3.6 >= 3, though 4 * 0.5 = 2 is not
+])
+def test_sentinel_decides_a_scale_collapse_by_the_scalers_own_backoff(backoff, floor, collapses):
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, backoff_factor=backoff)
+    sentinel = Sentinel(model, optimizer, scaler=scaler, scale_floor=floor, max_skipped=100)
+    batch = torch.randn(4, 3)
+    loss = model(batch).pow(2).mean()
+    scaler.scale(loss).backward()
+    with torch.no_grad():
+        model.weight.grad[0, 0] = float("inf")     # an overflowed gradient: the scaler skips
+    if collapses:
+        with pytest.raises(NonFiniteError):
+            sentinel.check(0, batch, loss)
+        trip, _ = sentinel.tripped
+        assert trip.check == "gradient"
+        assert f"fell to {4.0 * backoff:g}, below scale_floor {floor:g}" in trip.note
+    else:
+        sentinel.check(0, batch, loss)              # AMP's normal course: a skipped step
+        assert sentinel.skipped == 1 and sentinel.timeline[-1].skipped

@@ -1,0 +1,142 @@
+"""The user's own step (`step:`), checked at a gate before each optimizer step it makes.
+
+The user's function decides when to update, so the read cannot come after its backward: each
+optimizer step inside the call first passes a gate (units.py stops the call there when it
+says no), which reads that optimizer's weights, gradients and the losses backpropagated since
+the last gate in one sync. A trip stops the call before that update; the updates the call
+made before it are put back, so the replay starts from the state before the call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanaudit.report.model import Check
+from nanaudit.run.batch import move
+from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
+from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.units import UpdatePoint, UserRun, lr_problem, step_schedulers
+from nanaudit.run.verdict import tripped_check
+
+if TYPE_CHECKING:
+    from nanaudit.run.loop import StepLoop
+
+
+@dataclass
+class GateReads:
+    """What the gates inside one call of the user's step have seen."""
+
+    leaves: list
+    buffers: list | None
+    checked: bool = False
+    loss: float | None = None
+    norm: float = 0.0
+    gnorm: float = 0.0
+    trip: Trip | None = None
+
+
+class GatedStep:
+    """One call of the user's step per loop step, read at each of its optimizer steps."""
+
+    def __init__(self, loop: StepLoop):
+        self.loop = loop
+        self.checks: dict = {}          # id(optimizer) -> StepChecks over its params
+        self.stepped: set = set()       # optimizers updated since their last gate
+
+    def run(self, step: int, raw_batch):
+        """One call of the user's `step:` function; returns (trip, state) or (None, None)."""
+        loop = self.loop
+        if loop.coord is not None and loop.coord.terminated:
+            raise KeyboardInterrupt
+        started = time.perf_counter()
+        rng = RngState.capture()
+        saved = loop.buffers.save() if loop.has_buffers else None
+        leaves: list = []
+        batch = move(raw_batch, loop.session.device, leaves)
+        loop.watches.activations.begin(step)
+        seen = GateReads(leaves, saved)
+        lr = current_lr(loop.optimizer)
+        run = loop.unit.run(batch, lambda point: self._gate(step, point, seen))
+        loop.outcome.steps_run = step + 1
+        if run.halted is None:
+            seen.trip = self._returned_losses(step, run, seen)
+        if seen.trip is None and run.updates and loop.session.schedulers:
+            step_schedulers(loop.session.schedulers, seen.loss)
+        loop.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
+                                                    loop.optimizer, started, lr=lr))
+        loop.updated = loop.updated or run.updates > 0
+        if seen.trip is None:
+            return None, None
+        for put_back in reversed(run.undo):
+            put_back()                   # the updates this call made before the bad one
+        return seen.trip, StepState(
+            step, batch, rng, buffers=loop.buffers.pairs(saved) if saved else None,
+            batch_index=loop.fetched - 1,
+            halt_at=run.halted.index if run.halted else None, undo=run.undo)
+
+    def _gate(self, step: int, point: UpdatePoint, seen: GateReads) -> bool:
+        """The check before one optimizer step inside the user's step: its parameters as
+        their last update left them, its gradients, the losses backpropagated since the last
+        check and (at the first) the batch, in one read. True lets the update run."""
+        loop = self.loop
+        checks = self.checks.get(id(point.optimizer))
+        if checks is None:
+            params = [p for g in point.optimizer.param_groups for p in g["params"]]
+            checks = self.checks[id(point.optimizer)] = StepChecks(
+                loop.session.local_model, loop.session.device, params=params)
+        first = not seen.checked
+        loss = (torch.stack([t.detach().float().reshape(()) for t in point.losses]).sum()
+                if point.losses else torch.zeros((), device=loop.session.device))
+        state = checks.state_before(seen.buffers) if first else checks.param_values
+        readout = checks.step_readout(loss, seen.leaves if first else [], state)
+        read = readout.values.tolist()
+        loop.outcome.host_syncs += 1
+        batch_norm, norm, loss_value, gnorm = readout.read(read)
+        inputs_ok = batch_finite(batch_norm, seen.leaves) if first else True
+        norm, gnorm = confirm_norms(checks, norm, gnorm, state)
+        seen.checked = True
+        seen.norm, seen.gnorm = norm, gnorm
+        if point.losses and math.isfinite(loss_value):
+            seen.loss = loss_value if seen.loss is None else seen.loss + loss_value
+        updated = id(point.optimizer) in self.stepped
+        verdict = tripped_check(step, inputs_ok=inputs_ok, weights_finite=math.isfinite(norm),
+                                updated_at=step - 1 if updated else None,
+                                loss_finite=math.isfinite(loss_value),
+                                grads_finite=math.isfinite(gnorm))
+        trip = Trip.found(verdict, loss_value, gnorm) if verdict is not None else None
+        if trip is None:
+            problem = lr_problem(loop.session, only=point.optimizer)
+            trip = Trip(step, SCHEDULE, loss_value, gnorm, note=problem) if problem else None
+        if trip is None:
+            self.stepped.add(id(point.optimizer))
+            return True
+        trip.optimizer = point.name
+        if trip.check == Check.LOSS:
+            bad = [i for i, t in enumerate(point.losses) if not bool(torch.isfinite(t).all())]
+            if bad and bad[0] < len(point.loss_names):
+                trip.loss_name = point.loss_names[bad[0]]
+        seen.trip = trip
+        return False
+
+    def _returned_losses(self, step: int, run: UserRun, seen: GateReads) -> Trip | None:
+        """A returned loss the gates did not see (the step made no update, or never
+        backpropagated it): one more read, only then."""
+        unseen = {n: t for n, t in run.losses.items()
+                  if not (seen.checked and t.requires_grad)}
+        if not unseen:
+            return None
+        values = torch.stack([t.detach().float().reshape(()) for t in unseen.values()]).tolist()
+        self.loop.outcome.host_syncs += 1
+        if seen.loss is None:
+            seen.loss = sum(values)          # NaN carries, as the standard step shows it
+        for name, value in zip(unseen, values):
+            if not math.isfinite(value):
+                note = ("found after the call's updates (no check before an update saw it): "
+                        "the replay starts from the weights they left" if run.updates else None)
+                return Trip(step, Check.LOSS, value, seen.gnorm, loss_name=name, note=note)
+        return None

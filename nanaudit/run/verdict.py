@@ -1,0 +1,59 @@
+"""Which check tripped: the one decision every checker makes from a step's finiteness flags.
+
+The step loop (one process or a rank table under torchrun), `Sentinel` in the user's loop and
+the `nanaudit run` script auditor each read a step's flags their own way, but name what went
+bad by the same rule, in step order: the batch (input), the weights as the last update left
+them (optimizer, when an update ran since the last read, else parameter), the loss, then the
+gradients. Where the step has parts (ranks, micro-batches) the first bad part is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nanaudit.report.model import Check
+
+# One flag for the whole step, or one per part (rank or micro-batch) in order.
+Flags = bool | Sequence[bool]
+
+
+@dataclass(frozen=True)
+class Tripped:
+    """The check that tripped, the step that made the value (for OPTIMIZER the step of the
+    update, not the step whose read saw it), and the part whose own value it was."""
+
+    check: Check
+    step: int
+    part: int | None = None     # the first bad rank or micro-batch; None: the whole step's
+
+
+def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: bool,
+                  updated_at: int | None, loss_finite: Flags,
+                  grads_finite: Flags) -> Tripped | None:
+    """The first check that tripped at `step`, or None when all are finite.
+
+    `updated_at`: the step whose update ran since the weights were last read finite (None:
+    none ran). Bad weights then blame that update, and otherwise were bad before this step.
+    A flag given per part names the first part that is False."""
+    tripped, part = _first_bad(inputs_ok)
+    if tripped:
+        return Tripped(Check.INPUT, step, part)
+    if not weights_finite:
+        # The weights are the same on every part (DDP keeps them in step): no part is named.
+        if updated_at is not None:
+            return Tripped(Check.OPTIMIZER, updated_at)
+        return Tripped(Check.PARAMETER, step)
+    for check, flags in ((Check.LOSS, loss_finite), (Check.GRADIENT, grads_finite)):
+        tripped, part = _first_bad(flags)
+        if tripped:
+            return Tripped(check, step, part)
+    return None
+
+
+def _first_bad(flags: Flags) -> tuple[bool, int | None]:
+    """(whether a flag is False, the first False part's index: None for a whole-step flag)."""
+    if isinstance(flags, bool):
+        return not flags, None
+    part = next((i for i, ok in enumerate(flags) if not ok), None)
+    return part is not None, part

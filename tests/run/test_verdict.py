@@ -1,0 +1,42 @@
+"""Which check tripped: one decision for the loop, the rank table, Sentinel and the script."""
+
+import pytest
+
+from nanaudit.report.model import Check
+from nanaudit.run.verdict import Tripped, tripped_check
+
+FINE = dict(inputs_ok=True, weights_finite=True, updated_at=None, loss_finite=True,
+            grads_finite=True)
+
+
+def _verdict(**flags):
+    return tripped_check(5, **{**FINE, **flags})
+
+
+def test_all_finite_is_no_trip():
+    assert _verdict() is None
+
+
+@pytest.mark.parametrize("flags, expected", [
+    # In step order: the batch first, then the weights, the loss, the gradients.
+    (dict(inputs_ok=False, weights_finite=False, loss_finite=False, grads_finite=False),
+     Tripped(Check.INPUT, 5)),
+    (dict(weights_finite=False, loss_finite=False, grads_finite=False),
+     Tripped(Check.PARAMETER, 5)),
+    (dict(loss_finite=False, grads_finite=False), Tripped(Check.LOSS, 5)),
+    (dict(grads_finite=False), Tripped(Check.GRADIENT, 5)),
+])
+def test_the_first_check_in_step_order_is_named(flags, expected):
+    assert _verdict(**flags) == expected
+
+
+def test_bad_weights_after_an_update_blame_that_update():
+    assert _verdict(weights_finite=False, updated_at=4) == Tripped(Check.OPTIMIZER, 4)
+
+
+def test_per_part_flags_name_the_first_bad_part():
+    assert _verdict(inputs_ok=[True, False, False]) == Tripped(Check.INPUT, 5, part=1)
+    assert _verdict(loss_finite=[True, True, False]) == Tripped(Check.LOSS, 5, part=2)
+    assert _verdict(inputs_ok=[True, True], loss_finite=[True]) is None
+    # The weights are every part's: no part is named.
+    assert _verdict(inputs_ok=[True, True], weights_finite=False).part is None
