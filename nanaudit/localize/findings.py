@@ -9,9 +9,9 @@ from torch.utils._pytree import tree_flatten
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
 from nanaudit.localize.replay import (
+    Localization,
     forward_input_stats,
     input_stats,
-    Localization,
     localize,
     preserved_buffers,
     replay_reproduces,

@@ -40,8 +40,7 @@ from nanaudit.localize.tracer import (
 )
 from nanaudit.run.checks import StepChecks, value_kind
 from nanaudit.run.session import Session
-from nanaudit.run.step import StepState, Trip
-from nanaudit.run.step import ReplayHooks
+from nanaudit.run.step import ReplayHooks, StepState, Trip
 
 
 @contextlib.contextmanager
