@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the fuzz suite needs the 
                                  "(pip install -e '.[test]')")
 from helpers import LINEAR_CASE, run_cli  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: E402
 
 from nanaudit.exitcodes import ExitCode  # noqa: E402
 
