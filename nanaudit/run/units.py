@@ -113,7 +113,7 @@ def optimizer_label(name: str, optimizer) -> str:
     return f"optimizer step of `{name}` ({type(optimizer).__name__})"
 
 
-def step_schedulers(schedulers: dict, loss_value: float) -> None:
+def step_schedulers(schedulers: dict, loss_value: float | None) -> None:
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
     for name, scheduler in schedulers.items():
         what = f"scheduler `{name}` ({type(scheduler).__name__}).step()"
