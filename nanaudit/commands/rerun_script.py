@@ -11,8 +11,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import UserCodeError
-from nanaudit.localize.replay import forward_input_stats, input_stats, walk_from_sink
-from nanaudit.localize.tracer import OpTracer, kinds_of
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.stats import forward_input_stats, input_stats
+from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.script_hooks import ScriptAuditor
