@@ -39,6 +39,8 @@ OUTSIDE_FIX = ("check the code that produced this tensor outside torch (the auto
 
 @dataclass
 class Blame:
+    """The op a finding names, the chain from it to the sink, and why."""
+
     event: OpEvent            # the op the finding names
     chain: list               # the events from it to the op that reached the sink
     diagnosis: Diagnosis

@@ -73,6 +73,8 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
 
 
 def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:
+    """Replay the tripping step traced and walk back from what tripped: the loss, or the first
+    parameter whose gradient is non-finite."""
     with preserved_buffers(session.model):
         trace, loss = traced_replay(session, state)
     if trip.check == "loss":

@@ -21,6 +21,9 @@ from nanaudit.run.checks import value_kind
 
 @dataclass
 class Localization:
+    """What the walk found: the creating op, its chain to the sink and the diagnosis; with
+    `reproduced` False (the replay came out finite, or no op made the value) nothing else."""
+
     reproduced: bool
     kind: str | None = None               # the sink's value kind: nan, inf, -inf
     event: OpEvent | None = None          # the creating op
