@@ -1,1 +1,2 @@
-"""The expensive path: replay the bad step under instruments, name the op, its cause and the offending rows."""
+"""The expensive path: replay the bad step under instruments, name the op, its cause and the
+offending rows."""

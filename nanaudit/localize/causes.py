@@ -1,82 +1,118 @@
-"""The cause catalogue (ids as the project's docs/causes.md defines them, a public contract): what each id means and the fix to suggest.
+"""The cause catalogue: every id a finding can name, what it means and the fix to suggest.
 
-The ids are part of the JSON contract; never change an id's meaning.
+The ids are a public contract (the JSON report's `finding.cause`, JUnit test names, GitHub
+annotations): an id never changes meaning once released. `Cause` is the one spelling of them in
+the code, so a misspelt id fails where it is written, not when a finding reaches `fix_for`.
 """
 
-CAUSES = {
-    "nonfinite-input": (
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Cause(str, Enum):
+    """A catalogue id; compares, formats and serialises exactly as its plain string."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+    NONFINITE_INPUT = "nonfinite-input"
+    NONFINITE_PARAMETER = "nonfinite-parameter"
+    LOG_DOMAIN = "log-domain"
+    DIV_BY_ZERO = "div-by-zero"
+    SQRT_DOMAIN = "sqrt-domain"
+    EXP_OVERFLOW = "exp-overflow"
+    TRIG_DOMAIN = "trig-domain"
+    NORM_AT_ZERO = "norm-at-zero"
+    SOFTMAX_ALL_MASKED = "softmax-all-masked"
+    DEGENERATE_REDUCTION = "degenerate-reduction"
+    POLE = "pole"
+    DTYPE_OVERFLOW = "dtype-overflow"
+    MASKED_NONFINITE_GRADIENT = "masked-nonfinite-gradient"
+    IMPOSSIBLE_CTC_TARGET = "impossible-ctc-target"
+    DIVERGENCE = "divergence"
+    OPTIMIZER_UPDATE = "optimizer-update"
+    INF_ARITHMETIC = "inf-arithmetic"
+    UNKNOWN = "unknown"
+
+
+# id -> (what happened, the usual fix)
+CAUSES: dict[Cause, tuple[str, str]] = {
+    Cause.NONFINITE_INPUT: (
         "a batch tensor already holds NaN/Inf before the model runs",
         "clean or filter the sample; guard the preprocessing step that made it "
         "(e.g. `mask / mask.max()` on an all-zero mask: `mask / mask.max().clamp(min=1e-12)`)"),
-    "nonfinite-parameter": (
+    Cause.NONFINITE_PARAMETER: (
         "a parameter or buffer is non-finite before the step",
         "restore the last good checkpoint; find where it went bad with `nanaudit bisect "
         "--checkpoints`"),
-    "log-domain": (
+    Cause.LOG_DOMAIN: (
         "log of a value <= 0 (log1p of a value <= -1)",
         "clamp the input (`torch.log(x.clamp(min=1e-12))`), or use `log_softmax`, "
         "`F.logsigmoid` or `BCEWithLogitsLoss` instead of a hand-written log"),
-    "div-by-zero": (
+    Cause.DIV_BY_ZERO: (
         "division or reciprocal by zero",
         "add an eps to the denominator, `clamp(min=1)` on counts, or guard with `torch.where` "
         "before dividing"),
-    "sqrt-domain": (
+    Cause.SQRT_DOMAIN: (
         "sqrt / fractional pow of a negative value, or sqrt at exactly 0 in backward",
         "`torch.sqrt(x + eps)` or `torch.sqrt(x.clamp(min=eps))`: the derivative 1/(2*sqrt(x)) "
         "is infinite at 0"),
-    "exp-overflow": (
+    Cause.EXP_OVERFLOW: (
         "exp overflowed: its input is above log(dtype max)",
         "subtract the max before exp (the log-sum-exp trick), or use `softmax`, `log_softmax`, "
         "`logsumexp`, `F.softplus` instead of the hand-written formula"),
-    "trig-domain": (
+    Cause.TRIG_DOMAIN: (
         "acos / asin outside [-1, 1] or at +-1 in backward; atan2 at (0, 0) in backward",
         "`x.clamp(-1 + eps, 1 - eps)` before acos/asin; add eps to both atan2 arguments"),
-    "norm-at-zero": (
+    Cause.NORM_AT_ZERO: (
         "the norm of an all-zero vector: finite forward, 0/0 in backward",
         "use `F.normalize(x, eps=...)` or `torch.sqrt((x * x).sum() + eps)`"),
-    "softmax-all-masked": (
+    Cause.SOFTMAX_ALL_MASKED: (
         "softmax over a row whose entries are all -inf",
         "drop empty or fully padded sequences, or fill masks with a large finite negative "
         "(`torch.finfo(dtype).min`) instead of -inf"),
-    "degenerate-reduction": (
+    Cause.DEGENERATE_REDUCTION: (
         "a reduction over too few elements: std/var with degrees of freedom <= 0, a mean over "
         "nothing (every target ignored)",
         "use `correction=0`, `drop_last=True`, or skip batches with no valid element"),
-    "pole": (
+    Cause.POLE: (
         "a function evaluated at (or rounded onto) a pole: lgamma / digamma / polygamma at 0 or a "
         "negative integer, tan at pi/2, x ** -k at 0; often the argument underflowed onto it",
         "keep the argument off the pole: `F.softplus(x) + eps` or `x.clamp(min=eps)` before "
         "lgamma / digamma / a negative power; fix what put the value there (a softplus or exp "
         "of a large negative number underflows to exactly 0)"),
-    "dtype-overflow": (
+    Cause.DTYPE_OVERFLOW: (
         "a finite computation exceeded the dtype's range",
         "compute that part in float32, scale it down, or use a GradScaler with AMP"),
-    "masked-nonfinite-gradient": (
+    Cause.MASKED_NONFINITE_GRADIENT: (
         "a NaN/Inf made in forward was masked or indexed away, so the loss is finite but "
         "backward computes 0 * inf = NaN",
         "mask *before* the op (the double where): `safe = torch.where(m, x, 1.0); "
         "y = torch.where(m, f(safe), 0.0)`"),
-    "impossible-ctc-target": (
+    Cause.IMPOSSIBLE_CTC_TARGET: (
         "CTC loss with a target that cannot fit the input length: the loss is inf",
         "pass `zero_infinity=True` to the CTC loss, or filter samples whose target (plus "
         "repeats) is longer than the input"),
-    "divergence": (
+    Cause.DIVERGENCE: (
         "the loss or gradient norm grew over steps until a value overflowed",
         "lower the learning rate, clip gradients (`grad_clip:`), add warm-up"),
-    "optimizer-update": (
+    Cause.OPTIMIZER_UPDATE: (
         "gradients were finite but the optimizer update made parameters non-finite",
         "check the optimizer's hyper-parameters and scheduler (lr, eps: Adam's eps=1e-8 is 0 "
         "in float16)"),
-    "inf-arithmetic": (
+    Cause.INF_ARITHMETIC: (
         "an op turned infinities into NaN (inf - inf, 0 * inf, inf / inf)",
         "follow the inf back to where it was made and guard that op"),
-    "unknown": (
+    Cause.UNKNOWN: (
         "none of the catalogue's causes fits",
         "inspect the op and its inputs' statistics below"),
 }
 
-CAUSE_IDS = tuple(CAUSES)
 
-
-def fix_for(cause: str) -> str:
+def fix_for(cause: Cause) -> str:
+    """The catalogue's usual fix for a cause (a plain id string finds it too)."""
     return CAUSES[cause][1]

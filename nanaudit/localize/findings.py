@@ -7,18 +7,16 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
-from nanaudit.localize.causes import fix_for
+from nanaudit.localize.causes import Cause, fix_for
 from nanaudit.localize.replay import (
-    Localization,
-    forward_input_stats,
-    input_stats,
     localize,
     preserved_buffers,
     replay_reproduces,
     rows_the_model_needs,
 )
 from nanaudit.localize.samples import SearchInterrupted, isolate_rows
-from nanaudit.localize.stats import tensor_stats
+from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_stats
+from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
@@ -69,8 +67,9 @@ def input_finding(session: Session, state: StepState) -> Finding:
     row_text = f" in row(s) {_short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
-    return Finding(step=state.step, where="input", value=value_kind(first), cause="nonfinite-input",
-                   explanation=explanation, fix=fix_for("nonfinite-input"),
+    return Finding(step=state.step, where="input", value=value_kind(first),
+                   cause=Cause.NONFINITE_INPUT, explanation=explanation,
+                   fix=fix_for(Cause.NONFINITE_INPUT),
                    tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
                    sample_rows=sample_rows(state.batch, layout, rows),
                    tensors=[f"batch{p}" for p, _ in bad])
@@ -85,9 +84,10 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == "optimizer" and params:
-        return Finding(step=trip.step, where="optimizer", value=value, cause="optimizer-update",
+        return Finding(step=trip.step, where="optimizer", value=value,
+                       cause=Cause.OPTIMIZER_UPDATE,
                        explanation=_optimizer_text(session, trip.step, params),
-                       fix=fix_for("optimizer-update"), tensor=params[0], inputs=stats,
+                       fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
                        tensors=names)
     ckpt = session.options.checkpoint
     origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
@@ -96,8 +96,9 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     explanation = (f"{origin} holds non-finite values {when}: "
                    f"{_short(names)}" + (" (buffers changed by forward, not by the optimizer)"
                                          if not params else ""))
-    return Finding(step=trip.step, where="parameter", value=value, cause="nonfinite-parameter",
-                   explanation=explanation, fix=fix_for("nonfinite-parameter"),
+    return Finding(step=trip.step, where="parameter", value=value,
+                   cause=Cause.NONFINITE_PARAMETER, explanation=explanation,
+                   fix=fix_for(Cause.NONFINITE_PARAMETER),
                    tensor=names[0] if names else None, inputs=stats, tensors=names)
 
 
@@ -106,9 +107,9 @@ def schedule_finding(session: Session, trip: Trip) -> Finding:
     names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
              for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
     return Finding(step=trip.step, where="optimizer", value=_lr_kind(trip.note),
-                   cause="optimizer-update",
+                   cause=Cause.OPTIMIZER_UPDATE,
                    explanation=f"before the update of step {trip.step}: {trip.note}",
-                   fix=fix_for("optimizer-update"), tensor=names[0] if names else None,
+                   fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=names[0] if names else None,
                    tensors=names, optimizer=trip.optimizer)
 
 
@@ -153,7 +154,7 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
                              tensors=bad, loss_name=_loss_name(session))
     if trip.note:
         finding.explain(trip.note)
-    if finding.cause == "divergence":
+    if finding.cause == Cause.DIVERGENCE:
         finding.sample_search = SampleSearch(None, 0, False,
                                              "divergence: the weights, not particular rows")
     elif isolate_samples:
@@ -230,13 +231,13 @@ def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> 
         return
     growth = [w for w in before if w.kind in GROWTH_WARNINGS]
     near = [w for w in before if w.kind == "near-overflow"]
-    if (growth and precision == "fp32" and finding.cause in ("dtype-overflow", "unknown")
+    if (growth and precision == "fp32" and finding.cause in (Cause.DTYPE_OVERFLOW, Cause.UNKNOWN)
             and finding.where in ("forward", "backward")):
-        finding.cause, finding.fix = "divergence", fix_for("divergence")
-    if finding.cause == "dtype-overflow" and near:
+        finding.cause, finding.fix = Cause.DIVERGENCE, fix_for(Cause.DIVERGENCE)
+    if finding.cause == Cause.DTYPE_OVERFLOW and near:
         # The module that overflowed, warned about earlier, says more than any growth metric.
         relevant = [w for w in near if w.module == finding.module] or near
-    elif finding.cause == "divergence" and growth:
+    elif finding.cause == Cause.DIVERGENCE and growth:
         relevant = growth
     else:
         relevant = before
@@ -297,7 +298,7 @@ def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
             "`load_state_dict` pair) so a replay starts where the run was; " if own_step else "")
     return Finding(
         step=trip.step, where=where, value=kind,
-        cause="unknown", reproduced=False,
+        cause=Cause.UNKNOWN, reproduced=False,
         explanation=(f"the sentinel saw {kind} in the {what}{named} at step {trip.step}, but "
                      f"replaying that step with the same batch, weights and RNG state gave "
                      f"finite values: {outside}a non-deterministic kernel or a transient fault "
@@ -310,8 +311,8 @@ def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
 def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
     """A loss or gradient trip reported without a replay (nothing to replay it with)."""
     what, kind, where = _tripped(trip)
-    return Finding(step=trip.step, where=where, value=kind, cause="unknown",
-                   fix=fix_for("unknown"),
+    return Finding(step=trip.step, where=where, value=kind, cause=Cause.UNKNOWN,
+                   fix=fix_for(Cause.UNKNOWN),
                    explanation=(f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
                                 f"to replay the step and name the op that created it"))
 

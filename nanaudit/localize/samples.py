@@ -1,6 +1,10 @@
 """Sample isolation: which rows of a batch reproduce a finding alone, by group testing over
 replays in O(k log B), with a budget that grows with the bad rows found, feeding each replay a
 group the model can take.
+
+Every half that reproduces alone is searched further, so all independently bad rows are found.
+When a group reproduces but neither of its halves does, the rows interact: a minimal interacting
+set is searched (ddmin-style), and reported only when it is small.
 """
 
 from __future__ import annotations
@@ -8,20 +12,49 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanaudit.errors import UserCodeError
 
 
 @dataclass
-class SampleSearch:
+class IsolatedRows:
+    """What the search concluded: the rows to blame (None: no particular rows), the replays it
+    spent, whether the rows reproduce only together, and why (the report's sample_search note)."""
+
     samples: list | None
     replays: int
     coupled: bool
     note: str
 
 
-class _Budget(Exception):
-    pass
+class OutOfReplays(Exception):
+    """The budget refused another replay: the search ends with the rows found so far."""
+
+
+class ReplayBudget:
+    """The replays a search may spend. Group testing needs about 2 log2(B) replays per bad row,
+    so the budget grows by that much with every row found (3 bad rows in 4096 need ~75 replays,
+    past a flat 64), up to 16x `max_replays`."""
+
+    def __init__(self, max_replays: int, size: int):
+        self.max_replays, self.size = max_replays, size
+        self.spent = 0
+
+    def limit(self, rows_found: int) -> int:
+        """Replays allowed once `rows_found` bad rows are known."""
+        per_row = 2 * max(1, math.ceil(math.log2(max(self.size, 2)))) + 2
+        return min(self.max_replays + per_row * rows_found, 16 * self.max_replays)
+
+    def spend(self, rows_found: int) -> None:
+        """One more replay, or OutOfReplays when the limit is reached."""
+        if self.spent >= self.limit(rows_found):
+            raise OutOfReplays
+        self.spent += 1
+
+    def spend_again(self) -> None:
+        """The same group replayed again at the full batch size: counted, never refused."""
+        self.spent += 1
 
 
 @dataclass
@@ -83,21 +116,21 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-def replay_budget(max_replays: int, size: int, rows_found: int) -> int:
-    """Replays allowed once `rows_found` bad rows are known: group testing needs about
-    2 log2(B) replays per bad row, so the budget grows by that much with every row found
-    (3 bad rows in 4096 need ~75 replays, past a flat 64), up to 16x `max_replays`."""
-    per_row = 2 * max(1, math.ceil(math.log2(max(size, 2)))) + 2
-    return min(max_replays + per_row * rows_found, 16 * max_replays)
+class Verdict(NamedTuple):
+    """How the group testing ended: `alone` (rows that each reproduce alone), `together` (a
+    small set that reproduces only together) or `batch` (the cause is the batch as a whole)."""
+
+    how: str
+    rows: list[int]
+    note: str = ""
 
 
-def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
-                 max_replays: int = 64, min_rows: int = 1, min_reason: str = "") -> SampleSearch:
+def halves(rows: list[int]) -> tuple[list[int], list[int]]:
+    return rows[: len(rows) // 2], rows[len(rows) // 2:]
+
+
+class RowIsolation:
     """Group testing over the batch rows: O(k log B) replays for k bad rows in a batch of B.
-
-    Every half that reproduces alone is searched further, so all independently bad rows are
-    found. When the whole batch reproduces but neither half does, the rows interact: a minimal
-    interacting set is searched (ddmin-style), and reported only when it is small.
 
     `reproduces(rows)` replays the batch restricted to `rows` (rows may repeat). Groups smaller
     than `min_rows` are padded (see `Feeding`). A replay that raises (UserCodeError) is run
@@ -105,102 +138,118 @@ def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
     is fed the full size from then on; if it raises too, the error is the user's and propagates,
     naming the rows it was replaying: it is never taken for a verdict on the rows.
     """
-    replays = 0
-    found_so_far: list[int] = []
-    feeding = Feeding(size, min(max(min_rows, 1), size), min_reason)
 
-    def test(rows: list[int], clears: bool = False) -> bool:
-        nonlocal replays
-        if replays >= replay_budget(max_replays, size, len(found_so_far)):
-            raise _Budget
-        replays += 1
-        fed = feeding.rows(rows)
+    def __init__(self, reproduces: Callable[[list[int]], bool], size: int,
+                 max_replays: int = 64, min_rows: int = 1, min_reason: str = ""):
+        self.reproduces, self.size = reproduces, size
+        self.budget = ReplayBudget(max_replays, size)
+        self.feeding = Feeding(size, min(max(min_rows, 1), size), min_reason)
+        self.found: list[int] = []          # rows found to reproduce alone, so far
+
+    def test(self, rows: list[int], clears: bool = False) -> bool:
+        """Does the group `rows` reproduce? With `clears`, a group that does not is known good
+        (padding for later groups)."""
+        self.budget.spend(len(self.found))
+        fed = self.feeding.rows(rows)
         try:
-            bad = reproduces(fed)
+            bad = self.reproduces(fed)
         except UserCodeError as error:
-            if feeding.min_rows >= size:
+            if self.feeding.min_rows >= self.size:
                 raise _during_search(error, rows, fed) from error.exception
-            feeding.whole_batch(error, len(fed))
-            replays += 1
-            fed = feeding.rows(rows)
+            self.feeding.whole_batch(error, len(fed))
+            self.budget.spend_again()
+            fed = self.feeding.rows(rows)
             try:
-                bad = reproduces(fed)
+                bad = self.reproduces(fed)
             except UserCodeError as again:
                 raise _during_search(again, rows, fed) from again.exception
         if clears and not bad:
-            feeding.cleared(rows)
+            self.feeding.cleared(rows)
         return bad
 
-    def find_all(rows: list[int]) -> list[int]:
-        """All rows that reproduce alone, given that `rows` together do."""
-        if len(rows) == 1:
-            found_so_far.extend(rows)
-            return rows
-        left, right = rows[: len(rows) // 2], rows[len(rows) // 2:]
-        found = []
-        left_bad, right_bad = test(left, clears=True), test(right, clears=True)
-        if left_bad and right_bad and len(rows) == size:
-            # Both halves reproduce: perhaps every row does. Probe before searching them all.
-            probe = batch_level_probe(test, size)
-            if probe is not None:
-                raise _BatchLevel(probe)
-        if left_bad:
-            found += find_all(left)
-        if right_bad:
-            found += find_all(right)
-        if not found:
-            # Rows that only fail together are not good rows to pad with: from here on a
-            # group is padded with copies of its own rows only.
-            feeding.known_good.clear()
-            small_left = minimize(left, right)
-            raise _Interacting(small_left + minimize(right, small_left))
-        return found
+    def find_all(self) -> Verdict:
+        """All rows that reproduce alone, given that the whole batch does: each group that
+        reproduces is halved, depth first, left half first."""
+        groups = [list(range(self.size))]
+        while groups:
+            rows = groups.pop()
+            if len(rows) == 1:
+                self.found.extend(rows)
+                continue
+            left, right = halves(rows)
+            left_bad, right_bad = self.test(left, clears=True), self.test(right, clears=True)
+            if left_bad and right_bad and len(rows) == self.size:
+                # Both halves reproduce: perhaps every row does. Probe before searching them all.
+                probe = batch_level_probe(self.test, self.size)
+                if probe is not None:
+                    return Verdict("batch", [], probe)
+            if not (left_bad or right_bad):
+                # Rows that only fail together are not good rows to pad with: from here on a
+                # group is padded with copies of its own rows only.
+                self.feeding.known_good.clear()
+                small_left = self.minimize(left, right)
+                return Verdict("together", small_left + self.minimize(right, small_left))
+            groups += [half for half, bad in ((right, right_bad), (left, left_bad)) if bad]
+        return Verdict("alone", list(self.found))
 
-    def minimize(part: list[int], context: list[int]) -> list[int]:
-        """A small subset of part that, with context, still reproduces."""
+    def minimize(self, part: list[int], context: list[int]) -> list[int]:
+        """A small subset of `part` that, with `context`, still reproduces."""
         if len(part) <= 1:
             return part
-        left, right = part[: len(part) // 2], part[len(part) // 2:]
-        if test(sorted(left + context)):
-            return minimize(left, context)
-        if test(sorted(right + context)):
-            return minimize(right, context)
-        small_left = minimize(left, sorted(context + right))
-        return small_left + minimize(right, sorted(context + small_left))
+        left, right = halves(part)
+        if self.test(sorted(left + context)):
+            return self.minimize(left, context)
+        if self.test(sorted(right + context)):
+            return self.minimize(right, context)
+        small_left = self.minimize(left, sorted(context + right))
+        return small_left + self.minimize(right, sorted(context + small_left))
 
-    def noted(text: str) -> str:
-        return "; ".join(t for t in (text, feeding.note()) if t)
+    def run(self) -> IsolatedRows:
+        """The search, ended by its verdict, the budget, or Ctrl-C (SearchInterrupted, carrying
+        the rows found so far)."""
+        try:
+            verdict = self.find_all()
+        except KeyboardInterrupt as stop:
+            partial = sorted(self.found) or None
+            raise SearchInterrupted(self.result(
+                partial, False, f"interrupted after {self.budget.spent} replays"
+                                + (": more rows may be bad" if partial else ""))) from stop
+        except OutOfReplays:
+            partial = sorted(self.found)
+            note = (f"gave up after {self.budget.spent} replays (localize.max_replays "
+                    f"{self.budget.max_replays}, grown with the {len(partial)} row(s) found)")
+            return self.result(partial or None, False,
+                               note + ("; more rows may be bad" if partial else ""))
+        return self.conclude(verdict)
 
-    rows = list(range(size))
-    try:
-        found = find_all(rows)
-    except KeyboardInterrupt as stop:
-        partial = sorted(found_so_far) or None
-        raise SearchInterrupted(SampleSearch(
-            partial, replays, False, noted(f"interrupted after {replays} replays"
-                                           + (": more rows may be bad" if partial else ""))
-        )) from stop
-    except _Budget:
-        partial = sorted(found_so_far)
-        note = (f"gave up after {replays} replays (localize.max_replays {max_replays}, grown "
-                f"with the {len(partial)} row(s) found)")
-        return SampleSearch(partial or None, replays, False,
-                            noted(note + ("; more rows may be bad" if partial else "")))
-    except _BatchLevel as batch_level:
-        return SampleSearch(None, replays, False, noted(str(batch_level)))
-    except _Interacting as interacting:
-        small = len(interacting.rows) <= max(2, size // 4)
-        if small:
-            return SampleSearch(sorted(interacting.rows), replays, True,
-                                noted("no single row reproduces alone; these rows do together"))
-        return SampleSearch(None, replays, True, noted(
-            "the rows are coupled: the value needs most of the batch together (a batch "
-            "statistic: BatchNorm in train mode, a loss normalised over the batch)"))
-    if size > 1 and len(found) > size // 2:
-        return SampleSearch(None, replays, False, noted(
-            f"{len(found)} of {size} rows reproduce it alone: the cause is not in particular "
-            f"samples but in the model or the batch as a whole"))
-    return SampleSearch(sorted(found), replays, False, noted(""))
+    def conclude(self, verdict: Verdict) -> IsolatedRows:
+        """The rows to blame for a verdict: none when they are most of the batch."""
+        if verdict.how == "batch":
+            return self.result(None, False, verdict.note)
+        if verdict.how == "together":
+            if len(verdict.rows) <= max(2, self.size // 4):
+                return self.result(sorted(verdict.rows), True,
+                                   "no single row reproduces alone; these rows do together")
+            return self.result(None, True, (
+                "the rows are coupled: the value needs most of the batch together (a batch "
+                "statistic: BatchNorm in train mode, a loss normalised over the batch)"))
+        found = verdict.rows
+        if self.size > 1 and len(found) > self.size // 2:
+            return self.result(None, False, (
+                f"{len(found)} of {self.size} rows reproduce it alone: the cause is not in "
+                f"particular samples but in the model or the batch as a whole"))
+        return self.result(sorted(found), False, "")
+
+    def result(self, samples: list | None, coupled: bool, text: str) -> IsolatedRows:
+        """The conclusion, its note followed by how groups were padded."""
+        note = "; ".join(t for t in (text, self.feeding.note()) if t)
+        return IsolatedRows(samples, self.budget.spent, coupled, note)
+
+
+def isolate_rows(reproduces: Callable[[list[int]], bool], size: int,
+                 max_replays: int = 64, min_rows: int = 1, min_reason: str = "") -> IsolatedRows:
+    """The rows of a batch of `size` that reproduce a finding (see RowIsolation)."""
+    return RowIsolation(reproduces, size, max_replays, min_rows, min_reason).run()
 
 
 def batch_level_probe(test: Callable[[list[int]], bool], size: int) -> str | None:
@@ -227,16 +276,6 @@ def _during_search(error: UserCodeError, group: list[int], fed: list[int]) -> Us
 class SearchInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during the search, carrying what it found so far."""
 
-    def __init__(self, search: SampleSearch):
+    def __init__(self, search: IsolatedRows):
         super().__init__(search.note)
         self.search = search
-
-
-class _BatchLevel(Exception):
-    pass
-
-
-class _Interacting(Exception):
-    def __init__(self, rows):
-        super().__init__(rows)
-        self.rows = rows

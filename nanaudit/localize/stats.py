@@ -1,4 +1,5 @@
-"""Statistics of a tensor for the report (lovely-tensors style): shape, range, bad-value counts.
+"""Statistics of a tensor for the report (lovely-tensors style): shape, range, bad-value counts;
+and of the tensor inputs of the op a finding names.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import math
 
 import torch
 
+from nanaudit.localize.events import OpEvent
+from nanaudit.localize.ops import named_tensors
 from nanaudit.report.model import TensorStats
 from nanaudit.run.checks import dense_values
 
@@ -44,3 +47,18 @@ def first_index(mask: torch.Tensor) -> tuple | None:
     """The index of the first True element of a mask, as a tuple (syncs)."""
     nz = mask.nonzero()
     return tuple(int(i) for i in nz[0].tolist()) if nz.numel() else None
+
+
+def input_stats(event: OpEvent) -> list[TensorStats]:
+    """The statistics of each tensor input of the op, named by its schema (`self`, `other`)."""
+    return [tensor_stats(name, t) for name, t in named_tensors(event.arg_names, event.args,
+                                                                event.kwargs)]
+
+
+def forward_input_stats(event: OpEvent) -> list[TensorStats]:
+    """For a backward op: the statistics of its forward op's inputs, when the tracer kept them."""
+    record = event.forward
+    if record is None or record.args is None:
+        return []
+    return [tensor_stats(name, t) for name, t in named_tensors(record.arg_names, record.args,
+                                                                record.kwargs)]

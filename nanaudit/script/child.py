@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from nanaudit.errors import UserCodeError
+from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
-from nanaudit.localize.replay import Localization, walk_from_sink
-from nanaudit.localize.tracer import OpTracer, kinds_of
+from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Check
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanaudit.localize.causes import fix_for
+from nanaudit.localize.causes import Cause, fix_for
 from nanaudit.report.model import Check, Finding, Where
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
 
@@ -27,15 +27,15 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
     if trip.check in (Check.OPTIMIZER, Check.PARAMETER):
         return _state_finding(trip)
     if trip.check == ERROR_CHECK:
-        return Finding(step=trip.step, where=trip.where, value=trip.value, cause="unknown",
-                       fix=fix_for("unknown"), tensor=trip.tensors[0], tensors=trip.tensors,
+        return Finding(step=trip.step, where=trip.where, value=trip.value, cause=Cause.UNKNOWN,
+                       fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0], tensors=trip.tensors,
                        rank=trip.rank,
                        explanation=(f"the script raised {trip.error} during optimizer step "
                                     f"{trip.step}, with non-finite values in its frames: "
                                     f"{short(trip.tensors, 4)}"))
     what = "loss" if trip.check == Check.LOSS else "gradients"
-    finding = Finding(step=trip.step, where=trip.phase, value=trip.value, cause="unknown",
-                      fix=fix_for("unknown"),
+    finding = Finding(step=trip.step, where=trip.phase, value=trip.value, cause=Cause.UNKNOWN,
+                      fix=fix_for(Cause.UNKNOWN),
                       explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
                                    f"(loss {number(trip.loss)}, gradient norm "
                                    f"{number(trip.grad_norm)})"),
@@ -49,12 +49,12 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
 
 
 def _input_finding(trip: ScriptTrip) -> Finding:
-    return Finding(step=trip.step, where=Where.INPUT, value=trip.value, cause="nonfinite-input",
+    return Finding(step=trip.step, where=Where.INPUT, value=trip.value, cause=Cause.NONFINITE_INPUT,
                    explanation=(f"the floating inputs of the first module call of step "
                                 f"{trip.step} hold non-finite values before the model runs: "
                                 f"{short(trip.tensors)} (shapes {trip.input_shapes})"
                                 + (f", row(s) {short(trip.rows)}" if trip.rows else "")),
-                   fix=fix_for("nonfinite-input"), tensor=trip.tensors[0] if trip.tensors
+                   fix=fix_for(Cause.NONFINITE_INPUT), tensor=trip.tensors[0] if trip.tensors
                    else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
 
 
@@ -66,7 +66,7 @@ def _state_finding(trip: ScriptTrip) -> Finding:
         when = f"after {trip.optimizer}.step() of step {trip.step} (its gradients were finite)"
     else:
         when = f"before step {trip.step}'s update"
-    cause = "optimizer-update" if trip.check == Check.OPTIMIZER else "nonfinite-parameter"
+    cause = Cause.OPTIMIZER_UPDATE if trip.check == Check.OPTIMIZER else Cause.NONFINITE_PARAMETER
     error = f"; the script then raised {trip.error}" if trip.error else ""
     return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
                    explanation=f"the parameters {short(trip.tensors)} hold non-finite values "

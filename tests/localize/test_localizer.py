@@ -418,19 +418,19 @@ def test_rsqrt_at_zero_in_forward_keeps_sqrt_domain_with_a_true_text(case, tmp_p
 def test_one_op_registry_keys_rules_on_overload_packets():
     import torch
 
-    from nanaudit.localize import diagnose
-    assert diagnose.RULES[torch.ops.aten.log] is diagnose.RULES[torch.ops.aten.log_]
-    assert diagnose.keeps_inputs(torch.ops.aten.lgamma.default)
-    assert diagnose.keeps_inputs(torch.ops.aten.softplus.default)       # named as an origin
-    assert not diagnose.keeps_inputs(torch.ops.aten.relu.default)
+    from nanaudit.localize.rules import registry
+    assert registry.RULES[torch.ops.aten.log] is registry.RULES[torch.ops.aten.log_]
+    assert registry.keeps_inputs(torch.ops.aten.lgamma.default)
+    assert registry.keeps_inputs(torch.ops.aten.softplus.default)       # named as an origin
+    assert not registry.keeps_inputs(torch.ops.aten.relu.default)
     with pytest.raises(ValueError, match="two domain rules"):
-        diagnose.domain_rule("log")(lambda *a: None)
+        registry.domain_rule("log")(lambda *a: None)
 
 
 def test_overflow_is_claimed_only_when_the_result_can_exceed_the_range():
     import torch
 
-    from nanaudit.localize.diagnose import overflow_bound
+    from nanaudit.localize.overflow import overflow_bound
     a = torch.full((2, 64), 3.1e4, dtype=torch.float16)
     b = torch.full((64, 2), 1.0, dtype=torch.float16)
     big = overflow_bound("aten.mm.default", (a, b), {}, None)

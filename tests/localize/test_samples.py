@@ -20,7 +20,7 @@ def _oracle(bad, need_all=False):
 
 
 def test_single_bad_row_in_log_replays():
-    reproduces, calls = _oracle({37})
+    reproduces, _ = _oracle({37})
     search = isolate_rows(reproduces, 64)
     assert search.samples == [37] and not search.coupled
     assert search.replays <= 2 * math.ceil(math.log2(64))
@@ -82,7 +82,7 @@ def test_bad_row_values_shown_in_report(tmp_path):
     result = scan(ROOT / "configs" / "demo.yaml", tmp_path=tmp_path)
     rows = result.finding["sample_rows"]
     assert rows[0]["index"] == 5
-    leaves = dict((path, stats) for path, stats in rows[0]["leaves"])
+    leaves = dict(rows[0]["leaves"])
     assert leaves['batch["x"]']["value"] == [0.0] * 8
     assert leaves['batch["x"]']["zeros"] == 8
 

@@ -1,0 +1,68 @@
+"""The walk back from the value that tripped a sentinel (the loss, or a parameter's gradient) to
+the op that created it, and the finding's diagnosis of that op.
+
+It starts at the event that produced the sink, follows the inputs that carried the sink's kind of
+value (events.Trace.walk_back), lets the blame decide which op explains it (blame.py), and adds
+where the value on the edge came from and whose hand-written backward ran the op.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nanaudit.localize.blame import Blamer, origin_note
+from nanaudit.localize.diagnose import Diagnosis
+from nanaudit.localize.events import OpEvent, Trace, kinds_of
+from nanaudit.run.checks import value_kind
+
+
+@dataclass
+class Localization:
+    """What the walk found: the creating op, its chain to the sink and the diagnosis; with
+    `reproduced` False (the replay came out finite, or no op made the value) nothing else."""
+
+    reproduced: bool
+    kind: str | None = None               # the sink's value kind: nan, inf, -inf
+    event: OpEvent | None = None          # the creating op
+    chain: list | None = None             # creating op ... op that reached the sink
+    diagnosis: Diagnosis | None = None
+    bad_tensors: list | None = None       # parameter names with non-finite gradients
+    ops_traced: int = 0
+
+
+def _last_event(trace: Trace, phase: str) -> int | None:
+    for event in reversed(trace.events):
+        if event.phase == phase:
+            return event.index
+    return trace.events[-1].index if trace.events else None
+
+
+def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) -> Localization:
+    """Localize the bad value `sink` (made in `phase`); `names`: the parameters whose gradients
+    are bad, for a gradient sink."""
+    kinds = kinds_of(sink)
+    if not kinds:
+        return Localization(False, ops_traced=trace.ops_seen)
+    value = value_kind(sink)
+    start = trace.producer_of(sink)
+    start = start if start is not None else _last_event(trace, phase)
+    if start is None:
+        return Localization(False, ops_traced=trace.ops_seen)
+    kind = "nan" if "nan" in kinds else "inf"
+    creator, chain = trace.walk_back(start, kind)
+    blame = Blamer(trace, timeline).blame(creator, chain, kind)
+    diagnosis = blame.diagnosis
+    note = origin_note(trace, diagnosis)
+    if note:
+        diagnosis = Diagnosis(diagnosis.cause, diagnosis.explanation + note, diagnosis.fix)
+    if blame.event.function is not None and \
+            f"autograd.Function {blame.event.function}" not in diagnosis.explanation:
+        where = f" ({os.path.basename(blame.event.source.file)}:{blame.event.source.line})" \
+            if blame.event.source is not None else ""
+        diagnosis = Diagnosis(diagnosis.cause, f"in the hand-written backward of the "
+                              f"autograd.Function {blame.event.function}{where}: "
+                              f"{diagnosis.explanation}", diagnosis.fix)
+    return Localization(True, value, blame.event, blame.chain, diagnosis, names, trace.ops_seen)
