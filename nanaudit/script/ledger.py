@@ -1,0 +1,74 @@
+"""What the script auditor knows of the script's training: the modules it called first and
+their parameters' names, the optimizers it built and stepped (or its own update by hand), and
+how an optimizer is described in a finding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ManualUpdate:
+    """The script's own update, for a script that builds no torch.optim optimizer: the
+    parameters of the modules it called, as one group, in place of an optimizer's."""
+
+    def __init__(self) -> None:
+        self.param_groups: list = [{"params": []}]
+
+
+class Ledger:
+    """What the auditor knows of the script's training: the modules it called first (the
+    outermost ones) and their parameters' names, the optimizers it built and stepped, and when
+    each last updated. A script that builds no optimizer updates by hand: `manual` stands in."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}          # id(parameter) -> qualified name
+        self.roots: dict[int, torch.nn.Module] = {}
+        self.optimizers_made = 0                 # torch.optim optimizers the script built
+        self.manual = ManualUpdate()
+        self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
+        self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
+        self.steps_taken = 0                     # post-hook calls, every one
+
+    def called(self, module: torch.nn.Module) -> None:
+        if id(module) not in self.roots:
+            self.roots[id(module)] = module
+            for name, p in module.named_parameters():
+                self.names.setdefault(id(p), name)
+
+    def name(self, p: torch.Tensor) -> str:
+        return self.names.get(id(p), f"<parameter {tuple(p.shape)}>")
+
+    @property
+    def updates_by_hand(self) -> bool:
+        """No optimizer built, and a module trained: each backward is the script's step."""
+        return not self.optimizers_made and bool(self.roots)
+
+    def manual_step(self) -> ManualUpdate:
+        """The script's own update: the trainable parameters of the modules it called."""
+        seen, params = set(), []
+        for module in self.roots.values():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.manual.param_groups[0]["params"] = params
+        return self.manual
+
+    def forget_manual_steps(self) -> None:
+        """An optimizer built after backward calls were checked as steps: those were not an
+        optimizer's training steps (a warm-up, a gradient-based init)."""
+        self.steps_taken = 0
+        self.updated_at.clear()
+        self.stepped.pop(id(self.manual), None)
+
+
+def describe_optimizer(optimizer: Any) -> str:
+    """`Adam(lr=0.001, eps=1e-08, ...)`: its class and the hyper-parameters that matter."""
+    if isinstance(optimizer, ManualUpdate):
+        return ""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    hyper = ", ".join(f"{k}={group[k]:.4g}" for k in ("lr", "eps", "momentum", "weight_decay")
+                      if isinstance(group.get(k), (int, float)))
+    return f"{type(optimizer).__name__}({hyper})"
