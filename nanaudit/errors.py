@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import (
+from nanaudit.report.sections import (
     ConfigFailure,
     ConfigProblem,
     ErrorInfo,

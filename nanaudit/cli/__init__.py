@@ -145,7 +145,7 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
     its samples and cause), or with --checkpoints the first bad checkpoint and step."""
     from nanaudit.commands.bisect import bisect as run_bisect
     from nanaudit.commands.common import ScanOptions
-    from nanaudit.report.model import DataBisect
+    from nanaudit.report.sections import DataBisect
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
     outputs.check(terminal, also=[skip_list_path])

@@ -31,14 +31,9 @@ from nanaudit.errors import (
     UsageError,
 )
 from nanaudit.localize.findings import build_finding
-from nanaudit.report.model import (
-    CheckpointBisect,
-    CheckpointRef,
-    DataBisect,
-    Report,
-    SkipEntry,
-    Status,
-)
+from nanaudit.report.model import Report
+from nanaudit.report.sections import CheckpointBisect, CheckpointRef, DataBisect, SkipEntry
+from nanaudit.report.vocabulary import Status
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.checks import dense_values

@@ -16,13 +16,9 @@ from nanaudit._version import __version__
 from nanaudit.config.schema import Config
 from nanaudit.errors import NanauditError
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import (
-    ErrorInfo,
-    InternalFailure,
-    Interruption,
-    Report,
-    Status,
-)
+from nanaudit.report.model import Report
+from nanaudit.report.sections import ErrorInfo, InternalFailure, Interruption
+from nanaudit.report.vocabulary import Status
 
 
 @dataclass(frozen=True)

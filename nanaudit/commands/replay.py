@@ -9,7 +9,8 @@ from pathlib import Path
 
 from nanaudit.commands.common import base_report, guarded
 from nanaudit.errors import UserCodeError
-from nanaudit.report.model import Report, Status
+from nanaudit.report.model import Report
+from nanaudit.report.vocabulary import Status
 
 
 def replay(folder: str | Path, model: str | None = None, loss: str | None = None) -> Report:

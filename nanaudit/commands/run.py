@@ -4,11 +4,14 @@ the error shell every command shares. Returns a Report; never prints or exits.""
 from __future__ import annotations
 
 from nanaudit._version import __version__
-from nanaudit.commands.common import error_info, guarded
+from nanaudit.commands.common import guarded
 from nanaudit.errors import UserCodeError
-from nanaudit.report.model import Report, Status
-from nanaudit.script.runner import audit_script, new_auditor, record
-from nanaudit.script.target import ScriptOptions, ScriptTarget
+from nanaudit.report.model import Report
+from nanaudit.report.sections import UserCodeFailure
+from nanaudit.report.vocabulary import Status
+from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.runner import audit_script, record
+from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 
 
 def summary(target: ScriptTarget, options: ScriptOptions) -> dict:
@@ -25,7 +28,7 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
     report = Report(tool_version=__version__, config=summary(target, options),
                     torch_version=torch.__version__, device="", status=Status.ERROR, steps_run=0,
                     command="run")
-    auditor = new_auditor()
+    auditor = ScriptAuditor(rank=script_rank())
 
     def body() -> None:
         try:
@@ -35,10 +38,16 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
         if script_error is not None:
             # The script's exception, raised because of the value the finding names: its frames
             # stay in the report; the finding's cause comes from the value.
-            report.error = error_info(script_error)
-            report.error.traceback = script_error.formatted_traceback()
+            report.error = with_traceback(script_error)
 
-    def with_frames(exc: BaseException) -> None:
-        if isinstance(exc, UserCodeError) and report.error is not None:
-            report.error.traceback = exc.formatted_traceback()
-    return guarded(report, body, on_error=with_frames)
+    def on_error(exc: BaseException) -> None:
+        if isinstance(exc, UserCodeError):
+            report.error = with_traceback(exc)
+    return guarded(report, body, on_error=on_error)
+
+
+def with_traceback(error: UserCodeError) -> UserCodeFailure:
+    """The script's error for the report, with its traceback as Python prints it."""
+    info = error.to_error_info()
+    info.traceback = error.formatted_traceback()
+    return info

@@ -16,11 +16,9 @@ from nanaudit.commands.common import (
 )
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
-from nanaudit.report.model import (
-    RankStatus,
-    Report,
-    Status,
-)
+from nanaudit.report.model import Report
+from nanaudit.report.sections import RankStatus
+from nanaudit.report.vocabulary import Status
 
 
 def scan(config_path: str | Path, options: ScanOptions | None = None,

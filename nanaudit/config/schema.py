@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nanaudit.report.model import SentinelReadMode
+from nanaudit.report.vocabulary import SentinelReadMode
 
 SCHEMA_VERSION = 1
 

@@ -93,9 +93,9 @@ def model_recipe(model: torch.nn.Module) -> dict:
     if where["type"] is None:
         recipe["why"] = f"its class cannot be imported: {where['why']}"
         return recipe
-    config = getattr(model, "config", None)
-    if getattr(type(model), "config_class", None) is not None and hasattr(config, "to_dict"):
-        as_json = _json_or_none(config.to_dict())
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if getattr(type(model), "config_class", None) is not None and callable(to_dict):
+        as_json = _json_or_none(to_dict())
         if as_json is not None:
             return {**recipe, "kind": "transformers", "class": where["type"], "config": as_json}
     hparams = getattr(model, "hparams", None)

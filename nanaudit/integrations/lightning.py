@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - the older package name
-    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from nanaudit.integrations.sentinel import Sentinel
 
 
 class NanauditCallback(Callback):
@@ -46,7 +49,7 @@ class NanauditCallback(Callback):
         self.isolate_samples = isolate_samples
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
         self.echo = echo
-        self.sentinel = None
+        self.sentinel: Sentinel | None = None    # built at fit start
         self.report = None
         self._batch: Any = None
         self._batch_idx = 0
@@ -141,6 +144,8 @@ class NanauditCallback(Callback):
                 write_reports,
                 write_step_bundle,
             )
+            assert self.sentinel is not None and self.sentinel.tripped is not None, \
+                "a NonFiniteError comes from the sentinel's trip"
             trip, state = self.sentinel.tripped
             batch_idx = finding.batch_index if finding and finding.batch_index is not None \
                 else self._batch_idx

@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from nanaudit.report.model import Check, Finding, Report, Status, TimelineEntry
+from nanaudit.report.model import Finding, Report, TimelineEntry
+from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.batch import float_leaves
 from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
 from nanaudit.run.precision import backoff_scale, collapse_reason
@@ -272,11 +273,10 @@ class Sentinel:
             finding.batch_index = micro.index
             if len(window) > 1:
                 finding.micro_batch = where
-                finding.explanation += (f"; micro-batch {where} of the {len(window)} "
-                                        f"accumulated for optimizer step {trip.step} "
-                                        f"(batch index {micro.index})")
+                finding.explain(f"micro-batch {where} of the {len(window)} accumulated for "
+                                f"optimizer step {trip.step} (batch index {micro.index})")
         if note:
-            finding.explanation += f"; {note}"
+            finding.explain(note)
         return self.make_report("nonfinite", finding, time.perf_counter() - started)
 
     def make_report(self, status: Status | str, finding: Finding | None = None,

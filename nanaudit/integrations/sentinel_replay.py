@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.step import StepState, Trip
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanaudit.localize.causes import Cause, fix_for
+from nanaudit.localize.causes import fix_for
 from nanaudit.localize.diagnose import Diagnosis, as_diagnosis, diagnose, masked_gradient
 from nanaudit.localize.events import OpEvent, Trace, carries, signed
 from nanaudit.localize.infinities import (
@@ -31,6 +31,7 @@ from nanaudit.localize.infinities import (
 )
 from nanaudit.localize.ops import dtype_name, op_base
 from nanaudit.localize.rules.registry import Reason, domain_reason
+from nanaudit.report.vocabulary import Cause
 
 OUTSIDE_FIX = ("check the code that produced this tensor outside torch (the autograd.Function's "
                "forward, the numpy or C code): guard its result with `torch.isfinite`, or compute "

@@ -1,43 +1,14 @@
 """The cause catalogue: every id a finding can name, what it means and the fix to suggest.
 
 The ids are a public contract (the JSON report's `finding.cause`, JUnit test names, GitHub
-annotations): an id never changes meaning once released. `Cause` is the one spelling of them in
-the code, so a misspelt id fails where it is written, not when a finding reaches `fix_for`.
+annotations): an id never changes meaning once released. `Cause` (report/vocabulary.py, where
+every renderer can read it) is the one spelling of them in the code, so a misspelt id fails
+where it is written, not when a finding reaches `fix_for`.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class Cause(str, Enum):
-    """A catalogue id; compares, formats and serialises exactly as its plain string."""
-
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __format__(self, spec: str) -> str:
-        return str.__format__(self, spec)
-
-    NONFINITE_INPUT = "nonfinite-input"
-    NONFINITE_PARAMETER = "nonfinite-parameter"
-    LOG_DOMAIN = "log-domain"
-    DIV_BY_ZERO = "div-by-zero"
-    SQRT_DOMAIN = "sqrt-domain"
-    EXP_OVERFLOW = "exp-overflow"
-    TRIG_DOMAIN = "trig-domain"
-    NORM_AT_ZERO = "norm-at-zero"
-    SOFTMAX_ALL_MASKED = "softmax-all-masked"
-    DEGENERATE_REDUCTION = "degenerate-reduction"
-    POLE = "pole"
-    DTYPE_OVERFLOW = "dtype-overflow"
-    MASKED_NONFINITE_GRADIENT = "masked-nonfinite-gradient"
-    IMPOSSIBLE_CTC_TARGET = "impossible-ctc-target"
-    DIVERGENCE = "divergence"
-    OPTIMIZER_UPDATE = "optimizer-update"
-    INF_ARITHMETIC = "inf-arithmetic"
-    UNKNOWN = "unknown"
-
+from nanaudit.report.vocabulary import Cause
 
 # id -> (what happened, the usual fix)
 CAUSES: dict[Cause, tuple[str, str]] = {

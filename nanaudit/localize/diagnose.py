@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from nanaudit.localize.causes import Cause, fix_for
+from nanaudit.localize.causes import fix_for
 from nanaudit.localize.events import signed
 from nanaudit.localize.ops import dtype_name, op_base, scalar_infinities
 from nanaudit.localize.overflow import amax, overflow_bound
 from nanaudit.localize.rules.registry import Reason, domain_reason
+from nanaudit.report.vocabulary import Cause
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 

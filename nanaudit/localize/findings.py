@@ -7,7 +7,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
-from nanaudit.localize.causes import Cause, fix_for
+from nanaudit.localize.causes import fix_for
 from nanaudit.localize.replay import (
     localize,
     preserved_buffers,
@@ -18,6 +18,7 @@ from nanaudit.localize.samples import SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_stats
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
+from nanaudit.report.vocabulary import Cause
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
 from nanaudit.run.session import Session

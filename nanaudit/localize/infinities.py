@@ -19,11 +19,11 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.diagnose import infinity_reason
 from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, signed
 from nanaudit.localize.ops import dtype_name, named_tensors, op_base
 from nanaudit.localize.rules.registry import Reason
+from nanaudit.report.vocabulary import Cause
 
 # Causes that name no source: the walk looks further for one that does.
 SPECIFIC_EXCLUDED = (Cause.UNKNOWN, Cause.INF_ARITHMETIC)

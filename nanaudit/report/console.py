@@ -11,17 +11,16 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from nanaudit.report.model import (
-    BisectMode,
+from nanaudit.report.model import Finding, Report
+from nanaudit.report.sections import (
     CheckpointBisect,
     DataBisect,
     DistributedRun,
-    Finding,
     InternalFailure,
-    Report,
     UserCodeFailure,
 )
 from nanaudit.report.text import finding_facts, headline, sparkline, step_marks, warning_line
+from nanaudit.report.vocabulary import BisectMode, Cause
 
 
 def print_report(report: Report, console: Console) -> None:
@@ -265,7 +264,7 @@ def _next_steps(report: Report) -> Text:
     if f is None:
         return Text("")
     hints = []
-    if f.source and f.reproduced is not False and f.cause == "divergence":
+    if f.source and f.reproduced is not False and f.cause == Cause.DIVERGENCE:
         # The op only overflowed where the grown weights met it: the fix is the optimizer's.
         hints.append(f"change the optimizer as the fix says ({os.path.basename(f.source.file)}:"
                      f"{f.source.line} is where the grown weights overflowed, not the bug)")
@@ -275,7 +274,7 @@ def _next_steps(report: Report) -> Text:
         hints.append(f"inspect batch rows {f.samples} of step {f.step}")
     elif f.samples:
         hints.append(f"inspect rows {f.samples} of batch {f.step} (and the skip list)")
-    if f.cause == "nonfinite-parameter":
+    if f.cause == Cause.NONFINITE_PARAMETER:
         hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
     repro = report.repro
     if repro and report.command == "scan" and os.path.isdir(repro):

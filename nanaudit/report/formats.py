@@ -5,6 +5,8 @@ it to golden files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from nanaudit.report.interface import Renderer
 
 
@@ -13,6 +15,7 @@ def renderer_for(name: str) -> Renderer:
     from nanaudit.report.json import JsonRenderer
     from nanaudit.report.junit import JunitRenderer
     from nanaudit.report.markdown import MarkdownRenderer
-    formats = {"json": JsonRenderer, "junit": JunitRenderer, "github": GithubRenderer,
-               "markdown": MarkdownRenderer}
+    formats: dict[str, Callable[[], Renderer]] = {
+        "json": JsonRenderer, "junit": JunitRenderer, "github": GithubRenderer,
+        "markdown": MarkdownRenderer}
     return formats[name]()

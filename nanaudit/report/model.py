@@ -10,13 +10,14 @@ Glossary:
   op        the aten op that *created* the non-finite value (not one that passed it on)
   module    the qualified name of the innermost nn.Module running the op ("" for the root)
 
-Every section is a dataclass whose fields are its JSON keys, in JSON order. A key that is in
+The report's sections beyond the finding and the timeline are in sections.py. Every section
+is a dataclass whose fields are its JSON keys, in JSON order. A key that is in
 the JSON only sometimes is declared on its class: OMIT_WHEN_NONE (left out while None) and
 OMIT_EMPTY (left out while empty). A section with several shapes (the error, bisect's two
 modes) is one class per shape, so that each keeps the keys and key order schema version 1
 gave it; the shapes of one section share the fields their readers use. Closed vocabularies
-are `_Word` enums; names that come from the user's code or the system (exception classes,
-files, hosts, backends, precisions) are plain text.
+are `str` enums (vocabulary.py); names that come from the user's code or the system
+(exception classes, files, hosts, backends, precisions) are plain text.
 """
 
 from __future__ import annotations
@@ -26,76 +27,17 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from nanaudit.exitcodes import ExitCode
+from nanaudit.report.sections import (
+    CheckpointBisect,
+    DataBisect,
+    DistributedRun,
+    ErrorInfo,
+    ScriptRun,
+    SentinelRead,
+)
+from nanaudit.report.vocabulary import Status
 
 REPORT_SCHEMA_VERSION = 1
-
-
-class _Word(str, Enum):
-    """A closed vocabulary that still compares, formats and serialises as its plain string."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-class Status(_Word):
-    """How a run ended."""
-
-    CLEAN = "clean"
-    NONFINITE = "nonfinite"
-    ERROR = "error"
-    INTERRUPTED = "interrupted"
-
-
-class Check(_Word):
-    """The sentinel that tripped, in step order."""
-
-    INPUT = "input"
-    PARAMETER = "parameter"
-    LOSS = "loss"
-    GRADIENT = "gradient"
-    OPTIMIZER = "optimizer"
-
-
-class Where(_Word):
-    """The phase that made the value (a finding's `where`)."""
-
-    INPUT = "input"
-    PARAMETER = "parameter"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-
-
-class SentinelReadMode(_Word):
-    """How a scan read its sentinels: each step, or one step later (the device skips a bad
-    update meanwhile)."""
-
-    SYNC = "sync"
-    DEFERRED = "deferred"
-
-
-class BisectMode(_Word):
-    DATA = "data"
-    CHECKPOINTS = "checkpoints"
-
-
-class RerunStatus(_Word):
-    """What `nanaudit run`'s re-run of the script came to."""
-
-    REPRODUCED = "reproduced"                 # it matched the first run and named the op
-    SKIPPED = "skipped"                       # not run (--no-rerun, --max-rerun-steps, torchrun)
-    FAILED = "failed"                         # it raised or wrote no result
-    NONDETERMINISTIC = "nondeterministic"     # its losses before the step differed
-    NOT_TRACED = "not-traced"                 # no module ran in the traced step
-    NOT_REPRODUCED = "not-reproduced"         # the traced step came out finite
-
-
-class WarningKind(_Word):
-    NEAR_OVERFLOW = "near-overflow"
-    LOSS_SPIKE = "loss-spike"
-    GRAD_GROWTH = "grad-growth"
-    UPDATE_RATIO = "update-ratio"
 
 
 @dataclass(frozen=True)
@@ -236,229 +178,6 @@ class TimelineEntry:
     update_ratio: float | None = None     # |update| / |weights|, on sampled steps
     act_max: float | None = None          # the largest |module output|, on sampled steps
     act_ratio: float | None = None        # ... as a fraction of its dtype's largest value
-
-
-# --- error: what stopped the run (one class per shape) ------------------------------------------
-
-class ErrorInfo:
-    """The report's `error`. Every shape has `type`, `message`, `exit_code` (the process exit
-    code it leads to) and `rank` (under torchrun, the rank that failed; else left out)."""
-
-    type: str
-    message: str
-    exit_code: ExitCode
-    rank: int | None
-
-
-@dataclass(kw_only=True)
-class NanauditFailure(ErrorInfo):
-    """One of nanaudit's own errors with nothing more to say than its message."""
-
-    type: str                  # its class: UsageError, NothingAuditedError, DistributedError
-    message: str
-    exit_code: ExitCode
-    rank: int | None = None
-
-    OMIT_WHEN_NONE = ("rank",)
-
-
-@dataclass(frozen=True)
-class ConfigProblem:
-    key: str                   # the key path ("optimizer.lr"; "" for the file as a whole)
-    message: str
-
-
-@dataclass(kw_only=True)
-class ConfigFailure(ErrorInfo):
-    """The config is wrong: every problem found, each at its key."""
-
-    type: str = field(default="ConfigError", init=False)
-    message: str
-    source: str | None         # the config file, when known (null otherwise)
-    problems: list             # [ConfigProblem]
-    exit_code: ExitCode = ExitCode.CONFIG
-    rank: int | None = None
-
-    OMIT_WHEN_NONE = ("rank",)
-
-
-@dataclass(frozen=True)
-class UserFrame:
-    """One frame of the user's code in a traceback (nanaudit's own frames are left out)."""
-
-    file: str
-    line: int | None
-    function: str
-    code: str | None           # the source line, when it can be read
-
-
-@dataclass(kw_only=True)
-class UserCodeFailure(ErrorInfo):
-    """The user's code raised: their exception and their frames."""
-
-    type: str = field(default="UserCodeError", init=False)
-    message: str
-    what: str                  # whose code: "the loss `train:loss`", "the script `train.py`"
-    exception: str             # the exception's class name
-    frames: list               # [UserFrame], outermost first
-    exit_code: ExitCode = ExitCode.USER_CODE
-    traceback: str | None = None      # `nanaudit run`: the script's traceback, as Python prints it
-    rank: int | None = None
-
-    OMIT_WHEN_NONE = ("traceback", "rank")
-
-
-@dataclass(kw_only=True)
-class InternalFailure(ErrorInfo):
-    """A bug in nanaudit: the hint says how to report it, with our full traceback."""
-
-    type: str = field(default="InternalError", init=False)
-    message: str
-    exit_code: ExitCode = ExitCode.INTERNAL
-    hint: str
-    traceback: str
-    rank: int | None = None
-
-    OMIT_WHEN_NONE = ("rank",)
-
-
-@dataclass(kw_only=True)
-class Interruption(ErrorInfo):
-    """SIGINT or SIGTERM stopped the run: the report is partial."""
-
-    type: str = field(default="Interrupted", init=False)
-    signal: str                # SIGINT | SIGTERM
-    exit_code: ExitCode
-    message: str
-    rank: int | None = None
-
-    OMIT_WHEN_NONE = ("rank",)
-
-
-# --- the named sections ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SentinelRead:
-    """scan: how the sentinels were read, and why."""
-
-    mode: SentinelReadMode
-    reason: str
-    sync_from_step: int | None = None   # deferred until a value was non-finite at this step
-
-    OMIT_WHEN_NONE = ("sync_from_step",)
-
-
-@dataclass
-class SkipEntry:
-    """One poisoned batch of `bisect`, for a training loop to skip (also the --skip-list file)."""
-
-    batch: int                      # the data's index of the batch (not the optimizer step)
-    rows: list | None               # its offending rows (None: not isolated)
-    sample_ids: list | None         # the data set's own ids of those rows, when the batch has them
-    cause: str
-    confirmed: bool | None = None   # False: read again, the data gave a different batch
-
-    OMIT_WHEN_NONE = ("confirmed",)
-
-
-@dataclass(kw_only=True)
-class DataBisect:
-    """bisect over a data set: every batch that trips against the starting weights."""
-
-    mode: BisectMode = field(default=BisectMode.DATA, init=False)
-    batches_audited: int
-    bad_batches: list               # [Finding], in data order
-    skip_list: list                 # [SkipEntry], one per finding
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    step: int
-    path: str
-
-
-@dataclass(kw_only=True)
-class CheckpointBisect:
-    """bisect over a checkpoint folder: the first bad one by binary search, then a replay of
-    training from the last good one."""
-
-    mode: BisectMode = field(default=BisectMode.CHECKPOINTS, init=False)
-    checkpoints: int                # files found
-    checkpoints_loaded: int         # ... loaded by the binary search
-    loaded_steps: list              # their steps, in load order
-    linear_loads: int               # what a linear scan would have loaded
-    first_bad: CheckpointRef | None = None
-    last_good: CheckpointRef | None = None
-    steps_replayed: int = 0
-    optimizer_state: bool | None = None   # the last good one held optimizer state (None: no replay)
-    reproduced: bool | None = None        # the replay reached a non-finite value (when replayed)
-    note: str = ""
-
-    OMIT_WHEN_NONE = ("reproduced",)
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """How one torchrun rank ended."""
-
-    rank: int
-    status: Status
-    steps_run: int
-    device: str
-    host: str
-    warnings: int                   # how many early warnings it saw
-
-
-@dataclass
-class DistributedRun:
-    """torchrun: this rank, the process group, and (once they met) every rank's status."""
-
-    rank: int
-    world_size: int
-    backend: str
-    host: str
-    local_rank: int
-    note: str | None = None         # why the ranks run where they do (one GPU for two ranks)
-    ranks: list | None = None       # [RankStatus], by rank
-
-    OMIT_WHEN_NONE = ("note", "ranks")
-
-
-@dataclass(frozen=True)
-class FirstRun:
-    """`nanaudit run`: the script's own run under the checks."""
-
-    steps: int
-    duration_s: float
-    host_reads: int
-    skipped: int                    # steps a GradScaler skipped
-
-
-@dataclass(kw_only=True)
-class Rerun:
-    """`nanaudit run`: the re-run to the bad step with the tracer armed. A skipped re-run has
-    only its status and note."""
-
-    steps: int | None = None        # steps re-run
-    duration_s: float | None = None
-    status: RerunStatus
-    note: str | None = None         # why it did not name the op
-    log_tail: str | None = None     # failed: the end of its output
-    ops_traced: int | None = None   # reproduced: the ops of the traced step
-    precision: str | None = None    # reproduced: the creating op's, fp16 | bf16 | fp32
-
-    OMIT_WHEN_NONE = ("steps", "duration_s", "note", "log_tail", "ops_traced", "precision")
-
-
-@dataclass
-class ScriptRun:
-    """`nanaudit run`: the first run and the re-run (each once it happened)."""
-
-    rank: int | None = None         # torchrun: this process's rank
-    first_run: FirstRun | None = None
-    rerun: Rerun | None = None
-
-    OMIT_WHEN_NONE = ("rank", "first_run", "rerun")
 
 
 @dataclass

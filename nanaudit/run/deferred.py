@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanaudit.report.model import SentinelRead, SentinelReadMode
+from nanaudit.report.sections import SentinelRead
+from nanaudit.report.vocabulary import SentinelReadMode
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import torch
 from nanaudit.config.schema import Config, DistributedOptions
 from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.model import Check, DistributedRun, ErrorInfo
+from nanaudit.report.sections import DistributedRun, ErrorInfo
+from nanaudit.report.vocabulary import Check
 
 EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
 FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED)   # a rank's row in the exchange

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import move
 from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
 from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry

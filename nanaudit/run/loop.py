@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import StepChecks, confirm_norms
 from nanaudit.run.deferred import BufferKeeper, ReadMode, choose_read
 from nanaudit.run.deferred_step import DeferredStep

@@ -51,8 +51,9 @@ class Session:
     param_names: dict          # id(parameter) -> qualified name
     precision: Any = None      # nanaudit.run.precision.Precision; built from the config if None
     coordinator: Any = None    # nanaudit.run.distributed.Coordinator under torchrun
-    optimizers: dict = None    # name -> optimizer, in the order they step
-    schedulers: dict = None    # name -> LR scheduler, stepped after each applied update
+    # None: filled by __post_init__ (every reader sees a dict).
+    optimizers: dict = None    # type: ignore[assignment]  # name -> optimizer, in step order
+    schedulers: dict = None    # type: ignore[assignment]  # name -> LR scheduler
     step_fn: Callable | None = None   # the user's own step (`step:`)
     unit: Any = None           # the step unit (nanaudit.run.units); built from the options if None
     config: Config | None = None

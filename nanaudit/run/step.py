@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from nanaudit.errors import ConfigError, Problem
-from nanaudit.report.model import Check, TimelineEntry
+from nanaudit.report.model import TimelineEntry
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.deferred import ReadMode
 from nanaudit.run.verdict import Tripped
 

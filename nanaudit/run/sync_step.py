@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.precision import ScaleStep

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 
 # One flag for the whole step, or one per part (rank or micro-batch) in order.
 Flags = bool | Sequence[bool]

@@ -22,7 +22,8 @@ from functools import partial
 import torch
 
 from nanaudit.config.schema import WatchOptions
-from nanaudit.report.model import EarlyWarning, TimelineEntry, WarningKind
+from nanaudit.report.model import EarlyWarning, TimelineEntry
+from nanaudit.report.vocabulary import WarningKind
 from nanaudit.run.checks import ParamPack, finite_norm
 
 MAX_WARNINGS = 50

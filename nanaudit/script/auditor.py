@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from nanaudit.report.model import Check, TimelineEntry
+from nanaudit.report.model import TimelineEntry
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
@@ -94,19 +95,19 @@ class ScriptAuditor:
 
     # --- what the hooks tell -----------------------------------------------------------------
 
-    def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """The step's outermost module call: arm the re-run's window there, or (outside a
+        traced window) take the finiteness of its data inputs, on the device."""
         self.ledger.called(module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
-            return True
         if self.window.armed is not None:
-            return True
+            return
         inputs = data_inputs(args, kwargs)
         if inputs:
             self._inbox.inputs = inputs
             self._inbox.input_flags.append(torch.stack([torch.isfinite(t).all()
                                                         for _, t in inputs]).all())
-        return True
 
     def loss(self, loss: torch.Tensor) -> None:
         armed = self.window.armed

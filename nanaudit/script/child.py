@@ -13,7 +13,7 @@ from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanaudit.localize.causes import Cause, fix_for
-from nanaudit.report.model import Check, Finding, Where
+from nanaudit.localize.causes import fix_for
+from nanaudit.report.model import Finding
+from nanaudit.report.vocabulary import Cause, Check, Where
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
 
 

@@ -12,7 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanaudit.report.model import Finding, Rerun, RerunStatus, TimelineEntry
+from nanaudit.report.model import Finding, TimelineEntry
+from nanaudit.report.sections import Rerun
+from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.script import protocol
 from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.protocol import RerunResult, RerunSpec
@@ -39,8 +41,10 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     took = round(time.perf_counter() - started, 3)
     steps = trip.step + 1
 
-    def ran(status: RerunStatus, **details: object) -> Rerun:
-        return Rerun(steps=steps, duration_s=took, status=status, **details)  # type: ignore[arg-type]
+    def ran(status: RerunStatus, note: str | None = None, log_tail: str | None = None,
+            ops_traced: int | None = None, precision: str | None = None) -> Rerun:
+        return Rerun(steps=steps, duration_s=took, status=status, note=note, log_tail=log_tail,
+                     ops_traced=ops_traced, precision=precision)
     if result is None or result.error is not None:
         message = result.error.message if result is not None and result.error else \
             "it wrote no result"

@@ -10,17 +10,15 @@ import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.localize.findings import attach_warnings
-from nanaudit.report.model import FirstRun, Report, SampleSearch, ScriptRun, Status
+from nanaudit.report.model import Report, SampleSearch
+from nanaudit.report.sections import FirstRun, ScriptRun
+from nanaudit.report.vocabulary import Cause, Status
 from nanaudit.run.watch import timeline_warnings
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.rerun import localize_by_rerun
-from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute, script_rank
+from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
-
-
-def new_auditor() -> ScriptAuditor:
-    return ScriptAuditor(rank=script_rank())
 
 
 def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
@@ -92,7 +90,7 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers
     rerun = report.run.rerun if report.run is not None else None
     precision = (rerun.precision if rerun is not None else None) or "unknown"
     attach_warnings(finding, report.warnings, precision)
-    if finding.cause == "divergence":
+    if finding.cause == Cause.DIVERGENCE:
         finding.fix = divergence_fix(trip.optimizer)
         finding.samples = None
         finding.sample_search = SampleSearch(None, 0, False,

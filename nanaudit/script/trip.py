@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanaudit.report.model import Check, Where
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import value_kind
+
+ERROR_CHECK = "error"     # not a sentinel: the script raised with non-finite values in its frames
 
 
 @dataclass
@@ -42,9 +44,6 @@ class ScriptTrip:
     def phase(self) -> str:
         """Where the value showed: the loss in forward, the gradients in backward."""
         return Where.FORWARD if self.check == Check.LOSS else Where.BACKWARD
-
-
-ERROR_CHECK = "error"     # not a sentinel: the script raised with non-finite values in its frames
 
 
 def float_kind(value: float) -> str:

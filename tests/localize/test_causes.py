@@ -3,7 +3,8 @@ each one, and an id reads, formats and serialises exactly as its plain string.""
 
 import json
 
-from nanaudit.localize.causes import CAUSES, Cause, fix_for
+from nanaudit.localize.causes import CAUSES, fix_for
+from nanaudit.report.vocabulary import Cause
 
 # The catalogue's ids, as released (README "Causes"); an id never changes meaning.
 CATALOGUE = ("nonfinite-input", "nonfinite-parameter", "log-domain", "div-by-zero",

@@ -14,28 +14,30 @@ from rich.console import Console
 from nanaudit.report.console import print_report
 from nanaudit.report.formats import renderer_for
 from nanaudit.report.model import (
+    EarlyWarning,
+    Finding,
+    Report,
+    SampleSearch,
+    SourceLine,
+    TensorStats,
+    TimelineEntry,
+)
+from nanaudit.report.sections import (
     CheckpointBisect,
     CheckpointRef,
     ConfigFailure,
     ConfigProblem,
     DataBisect,
     DistributedRun,
-    EarlyWarning,
-    Finding,
     Interruption,
     RankStatus,
-    Report,
     Rerun,
-    RerunStatus,
-    SampleSearch,
     ScriptRun,
     SkipEntry,
-    SourceLine,
-    TensorStats,
-    TimelineEntry,
     UserCodeFailure,
     UserFrame,
 )
+from nanaudit.report.vocabulary import RerunStatus
 
 GOLDEN = Path(__file__).parent / "golden"
 FORMATS = {"json": "report.json", "junit": "report.xml", "github": "report.github.txt",

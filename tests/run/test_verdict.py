@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanaudit.report.model import Check
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.verdict import Tripped, tripped_check
 
 FINE = dict(inputs_ok=True, weights_finite=True, updated_at=None, loss_finite=True,

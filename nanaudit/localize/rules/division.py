@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at
+from nanaudit.report.vocabulary import Cause
 
 DIV_OPS = ("div", "true_divide", "reciprocal", "remainder", "fmod", "floor_divide")
 

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.ops import dtype_name
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at, number
+from nanaudit.report.vocabulary import Cause
 
 LOG_BOUNDS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 

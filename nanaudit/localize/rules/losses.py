@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.rules.registry import Reason, count, domain_rule
+from nanaudit.report.vocabulary import Cause
 
 
 @domain_rule("nll_loss_forward", "nll_loss2d_forward")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at
+from nanaudit.report.vocabulary import Cause
 
 NORM_OPS = {"linalg_vector_norm", "norm", "frobenius_norm", "dist"}
 DISTANCE_OPS = {"cdist", "_cdist_forward", "_euclidean_dist"}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at, number
+from nanaudit.report.vocabulary import Cause
 
 
 def _on_integer_pole(x: torch.Tensor) -> torch.Tensor:

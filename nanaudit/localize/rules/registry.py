@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.ops import op_base, packet_of
 from nanaudit.localize.stats import first_index
+from nanaudit.report.vocabulary import Cause
 
 aten = torch.ops.aten
 

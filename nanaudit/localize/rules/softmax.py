@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from nanaudit.localize.causes import Cause
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at
+from nanaudit.report.vocabulary import Cause
 
 
 @domain_rule("_softmax", "_log_softmax", "softmax", "log_softmax", "logsumexp")

@@ -1,0 +1,234 @@
+"""The report's sections beyond the finding: the error that stopped a run (one class per shape,
+each keeping the keys and key order schema version 1 gave it) and the sections particular
+commands add (the sentinel read mode, bisect's bad batches or checkpoints, every rank's status
+under torchrun, `nanaudit run`'s first run and re-run). Fields are JSON keys, in JSON order;
+OMIT_WHEN_NONE lists the keys left out while None (see model.jsonable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanaudit.exitcodes import ExitCode
+from nanaudit.report.vocabulary import BisectMode, RerunStatus, SentinelReadMode, Status
+
+# --- error: what stopped the run ----------------------------------------------------------------
+
+class ErrorInfo:
+    """The report's `error`. Every shape has `type`, `message`, `exit_code` (the process exit
+    code it leads to) and `rank` (under torchrun, the rank that failed; else left out)."""
+
+    type: str
+    message: str
+    exit_code: ExitCode
+    rank: int | None
+
+
+@dataclass(kw_only=True)
+class NanauditFailure(ErrorInfo):
+    """One of nanaudit's own errors with nothing more to say than its message."""
+
+    type: str                  # its class: UsageError, NothingAuditedError, DistributedError
+    message: str
+    exit_code: ExitCode
+    rank: int | None = None
+
+    OMIT_WHEN_NONE = ("rank",)
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    key: str                   # the key path ("optimizer.lr"; "" for the file as a whole)
+    message: str
+
+
+@dataclass(kw_only=True)
+class ConfigFailure(ErrorInfo):
+    """The config is wrong: every problem found, each at its key."""
+
+    type: str = field(default="ConfigError", init=False)
+    message: str
+    source: str | None         # the config file, when known (null otherwise)
+    problems: list             # [ConfigProblem]
+    exit_code: ExitCode = ExitCode.CONFIG
+    rank: int | None = None
+
+    OMIT_WHEN_NONE = ("rank",)
+
+
+@dataclass(frozen=True)
+class UserFrame:
+    """One frame of the user's code in a traceback (nanaudit's own frames are left out)."""
+
+    file: str
+    line: int | None
+    function: str
+    code: str | None           # the source line, when it can be read
+
+
+@dataclass(kw_only=True)
+class UserCodeFailure(ErrorInfo):
+    """The user's code raised: their exception and their frames."""
+
+    type: str = field(default="UserCodeError", init=False)
+    message: str
+    what: str                  # whose code: "the loss `train:loss`", "the script `train.py`"
+    exception: str             # the exception's class name
+    frames: list               # [UserFrame], outermost first
+    exit_code: ExitCode = ExitCode.USER_CODE
+    traceback: str | None = None      # `nanaudit run`: the script's traceback, as Python prints it
+    rank: int | None = None
+
+    OMIT_WHEN_NONE = ("traceback", "rank")
+
+
+@dataclass(kw_only=True)
+class InternalFailure(ErrorInfo):
+    """A bug in nanaudit: the hint says how to report it, with our full traceback."""
+
+    type: str = field(default="InternalError", init=False)
+    message: str
+    exit_code: ExitCode = ExitCode.INTERNAL
+    hint: str
+    traceback: str
+    rank: int | None = None
+
+    OMIT_WHEN_NONE = ("rank",)
+
+
+@dataclass(kw_only=True)
+class Interruption(ErrorInfo):
+    """SIGINT or SIGTERM stopped the run: the report is partial."""
+
+    type: str = field(default="Interrupted", init=False)
+    signal: str                # SIGINT | SIGTERM
+    exit_code: ExitCode
+    message: str
+    rank: int | None = None
+
+    OMIT_WHEN_NONE = ("rank",)
+
+
+# --- the sections of particular commands ------------------------------------------------------
+
+@dataclass(frozen=True)
+class SentinelRead:
+    """scan: how the sentinels were read, and why."""
+
+    mode: SentinelReadMode
+    reason: str
+    sync_from_step: int | None = None   # deferred until a value was non-finite at this step
+
+    OMIT_WHEN_NONE = ("sync_from_step",)
+
+
+@dataclass
+class SkipEntry:
+    """One poisoned batch of `bisect`, for a training loop to skip (also the --skip-list file)."""
+
+    batch: int                      # the data's index of the batch (not the optimizer step)
+    rows: list | None               # its offending rows (None: not isolated)
+    sample_ids: list | None         # the data set's own ids of those rows, when the batch has them
+    cause: str
+    confirmed: bool | None = None   # False: read again, the data gave a different batch
+
+    OMIT_WHEN_NONE = ("confirmed",)
+
+
+@dataclass(kw_only=True)
+class DataBisect:
+    """bisect over a data set: every batch that trips against the starting weights."""
+
+    mode: BisectMode = field(default=BisectMode.DATA, init=False)
+    batches_audited: int
+    bad_batches: list               # [Finding], in data order
+    skip_list: list                 # [SkipEntry], one per finding
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: str
+
+
+@dataclass(kw_only=True)
+class CheckpointBisect:
+    """bisect over a checkpoint folder: the first bad one by binary search, then a replay of
+    training from the last good one."""
+
+    mode: BisectMode = field(default=BisectMode.CHECKPOINTS, init=False)
+    checkpoints: int                # files found
+    checkpoints_loaded: int         # ... loaded by the binary search
+    loaded_steps: list              # their steps, in load order
+    linear_loads: int               # what a linear scan would have loaded
+    first_bad: CheckpointRef | None = None
+    last_good: CheckpointRef | None = None
+    steps_replayed: int = 0
+    optimizer_state: bool | None = None   # the last good one held optimizer state (None: no replay)
+    reproduced: bool | None = None        # the replay reached a non-finite value (when replayed)
+    note: str = ""
+
+    OMIT_WHEN_NONE = ("reproduced",)
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """How one torchrun rank ended."""
+
+    rank: int
+    status: Status
+    steps_run: int
+    device: str
+    host: str
+    warnings: int                   # how many early warnings it saw
+
+
+@dataclass
+class DistributedRun:
+    """torchrun: this rank, the process group, and (once they met) every rank's status."""
+
+    rank: int
+    world_size: int
+    backend: str
+    host: str
+    local_rank: int
+    note: str | None = None         # why the ranks run where they do (one GPU for two ranks)
+    ranks: list | None = None       # [RankStatus], by rank
+
+    OMIT_WHEN_NONE = ("note", "ranks")
+
+
+@dataclass(frozen=True)
+class FirstRun:
+    """`nanaudit run`: the script's own run under the checks."""
+
+    steps: int
+    duration_s: float
+    host_reads: int
+    skipped: int                    # steps a GradScaler skipped
+
+
+@dataclass(kw_only=True)
+class Rerun:
+    """`nanaudit run`: the re-run to the bad step with the tracer armed. A skipped re-run has
+    only its status and note."""
+
+    steps: int | None = None        # steps re-run
+    duration_s: float | None = None
+    status: RerunStatus
+    note: str | None = None         # why it did not name the op
+    log_tail: str | None = None     # failed: the end of its output
+    ops_traced: int | None = None   # reproduced: the ops of the traced step
+    precision: str | None = None    # reproduced: the creating op's, fp16 | bf16 | fp32
+
+    OMIT_WHEN_NONE = ("steps", "duration_s", "note", "log_tail", "ops_traced", "precision")
+
+
+@dataclass
+class ScriptRun:
+    """`nanaudit run`: the first run and the re-run (each once it happened)."""
+
+    rank: int | None = None         # torchrun: this process's rank
+    first_run: FirstRun | None = None
+    rerun: Rerun | None = None
+
+    OMIT_WHEN_NONE = ("rank", "first_run", "rerun")

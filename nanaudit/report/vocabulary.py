@@ -1,0 +1,104 @@
+"""The report's closed vocabularies: how a run ended, which check tripped, where a value was
+made, the read modes, bisect's modes, the re-run's outcomes, the warning kinds and the cause
+ids. Each is a `str` enum, so it compares, formats and serialises as its plain string and the
+JSON stays exactly what schema version 1 gave."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Word(str, Enum):
+    """A closed vocabulary that still compares, formats and serialises as its plain string."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
+class Status(Word):
+    """How a run ended."""
+
+    CLEAN = "clean"
+    NONFINITE = "nonfinite"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
+
+class Check(Word):
+    """The sentinel that tripped, in step order."""
+
+    INPUT = "input"
+    PARAMETER = "parameter"
+    LOSS = "loss"
+    GRADIENT = "gradient"
+    OPTIMIZER = "optimizer"
+
+
+class Where(Word):
+    """The phase that made the value (a finding's `where`)."""
+
+    INPUT = "input"
+    PARAMETER = "parameter"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class SentinelReadMode(Word):
+    """How a scan read its sentinels: each step, or one step later (the device skips a bad
+    update meanwhile)."""
+
+    SYNC = "sync"
+    DEFERRED = "deferred"
+
+
+class BisectMode(Word):
+    DATA = "data"
+    CHECKPOINTS = "checkpoints"
+
+
+class RerunStatus(Word):
+    """What `nanaudit run`'s re-run of the script came to."""
+
+    REPRODUCED = "reproduced"                 # it matched the first run and named the op
+    SKIPPED = "skipped"                       # not run (--no-rerun, --max-rerun-steps, torchrun)
+    FAILED = "failed"                         # it raised or wrote no result
+    NONDETERMINISTIC = "nondeterministic"     # its losses before the step differed
+    NOT_TRACED = "not-traced"                 # no module ran in the traced step
+    NOT_REPRODUCED = "not-reproduced"         # the traced step came out finite
+
+
+class WarningKind(Word):
+    NEAR_OVERFLOW = "near-overflow"
+    LOSS_SPIKE = "loss-spike"
+    GRAD_GROWTH = "grad-growth"
+    UPDATE_RATIO = "update-ratio"
+
+
+
+class Cause(Word):
+    """An id of the cause catalogue (localize/causes.py holds what each means and its fix).
+    The ids are a public contract (the JSON report's `finding.cause`, JUnit test names, GitHub
+    annotations): an id never changes meaning once released."""
+
+    NONFINITE_INPUT = "nonfinite-input"
+    NONFINITE_PARAMETER = "nonfinite-parameter"
+    LOG_DOMAIN = "log-domain"
+    DIV_BY_ZERO = "div-by-zero"
+    SQRT_DOMAIN = "sqrt-domain"
+    EXP_OVERFLOW = "exp-overflow"
+    TRIG_DOMAIN = "trig-domain"
+    NORM_AT_ZERO = "norm-at-zero"
+    SOFTMAX_ALL_MASKED = "softmax-all-masked"
+    DEGENERATE_REDUCTION = "degenerate-reduction"
+    POLE = "pole"
+    DTYPE_OVERFLOW = "dtype-overflow"
+    MASKED_NONFINITE_GRADIENT = "masked-nonfinite-gradient"
+    IMPOSSIBLE_CTC_TARGET = "impossible-ctc-target"
+    DIVERGENCE = "divergence"
+    OPTIMIZER_UPDATE = "optimizer-update"
+    INF_ARITHMETIC = "inf-arithmetic"
+    UNKNOWN = "unknown"
