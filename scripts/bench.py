@@ -369,10 +369,12 @@ def memory_note(device, factory):
 
 def table(results) -> str:
     names = list(results[0]["ratio"])
-    head = f"{'workload':<22}{'params':>10}{'plain ms':>10}" + "".join(f"{n:>20}" for n in names[1:])
+    head = (f"{'workload':<22}{'params':>10}{'plain ms':>10}"
+            + "".join(f"{n:>20}" for n in names[1:]))
     lines = [head, "-" * len(head)]
     for r in results:
-        row = f"{r['workload']:<22}{r['params'] / 1e6:>9.2f}M{r['median_step_s']['plain'] * 1e3:>10.2f}"
+        plain_ms = r["median_step_s"]["plain"] * 1e3
+        row = f"{r['workload']:<22}{r['params'] / 1e6:>9.2f}M{plain_ms:>10.2f}"
         row += "".join(f"{r['ratio'][n]:>19.3f}x" for n in names[1:])
         lines.append(row)
     return "\n".join(lines)
@@ -484,8 +486,8 @@ def main(argv=None):
           f"-> samples {replay['samples']}")
     print(f"memory: {memory}")
     if args.json_path:
-        body = {"machine": machine, "clock": args.clock, "results": results, "sweep": sweep, "replay": replay,
-                "whole_process": processes, "memory": memory, "quick": args.quick}
+        body = {"machine": machine, "clock": args.clock, "results": results, "sweep": sweep,
+                "replay": replay, "whole_process": processes, "memory": memory, "quick": args.quick}
         Path(args.json_path).write_text(json.dumps(body, indent=2))
     return 0
 

@@ -8,6 +8,7 @@ O(log C) checkpoints; training is then replayed from the last good one to the fi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -31,7 +32,7 @@ from nanaudit.errors import (
     UsageError,
 )
 from nanaudit.localize.findings import build_finding
-from nanaudit.report.model import Report
+from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import CheckpointBisect, CheckpointRef, DataBisect, SkipEntry
 from nanaudit.report.vocabulary import Status
 from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
@@ -42,9 +43,10 @@ from nanaudit.run.session import Session, load_training_state
 from nanaudit.run.step import ScanOutcome
 
 
-def bisect(config_path: str | Path, options: ScanOptions = ScanOptions(),
+def bisect(config_path: str | Path, options: ScanOptions | None = None,
            checkpoints: Path | None = None, pattern: str | None = None) -> Report:
     """`nanaudit bisect`: every bad batch of the data set, or the first bad checkpoint."""
+    options = options if options is not None else ScanOptions()
     report = base_report(config_path, None)
     report.command = "bisect"
 
@@ -133,7 +135,8 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     A batch can hold bad rows of several kinds (a NaN input in one row, a log(0) in another):
     once a finding names its rows, the rest of the batch is audited again without them, until
     it is clean, so the skip list holds every bad row whatever its kind."""
-    bad, seen = [], {}
+    bad: list[tuple[Finding, list | None]] = []
+    seen: dict[int, list] = {}   # data index -> the batch's fingerprint
 
     def on_trip(trip, state):
         outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
@@ -179,7 +182,8 @@ def unrepeatable_batches(session: Session, seen: dict) -> list:
     from nanaudit.errors import call_user
     from nanaudit.run.batch import to_device
     what = f"the data from `{session.options.data_label}` (read again to confirm the rows)"
-    changed, last = [], max(seen)
+    changed: list[int] = []
+    last = max(seen)
     iterator = call_user(what, iter, call_user(what, session.make_data))
     for index in range(last + 1):
         raw = call_user(what, next, iterator, None)
@@ -205,6 +209,7 @@ def mark_unconfirmed(finding) -> None:
 def _every_finding(session: Session, outcome: ScanOutcome) -> list:
     """The batch's finding, then those of the rows that remain once its rows are set aside."""
     state = outcome.state
+    assert state is not None, "a tripped outcome carries its step's state"
     findings = [build_finding(session, outcome, session.options.localize.samples)]
     layout = infer_layout(state.batch, session.options.batch_dim)
     remaining = list(range(layout.size or 0))
@@ -215,7 +220,8 @@ def _every_finding(session: Session, outcome: ScanOutcome) -> list:
             break
         rest = select_rows(state.batch, layout, remaining)
         # The rest as the only batch at the same step: same weights (no updates), same RNG.
-        probe = replace(session, make_data=lambda: itertools.repeat(rest, state.step + 1))
+        probe = replace(session, make_data=functools.partial(itertools.repeat, rest,
+                                                             state.step + 1))
         again = run_steps(probe, 1, update=False, start_step=state.step)
         if again.trip is None:
             break
@@ -272,7 +278,8 @@ def list_checkpoints(folder: Path, pattern: str | None = None) -> list[Checkpoin
             raise ConfigError([Problem("--pattern", f"the pattern must capture the step number "
                                        f"as its first group, got {regex.pattern!r}")]) from None
     if not found:
-        hint = f" (files without a step in the name: {', '.join(unmatched[:5])})" if unmatched else ""
+        hint = (f" (files without a step in the name: {', '.join(unmatched[:5])})"
+                if unmatched else "")
         raise ConfigError([Problem("--checkpoints", f"no checkpoint files with a step number in "
                                    f"{folder}{hint}; names like step_000100.pt or ckpt-2000.pt, "
                                    f"or pass --pattern")])

@@ -21,7 +21,8 @@ A non-finite value stops training with `NonFiniteError(report)` before the bad u
 - With `output_dir`, the console, JSON and Markdown reports and the step's repro bundle
   (weights, RNG state, batch, offending rows, repro.py) are written there before raising;
   `report_path` writes the JSON alone. The bundle replays `training_step` without a Trainer
-  (`nanaudit replay`), the module rebuilt from its `save_hyperparameters()`. Works with `lightning` and with the older `pytorch_lightning` package.
+  (`nanaudit replay`), the module rebuilt from its `save_hyperparameters()`. Works with
+  `lightning` and with the older `pytorch_lightning` package.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ On a trip the step is replayed through the Trainer's own `compute_loss` (your ov
 `compute_loss_func` included) with the batch, RNG state and weights of that step, under its
 autocast; the console, JSON and Markdown reports and the step's repro bundle (weights, RNG
 state, batch, offending rows, repro.py; the model rebuilt from its class and config, the loss
-as the Trainer's default computes it) go to `<args.output_dir>/nanaudit/`. Then, with `on_finding="raise"`
-(the default), `NonFiniteError` propagates out of `trainer.train()`; with `"stop"`, the
-step's gradients are dropped (the optimizer step updates nothing), `control.should_training_stop`
-ends training, and `callback.report` / `callback.exit_code` (1) tell the caller.
+as the Trainer's default computes it) go to `<args.output_dir>/nanaudit/`. Then, with
+`on_finding="raise"` (the default), `NonFiniteError` propagates out of `trainer.train()`; with
+`"stop"`, the step's gradients are dropped (the optimizer step updates nothing),
+`control.should_training_stop` ends training, and `callback.report` / `callback.exit_code` (1)
+tell the caller.
 
 Step numbers: `step` is `state.global_step` at the check (the 0-based optimizer step);
 `batch_index` counts the micro-batches fed to training since `train()` began (0-based);
@@ -31,11 +32,16 @@ GradScaler is the Sentinel's scaler: a skipped step is not a finding unless the 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+
+if TYPE_CHECKING:
+    from nanaudit.integrations.sentinel import Sentinel
 
 
 class NanauditCallback(TrainerCallback):
@@ -50,13 +56,13 @@ class NanauditCallback(TrainerCallback):
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
         self.echo = echo
         self.trainer = trainer
-        self.sentinel = None
-        self.report = None
+        self.sentinel: Sentinel | None = None
+        self.report: Any = None
         self.exit_code = 0
         self._batches_seen = 0
         self._num_items: Any = None
-        self._loss_model = None
-        self._original = None
+        self._loss_model: torch.nn.Module | None = None
+        self._original: Callable[..., Any] | None = None
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -98,7 +104,8 @@ class NanauditCallback(TrainerCallback):
             callback.sentinel.micro_batch(batch, loss, index=callback._batches_seen)
             callback._batches_seen += 1
             return out
-        trainer.compute_loss = compute_loss
+        # An instance attribute shadows the class's method: the wrap `_unwrap` deletes.
+        trainer.compute_loss = compute_loss  # type: ignore[method-assign]
 
     def _replay_loss(self, model, batch):
         """The Trainer's own compute_loss on the recorded inputs, under its autocast."""
@@ -147,12 +154,16 @@ class NanauditCallback(TrainerCallback):
                          "fp16": args.fp16, "bf16": args.bf16,
                          "max_grad_norm": args.max_grad_norm, "epoch": state.epoch}
         folder = self._folder(args)
-        trip, step_state = self.sentinel.tripped
+        trainer, sentinel = self.trainer, self.sentinel
+        assert trainer is not None and trainer.model is not None, "on_train_begin found it"
+        assert sentinel is not None and sentinel.tripped is not None, \
+            "a report is written for a step the Sentinel tripped on"
+        trip, step_state = sentinel.tripped
         bundle = write_step_bundle(
-            folder / f"repro-step{trip.step}", self.trainer.model, self.trainer.optimizer, trip,
+            folder / f"repro-step{trip.step}", trainer.model, trainer.optimizer, trip,
             step_state, report.finding, renderer_for("json").render(report),
             {"source": "transformers", "loss_label": self.loss_label,
-             "loss_recipe": _loss_recipe(self.trainer, self._num_items),
+             "loss_recipe": _loss_recipe(trainer, self._num_items),
              "precision": "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
              "num_items_in_batch": _plain_number(self._num_items),
              "batch_index": getattr(report.finding, "batch_index", None)})
@@ -181,7 +192,7 @@ def _loss_recipe(trainer: Trainer, num_items) -> dict:
 
 def _calling_trainer() -> Trainer | None:
     """The Trainer whose training loop called the hook (found once, at on_train_begin)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer):

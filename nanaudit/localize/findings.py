@@ -27,6 +27,8 @@ from nanaudit.run.step import ScanOutcome, StepState, Trip
 
 def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
     trip, state = outcome.trip, outcome.state
+    if trip is None or state is None:
+        raise ValueError("build_finding needs a tripped outcome (a trip and its step's state)")
     if trip.check == "input":
         finding = input_finding(session, state)
     elif trip.check in ("parameter", "optimizer"):
@@ -107,7 +109,7 @@ def schedule_finding(session: Session, trip: Trip) -> Finding:
     """A learning rate no update may run with, caught before the update was applied."""
     names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
              for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
-    return Finding(step=trip.step, where="optimizer", value=_lr_kind(trip.note),
+    return Finding(step=trip.step, where="optimizer", value=_lr_kind(trip.note or ""),
                    cause=Cause.OPTIMIZER_UPDATE,
                    explanation=f"before the update of step {trip.step}: {trip.note}",
                    fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=names[0] if names else None,
@@ -169,7 +171,8 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
     creating op (and its forward op), its module, line and inputs, the diagnosis, the chain.
     `loss_name`: what ops outside every module ran in (the loss callable), when known."""
     event = loc.event
-    assert event is not None and loc.diagnosis is not None, "a reproduced localization"
+    assert event is not None and loc.diagnosis is not None and loc.kind is not None, \
+        "a reproduced localization"
     return Finding(
         step=step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
         explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
@@ -227,7 +230,9 @@ GROWTH_WARNINGS = ("loss-spike", "grad-growth", "update-ratio")
 def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> None:
     """Link the early warnings that came before a finding to it: growth before an fp32
     overflow makes the cause `divergence`; the most relevant earliest warning is named."""
-    before = [w for w in warnings if finding is not None and w.step <= finding.step]
+    if finding is None:
+        return
+    before = [w for w in warnings if w.step <= finding.step]
     if not before:
         return
     growth = [w for w in before if w.kind in GROWTH_WARNINGS]
@@ -262,7 +267,7 @@ def _loss_name(session) -> str:
     return target
 
 
-def module_name(event, loss_name: str) -> str | None:
+def module_name(event, loss_name: str | None) -> str | None:
     """The module an op ran in; ops outside every module's forward ran in the loss callable,
     named as the config names it (`train:compute_loss`), not as the root module."""
     if event.module is not None:
@@ -272,7 +277,7 @@ def module_name(event, loss_name: str) -> str | None:
     return None
 
 
-def _chain_link(event, loss_name: str) -> ChainLink:
+def _chain_link(event, loss_name: str | None) -> ChainLink:
     return ChainLink(op=event.op, where=event.phase, module=module_name(event, loss_name),
                      value=sorted(event.out_kinds),
                      line=event.source.line if event.source else None)

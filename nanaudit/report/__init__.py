@@ -1,1 +1,2 @@
-"""The one report data model and every way to show it (console, JSON, JUnit, Markdown, GitHub, plot), written atomically."""
+"""The one report data model and every way to show it (console, JSON, JUnit, Markdown, GitHub,
+plot), written atomically."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from nanaudit.report.model import Finding, Report
+from nanaudit.report.model import Finding, Report, SourceLine, TensorStats
 from nanaudit.report.sections import (
     CheckpointBisect,
     DataBisect,
@@ -19,8 +19,16 @@ from nanaudit.report.sections import (
     InternalFailure,
     UserCodeFailure,
 )
-from nanaudit.report.text import finding_facts, headline, sparkline, step_marks, warning_line
-from nanaudit.report.vocabulary import BisectMode, Cause
+from nanaudit.report.text import (
+    describe,
+    finding_facts,
+    headline,
+    sample_value,
+    sparkline,
+    step_marks,
+    warning_line,
+)
+from nanaudit.report.vocabulary import Cause
 
 
 def print_report(report: Report, console: Console) -> None:
@@ -48,30 +56,35 @@ def print_report(report: Report, console: Console) -> None:
     console.print(_next_steps(report))
 
 
-def _bisect_summary(section: DataBisect | CheckpointBisect):
-    if section.mode == BisectMode.CHECKPOINTS:
-        text = Text("bisect over checkpoints: ", style="bold")
-        text.append(section.note)
-        if section.first_bad:
-            text.append(f"\n  first bad checkpoint: step {section.first_bad.step}")
-        if section.last_good:
-            text.append(f"; last good: step {section.last_good.step}; replayed "
-                        f"{section.steps_replayed} step(s); optimizer state "
-                        f"{'restored' if section.optimizer_state else 'absent (fresh optimizer)'}")
-        return text
+def _bisect_summary(section: DataBisect | CheckpointBisect) -> RenderableType:
+    if isinstance(section, CheckpointBisect):
+        return _checkpoint_summary(section)
     table = Table(title=f"bad batches ({len(section.bad_batches)} of "
                         f"{section.batches_audited} audited)", title_justify="left")
     for col in ("batch", "where", "op", "cause", "samples"):
         table.add_column(col)
     for f in section.bad_batches:
-        table.add_row(str(f.batch_index if f.batch_index is not None else f.step), f.where, Text(f.op or f.tensor or ""), f.cause,
+        batch = f.batch_index if f.batch_index is not None else f.step
+        table.add_row(str(batch), f.where, Text(f.op or f.tensor or ""), f.cause,
                       Text(str(f.samples)))
     return table
 
 
+def _checkpoint_summary(section: CheckpointBisect) -> Text:
+    text = Text("bisect over checkpoints: ", style="bold")
+    text.append(section.note)
+    if section.first_bad:
+        text.append(f"\n  first bad checkpoint: step {section.first_bad.step}")
+    if section.last_good:
+        state = "restored" if section.optimizer_state else "absent (fresh optimizer)"
+        text.append(f"; last good: step {section.last_good.step}; replayed "
+                    f"{section.steps_replayed} step(s); optimizer state {state}")
+    return text
+
+
 def _ranks(section: DistributedRun) -> Text:
     text = Text(f"ranks ({section.world_size}, {section.backend})\n", style="bold")
-    for r in section.ranks:
+    for r in section.ranks or ():
         text.append(f"  rank {r.rank}  {r.status:<11} {r.steps_run} step(s)  "
                     f"{r.device} on {r.host}\n")
     return text
@@ -88,13 +101,13 @@ def _header(report: Report) -> Text:
     return text
 
 
-def _finding_panel(f: Finding, boxed: bool = True):
-    parts = [_facts(f)]
+def _finding_panel(f: Finding, boxed: bool = True) -> RenderableType:
+    parts: list[RenderableType] = [_facts(f)]
     if f.source:
-        parts.append(_source(f, highlighted=boxed))
+        parts.append(_source(f.source, highlighted=boxed))
     if f.inputs:
-        title = "inputs of the op that created it" if f.op else "tensors"
-        parts.append(_stats_table(title, f.inputs))
+        heading = "inputs of the op that created it" if f.op else "tensors"
+        parts.append(_stats_table(heading, f.inputs))
     if f.forward_inputs:
         parts.append(_stats_table(f"inputs of the forward op {f.forward_op}", f.forward_inputs))
     if f.sample_rows:
@@ -130,10 +143,9 @@ def _facts(f: Finding) -> Table:
     return table
 
 
-def _source(f: Finding, highlighted: bool = True):
+def _source(src: SourceLine, highlighted: bool = True) -> RenderableType:
     """The user's line in context: highlighted on a terminal; in a log, plain numbered lines
     (rich's Syntax pads every line to the console's width)."""
-    src = f.source
     title = Text(f"{src.file}:{src.line}", style="cyan")
     if not os.path.isfile(src.file):
         return Group(title, Text(src.code))
@@ -149,13 +161,16 @@ def _source(f: Finding, highlighted: bool = True):
     return Group(title, Text("\n".join(shown)))
 
 
-def _stats_table(title: str, stats) -> Table:
+def _number(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+def _stats_table(title: str, stats: list[TensorStats]) -> Table:
     table = Table(title=title, title_justify="left", show_edge=False)
     for col in ("input", "shape", "dtype", "min", "max", "nan", "+inf", "-inf", "zeros", "neg"):
         table.add_column(col, justify="left" if col in ("input", "dtype") else "right")
     for s in stats:
-        fmt = (lambda v: "—" if v is None else f"{v:.4g}")
-        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, fmt(s.min), fmt(s.max),
+        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, _number(s.min), _number(s.max),
                       _count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
                       str(s.negatives))
     return table
@@ -170,7 +185,6 @@ def _samples(f: Finding) -> Table:
     table.add_column("row", justify="right")
     table.add_column("leaf")
     table.add_column("values / stats")
-    from nanaudit.report.text import describe, sample_value
     for row in f.sample_rows:
         for path, value in row.values:
             table.add_row(str(row.index), Text(path), Text(sample_value(value)))

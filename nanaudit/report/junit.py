@@ -59,7 +59,8 @@ class JunitRenderer(Renderer):
                            ("torch", report.torch_version), ("steps_run", str(report.steps_run))):
             ET.SubElement(props, "property", name=key, value=_clean_xml(str(value)))
         ET.indent(suite)
-        return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
+        body = ET.tostring(suite, encoding="unicode")
+        return '<?xml version="1.0" encoding="utf-8"?>\n' + body + "\n"
 
     @staticmethod
     def _details(f) -> str:

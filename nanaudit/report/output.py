@@ -3,8 +3,9 @@
 A file is written to a temporary name in its own folder and renamed into place, so a reader
 (a CI system collecting artifacts, a second signal) sees the old file or the new one, never a
 mix. A path that is a symlink or not a regular file (a FIFO, /dev/stdout) is written through
-instead: it is the user's, and replacing it would be modifying it. `tempfile` creates files 0600 and folders 0700; they are widened to what the umask allows,
-as `open()` and `mkdir` would have, so artifacts uploaded by another user stay readable.
+instead: it is the user's, and replacing it would be modifying it. `tempfile` creates files 0600
+and folders 0700; they are widened to what the umask allows, as `open()` and `mkdir` would
+have, so artifacts uploaded by another user stay readable.
 """
 
 from __future__ import annotations

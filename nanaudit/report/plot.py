@@ -73,7 +73,7 @@ def render_png(report: Report) -> bytes:
         axes[3].axhline(1.0, color="tab:red", linestyle=":", linewidth=1, label="dtype max")
     axes[-1].set_xlabel("step")
     for ax in axes:
-        handles, labels = ax.get_legend_handles_labels()
+        handles, _ = ax.get_legend_handles_labels()
         if handles:
             ax.legend(fontsize=8, loc="upper left")
     status = report.finding.cause if report.finding is not None else report.status

@@ -192,7 +192,7 @@ class DistributedRun:
     host: str
     local_rank: int
     note: str | None = None         # why the ranks run where they do (one GPU for two ranks)
-    ranks: list | None = None       # [RankStatus], by rank
+    ranks: list[RankStatus] | None = None  # by rank
 
     OMIT_WHEN_NONE = ("note", "ranks")
 

@@ -11,7 +11,7 @@ def main():
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=1000)
-    for step in range(30):
+    for _ in range(30):
         x, y = torch.randn(16, 8), torch.randn(16, 1)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.mse_loss(model(x).float(), y)
