@@ -47,7 +47,9 @@ class GatedStep:
     def __init__(self, loop: StepLoop):
         self.loop = loop
         self.checks: dict = {}          # id(optimizer) -> StepChecks over its params
-        self.stepped: set = set()       # optimizers updated since their last gate
+        # Optimizers that have updated at least once: their weights were finite at every gate
+        # before, so weights non-finite at a gate were made by their last update.
+        self.stepped: set[int] = set()
 
     def run(self, step: int, raw_batch):
         """One call of the user's `step:` function; returns (trip, state) or (None, None)."""
