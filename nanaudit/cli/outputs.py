@@ -62,6 +62,8 @@ FORMATS = (
            help="Write a JUnit XML report."),
     Format("markdown", "the markdown report", _rendered_by("markdown"), "--markdown",
            "markdown_path", help="Write a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
+    Format("html", "the html report", _rendered_by("html"), "--html", "html_path",
+           help="Write a self-contained HTML report (timeline, source, rows; opens offline)."),
     Format("github", "the github annotations", _rendered_by("github")),
     Format("plot", "the plot", _png, "--plot", "plot_path", "PATH.png",
            help="Draw loss, gradient norm, update ratio and activation maxima against steps, "

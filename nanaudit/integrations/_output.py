@@ -1,5 +1,5 @@
-"""What an integration writes on a finding: the console, JSON and Markdown reports and the
-step's repro bundle (weights, RNG state, batch, offending rows, repro.py), into one folder."""
+"""What an integration writes on a finding: the console, JSON, Markdown and HTML reports and
+the step's repro bundle (weights, RNG state, batch, offending rows, repro.py), into one folder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from nanaudit.report.model import Report
 from nanaudit.report.output import write_atomic
 
-REPORT_FILES = {"json": "nanaudit.json", "markdown": "nanaudit.md", "console": "nanaudit.txt"}
+REPORT_FILES = {"json": "nanaudit.json", "markdown": "nanaudit.md", "html": "nanaudit.html",
+                "console": "nanaudit.txt"}
 
 
 def console_text(report: Report, color: bool = False, width: int = 100) -> str:
@@ -29,8 +30,8 @@ def console_text(report: Report, color: bool = False, width: int = 100) -> str:
 
 
 def write_reports(report: Report, folder: str | Path, echo: bool = True) -> dict:
-    """Write nanaudit.json, nanaudit.md and nanaudit.txt into `folder`; with `echo`, print the
-    console report to stderr too. Returns {format: path}."""
+    """Write nanaudit.json, nanaudit.md, nanaudit.html and nanaudit.txt into `folder`; with
+    `echo`, print the console report to stderr too. Returns {format: path}."""
     folder = Path(folder)
     from nanaudit.report.formats import renderer_for
     paths = {}

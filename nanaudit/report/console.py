@@ -24,6 +24,7 @@ from nanaudit.report.text import (
     finding_facts,
     headline,
     sample_value,
+    search_summary,
     sparkline,
     step_marks,
     warning_line,
@@ -132,11 +133,7 @@ def _facts(f: Finding) -> Table:
     for label, value in finding_facts(f):
         table.add_row(label, Text(value))
     if f.sample_search:
-        s = f.sample_search
-        note = f" ({s.note})" if s.note else ""
-        searched = (f"{s.replays} replay(s) over a batch of {s.batch_size}{note}"
-                    if s.batch_size is not None else s.note or "not run")
-        table.add_row("sample search", Text(searched))
+        table.add_row("sample search", Text(search_summary(f.sample_search)))
     if len(f.tensors) > 1:
         table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
                                           (" ..." if len(f.tensors) > 12 else "")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from nanaudit.report.model import Finding, Report, TensorStats
+from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -60,6 +60,13 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
              ("samples", f.samples), ("cause", f.cause)]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def search_summary(s: SampleSearch) -> str:
+    """How the offending rows were searched, in one line (console, HTML)."""
+    note = f" ({s.note})" if s.note else ""
+    return (f"{s.replays} replay(s) over a batch of {s.batch_size}{note}"
+            if s.batch_size is not None else s.note or "not run")
 
 
 def finding_message(f: Finding) -> str:
