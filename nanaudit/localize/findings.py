@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
+from nanaudit.localize.ops import named_tensors
 from nanaudit.localize.replay import (
     localize,
     preserved_buffers,
@@ -280,7 +281,18 @@ def module_name(event, loss_name: str | None) -> str | None:
 def _chain_link(event, loss_name: str | None) -> ChainLink:
     return ChainLink(op=event.op, where=event.phase, module=module_name(event, loss_name),
                      value=sorted(event.out_kinds),
-                     line=event.source.line if event.source else None)
+                     line=event.source.line if event.source else None,
+                     received=received_kinds(event))
+
+
+def received_kinds(event) -> list[str]:
+    """Each tensor input of a traced op with the non-finite kinds it carried in, in the order
+    the tracer recorded them (the schema's, as `named_tensors` gives them)."""
+    names = [name for name, _ in named_tensors(event.arg_names, event.args, event.kwargs)]
+    if len(names) != len(event.in_kinds):
+        names = [f"input {i}" for i in range(len(event.in_kinds))]
+    return [f"{name}: {', '.join(sorted(kinds)) or 'finite'}"
+            for name, kinds in zip(names, event.in_kinds)]
 
 
 def _tripped(trip: Trip) -> tuple[str, str, str]:

@@ -110,15 +110,18 @@ def _chain(f: Finding) -> str:
     rows = [[str(i), f'<span class="mono">{esc(link.op)}</span>', esc(link.where),
              esc("(root)" if link.module == "" else link.module or "—"),
              "—" if link.line is None else str(link.line),
+             esc("; ".join(getattr(link, "received", None) or [])) or "—",
              f'<span class="bad">{esc(", ".join(map(str, link.value)))}</span>']
             for i, link in enumerate(f.chain, start=1)]
-    body = table(("#", "op", "where", "module", "line", "returned"), rows, numeric=(0, 4))
+    body = table(("#", "op", "where", "module", "line", "received", "returned"), rows,
+                 numeric=(0, 4))
     if len(f.chain) > CHAIN_OPEN:
         body = (f"<details><summary>{len(f.chain)} ops, from {esc(f.chain[0].op)} to "
                 f"{esc(f.chain[-1].op)}</summary>{body}</details>")
     return ('<section id="chain"><h2>From the creating op to the check</h2>'
             '<p class="muted">op by op, the first one created the value (its inputs are '
-            'above); each returned the non-finite kinds listed.</p>' + body + "</section>")
+            'above); each received its inputs with the kinds listed and returned the '
+            'non-finite kinds listed.</p>' + body + "</section>")
 
 
 def _rows(f: Finding) -> str:

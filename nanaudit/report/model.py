@@ -98,6 +98,9 @@ class ChainLink:
     module: str | None
     value: list                # the non-finite kinds the op's output held
     line: int | None
+    # What it received: each tensor input by its schema name and the non-finite kinds it
+    # carried in ("self: nan", "other: finite").
+    received: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ def test_plain_loop_log_zero_is_localized_by_the_rerun_under_gradient_accumulati
     assert f.source.file == str(path) and f.source.line == line_of(path, "torch.log(counts)")
     assert f.samples == [3] and f.reproduced is True
     assert f.chain[0].op == "aten.log.default"
+    # It received finite counts (a zero among them) and returned -inf: the op made the value.
+    assert f.chain[0].received == ["self: finite"] and f.chain[0].value == ["-inf"]
+    # Every later op received a non-finite input (the chain carries it to the loss).
+    assert f.chain[1].received == ["self: finite", "mat1: -inf", "mat2: finite"]
+    assert all(any(not r.endswith(": finite") for r in link.received) for link in f.chain[1:])
     assert report.run.rerun.status == "reproduced"
     assert report.run.rerun.steps == 3
     assert [e.step for e in report.timeline] == [0, 1, 2]
