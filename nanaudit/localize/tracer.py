@@ -37,15 +37,21 @@ from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_THIS_FILE = os.path.abspath(__file__)
 
 
 def user_source() -> SourceLine | None:
-    """The innermost stack frame outside torch and nanaudit: the user's line."""
+    """The innermost stack frame outside torch: the user's line (None when nanaudit's own
+    code made the call, not the user's: frames further out are the command line's)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        ours = is_own_file(filename)
-        if not filename.startswith(_TORCH_DIR) and not ours \
+        if filename == _THIS_FILE:          # the dispatch mode's own frames
+            frame = frame.f_back
+            continue
+        if is_own_file(filename):
+            return None   # nanaudit called torch itself (reading the data again): no user line
+        if not filename.startswith(_TORCH_DIR) \
                 and not frame.f_code.co_filename.startswith("<frozen"):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return SourceLine(frame.f_code.co_filename, frame.f_lineno, code, frame.f_code.co_name)
@@ -166,6 +172,7 @@ class OpTracer:
             self._pending += [(t, record) for t in outputs]
             for t in outputs:
                 self.trace.makers[id(t)] = (weakref.ref(t), record.index)
+            self._forget_overwritten(func, args, kwargs)
         out_kinds = frozenset().union(*(kinds_of(t) for t in outputs)) if outputs else frozenset()
         if out_kinds and func.overloadpacket.__name__ in UNINITIALIZED:
             # Fresh memory holds whatever bits were there, NaN patterns included: it is no
@@ -181,6 +188,18 @@ class OpTracer:
         if backward and hasattr(node, "_forward_cls"):
             self._note_function_outputs(node, outputs)
         return out
+
+    def _forget_overwritten(self, func, args, kwargs) -> None:
+        """A write into a view (`x[5, 2] = 0`) changes its base: the op that made the base no
+        longer made all its values, so where they came from is not said at all."""
+        written = written_arguments(func)
+        if not written:
+            return
+        tensors = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
+        for i in written:
+            base = tensors[i]._base if i < len(tensors) else None
+            if base is not None:
+                self.trace.makers.pop(id(base), None)
 
     def _note_function_outputs(self, node, outputs) -> None:
         """Remember tensors a custom Function's backward made, so a value written into one

@@ -58,8 +58,22 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
-             ("samples", f.samples), ("cause", f.cause)]
+             ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause)]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def producer_label(f: Finding) -> str | None:
+    """What made an input finding's value, in a few words (None: not an input finding)."""
+    p = f.producer
+    if p is None:
+        return None
+    worker = f" in DataLoader worker {p.worker}" if p.worker is not None else ""
+    label = {"torch-op": f"a torch op of the data code{worker}",
+             "outside-torch": f"outside torch (already non-finite when it reached torch)"
+                              f"{worker}"}.get(p.made_by, f"not localized{worker}")
+    if p.sample_indices:
+        label += f"; data set indices {p.sample_indices}"
+    return label
 
 
 def finding_message(f: Finding) -> str:

@@ -116,6 +116,30 @@ def nonfinite_rows(t: torch.Tensor, dim: int | None) -> list[int]:
     return bad.nonzero().flatten().tolist()
 
 
+def batch_fingerprint(batch: Any) -> list:
+    """What identifies a batch's content: each tensor leaf's path, shape and float64 sum
+    (syncs; only for batches that tripped). Two reads of the data are the same batch when
+    their fingerprints are equal."""
+    from nanaudit.run.checks import dense_values
+    return [(path, tuple(t.shape), float(dense_values(t).detach().double().nan_to_num().sum()))
+            for path, t in tensor_leaves(batch)]
+
+
+# The names of the batch leaves that carry the data set's own ids of its rows.
+SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
+
+
+def sample_ids(batch: Any, rows: list[int] | None) -> list[int] | None:
+    """The data set's own ids for these rows, when the batch carries an id leaf."""
+    if not rows:
+        return None
+    for path, t in tensor_leaves(batch):
+        key = path.strip('[]"').lower()
+        if key in SAMPLE_ID_KEYS and t.dim() == 1 and not t.is_floating_point():
+            return [int(t[r]) for r in rows if r < t.shape[0]]
+    return None
+
+
 def _key_path(path: str, key: Any) -> str:
     return f"{path}[{key!r}]".replace("'", '"')
 
