@@ -27,7 +27,7 @@ from nanaudit.localize.producer import (
 )
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.report.model import Finding
-from nanaudit.run.batch import batch_fingerprint, float_leaves, to_device
+from nanaudit.run.batch import batch_fingerprint, float_leaves, sample_ids, to_device
 from nanaudit.run.session import Session
 from nanaudit.run.step import RngState, ScanOutcome
 
@@ -82,10 +82,10 @@ def reread(session: Session, seen: dict, traced: dict | None = None,
     return changed
 
 
-def data_code(session: Session, index: int, batches: list) -> DataCode:
+def data_code(session: Session, index: int, batches: list, ids: list | None) -> DataCode:
     return DataCode(f"`{session.options.data_label}` read again from its start to batch "
                     f"{index} (the same batch the run saw)", batches,
-                    lambda: OpTracer(session.model))
+                    lambda: OpTracer(session.model), ids)
 
 
 def walk_input(session: Session, finding: Finding) -> OnBatch:
@@ -96,7 +96,8 @@ def walk_input(session: Session, finding: Finding) -> OnBatch:
         if path not in leaves:
             attach_unlocalized(finding, f"read again, batch {index} has no leaf batch{path}")
             return
-        name_producer(finding, tracer, leaves[path], data_code(session, index, batches))
+        ids = sample_ids(raw, finding.samples)
+        name_producer(finding, tracer, leaves[path], data_code(session, index, batches, ids))
     return on_batch
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.batch import batch_fingerprint
+from nanaudit.run.batch import same_batch
 from nanaudit.run.step import RngState
 
 
@@ -155,18 +155,22 @@ def _default_collate(it: Any) -> bool:
         getattr(it, "_collate_fn", None) is default_collate
 
 
-SETUP = ("_dataset", "_dataset_kind", "_auto_collation", "_collate_fn", "_drop_last",
-         "_base_seed", "_worker_init_fn", "_num_workers")
+# WorkerSetup's fields, read off the iterator's attributes of the same name with a `_` (and
+# `kind`, `init_fn`, `workers`: `_dataset_kind`, `_worker_init_fn`, `_num_workers`).
+SETUP = {"dataset": "_dataset", "kind": "_dataset_kind", "auto_collation": "_auto_collation",
+         "collate_fn": "_collate_fn", "drop_last": "_drop_last", "base_seed": "_base_seed",
+         "init_fn": "_worker_init_fn", "workers": "_num_workers"}
 
 
 def _setup(it: Any, ordered: bool, complete: bool) -> WorkerSetup:
     """How the iterator's workers started, and why a worker's batch cannot be made again."""
     from torch.utils.data.dataloader import _DatasetKind
-    values = [getattr(it, name, None) for name in SETUP]
+    values: dict[str, Any] = {field: getattr(it, name, None) for field, name in SETUP.items()}
     why_not = None
-    if any(v is None for v in values[:6]):
+    if any(values[k] is None for k in ("dataset", "kind", "auto_collation", "collate_fn",
+                                       "drop_last", "base_seed")):
         why_not = "this torch's DataLoader keeps its workers' settings where nanaudit cannot read"
-    elif values[1] != _DatasetKind.Map:
+    elif values["kind"] != _DatasetKind.Map:
         why_not = ("an IterableDataset runs as its own copy in each worker, which this process "
                    "cannot rebuild")
     elif not ordered:
@@ -174,7 +178,7 @@ def _setup(it: Any, ordered: bool, complete: bool) -> WorkerSetup:
     elif not complete:
         why_not = ("not every task of that worker in this epoch was seen (persistent workers "
                    "past their first epoch, or an iterator made before nanaudit watched)")
-    return WorkerSetup(*values, why_not=why_not)
+    return WorkerSetup(**values, why_not=why_not)
 
 
 def remake(record: LoaderBatch, tracer: Any) -> tuple[Any, str | None]:
@@ -214,7 +218,7 @@ def remake(record: LoaderBatch, tracer: Any) -> tuple[Any, str | None]:
         worker_module._worker_info = info
         torch.set_num_threads(threads)
         saved.restore()
-    if batch_fingerprint(batch) != batch_fingerprint(record.batch):
+    if not same_batch(batch, record.batch):
         return None, ("made again in this process with the worker's seeds, worker_init_fn and "
                       "sampler indices, the batch differs from the one the worker handed out")
     return batch, None

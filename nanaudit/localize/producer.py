@@ -34,6 +34,9 @@ from nanaudit.run.batch import nonfinite_rows, sample_ids, tensor_leaves
 # were not computed by the op.
 ADOPTS_STORAGE = frozenset({"set"})
 
+# Ops that turn a Python or NumPy value into a tensor (`torch.tensor(...)`, `x[i] = nan`).
+ENTRIES = frozenset({"lift_fresh", "lift", "scalar_tensor"})
+
 OUTSIDE_WORDS = ("read from a file, made by NumPy or pandas, or already non-finite in the data "
                  "set")
 
@@ -116,6 +119,7 @@ class DataCode:
     traced: str
     loader_batches: list
     make_tracer: Callable[[], Any]
+    ids: list | None = None          # the bad rows' ids in the batch, when it carries them
 
 
 def name_producer(finding: Finding, tracer: Any, leaf: torch.Tensor, code: DataCode) -> None:
@@ -135,12 +139,13 @@ def name_producer(finding: Finding, tracer: Any, leaf: torch.Tensor, code: DataC
                 return
             made_again = dict(tensor_leaves(again))[path]
             origin = origin_of(tracer, made_again)
-            code = DataCode(f"the worker's Dataset and collate_fn made again in this process "
-                            f"(worker {worker}: its seeds, worker_init_fn and sampler "
-                            f"indices; equal to the batch it handed out)", [record],
-                            code.make_tracer)
+            code = DataCode(f"worker {worker}'s Dataset and collate_fn, run again in this "
+                            f"process with its seeds, worker_init_fn and sampler indices (the "
+                            f"batch they made equals the one the worker handed out)", [record],
+                            code.make_tracer, code.ids)
             origin.chain_tensors += (made_again, dict(tensor_leaves(record.batch))[path])
     indices, ids = _dataset_rows(code.loader_batches, origin.chain_tensors)
+    ids = ids or code.ids
     if origin.made is not None:
         attach_made(finding, origin.made, code.traced, worker, indices, ids)
     else:
@@ -180,8 +185,10 @@ def _at(source) -> str:
 
 
 def _rows_text(indices: list | None, ids: list | None) -> str:
-    text = f"; the data set's indices of those rows: {indices}" if indices else ""
-    return text + (f" (ids {ids})" if ids else "")
+    if indices:
+        return f"; the data set's indices of those rows: {indices}" + \
+            (f" (ids {ids})" if ids else "")
+    return f"; the ids of those rows: {ids}" if ids else ""
 
 
 def attach_made(finding: Finding, loc: Localization, traced: str, worker: int | None = None,
@@ -204,13 +211,16 @@ def attach_arrival(finding: Finding, arrival: Arrival, traced: str, worker: int 
                    indices: list | None = None, ids: list | None = None) -> None:
     """No traced op computed the value: it was already non-finite when it reached torch."""
     event = arrival.event
-    held = ""
+    how = f"it was {OUTSIDE_WORDS}"
     if event is not None:
-        at = _at(event.source)
-        how = "wrote it from a Python number" if arrival.number else "first held it"
-        held = f"; {op_base(event.op)}{f' at {at}' if at else ''} {how}"
+        source = event.source
+        at = f" at {_at(source)} (`{source.code}`)" if source is not None else ""
+        if arrival.number or (op_base(event.op) in ENTRIES and source is not None):
+            how = f"it entered torch{at}, as a Python number or a NumPy value"
+        else:
+            how = f"the first op to hold it was {op_base(event.op)}{at}; {how}"
     finding.explain(f"it was already non-finite when it reached torch: no torch op computed it "
-                    f"in {traced}{held}; it was {OUTSIDE_WORDS}{_rows_text(indices, ids)}")
+                    f"in {traced}; {how}{_rows_text(indices, ids)}")
     finding.producer = InputProducer(ProducerKind.OUTSIDE_TORCH, traced, worker, indices, ids)
 
 
@@ -219,3 +229,12 @@ def attach_unlocalized(finding: Finding, why: str, traced: str = "",
     """The data code could not be traced faithfully: say why, name no op."""
     finding.explain(f"the op that made it is not named: {why}")
     finding.producer = InputProducer(ProducerKind.NOT_LOCALIZED, traced, worker, note=why)
+
+
+def not_reached(finding: Finding) -> None:
+    """`Sentinel` and the callbacks: the batch was made by the loop's code before they saw it,
+    code they do not run again, so what made its value cannot be traced faithfully."""
+    attach_unlocalized(finding, "the batch was made by the training loop's own code before "
+                       "Sentinel (or the callback) received it, and that code is not run again "
+                       "here; `nanaudit run` re-runs the script with its data code traced, and "
+                       "`nanaudit scan` reads a config's data entrypoint again traced")

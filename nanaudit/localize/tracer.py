@@ -259,6 +259,11 @@ class OpTracer:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+                if t._base is not None and any(t is inputs[i] for i in written
+                                               if i < len(inputs)):
+                    # written into a view (`x[11, 3] = nan`): its base holds the value now
+                    self.trace.producer[id(t._base)] = event.index
+                    self._keep.append(t._base)
 
     def _untracked_origin(self, t: torch.Tensor, node) -> str:
         made = self._function_made.get(id(t))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from nanaudit.report.model import Finding, Report, TensorStats
+from nanaudit.report.vocabulary import ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -68,9 +69,11 @@ def producer_label(f: Finding) -> str | None:
     if p is None:
         return None
     worker = f" in DataLoader worker {p.worker}" if p.worker is not None else ""
-    label = {"torch-op": f"a torch op of the data code{worker}",
-             "outside-torch": f"outside torch (already non-finite when it reached torch)"
-                              f"{worker}"}.get(p.made_by, f"not localized{worker}")
+    labels: dict[str, str] = {
+        ProducerKind.TORCH_OP: f"a torch op of the data code{worker}",
+        ProducerKind.OUTSIDE_TORCH: f"outside torch (already non-finite when it reached torch)"
+                                    f"{worker}"}
+    label = labels.get(p.made_by, f"not localized{worker}")
     if p.sample_indices:
         label += f"; data set indices {p.sample_indices}"
     return label

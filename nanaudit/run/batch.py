@@ -117,12 +117,41 @@ def nonfinite_rows(t: torch.Tensor, dim: int | None) -> list[int]:
 
 
 def batch_fingerprint(batch: Any) -> list:
-    """What identifies a batch's content: each tensor leaf's path, shape and float64 sum
-    (syncs; only for batches that tripped). Two reads of the data are the same batch when
-    their fingerprints are equal."""
+    """What identifies a batch's content: each tensor leaf's path, shape, the float64 sum of
+    its finite values and its counts of NaN, +inf and -inf (syncs; only for batches that
+    tripped). Two reads of the data are the same batch when their fingerprints are equal."""
     from nanaudit.run.checks import dense_values
-    return [(path, tuple(t.shape), float(dense_values(t).detach().double().nan_to_num().sum()))
-            for path, t in tensor_leaves(batch)]
+    found = []
+    for path, t in tensor_leaves(batch):
+        values = dense_values(t).detach().double()
+        counts = torch.stack([values.isnan().sum(), (values == float("inf")).sum(),
+                              (values == float("-inf")).sum()]).tolist()
+        found.append((path, tuple(t.shape),
+                      float(values.nan_to_num(0.0, 0.0, 0.0).sum()), *counts))
+    return found
+
+
+def same_batch(a: Any, b: Any) -> bool:
+    """Are two batches the same, value for value (NaN where NaN is)? Tensor leaves exactly;
+    other leaves (ids, file names) by equality."""
+    left, right = list(iter_leaves(a)), list(iter_leaves(b))
+    return [p for p, _ in left] == [p for p, _ in right] and \
+        all(_same_leaf(x, y) for (_, x), (_, y) in zip(left, right))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        try:
+            return type(x) is type(y) and bool(x == y)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    from nanaudit.run.checks import dense_values
+    x, y = dense_values(x).detach().cpu(), dense_values(y).detach().cpu()
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.equal(x, y)
+    return bool(((x == y) | (x.isnan() & y.isnan())).all())
 
 
 # The names of the batch leaves that carry the data set's own ids of its rows.
