@@ -217,6 +217,9 @@ def attach_arrival(finding: Finding, arrival: Arrival, traced: str, worker: int 
         at = f" at {_at(source)} (`{source.code}`)" if source is not None else ""
         if arrival.number or (op_base(event.op) in ENTRIES and source is not None):
             how = f"it entered torch{at}, as a Python number or a NumPy value"
+        elif op_base(event.op) in ADOPTS_STORAGE:
+            how = (f"it came in with memory no torch op filled{at} (a file `torch.load` read, "
+                   f"a worker's shared memory)")
         else:
             how = f"the first op to hold it was {op_base(event.op)}{at}; {how}"
     finding.explain(f"it was already non-finite when it reached torch: no torch op computed it "

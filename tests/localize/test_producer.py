@@ -112,14 +112,14 @@ def test_a_constant_feature_says_the_zero_came_from_std():
     assert "the value 0 came from std" in origin_of(tracer, leaf).made.diagnosis.explanation
 
 
-def test_a_value_read_from_numpy_stays_an_input_finding_and_says_where_it_entered_torch():
+def test_a_value_from_numpy_stays_an_input_and_says_where_it_entered_torch():
     table = np.array([[1.0, np.nan], [2.0, 3.0]])
     with OpTracer(nn.Module()) as tracer:
         features = torch.tensor(table, dtype=torch.float32)   # ENTERS
         leaf = features * 2.0
     finding = _input_finding()
     name_producer(finding, tracer, leaf, DataCode("the test's data code", [], OpTracer))
-    line = _marked(test_a_value_read_from_numpy_stays_an_input_finding_and_says_where_it_entered_torch,  # noqa: E501
+    line = _marked(test_a_value_from_numpy_stays_an_input_and_says_where_it_entered_torch,
                    "# ENTERS")
     assert finding.cause == "nonfinite-input" and finding.op is None and finding.fix == "clean it"
     assert finding.producer.made_by == "outside-torch"
