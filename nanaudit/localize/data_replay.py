@@ -127,7 +127,16 @@ def unrepeated(index: int) -> str:
 def trace_inputs(session: Session, seen: dict, findings: dict) -> list[int]:
     """`bisect`: confirm the batches (`seen`) by reading the data again, naming on the way what
     made each input finding's value (`findings`: data index -> its input finding)."""
-    changed = reread(session, seen, {i: walk_input(session, f) for i, f in findings.items()})
+    try:
+        changed = reread(session, seen, {i: walk_input(session, f) for i, f in findings.items()})
+    except UserCodeError as error:
+        if not findings:
+            raise
+        # Read under the tracer the data failed: confirm the rows as before, untraced.
+        changed = reread(session, seen)
+        for finding in findings.values():
+            if finding.producer is None:
+                attach_unlocalized(finding, f"reading the data again traced raised: {error}")
     for index, finding in findings.items():
         if finding.producer is None:
             attach_unlocalized(finding, unrepeated(index) if index in changed else

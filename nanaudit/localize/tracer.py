@@ -19,6 +19,7 @@ This runs only on replay: it syncs the host once per op, which the scan path nev
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import sys
@@ -45,32 +46,39 @@ def user_source() -> SourceLine | None:
     code made the call, not the user's: frames further out are the command line's)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if filename == _THIS_FILE:          # the dispatch mode's own frames
-            frame = frame.f_back
-            continue
-        if is_own_file(filename):
+        kind = _file_kind(frame.f_code.co_filename)
+        if kind == "ours":
             return None   # nanaudit called torch itself (reading the data again): no user line
-        if not filename.startswith(_TORCH_DIR) \
-                and not frame.f_code.co_filename.startswith("<frozen"):
+        if kind == "user":
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return SourceLine(frame.f_code.co_filename, frame.f_lineno, code, frame.f_code.co_name)
         frame = frame.f_back
     return None
 
 
-def written_arguments(func) -> set:
+@functools.lru_cache(maxsize=4096)
+def _file_kind(name: str) -> str:
+    """"skip" (torch, frozen modules, the dispatch mode's own frames), "ours" or "user": read
+    once per file, as every op of a traced stretch asks it of every frame on the stack."""
+    filename = os.path.abspath(name)
+    if filename == _THIS_FILE or filename.startswith(_TORCH_DIR) or name.startswith("<frozen"):
+        return "skip"
+    return "ours" if is_own_file(filename) else "user"
+
+
+@functools.cache
+def written_arguments(func) -> frozenset:
     """Positions of the tensor arguments an op writes to (`self` of `masked_fill_`, `out=`)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
-        return set()
+        return frozenset()
     positions, index = set(), 0
     for argument in schema.arguments:
         if argument.type.kind() in ("TensorType", "OptionalType") or "Tensor" in str(argument.type):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 positions.add(index)
             index += 1
-    return positions
+    return frozenset(positions)
 
 
 RUNNING_STATISTICS = ("running_mean", "running_var")

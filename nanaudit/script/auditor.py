@@ -12,7 +12,8 @@ its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then it
 checked when backward returns, before the script's own update.
 
 On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
-N-1's update to step N's check (rerun_window.py).
+N-1's update to step N's check (rerun_window.py); for an input trip, over the script's own code
+between its model calls instead (data_window.py), which the window is told of.
 """
 
 from __future__ import annotations
