@@ -54,8 +54,14 @@ class LoaderBatch:
     index: Any
     in_order: bool                       # the batch's rows are its indices, in order
     worker: int | None = None
-    tasks: list = field(default_factory=list)
+    worker_tasks: list = field(default_factory=list)   # all the worker's tasks this epoch ...
+    task_count: int = 0                                 # ... of which the first this many
     setup: WorkerSetup | None = None
+
+    @property
+    def tasks(self) -> list:
+        """The worker's tasks this epoch up to this batch, in the order it ran them."""
+        return self.worker_tasks[:self.task_count]
 
 
 @dataclass
@@ -64,6 +70,7 @@ class _Seen:
 
     last_index: Any = None
     sent: dict = field(default_factory=dict)     # task -> (worker, sampler indices)
+    by_worker: dict = field(default_factory=dict)   # worker -> [(task, sampler indices)]
 
 
 class LoaderTap:
@@ -125,9 +132,11 @@ class LoaderTap:
         if task is None or getattr(it, "_send_idx", task) != task + 1 or task not in info:
             return
         seen = self._state(it)
-        if task == 0:
-            seen.sent.clear()
-        seen.sent[task] = (info[task][0], seen.last_index)
+        if task == 0:                  # new lists: the batches recorded keep the old ones
+            seen.sent, seen.by_worker = {}, {}
+        worker = info[task][0]
+        seen.sent[task] = (worker, seen.last_index)
+        seen.by_worker.setdefault(worker, []).append((task, seen.last_index))
 
     def _after_next(self, it: Any, batch: Any) -> None:
         seen = self._state(it)
@@ -139,11 +148,14 @@ class LoaderTap:
         # In order, the batch handed out is the task before the next one to receive.
         ordered = getattr(it, "_in_order", True)
         task = getattr(it, "_rcvd_idx", 0) - 1 if ordered else -1
-        worker, index = seen.sent.get(task, (None, None))
-        tasks = [(t, i) for t, (w, i) in sorted(seen.sent.items()) if w == worker and t <= task]
+        worker, index = seen.sent.pop(task, (None, None))
+        tasks = seen.by_worker.get(worker, [])
         # Round robin: worker w ran tasks w, w + W, ... of this epoch; all must have been seen.
-        complete = worker is not None and len(tasks) == 1 + task // workers
-        self.batches.append(LoaderBatch(batch, index, in_order, worker, tasks,
+        place = task // workers
+        complete = worker is not None and place < len(tasks) and tasks[place][0] == task \
+            and [t for t, _ in tasks[:1]] == [worker]
+        count = place + 1 if complete else 0
+        self.batches.append(LoaderBatch(batch, index, in_order, worker, tasks, count,
                                         _setup(it, ordered, complete)))
 
 
