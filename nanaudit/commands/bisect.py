@@ -31,13 +31,13 @@ from nanaudit.errors import (
     Problem,
     UsageError,
 )
+from nanaudit.localize.data_replay import reread, trace_inputs
 from nanaudit.localize.findings import build_finding
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import CheckpointBisect, CheckpointRef, DataBisect, SkipEntry
-from nanaudit.report.vocabulary import Status
-from nanaudit.run.batch import infer_layout, select_rows, tensor_leaves
+from nanaudit.report.vocabulary import Status, Where
+from nanaudit.run.batch import batch_fingerprint, infer_layout, sample_ids, select_rows
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
-from nanaudit.run.checks import dense_values
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session, load_training_state
 from nanaudit.run.step import ScanOutcome
@@ -126,9 +126,6 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
 DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
 
 
-SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
-
-
 def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     """Audit every batch against the starting weights; localize each one that trips.
 
@@ -142,7 +139,7 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
         outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
         seen.setdefault(state.batch_index, batch_fingerprint(state.batch))
         for finding in _every_finding(session, outcome):
-            bad.append((finding, _sample_ids(state.batch, finding.samples)))
+            bad.append((finding, sample_ids(state.batch, finding.samples)))
 
     # The user's own step makes its updates itself: each is put back after the call.
     held = hasattr(session.unit, "hold_weights")
@@ -154,7 +151,12 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     finally:
         if held:
             session.unit.hold_weights = False
-    changed = set(unrepeatable_batches(session, seen))
+    # Read again to confirm the rows; on the way, name what made each non-finite batch.
+    inputs: dict = {}
+    for finding, _ in bad:
+        if finding.where == Where.INPUT and finding.batch_index is not None:
+            inputs.setdefault(finding.batch_index, finding)
+    changed = set(trace_inputs(session, seen, inputs))
     for finding, _ in bad:
         if finding.batch_index in changed:
             mark_unconfirmed(finding)
@@ -166,32 +168,11 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
 
 
-def batch_fingerprint(batch) -> list:
-    """What identifies a batch's content: each tensor leaf's path, shape and float64 sum
-    (syncs; only for batches that tripped)."""
-    return [(path, tuple(t.shape), float(dense_values(t).detach().double().nan_to_num().sum()))
-            for path, t in tensor_leaves(batch)]
-
-
 def unrepeatable_batches(session: Session, seen: dict) -> list:
     """The data indices whose batch the data gives differently on a second pass (shuffling
     or augmentation outside the seeded RNG): rows named in such a batch cannot be confirmed
     to be the same samples the next time the data is read."""
-    if not seen:
-        return []
-    from nanaudit.errors import call_user
-    from nanaudit.run.batch import to_device
-    what = f"the data from `{session.options.data_label}` (read again to confirm the rows)"
-    changed: list[int] = []
-    last = max(seen)
-    iterator = call_user(what, iter, call_user(what, session.make_data))
-    for index in range(last + 1):
-        raw = call_user(what, next, iterator, None)
-        if raw is None:
-            return changed + [i for i in seen if i >= index]
-        if index in seen and batch_fingerprint(to_device(raw, session.device)) != seen[index]:
-            changed.append(index)
-    return changed
+    return reread(session, seen)
 
 
 def mark_unconfirmed(finding) -> None:
@@ -241,17 +222,6 @@ def _renumber(finding, remaining: list[int], size: int) -> None:
         finding.qualify(f"found once the rows of the earlier finding were set aside: the row "
                         f"numbers above count the {len(remaining)} remaining of {size}; in the "
                         f"full batch they are {finding.samples}")
-
-
-def _sample_ids(batch, rows):
-    """The data set's own ids for the offending rows, when the batch carries an id leaf."""
-    if not rows:
-        return None
-    for path, t in tensor_leaves(batch):
-        key = path.strip('[]"').lower()
-        if key in SAMPLE_ID_KEYS and t.dim() == 1 and not t.is_floating_point():
-            return [int(t[r]) for r in rows if r < t.shape[0]]
-    return None
 
 
 @dataclass(frozen=True)

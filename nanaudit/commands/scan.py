@@ -18,7 +18,7 @@ from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
 from nanaudit.report.model import Report
 from nanaudit.report.sections import RankStatus
-from nanaudit.report.vocabulary import Status
+from nanaudit.report.vocabulary import Check, Status
 
 
 def scan(config_path: str | Path, options: ScanOptions | None = None,
@@ -70,6 +70,7 @@ def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
 
 def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
     from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.localize.data_replay import trace_input
     from nanaudit.localize.findings import attach_warnings, build_finding
     from nanaudit.run.loop import run_steps
     from nanaudit.run.session import build_session
@@ -104,6 +105,8 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
                 samples = config.localize.samples if options.samples is None else options.samples
                 try:
                     report.finding = build_finding(session, outcome, samples)
+                    if outcome.trip.check == Check.INPUT:
+                        trace_input(session, outcome, report.finding)
                 except FindingInterrupted as stop:
                     report.finding = stop.finding   # the op is named; the sample search was cut
                     raise

@@ -250,6 +250,7 @@ class Sentinel:
                 scale: float | None) -> Report:
         from nanaudit.integrations.sentinel_replay import replay_session, search_window
         from nanaudit.localize.findings import build_finding, unreplayed_finding
+        from nanaudit.localize.producer import not_reached
         started = time.perf_counter()
         session = replay_session(self)
         note = None
@@ -269,6 +270,8 @@ class Sentinel:
                                                "loss_fn(model, batch))")
         else:
             finding = build_finding(session, outcome, self.isolate_samples)
+        if trip.check == Check.INPUT:
+            not_reached(finding)
         if micro is not None and trip.check in (Check.INPUT, Check.LOSS, Check.GRADIENT):
             finding.batch_index = micro.index
             if len(window) > 1:

@@ -13,9 +13,10 @@ from nanaudit.report.vocabulary import Cause
 # id -> (what happened, the usual fix)
 CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.NONFINITE_INPUT: (
-        "a batch tensor already holds NaN/Inf before the model runs",
-        "clean or filter the sample; guard the preprocessing step that made it "
-        "(e.g. `mask / mask.max()` on an all-zero mask: `mask / mask.max().clamp(min=1e-12)`)"),
+        "a batch tensor already holds NaN/Inf before the model runs, and no torch op of the "
+        "data code made it: it was already non-finite when it reached torch",
+        "clean or filter the sample (the data set holds it, or the code that reads it: a file, "
+        "NumPy, pandas); `nanaudit bisect` lists every such batch and row for a skip list"),
     Cause.NONFINITE_PARAMETER: (
         "a parameter or buffer is non-finite before the step",
         "restore the last good checkpoint; find where it went bad with `nanaudit bisect "

@@ -138,8 +138,9 @@ class Trace:
         """The forward op that made a tensor (bad or not), looking through views and copies."""
         index = self.maker_index(t)
         record = self.forward_records[index] if index is not None else None
-        while record is not None and op_base(record.op) in PASS_THROUGH and record.input_makers \
-                and record.input_makers[0] is not None:
+        while record is not None and op_base(record.op) in PASS_THROUGH:
+            if not record.input_makers or record.input_makers[0] is None:
+                return None     # a view of a tensor no traced op made (or one written since)
             record = self.forward_records[record.input_makers[0]]
         return record
 

@@ -8,6 +8,7 @@ module is that one reading.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -32,8 +33,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+@functools.cache
 def schema_names(func) -> tuple:
-    """The op's argument names from its schema (`self`, `other`); () when it has none."""
+    """The op's argument names from its schema (`self`, `other`); () when it has none (read
+    once per op: the tracer asks it of every op it sees)."""
     schema = getattr(func, "_schema", None)
     return tuple(a.name for a in schema.arguments) if schema is not None else ()
 

@@ -19,6 +19,7 @@ This runs only on replay: it syncs the host once per op, which the scan path nev
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import sys
@@ -37,34 +38,47 @@ from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_THIS_FILE = os.path.abspath(__file__)
 
 
 def user_source() -> SourceLine | None:
-    """The innermost stack frame outside torch and nanaudit: the user's line."""
+    """The innermost stack frame outside torch: the user's line (None when nanaudit's own
+    code made the call, not the user's: frames further out are the command line's)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        ours = is_own_file(filename)
-        if not filename.startswith(_TORCH_DIR) and not ours \
-                and not frame.f_code.co_filename.startswith("<frozen"):
+        kind = _file_kind(frame.f_code.co_filename)
+        if kind == "ours":
+            return None   # nanaudit called torch itself (reading the data again): no user line
+        if kind == "user":
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return SourceLine(frame.f_code.co_filename, frame.f_lineno, code, frame.f_code.co_name)
         frame = frame.f_back
     return None
 
 
-def written_arguments(func) -> set:
+@functools.lru_cache(maxsize=4096)
+def _file_kind(name: str) -> str:
+    """"skip" (torch, frozen modules, the dispatch mode's own frames), "ours" or "user": read
+    once per file, as every op of a traced stretch asks it of every frame on the stack."""
+    filename = os.path.abspath(name)
+    if filename == _THIS_FILE or filename.startswith(_TORCH_DIR) or name.startswith("<frozen"):
+        return "skip"
+    return "ours" if is_own_file(filename) else "user"
+
+
+@functools.cache
+def written_arguments(func) -> frozenset:
     """Positions of the tensor arguments an op writes to (`self` of `masked_fill_`, `out=`)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
-        return set()
+        return frozenset()
     positions, index = set(), 0
     for argument in schema.arguments:
         if argument.type.kind() in ("TensorType", "OptionalType") or "Tensor" in str(argument.type):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 positions.add(index)
             index += 1
-    return positions
+    return frozenset(positions)
 
 
 RUNNING_STATISTICS = ("running_mean", "running_var")
@@ -166,6 +180,7 @@ class OpTracer:
             self._pending += [(t, record) for t in outputs]
             for t in outputs:
                 self.trace.makers[id(t)] = (weakref.ref(t), record.index)
+            self._forget_overwritten(func, args, kwargs)
         out_kinds = frozenset().union(*(kinds_of(t) for t in outputs)) if outputs else frozenset()
         if out_kinds and func.overloadpacket.__name__ in UNINITIALIZED:
             # Fresh memory holds whatever bits were there, NaN patterns included: it is no
@@ -181,6 +196,18 @@ class OpTracer:
         if backward and hasattr(node, "_forward_cls"):
             self._note_function_outputs(node, outputs)
         return out
+
+    def _forget_overwritten(self, func, args, kwargs) -> None:
+        """A write into a view (`x[5, 2] = 0`) changes its base: the op that made the base no
+        longer made all its values, so where they came from is not said at all."""
+        written = written_arguments(func)
+        if not written:
+            return
+        tensors = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
+        for i in written:
+            base = tensors[i]._base if i < len(tensors) else None
+            if base is not None:
+                self.trace.makers.pop(id(base), None)
 
     def _note_function_outputs(self, node, outputs) -> None:
         """Remember tensors a custom Function's backward made, so a value written into one
@@ -240,6 +267,11 @@ class OpTracer:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+                if t._base is not None and any(t is inputs[i] for i in written
+                                               if i < len(inputs)):
+                    # written into a view (`x[11, 3] = nan`): its base holds the value now
+                    self.trace.producer[id(t._base)] = event.index
+                    self._keep.append(t._base)
 
     def _untracked_origin(self, t: torch.Tensor, node) -> str:
         made = self._function_made.get(id(t))

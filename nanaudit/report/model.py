@@ -116,6 +116,21 @@ class EarlyWarning:
     threshold: float | None = None
 
 
+@dataclass(frozen=True)
+class InputProducer:
+    """Where the non-finite value of an input finding was made, upstream of the model: by a
+    torch op of the user's data code (then the finding's op, line, inputs and cause are that
+    op's), outside torch (already non-finite when it reached torch), or not localized, and
+    why. `traced` says what code nanaudit traced to find it."""
+
+    made_by: str                          # a ProducerKind
+    traced: str = ""
+    worker: int | None = None             # the DataLoader worker process that made the batch
+    sample_indices: list | None = None    # the data set's indices of the offending rows
+    sample_ids: list | None = None        # ... and their ids, where the batch carries them
+    note: str = ""
+
+
 @dataclass
 class Finding:
     """The first non-finite value of a run and what made it: the `step` and (with
@@ -151,7 +166,9 @@ class Finding:
     micro_batch: int | None = None    # ... its position in the accumulation window (0-based)
     optimizer: str | None = None      # several optimizers / `step:`: the one whose check tripped
     loss_name: str | None = None      # `step:` returning named losses: the one that tripped
+    producer: InputProducer | None = None  # input findings: where the batch's value was made
 
+    OMIT_WHEN_NONE = ("producer",)    # added within schema version 1: absent while unset
     # Added within schema version 1: left out of the report's own `finding` while unset, so
     # reports of runs that do not use them keep their exact shape. bisect's `bad_batches`
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats
+from nanaudit.report.vocabulary import ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -58,7 +59,7 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
-             ("samples", f.samples), ("cause", f.cause)]
+             ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause)]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
 
 
@@ -67,6 +68,22 @@ def search_summary(s: SampleSearch) -> str:
     note = f" ({s.note})" if s.note else ""
     return (f"{s.replays} replay(s) over a batch of {s.batch_size}{note}"
             if s.batch_size is not None else s.note or "not run")
+
+
+def producer_label(f: Finding) -> str | None:
+    """What made an input finding's value, in a few words (None: not an input finding)."""
+    p = f.producer
+    if p is None:
+        return None
+    worker = f" in DataLoader worker {p.worker}" if p.worker is not None else ""
+    labels: dict[str, str] = {
+        ProducerKind.TORCH_OP: f"a torch op of the data code{worker}",
+        ProducerKind.OUTSIDE_TORCH: f"outside torch (already non-finite when it reached torch)"
+                                    f"{worker}"}
+    label = labels.get(p.made_by, f"not localized{worker}")
+    if p.sample_indices:
+        label += f"; data set indices {p.sample_indices}"
+    return label
 
 
 def finding_message(f: Finding) -> str:

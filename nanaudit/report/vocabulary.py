@@ -71,6 +71,14 @@ class RerunStatus(Word):
     NOT_REPRODUCED = "not-reproduced"         # the traced step came out finite
 
 
+class ProducerKind(Word):
+    """What made the non-finite value of an input finding (its `producer.made_by`)."""
+
+    TORCH_OP = "torch-op"                 # a torch op of the user's data code: the finding's op
+    OUTSIDE_TORCH = "outside-torch"       # already non-finite when it reached torch
+    NOT_LOCALIZED = "not-localized"       # the data code could not be traced faithfully
+
+
 class WarningKind(Word):
     NEAR_OVERFLOW = "near-overflow"
     LOSS_SPIKE = "loss-spike"

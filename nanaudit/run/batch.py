@@ -116,6 +116,59 @@ def nonfinite_rows(t: torch.Tensor, dim: int | None) -> list[int]:
     return bad.nonzero().flatten().tolist()
 
 
+def batch_fingerprint(batch: Any) -> list:
+    """What identifies a batch's content: each tensor leaf's path, shape, the float64 sum of
+    its finite values and its counts of NaN, +inf and -inf (syncs; only for batches that
+    tripped). Two reads of the data are the same batch when their fingerprints are equal."""
+    from nanaudit.run.checks import dense_values
+    found = []
+    for path, t in tensor_leaves(batch):
+        values = dense_values(t).detach().double()
+        counts = torch.stack([values.isnan().sum(), (values == float("inf")).sum(),
+                              (values == float("-inf")).sum()]).tolist()
+        found.append((path, tuple(t.shape),
+                      float(values.nan_to_num(0.0, 0.0, 0.0).sum()), *counts))
+    return found
+
+
+def same_batch(a: Any, b: Any) -> bool:
+    """Are two batches the same, value for value (NaN where NaN is)? Tensor leaves exactly;
+    other leaves (ids, file names) by equality."""
+    left, right = list(iter_leaves(a)), list(iter_leaves(b))
+    return [p for p, _ in left] == [p for p, _ in right] and \
+        all(_same_leaf(x, y) for (_, x), (_, y) in zip(left, right))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        try:
+            return type(x) is type(y) and bool(x == y)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    from nanaudit.run.checks import dense_values
+    x, y = dense_values(x).detach().cpu(), dense_values(y).detach().cpu()
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.equal(x, y)
+    return bool(((x == y) | (x.isnan() & y.isnan())).all())
+
+
+# The names of the batch leaves that carry the data set's own ids of its rows.
+SAMPLE_ID_KEYS = ("id", "ids", "index", "indices", "sample_id", "sample_ids")
+
+
+def sample_ids(batch: Any, rows: list[int] | None) -> list[int] | None:
+    """The data set's own ids for these rows, when the batch carries an id leaf."""
+    if not rows:
+        return None
+    for path, t in tensor_leaves(batch):
+        key = path.strip('[]"').lower()
+        if key in SAMPLE_ID_KEYS and t.dim() == 1 and not t.is_floating_point():
+            return [int(t[r]) for r in rows if r < t.shape[0]]
+    return None
+
+
 def _key_path(path: str, key: Any) -> str:
     return f"{path}[{key!r}]".replace("'", '"')
 

@@ -24,7 +24,7 @@ from nanaudit.run.deferred import BufferKeeper, ReadMode, choose_read
 from nanaudit.run.deferred_step import DeferredStep
 from nanaudit.run.gated_step import GatedStep
 from nanaudit.run.session import Session
-from nanaudit.run.step import ScanOutcome, Trip
+from nanaudit.run.step import RngState, ScanOutcome, Trip
 from nanaudit.run.sync_step import SyncStep
 from nanaudit.run.watch_readout import WatchReadout
 
@@ -114,6 +114,8 @@ class StepLoop:
         deferred = DeferredStep(self, sync) if self.read.mode == "deferred" else None
         gated = GatedStep(self) if self.unit.owns_update else None
         self.outcome.read_mode = self.read
+        # A second read of the data (naming the op that made a bad batch) starts from here.
+        self.outcome.data_rng = RngState.capture()
         data = self.session.make_data()
         self.iterator = call_user(f"iterating {self.what}", iter, data)
         for _ in range(start_step * self.window):

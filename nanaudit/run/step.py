@@ -195,6 +195,7 @@ class ScanOutcome:
     warnings: list = field(default_factory=list)   # [EarlyWarning]
     read_mode: ReadMode | None = None   # how the sentinels were read (sync or deferred)
     host_syncs: int = 0                 # blocking reads of device values the loop made
+    data_rng: RngState | None = None    # the RNGs as the data was started (to read it again)
 
 
 def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:

@@ -12,7 +12,8 @@ its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then it
 checked when backward returns, before the script's own update.
 
 On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
-N-1's update to step N's check (rerun_window.py).
+N-1's update to step N's check (rerun_window.py); for an input trip, over the script's own code
+between its model calls instead (data_window.py), which the window is told of.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch
 
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
-from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.verdict import tripped_check
@@ -34,7 +34,13 @@ from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
-from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
+from nanaudit.script.trip import (
+    ERROR_CHECK,
+    ScriptTrip,
+    float_kind,
+    input_fields,
+    nonfinite_locals,
+)
 
 
 def _lr(optimizer: Any) -> float | None:
@@ -98,6 +104,7 @@ class ScriptAuditor:
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
+        self.window.leave_data_code()
         self.ledger.called(module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
@@ -130,8 +137,10 @@ class ScriptAuditor:
             manual = self.ledger.manual_step()
             self._check(manual)
             self.after_update(manual)
+        self.window.enter_data_code(self.step)
 
     def update_starting(self) -> None:
+        self.window.leave_data_code()
         self._evaluation = 0
 
     def before_update(self, optimizer: Any, evaluation: int | None) -> None:
@@ -148,6 +157,7 @@ class ScriptAuditor:
         self.ledger.steps_taken += 1
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
+        self.window.enter_data_code(self.step)
 
     def stepped(self) -> int:
         return self.ledger.steps_taken
@@ -284,11 +294,9 @@ class ScriptAuditor:
         return trip
 
     def _input_trip(self, inputs: list, loss: float, grad_norm: float | None) -> ScriptTrip:
-        bad = [(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
-        rows = sorted({r for _, t in bad for r in nonfinite_rows(t, 0 if t.dim() else None)})
-        return self._trip(Check.INPUT, value_kind(bad[0][1]) if bad else "nan",
-                          [n for n, _ in bad], rows=rows, loss=loss, grad_norm=grad_norm,
-                          input_shapes=[list(t.shape) for _, t in bad])
+        fields = input_fields(inputs)
+        return self._trip(Check.INPUT, fields.pop("value"), fields.pop("tensors"), loss=loss,
+                          grad_norm=grad_norm, **fields)
 
     def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
         return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,

@@ -16,6 +16,7 @@ from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.data_window import DataWindow
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
 from nanaudit.script.target import execute
@@ -82,6 +83,9 @@ def rerun(spec: RerunSpec) -> RerunResult:
     auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=list(spec.losses),
                             rerun_evaluation=spec.evaluation, tracer=OpTracer)
     result = RerunResult()
+    if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead
+        auditor.window = DataWindow(spec.step, OpTracer)
+        auditor.window.start()
     try:
         try:
             execute(spec.target, auditor, spec.seed)
@@ -97,7 +101,9 @@ def rerun(spec: RerunSpec) -> RerunResult:
         else:
             result.reached = auditor.window.localized is not None
             result.traced = auditor.window.armed is not None
-            if result.reached:
+            if result.reached and isinstance(auditor.window, DataWindow):
+                auditor.window.localize(result)
+            elif result.reached:
                 localize_step(auditor, spec, result)
     except Exception as exc:
         result.error = RerunFailure.of(exc)

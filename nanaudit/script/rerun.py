@@ -16,6 +16,7 @@ from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.script import protocol
+from nanaudit.script.data_window import same_inputs
 from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.protocol import RerunResult, RerunSpec
 from nanaudit.script.step_values import same_value
@@ -51,7 +52,7 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         note = f"the re-run failed: {message}"
         finding.explain(note)
         return ran(RerunStatus.FAILED, note=note, log_tail=log_tail), finding
-    mismatch = compare_losses(timeline, result, trip.step)
+    mismatch = compare_losses(timeline, result, trip.step) or same_inputs(trip, result)
     if mismatch is not None:
         not_deterministic(finding, mismatch)
         return ran(RerunStatus.NONDETERMINISTIC, note=mismatch), finding

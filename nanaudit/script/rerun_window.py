@@ -33,6 +33,13 @@ class RerunWindow:
         self.armed: Armed | None = None
         self.localized: Any = None       # the optimizer whose step N was reached
 
+    def enter_data_code(self, step: int) -> None:
+        """An update or a backward of step `step` ended: the script's own code runs until the
+        next module call (traced only by the window of an input trip, data_window.py)."""
+
+    def leave_data_code(self) -> None:
+        """A module call or an update starts: the script's own code is left."""
+
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and evaluation == self.evaluation
 

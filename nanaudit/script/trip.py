@@ -37,13 +37,24 @@ class ScriptTrip:
 
     @property
     def needs_rerun(self) -> bool:
-        """A loss, gradient or error trip names no op until the step is re-run traced."""
-        return self.check in (Check.LOSS, Check.GRADIENT, ERROR_CHECK)
+        """A loss, gradient or error trip names no op until the step is re-run traced; an input
+        trip, no op of the data code that made the batch."""
+        return self.check in (Check.INPUT, Check.LOSS, Check.GRADIENT, ERROR_CHECK)
 
     @property
     def phase(self) -> str:
         """Where the value showed: the loss in forward, the gradients in backward."""
         return Where.FORWARD if self.check == Check.LOSS else Where.BACKWARD
+
+
+def input_fields(inputs: list) -> dict:
+    """What an input trip records of the first call's floating inputs [(name, tensor)]: the
+    kind of the first bad value, the bad inputs' names and shapes, and their bad rows."""
+    from nanaudit.run.batch import nonfinite_rows
+    bad = [(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
+    rows = sorted({r for _, t in bad for r in nonfinite_rows(t, 0 if t.dim() else None)})
+    return {"value": value_kind(bad[0][1]) if bad else "nan", "tensors": [n for n, _ in bad],
+            "rows": rows, "input_shapes": [list(t.shape) for _, t in bad]}
 
 
 def float_kind(value: float) -> str:

@@ -23,6 +23,12 @@ def test_every_poisoned_batch_is_listed_with_samples_and_ids(tmp_path):
     found = [(f["step"], f["where"], f["cause"], f["samples"]) for f in section["bad_batches"]]
     assert found == [(2, "input", "nonfinite-input", [11]), (6, "backward", "sqrt-domain", [5]),
                      (9, "input", "nonfinite-input", [0])]
+    # Issue 29: the demo writes its NaN and inf from Python numbers; only input findings say
+    # what made their value (a new key, absent elsewhere).
+    producers = [f.get("producer") for f in section["bad_batches"]]
+    assert [p and (p["made_by"], p["sample_ids"]) for p in producers] == [
+        ("outside-torch", [43]), None, ("outside-torch", [144])]
+    assert "it entered torch at __init__.py:" in section["bad_batches"][0]["explanation"]
     skip = json.loads((tmp_path / "skip.json").read_text())["skip"]
     assert [(s["batch"], s["rows"], s["sample_ids"]) for s in skip] == [
         (2, [11], [43]), (6, [5], [101]), (9, [0], [144])]

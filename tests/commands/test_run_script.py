@@ -172,7 +172,7 @@ def test_hooks_are_removed_after_the_run(tmp_path):
     from torch.optim import optimizer as optimizer_hooks
     backward = torch.autograd.backward
     path = write(tmp_path, LOOP.format(poison="x[0, 0] = float('nan') if step == 1 else 0.0"))
-    report = run_script(ScriptTarget(path=str(path)))
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(rerun=False))
     assert report.finding.where == "input"
     assert torch.autograd.backward is backward
     assert not module_hooks._global_forward_pre_hooks

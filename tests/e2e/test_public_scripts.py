@@ -341,6 +341,10 @@ def test_mnist_nan_pixel_is_a_batch_row_not_the_transforms_sample(data, capsys):
     assert (f.step, f.where, f.cause) == (steps_printed, "input", "nonfinite-input")
     assert len(f.samples) == 1 and 0 <= f.samples[0] < 8
     assert "shapes [[8, 1, 8, 8]]" in f.explanation
+    # Issue 29: the re-run traced the script's data code: no op made the NaN, torch.load read
+    # it, and the sampler's indices name the data set's sample.
+    assert report.run.rerun.status == "reproduced" and f.producer.made_by == "outside-torch"
+    assert f.producer.sample_indices == [37] and "torch.load(path)" in f.explanation
 
 
 # --- pytorch/examples dcgan/main.py: BCELoss raises on the NaN ---------------------------------

@@ -1,0 +1,119 @@
+"""The re-run's window for an input trip of `nanaudit run`: the batch was already non-finite
+when the model was first called at step N, so the op that made it ran in the script's own data
+code (its loop body, a collate_fn, a Dataset's __getitem__ and transforms in this process).
+
+The op tracer is armed over that code: from the script's start to its first model call (the
+set-up: a data set loaded and transformed before training), then from each update (or backward)
+to the next model call, up to step N's. Models' forwards and backwards and the optimizers'
+updates run untraced, as in the first run; DataLoaders are watched (localize/loader_tap.py),
+so that a batch a worker process made can be made again here. At step N's first model call
+with a non-finite data input the re-run stops, and the walk back from that input names the op
+that made it, or says it was already non-finite when it reached torch (localize/producer.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanaudit.localize.loader_tap import LoaderTap
+from nanaudit.localize.producer import DataCode, forget_finite, name_producer
+from nanaudit.report.vocabulary import Check
+from nanaudit.run.intercept import StepHalted
+from nanaudit.script.findings import first_run_finding
+from nanaudit.script.protocol import RerunResult
+from nanaudit.script.rerun_window import Armed, RerunWindow
+from nanaudit.script.step_values import data_inputs, leading_size
+from nanaudit.script.trip import ScriptTrip, input_fields
+
+
+class DataWindow(RerunWindow):
+    """Where the re-run of an input trip traces the script's data code (see the module
+    docstring); `inputs` are step N's non-finite data inputs once reached."""
+
+    def __init__(self, step: int, tracer: Any):
+        super().__init__(step, 0, tracer)
+        self.data_tracer = tracer(torch.nn.Module())    # no model yet: modules named by type
+        self.tap = LoaderTap()
+        self.inputs: list | None = None
+        self.loader_batches: list = []
+        self._on = self._tapped = False
+        self._since = 0                  # the first forward record of the open stretch
+        self._stretch = 0                # the step whose data code is traced now
+
+    def start(self) -> None:
+        """The script starts: its set-up is data code too."""
+        self.tap.__enter__()
+        self._tapped = True
+        self.enter_data_code(0)
+
+    def enter_data_code(self, step: int) -> None:
+        if self._on or self.localized is not None or self.step is None or step > self.step:
+            return
+        self.tap.batches.clear()
+        self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
+        self.data_tracer.__enter__()
+        self._on = True
+
+    def leave_data_code(self) -> None:
+        if not self._on:
+            return
+        self.data_tracer.__exit__(None, None, None)
+        # The model call that ends the stretch was pushed before the window saw it; its pop
+        # comes after the tracer stopped listening.
+        self.data_tracer.modules.stack.clear()
+        self._on = False
+        if self.step is not None and self._stretch < self.step:
+            forget_finite(self.data_tracer.trace, self._since)
+
+    def arms_at(self, step: int, evaluation: int) -> bool:
+        return self.step is not None and step == self.step and self.localized is None
+
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Step N's first model call (of each micro-batch): stop at the one whose data is bad."""
+        inputs = data_inputs(args, kwargs)
+        if all(bool(torch.isfinite(t).all()) for _, t in inputs):
+            return                     # a micro-batch before the bad one: go on
+        self.inputs, self.loader_batches = inputs, list(self.tap.batches)
+        self.localized = module
+        self.armed = Armed(self.data_tracer, module, leading_size(args, kwargs), closed=True)
+        raise StepHalted()
+
+    def close(self) -> None:
+        self.leave_data_code()
+        if self._tapped:
+            self._tapped = False
+            self.tap.__exit__(None, None, None)
+        super().close()
+
+    def traced(self) -> str:
+        return (f"the script's own code from its start to step {self.step}'s first model call "
+                f"(outside its models' forward and backward passes and its optimizer steps)")
+
+    def localize(self, result: RerunResult) -> None:
+        """The re-run's finding: the first run's input finding, with what made the value."""
+        if self.inputs is None or self.step is None:
+            return
+        fields = input_fields(self.inputs)
+        finding = first_run_finding(ScriptTrip(step=self.step, check=Check.INPUT, **fields))
+        result.ops_traced = self.data_tracer.trace.ops_seen
+        leaf = dict(self.inputs)[fields["tensors"][0]]
+        code = DataCode(self.traced(), self.loader_batches,
+                        lambda: self.tracer(torch.nn.Module()))
+        name_producer(finding, self.data_tracer, leaf, code)
+        result.finding = finding
+
+
+def same_inputs(trip: ScriptTrip, result: RerunResult) -> str | None:
+    """For an input trip: None when the re-run's non-finite inputs at the trip's step are the
+    first run's (the same tensors, the same rows); else what differed."""
+    if trip.check != Check.INPUT or not result.reached:
+        return None
+    found = result.finding
+    if found is None:
+        return f"the re-run's data inputs of step {trip.step} were finite"
+    if found.tensors != trip.tensors or (found.samples or None) != (trip.rows or None):
+        return (f"the re-run's non-finite inputs of step {trip.step} were {found.tensors} in "
+                f"rows {found.samples}, the first run's {trip.tensors} in rows {trip.rows}")
+    return None
