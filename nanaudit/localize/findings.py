@@ -181,8 +181,11 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
 
 
 def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
-    """For a forward-created value: the batch rows whose slice of the op's output is bad."""
-    if event.phase != "forward" or not batch_size:
+    """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
+    backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
+    per-row norm; one of a matmul with a weight sums over the rows)."""
+    if not batch_size or (event.phase != "forward" and (
+            event.forward is None or event.forward.reads_weights)):
         return None
     trace = tracer.trace
     rows: set[int] = set()

@@ -162,6 +162,24 @@ class Coordinator:
         _CURRENT = coord
         return coord
 
+    @classmethod
+    def adopt(cls) -> Coordinator | None:
+        """The process group an unmodified script under torchrun initialised itself (`nanaudit
+        run`): its checks exchange flags over it, and its ranks leave together through its
+        store. None when the script joined none (its ranks then run apart)."""
+        global _CURRENT
+        import torch.distributed as dist
+        if _CURRENT is not None:
+            return _CURRENT
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        coord = cls(DistributedOptions(), dist.get_rank(), dist.get_world_size(),
+                    int(os.environ.get("LOCAL_RANK", "0")))
+        coord.backend = str(dist.get_backend())
+        coord.store = dist.distributed_c10d._get_default_store()
+        _CURRENT = coord
+        return coord
+
     def _catch_sigterm(self) -> None:
         """torchrun stops every rank with SIGTERM once one exits. Note it instead of dying:
         a rank blocked in a collective with the rank that left is about to get an error and
@@ -223,9 +241,9 @@ class Coordinator:
         return flag
 
     def exchange(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's row of flags, by one all-reduce (MAX) of a world x len(FLAGS) table."""
+        """Every rank's row of flags, by one all-reduce (MAX) of a world x len(row) table."""
         import torch.distributed as dist
-        table = torch.zeros(self.world_size, len(FLAGS), dtype=torch.float64, device=row.device)
+        table = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=row.device)
         table[self.rank] = row
         try:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
