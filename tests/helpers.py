@@ -66,7 +66,7 @@ LINEAR_CASE = textwrap.dedent("""
 
 
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
-    """Start `python -m nanaudit ARGV...` as `nproc` ranks with torchrun's environment
+    """Start `python ARGV...` as `nproc` ranks with torchrun's environment
     variables (env:// rendezvous on a free port); return each rank's exit code and
     (stdout, stderr). Every rank is killed past `timeout_s`: no test hangs."""
     import os
@@ -82,7 +82,7 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
                "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
         env.pop("GITHUB_ACTIONS", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "nanaudit", *map(str, argv)],
+        procs.append(subprocess.Popen([sys.executable, *map(str, argv)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outputs = []

@@ -10,6 +10,7 @@ from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
 from nanaudit.report.vocabulary import Status
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.ranks import merge_ranks
 from nanaudit.script.runner import audit_script, record
 from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 
@@ -38,7 +39,7 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
         if auditor.ranks is not None:
             # torchrun: each rank's report names the rank that made the value, and every
             # rank's status.
-            auditor.ranks.merge(report, auditor.trip.rank if auditor.trip else None)
+            merge_ranks(auditor.ranks, report, auditor.trip.rank if auditor.trip else None)
         if script_error is not None:
             # The script's exception, raised because of the value the finding names: its frames
             # stay in the report; the finding's cause comes from the value.

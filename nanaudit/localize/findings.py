@@ -3,6 +3,8 @@ checks; through a traced replay (localize) and a sample search for the loss and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -21,11 +23,14 @@ from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.report.vocabulary import Cause
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.optimizer_state import explain_state
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
 
 
-def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
+def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True,
+                  localizer: Callable | None = None) -> Finding:
+    """`localizer`: replays a loss or gradient trip (FSDP2: localize/sharded_replay.py)."""
     trip, state = outcome.trip, outcome.state
     if trip.check == "input":
         finding = input_finding(session, state)
@@ -34,7 +39,8 @@ def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool 
     elif trip.check == "schedule":
         finding = schedule_finding(session, trip)
     else:
-        finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples)
+        finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples,
+                                    localizer or localize)
     return with_position(finding, trip, state)
 
 
@@ -85,11 +91,14 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == "optimizer" and params:
-        return Finding(step=trip.step, where="optimizer", value=value,
-                       cause=Cause.OPTIMIZER_UPDATE,
-                       explanation=_optimizer_text(session, trip.step, params),
-                       fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
-                       tensors=names)
+        finding = Finding(step=trip.step, where="optimizer", value=value,
+                          cause=Cause.OPTIMIZER_UPDATE,
+                          explanation=_optimizer_text(session, trip.step, params),
+                          fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
+                          tensors=names)
+        explain_state(finding, session.optimizers.values(), [tensors[n] for n in params],
+                      session.param_names, trip.rank)
+        return finding
     ckpt = session.options.checkpoint
     origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
               else "the model's state")
@@ -145,8 +154,9 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
     return text
 
 
-def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
-    loc = localize(session, state, trip, timeline)
+def localized_finding(session, state, trip, timeline, isolate_samples,
+                      localizer: Callable = localize) -> Finding:
+    loc = localizer(session, state, trip, timeline)
     if not loc.reproduced:
         return _not_reproduced(trip, own_step=session.step_fn is not None)
     bad = loc.bad_tensors or []

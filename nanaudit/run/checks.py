@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from nanaudit.run.sharded import local_shard
+
 _FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
 _GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
 _IS_SET = functools.partial(operator.is_not, None)
@@ -306,10 +308,11 @@ class ParamPack:
 
 
 def dense_values(t: torch.Tensor) -> torch.Tensor:
-    """A sparse tensor's stored values as a dense tensor (itself when dense): what the
-    finiteness checks and statistics read, since most kernels take no sparse layout."""
+    """A sparse tensor's stored values as a dense tensor (itself when dense; this rank's shard
+    of an FSDP2 DTensor, whose own ops would be collectives): what the finiteness checks and
+    statistics read, since most kernels take no sparse layout."""
     if t.layout is torch.strided:      # the common case, first: this runs per gradient per step
-        return t
+        return local_shard(t)
     if t.layout is torch.sparse_coo:
         return t.coalesce().values()
     if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):

@@ -129,6 +129,7 @@ class Coordinator:
         self.local_grad_bad: torch.Tensor | None = None
         self.failed = False
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
+        self.gathers = 0                  # exchanges through the store so far (their keys)
 
     @classmethod
     def start(cls, config: Config, device_name: str) -> Coordinator:

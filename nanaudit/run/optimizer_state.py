@@ -9,7 +9,7 @@ here are per tensor, which the every-step path never does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -55,3 +55,12 @@ def nonfinite_state(optimizer: Any, params: list, name: Callable[[Any], str],
             notes.append(f"the optimizer state `{key}` of {name(p)} holds {value_kind(shard)}"
                          + (f" in {where}" if where else ""))
     return notes
+
+
+def explain_state(finding: Any, optimizers: Iterable, params: list, names: dict,
+                  rank: int | None) -> None:
+    """Add to `finding` each optimizer-state entry of `params` holding the value (`names`:
+    id(parameter) -> its name)."""
+    for optimizer in optimizers:
+        for note in nonfinite_state(optimizer, params, lambda p: names.get(id(p), "?"), rank):
+            finding.explain(note)

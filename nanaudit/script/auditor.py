@@ -30,11 +30,11 @@ from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only, nonfinite_state
+from nanaudit.run.rank_checks import RankChecks
 from nanaudit.run.sharded import local_shards, nonfinite_shards
 from nanaudit.run.verdict import tripped_check
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
-from nanaudit.script.ranks import ScriptRanks
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
@@ -87,7 +87,7 @@ class ScriptAuditor:
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
         self._last_check = time.perf_counter()
-        self.ranks: ScriptRanks | None = None     # torchrun: the script's process group
+        self.ranks: RankChecks | None = None     # torchrun: the script's process group
         self._state_step: int | None = None      # id of an optimizer creating its state
 
     def install(self) -> ScriptAuditor:
@@ -121,7 +121,7 @@ class ScriptAuditor:
     def _join_ranks(self, module: torch.nn.Module) -> None:
         """Under torchrun, once the script joined a process group: check with the peers."""
         if self.ranks is None:
-            self.ranks = ScriptRanks.join()
+            self.ranks = RankChecks.join()
         if self.ranks is not None:
             self.ranks.saw_model(module)
 

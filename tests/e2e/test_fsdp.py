@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`) under torchrun, two ranks on gloo: `nanaudit run` on an unmodified
 script names the rank whose own batch, computation or optimizer-state shard made the value,
 with the op, module, line and rows; a clean mixed-precision run stays clean; a dying rank is
-exit 8 on its peer, never a hang. The faults are planted on rank 1 (fsdp_faults.py)."""
+exit 8 on its peer, never a hang; `Sentinel` in the user's own FSDP2 loop names the same
+origin on every rank. The faults are planted on rank 1 (fsdp_faults.py)."""
 
 import json
 
@@ -9,12 +10,14 @@ import pytest
 from helpers import ROOT, launch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-SCRIPT = ROOT / "configs" / "examples" / "scripts" / "fsdp_faults.py"
+SCRIPTS = ROOT / "configs" / "examples" / "scripts"
+SCRIPT = SCRIPTS / "fsdp_faults.py"
 
 
 def run(tmp_path, *script_args):
     out = tmp_path / "report.json"
-    codes, outputs = launch_ranks(["run", "-q", "--json", out, SCRIPT, *script_args])
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+                                   *script_args])
     reports = [json.loads(path.read_text()) if path.exists() else None
                for path in (out, tmp_path / "report.rank1.json")]
     return codes, reports, outputs
@@ -76,3 +79,13 @@ def test_a_rank_killed_mid_step_is_exit_8_on_its_peer(tmp_path):
     codes, (rank0, _), outputs = run(tmp_path, "--fault", "die")
     assert codes == [8, -9], outputs
     assert rank0["error"]["type"] == "DistributedError" and rank0["error"]["rank"] == 0
+
+
+def test_sentinel_in_an_fsdp2_loop_names_the_rank_on_every_rank():
+    codes, outputs = launch_ranks([SCRIPTS / "fsdp_sentinel.py", "--fault", "backward"])
+    assert codes == [0, 0], outputs
+    for rank, (stdout, _) in enumerate(outputs):
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        assert (seen["rank"], seen["step"], seen["finding_rank"], seen["where"],
+                seen["forward_op"], seen["module"], seen["cause"]) == (
+            rank, 2, 1, "backward", "aten.sqrt.default", "length", "sqrt-domain")
