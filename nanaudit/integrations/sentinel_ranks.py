@@ -66,6 +66,7 @@ def rank_finding(checks: RankChecks, session: Any, outcome: ScanOutcome,
     from nanaudit.localize.findings import build_finding, unreplayed_finding
     from nanaudit.localize.sharded_replay import rank_localizer
     trip = outcome.trip
+    assert trip is not None, "a finding is built for a trip"
     finding, made = None, False
     if trip.check in (Check.LOSS, Check.GRADIENT):
         if replayable:            # `loss_fn` was given to every rank's Sentinel alike

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.replay import preserved_buffers, traced_replay
 from nanaudit.localize.walk import Localization, walk_from_sink
@@ -35,8 +37,9 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
                 trace, loss = traced_replay(session, state)
         finally:
             flags.tracing = False
+        sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
-            sink, phase, names = loss, "forward", None
+            phase, names = "forward", None
         else:
             own = [s for s in flags.sinks if kinds_of(s)]
             names = nonfinite_names((n, p.grad) for n, p in session.model.named_parameters())
