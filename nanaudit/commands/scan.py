@@ -82,7 +82,13 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.status = Status.CLEAN
         else:
             report.status = Status.NONFINITE
-            if _localizes_here(coordinator, outcome.trip):
+            if coordinator is not None and coordinator.sharded:
+                # FSDP2: every rank replays at once (its collectives need them all).
+                from nanaudit.localize.sharded_replay import rank_finding
+                report.finding = rank_finding(coordinator, coordinator.pre_reduce, session,
+                                              outcome)
+                attach_warnings(report.finding, outcome.warnings, session.precision.name)
+            elif _localizes_here(coordinator, outcome.trip):
                 # Replays run on the local module: no DDP, no collectives with waiting peers.
                 session.model = session.local_model
                 samples = config.localize.samples if options.samples is None else options.samples

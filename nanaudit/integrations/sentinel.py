@@ -55,7 +55,6 @@ import torch
 
 from nanaudit.integrations.sentinel_ranks import (
     join_ranks,
-    rank_finding,
     rank_trip,
     with_rank_flags,
 )
@@ -283,7 +282,9 @@ class Sentinel:
         outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
                               state=state)
         if self.ranks is not None:
-            finding = rank_finding(self.ranks, session, outcome, self.loss_fn is not None)
+            from nanaudit.localize.sharded_replay import rank_finding
+            finding = rank_finding(self.ranks.coord, self.ranks.flags, session, outcome,
+                                   self.loss_fn is not None)
         elif trip.check in (Check.LOSS, Check.GRADIENT) and (self.loss_fn is None or micro is None):
             finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
                                                "loss_fn(model, batch))")

@@ -11,15 +11,11 @@ before, by each rank alone.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from nanaudit.report.model import Finding
-from nanaudit.report.vocabulary import Check
-from nanaudit.run.rank_checks import RankChecks, gather_by_store, origin_entry
+from nanaudit.run.rank_checks import RankChecks
 from nanaudit.run.sharded import fsdp_modules
-from nanaudit.run.step import ScanOutcome, Trip
+from nanaudit.run.step import Trip
 
 
 def join_ranks(model: torch.nn.Module) -> RankChecks | None:
@@ -54,31 +50,5 @@ def rank_trip(checks: RankChecks, step: int, table: list, last_step: int | None,
     bad = [i for i, (ok, loss) in enumerate(zip(flags, losses))
            if ok < 1.0 or loss != loss or abs(loss) == float("inf")]
     where = bad[0] if bad else (len(losses) - 1 if losses else None)
-    trip = Trip.found(verdict, losses[where] if where is not None else None, gnorm)
-    trip.rank = verdict.part
-    return trip, where
-
-
-def rank_finding(checks: RankChecks, session: Any, outcome: ScanOutcome,
-                 replayable: bool) -> Finding:
-    """Every rank's finding of the trip, the same on every rank: the one of the rank that made
-    the value (see the module docstring)."""
-    from nanaudit.localize.findings import build_finding, unreplayed_finding
-    from nanaudit.localize.sharded_replay import rank_localizer
-    trip = outcome.trip
-    assert trip is not None, "a finding is built for a trip"
-    finding, made = None, False
-    if trip.check in (Check.LOSS, Check.GRADIENT):
-        if replayable:            # `loss_fn` was given to every rank's Sentinel alike
-            finding = build_finding(session, outcome, False, rank_localizer(checks.flags))
-            made = finding.reproduced is True and finding.op is not None
-        elif trip.rank in (None, checks.rank):
-            finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
-                                               "loss_fn(model, batch))")
-    elif trip.rank in (None, checks.rank):   # the rank whose batch or shard holds the value
-        finding, made = build_finding(session, outcome, False), trip.rank == checks.rank
-    if finding is not None:
-        finding.rank = checks.rank
-    gathered = gather_by_store(checks.coord, "sentinel", (finding, made))
-    chosen = origin_entry([f for f, _ in gathered], [m for _, m in gathered], trip.rank)
-    return chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
+    loss = losses[where] if where is not None else None
+    return Trip.found(verdict, loss, gnorm, rank=verdict.part), where

@@ -170,6 +170,8 @@ def localized_finding(session, state, trip, timeline, isolate_samples,
                                              "divergence: the weights, not particular rows")
     elif isolate_samples:
         _isolate(session, state, trip, finding)
+    elif loc.rows:       # read off the traced op's output (FSDP2: no replays to search with)
+        finding.samples, finding.sample_search = loc.rows, loc.sample_search
     return finding
 
 

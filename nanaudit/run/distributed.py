@@ -37,9 +37,11 @@ from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import DistributedRun, ErrorInfo
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules, shard_model
 
 EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
-FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED)   # a rank's row in the exchange
+WEIGHTS, REDUCED = "weights", "reduced"    # its own weights (FSDP2: its shards), its gradients
+FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED, WEIGHTS, REDUCED)  # a rank's row
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
 _CURRENT: Coordinator | None = None
@@ -127,6 +129,7 @@ class Coordinator:
         self.placement: Placement | None = None
         self.store: Any = None           # the rendezvous store (torch.distributed.Store)
         self.local_grad_bad: torch.Tensor | None = None
+        self.pre_reduce: PreReduceFlags | None = None     # FSDP2: the reduce-scatters' flags
         self.failed = False
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
         self.gathers = 0                  # exchanges through the store so far (their keys)
@@ -204,7 +207,22 @@ class Coordinator:
 
     # --- model and data -------------------------------------------------------------------
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: each rank holds its own shard of the weights (sharded.py)."""
+        return self.pre_reduce is not None
+
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
+        here (`distributed.fsdp`), its reduce-scatters flagged."""
+        if self.options.fsdp and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype)
+        modules = fsdp_modules(model)
+        if modules:
+            check_supported(modules)
+            self.pre_reduce = PreReduceFlags()
+            self.pre_reduce.install(modules)
+            return model
         if not self.options.ddp:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -236,6 +254,8 @@ class Coordinator:
     def local_gradient_flag(self, grad_norm) -> torch.Tensor:
         """1.0 when this rank's own gradients (before averaging) held a non-finite value;
         `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
+        if self.pre_reduce is not None:      # FSDP2: before the reduce-scatter
+            return self.pre_reduce.take(grad_norm().device)
         if self.local_grad_bad is None:      # no DDP: the gradients are the local ones
             return (~torch.isfinite(grad_norm())).to(torch.float64)
         flag, self.local_grad_bad = self.local_grad_bad, torch.zeros_like(self.local_grad_bad)

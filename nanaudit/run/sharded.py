@@ -90,6 +90,23 @@ def fsdp_modules(module: torch.nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, cls)]
 
 
+def shard_model(model: torch.nn.Module, device: torch.device, world_size: int,
+                param_dtype: str) -> None:
+    """`distributed.fsdp`: shard the user's model with FSDP2 as torchtitan does, each block on
+    its own (every module of every ModuleList), then the root; `param_dtype` bf16 or fp16 runs
+    forward and backward in it and reduces the gradients in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(param_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    mesh = init_device_mesh(device.type, (world_size,))
+    blocks = [block for module in model.modules() if isinstance(module, torch.nn.ModuleList)
+              for block in module]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def check_supported(modules: Sequence) -> None:
     """HSDP (a 2-D mesh: replicate x shard) reduces gradients in two collectives whose second
     one no flag here sees: refuse it rather than name a wrong rank."""

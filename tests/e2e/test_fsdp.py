@@ -1,8 +1,8 @@
 """FSDP2 (`fully_shard`) under torchrun, two ranks on gloo: `nanaudit run` on an unmodified
 script names the rank whose own batch, computation or optimizer-state shard made the value,
 with the op, module, line and rows; a clean mixed-precision run stays clean; a dying rank is
-exit 8 on its peer, never a hang; `Sentinel` in the user's own FSDP2 loop names the same
-origin on every rank. The faults are planted on rank 1 (fsdp_faults.py)."""
+exit 8 on its peer, never a hang; `Sentinel` in the user's own FSDP2 loop and `scan` with
+`distributed.fsdp` name the same origin on every rank. The faults are planted on rank 1."""
 
 import json
 
@@ -89,3 +89,17 @@ def test_sentinel_in_an_fsdp2_loop_names_the_rank_on_every_rank():
         assert (seen["rank"], seen["step"], seen["finding_rank"], seen["where"],
                 seen["forward_op"], seen["module"], seen["cause"]) == (
             rank, 2, 1, "backward", "aten.sqrt.default", "length", "sqrt-domain")
+
+
+def test_scan_shards_the_model_and_names_the_rank_of_a_backward_value(tmp_path):
+    # distributed.fsdp with bf16 params: every rank replays at once; rank 1's own op made it.
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "fsdp_backward_nan.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"])
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"],
+            f["tensors"]) == (1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [6], ["gain"])
+    assert f["inputs"][0]["dtype"] == "bfloat16"      # the op ran in the policy's dtype
+    assert [r["status"] for r in report["distributed"]["ranks"]] == ["nonfinite", "nonfinite"]
