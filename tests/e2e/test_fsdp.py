@@ -68,7 +68,7 @@ def test_nan_in_one_rank_optimizer_state_shard(tmp_path):
 def test_clean_bf16_run_after_a_checkpoint_resume_step(tmp_path):
     # MixedPrecisionPolicy(bf16 params, fp32 reduce); get_optimizer_state_dict steps AdamW once
     # with zero gradients at lr 0 to create its state: not a training step.
-    codes, (rank0, rank1), outputs = run(tmp_path, "--fault", "none", "--bf16", "--resume")
+    codes, (rank0, rank1), outputs = run(tmp_path, "--fault", "none", "--mp", "bf16", "--resume")
     assert codes == [0, 0], outputs
     assert [(r["status"], r["steps_run"]) for r in rank0["distributed"]["ranks"]] == [
         ("clean", 5), ("clean", 5)]

@@ -9,10 +9,12 @@ one fault planted on rank 1 (--fault none: a clean run).
             reduce-scatter in both ranks' gradient shards)
   state     after step 1, rank 1's shard of AdamW's `exp_avg_sq` of blocks.0.fc.weight is
             corrupted (as a bad checkpoint would), and the update of step 2 writes NaN
+  overflow  with --mp fp16, row 4 of rank 1's batch at step 3 holds 70000: finite in float32,
+            past float16's largest value when the policy casts the inputs
   die       rank 1 is killed in the middle of step 2 (its peer must not hang)
 
---bf16 shards with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); --resume
-first creates the optimizer's state as torch.distributed.checkpoint does when resuming.
+--mp bf16 | fp16 shards with MixedPrecisionPolicy(param_dtype=that, reduce_dtype=float32);
+--resume first creates the optimizer's state as torch.distributed.checkpoint does on resuming.
 """
 
 import argparse
@@ -56,10 +58,10 @@ class Model(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["none", "forward", "backward", "state", "die"],
-                        default="forward")
+    parser.add_argument("--fault", default="forward",
+                        choices=["none", "forward", "backward", "state", "overflow", "die"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--mp", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -67,8 +69,8 @@ def main():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = Model()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
-                                  reduce_dtype=torch.float32 if args.bf16 else None)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mp)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -84,6 +86,8 @@ def main():
             x[2, 0] = 0.0
         if rank == 1 and step == 2 and args.fault == "backward":
             mask[5] = 0.0
+        if rank == 1 and step == 3 and args.fault == "overflow":
+            x[4] = 70000.0
         loss = model(x, mask).pow(2).mean()
         if rank == 1 and step == 2 and args.fault == "die":
             os.kill(os.getpid(), signal.SIGKILL)
