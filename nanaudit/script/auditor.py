@@ -12,7 +12,9 @@ its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then it
 checked when backward returns, before the script's own update.
 
 On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
-N-1's update to step N's check (rerun_window.py).
+N-1's update to step N's check (rerun_window.py). Under torchrun, once the script joined a
+process group, each rank reads its own shards (FSDP2) and every rank's flags join the read, so
+the ranks stop together and the rank that made the value is named (run/rank_checks.py).
 """
 
 from __future__ import annotations
