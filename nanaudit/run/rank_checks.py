@@ -18,6 +18,7 @@ have destroyed its process group) and the origin's chosen by one rule (`origin_e
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,15 @@ class RankChecks:
         """The ranks, once the program initialised a process group of two or more."""
         coord = Coordinator.adopt()
         return cls(coord) if coord is not None else None
+
+    @classmethod
+    def saw(cls, checks: RankChecks | None, module: torch.nn.Module) -> RankChecks | None:
+        """`checks`, or the ranks once the program joined a process group, told of the step's
+        outermost `module`."""
+        checks = checks if checks is not None else cls.join()
+        if checks is not None:
+            checks.saw_model(module)
+        return checks
 
     def saw_model(self, module: torch.nn.Module) -> None:
         """The step's outermost module: flag its FSDP modules' own gradients (HSDP refused)."""
@@ -99,17 +109,27 @@ def origin_entry(entries: Sequence, made_here: Sequence[bool], origin: int | Non
 
 def gather_by_store(coord: Coordinator, key: str, payload: Any,
                     timeout_s: float = DistributedOptions.timeout_s) -> list:
-    """Every rank's `payload`, by rank, through the rendezvous store: the script may have
-    destroyed its process group already (a clean run ends with `destroy_process_group()`).
-    A peer that never answers is a DistributedError after `timeout_s`, never a hang."""
-    import datetime
+    """Every rank's `payload`, by rank, through the rendezvous store: the program may have
+    destroyed its process group already (a clean script ends with `destroy_process_group()`).
+    A peer that failed (its error is in the store) or never answers is a DistributedError at
+    once or after `timeout_s`, never a hang."""
     coord.gathers += 1           # every rank gathers in the same order: the same keys
     keys = [f"nanaudit/{key}/{coord.gathers}/{rank}" for rank in range(coord.world_size)]
+    deadline = time.monotonic() + timeout_s
     try:
         # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
         coord.store.set(keys[coord.rank], pickle.dumps(payload))
-        coord.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        while not coord.store.check(keys):
+            failed = coord.peer_error(wait_s=0.0)
+            if failed is not None or time.monotonic() > deadline:
+                why = (f"rank {failed.rank} failed" if failed is not None
+                       else f"a peer did not answer within {timeout_s:g}s")
+                raise DistributedError(f"rank {coord.rank}: the ranks could not exchange "
+                                       f"their {key.replace('-', ' ')}: {why}")
+            time.sleep(0.02)
         return [pickle.loads(coord.store.get(k)) for k in keys]
+    except DistributedError:
+        raise
     except Exception as exc:
         raise DistributedError(f"rank {coord.rank}: the ranks could not exchange their "
-                               f"{key.replace('-', ' ')} within {timeout_s:g}s: {exc}") from None
+                               f"{key.replace('-', ' ')}: {exc}") from None

@@ -106,8 +106,8 @@ class ScriptAuditor:
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
         self.ledger.called(module)
-        if self.rank is not None:
-            self._join_ranks(module)
+        if self.rank is not None:        # torchrun: once the script joined a process group
+            self.ranks = RankChecks.saw(self.ranks, module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
             if self.ranks is not None:
@@ -119,13 +119,6 @@ class ScriptAuditor:
             self._inbox.inputs = inputs
             self._inbox.input_flags.append(torch.stack([torch.isfinite(t).all()
                                                         for _, t in inputs]).all())
-
-    def _join_ranks(self, module: torch.nn.Module) -> None:
-        """Under torchrun, once the script joined a process group: check with the peers."""
-        if self.ranks is None:
-            self.ranks = RankChecks.join()
-        if self.ranks is not None:
-            self.ranks.saw_model(module)
 
     def loss(self, loss: torch.Tensor) -> None:
         armed = self.window.armed
