@@ -27,13 +27,21 @@ def creates_state_only(optimizer: Any) -> bool:
     groups = getattr(optimizer, "param_groups", None)
     if getattr(optimizer, "state", True) or not groups:
         return False
-    if any("lr" not in group or float(group["lr"]) != 0.0 for group in groups):
+    if any("lr" not in group or not _is_zero(group["lr"]) for group in groups):
         return False
     grads = local_shards([p.grad for group in groups for p in group["params"]
                           if p.grad is not None])
     if not grads:
         return False
     return not bool(torch.stack([g.count_nonzero() for g in grads]).sum())
+
+
+def _is_zero(lr: Any) -> bool:
+    """Without a host read: a stateless optimizer (SGD) asks this at every step, and a rate
+    kept in a device tensor is never DCP's (it sets a CPU one)."""
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        return False
+    return float(lr) == 0.0
 
 
 def nonfinite_state(optimizer: Any, params: list, name: Callable[[Any], str],
