@@ -25,6 +25,7 @@ from nanaudit.localize.findings import (
     rows_search,
     unreplayed_finding,
 )
+from nanaudit.localize.ops import is_collective
 from nanaudit.localize.replay import preserved_buffers
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
@@ -37,6 +38,13 @@ from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
 from nanaudit.run.step import ReplayHooks, ScanOutcome, StepState, Trip
+
+
+def made_here(loc: Localization) -> bool:
+    """Under torchrun: did this rank's own op make the value? Not when the walk ends at a
+    collective, or at an input no op of this rank made (the tracer saw all of them)."""
+    event = loc.event
+    return event is not None and not event.untracked and not is_collective(event.op)
 
 
 def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
@@ -61,7 +69,7 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
         if sink is None or not kinds_of(sink):
             return Localization(False, ops_traced=trace.ops_seen)
         loc = walk_from_sink(trace, sink, phase, timeline, names)
-        if loc.event is None or loc.event.untracked:
+        if loc.event is None or not made_here(loc):
             return Localization(False, ops_traced=trace.ops_seen)     # a peer's value
         size = infer_layout(state.batch, session.options.batch_dim).size
         loc.rows = created_rows(tracer, loc.event, size)

@@ -12,6 +12,7 @@ from pathlib import Path
 from nanaudit.errors import UserCodeError
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.sharded_replay import made_here
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check
@@ -77,10 +78,8 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
     if not loc.reproduced or loc.event is None:
         return
     event = loc.event
-    if rank is not None and event.untracked:
-        # Under torchrun the tracer saw every op of this rank: a value that no op of it made
-        # arrived from a peer (an all-gather, reduce-scatter or all-reduce).
-        result.received = True
+    if rank is not None and not made_here(loc):
+        result.received = True          # under torchrun: it arrived from a peer
         return
     finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
                              tensors=names or [])
