@@ -51,5 +51,5 @@ def test_hsdp_is_refused_with_a_clear_message(world_of_one):
     from torch.distributed.fsdp import fully_shard
     model = nn.Linear(4, 2)
     fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "shard")))
-    with pytest.raises(UsageError, match="2-D device mesh .* \\(HSDP\\)"):
+    with pytest.raises(UsageError, match=r"2-D device mesh .* \(HSDP\)"):
         check_supported(fsdp_modules(model))
