@@ -63,3 +63,34 @@ LINEAR_CASE = textwrap.dedent("""
         return ((model(x) - y) ** 2).mean()
 """)
 
+
+
+def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
+    """Start `python ARGV...` as `nproc` ranks with torchrun's environment
+    variables (env:// rendezvous on a free port); return each rank's exit code and
+    (stdout, stderr). Every rank is killed past `timeout_s`: no test hangs."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
+        env.pop("GITHUB_ACTIONS", None)
+        procs.append(subprocess.Popen([sys.executable, *map(str, argv)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [proc.returncode for proc in procs], outputs

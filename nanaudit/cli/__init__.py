@@ -258,7 +258,9 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
         outputs = outputs.relocated(lambda path: rank_path(path, rank))
     if rank is not None:
         finish_despite_sigterm()
-    _finish(report, outputs, terminal)
+    code = final_code(report, outputs.emit(report, terminal), terminal)
+    leave_process_group(code)      # a script's process group: the ranks leave together
+    exit_with(code)
 
 
 @main.command(epilog=EXIT_CODE_HELP)

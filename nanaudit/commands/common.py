@@ -124,3 +124,20 @@ def nothing_audited(config: Config) -> str:
                 f"data cannot fill is not run, so nothing was audited; lower `accumulate` or "
                 f"give more batches")
     return f"the data from `{config.data.target}` yielded no batches: nothing was audited"
+
+
+def rank_failed(coordinator, exc: BaseException, report: Report, patience: str) -> None:
+    """Under torchrun: adopt the error of the peer that failed first, or announce our own (a
+    collective that failed without one: a peer died, or stopped answering `patience`)."""
+    from nanaudit.run.distributed import DistributedError, is_collective_failure
+    peer = coordinator.peer_error(wait_s=0.5)
+    if peer is not None and peer.rank != coordinator.rank:
+        report.error = peer
+        return
+    if is_collective_failure(exc):
+        report.error = error_info(DistributedError(
+            f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
+            f"{patience}: {exc}"))
+    assert report.error is not None, "guarded() records the error before on_error"
+    report.error.rank = coordinator.rank
+    coordinator.fail(report.error)

@@ -4,12 +4,13 @@ the error shell every command shares. Returns a Report; never prints or exits.""
 from __future__ import annotations
 
 from nanaudit._version import __version__
-from nanaudit.commands.common import guarded
+from nanaudit.commands.common import guarded, rank_failed
 from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
 from nanaudit.report.vocabulary import Status
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.ranks import merge_ranks
 from nanaudit.script.runner import audit_script, record
 from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 
@@ -35,6 +36,10 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
             script_error = audit_script(target, options, report, auditor)
         finally:
             record(report, auditor)
+        if auditor.ranks is not None:
+            # torchrun: each rank's report names the rank that made the value, and every
+            # rank's status.
+            merge_ranks(auditor.ranks, report, auditor.trip.rank if auditor.trip else None)
         if script_error is not None:
             # The script's exception, raised because of the value the finding names: its frames
             # stay in the report; the finding's cause comes from the value.
@@ -43,6 +48,9 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
     def on_error(exc: BaseException) -> None:
         if isinstance(exc, UserCodeError):
             report.error = with_traceback(exc)
+        if auditor.ranks is not None:
+            rank_failed(auditor.ranks.coord, exc, report, "in time")
+            report.distributed = auditor.ranks.coord.describe()
     return guarded(report, body, on_error=on_error)
 
 

@@ -10,9 +10,9 @@ from nanaudit.commands.common import (
     ScanOptions,
     base_report,
     configured,
-    error_info,
     guarded,
     nothing_audited,
+    rank_failed,
 )
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
@@ -38,7 +38,8 @@ def scan(config_path: str | Path, options: ScanOptions | None = None,
 
     def on_error(exc):
         if coordinator is not None:
-            _rank_failed(coordinator, exc, report)
+            rank_failed(coordinator, exc, report, f"within distributed.timeout_s "
+                        f"({coordinator.options.timeout_s:g}s)")
     guarded(report, body, on_error)
     if coordinator is not None and report.distributed is None:
         report.distributed = coordinator.describe()     # the ranks did not get to meet
@@ -51,27 +52,11 @@ def _join(config: Config):
     return Coordinator.start(config, config.device) if launched_by_torchrun() else None
 
 
-def _rank_failed(coordinator, exc: BaseException, report: Report) -> None:
-    """Under torchrun: adopt the error of the peer that failed first, or announce our own."""
-    from nanaudit.run.distributed import DistributedError, is_collective_failure
-    peer = coordinator.peer_error(wait_s=0.5)
-    if peer is not None and peer.rank != coordinator.rank:
-        report.error = peer
-        return
-    if is_collective_failure(exc):
-        # Nobody left an error: a peer died without one, or stopped answering.
-        report.error = error_info(DistributedError(
-            f"rank {coordinator.rank}: a peer rank closed its connection or did not answer "
-            f"within distributed.timeout_s ({coordinator.options.timeout_s:g}s): {exc}"))
-    assert report.error is not None, "guarded() records the error before on_error"
-    report.error.rank = coordinator.rank
-    coordinator.fail(report.error)
-
-
 def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
     from nanaudit.config.entrypoints import user_import_path
     from nanaudit.localize.data_replay import trace_input
-    from nanaudit.localize.findings import attach_warnings, build_finding
+    from nanaudit.localize.early_warnings import attach_warnings
+    from nanaudit.localize.findings import build_finding
     from nanaudit.run.loop import run_steps
     from nanaudit.run.session import build_session
     from nanaudit.run.step import ScanOutcome
@@ -99,7 +84,13 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             report.status = Status.CLEAN
         else:
             report.status = Status.NONFINITE
-            if _localizes_here(coordinator, outcome.trip):
+            if coordinator is not None and coordinator.sharded:
+                # FSDP2: every rank replays at once (its collectives need them all).
+                from nanaudit.localize.sharded_replay import rank_finding
+                report.finding = rank_finding(coordinator, coordinator.pre_reduce, session,
+                                              outcome)
+                attach_warnings(report.finding, outcome.warnings, session.precision.name)
+            elif _localizes_here(coordinator, outcome.trip):
                 # Replays run on the local module: no DDP, no collectives with waiting peers.
                 session.model = session.local_model
                 samples = config.localize.samples if options.samples is None else options.samples

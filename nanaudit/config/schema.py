@@ -29,6 +29,7 @@ FAIL_ON = ("nonfinite", "warning")
 
 
 BACKENDS = ("auto", "gloo", "nccl")
+FSDP_PARAM_DTYPES = ("fp32", "bf16", "fp16")
 
 
 SENTINEL_READS = ("auto", *(mode.value for mode in SentinelReadMode))
@@ -132,6 +133,8 @@ class DistributedOptions:
     ddp: bool = True                  # wrap the model in DistributedDataParallel
     timeout_s: float = 600.0          # a peer silent this long is an error, not a hang
     find_unused_parameters: bool = False
+    fsdp: bool = False                # shard with FSDP2 (fully_shard per block) instead of DDP
+    fsdp_param_dtype: str = "fp32"    # FSDP2's MixedPrecisionPolicy param_dtype (fp32: none)
 
 
 def section_keys(options: type) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from nanaudit.config.schema import (
     BACKENDS,
     DISTRIBUTED_KEYS,
     ENTRYPOINT_KEYS,
+    FSDP_PARAM_DTYPES,
     LOCALIZE_KEYS,
     WATCH_KEYS,
     AmpOptions,
@@ -213,4 +214,8 @@ def distributed(value: Any, problems: Problems) -> DistributedOptions:
                               problems),
         ddp=d.ddp if ddp is None else ddp,
         timeout_s=values.positive_field(raw, "distributed", "timeout_s", d, problems),
-        find_unused_parameters=bool(unused))
+        find_unused_parameters=bool(unused),
+        fsdp=bool(values.boolean(raw.get("fsdp", d.fsdp), "distributed.fsdp", problems)),
+        fsdp_param_dtype=values.choice(raw.get("fsdp_param_dtype", d.fsdp_param_dtype),
+                                       "distributed.fsdp_param_dtype", FSDP_PARAM_DTYPES,
+                                       problems))

@@ -53,11 +53,17 @@ from typing import Any
 
 import torch
 
+from nanaudit.integrations.sentinel_ranks import (
+    join_ranks,
+    rank_trip,
+    with_rank_flags,
+)
 from nanaudit.report.model import Finding, Report, TimelineEntry
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.batch import float_leaves
 from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
 from nanaudit.run.precision import backoff_scale, collapse_reason
+from nanaudit.run.sharded import local_shards
 from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, timeline_entry
 from nanaudit.run.verdict import tripped_check
 
@@ -94,10 +100,11 @@ class _Scope:
                                                  if b.is_floating_point()]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t.detach() for t in self.state]
+        return [t.detach() for t in local_shards(self.state)]     # FSDP2: this rank's shards
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad.detach() for p in self.params if p.grad is not None]
+        return [g.detach() for g in local_shards([p.grad for p in self.params
+                                                  if p.grad is not None])]
 
     def grad_values(self) -> list[torch.Tensor]:
         return [dense_values(g) for g in self.grads()]
@@ -137,6 +144,8 @@ class Sentinel:
         self.report: Report | None = None    # the last trip's report
         self.tripped: tuple[Trip, StepState] | None = None
         self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
+        # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
+        self.ranks = join_ranks(model)
 
     # --- recording --------------------------------------------------------------------------
 
@@ -179,14 +188,21 @@ class Sentinel:
         if live_scale is not None:
             head.append(live_scale.detach().reshape(()).to(torch.float64).to(self.device))
         parts = head + [m.finite for m in window] + [m.loss for m in window]
-        values = torch.stack(parts).tolist()           # the one host read of the step
+        stacked = torch.stack(parts)
+        if self.ranks is not None:
+            stacked = with_rank_flags(self.ranks, stacked, len(head), len(window))
+        values = stacked.tolist()           # the one host read of the step
         norm, gnorm = values[0], values[1]
         scale = values[2] if live_scale is not None else None
         flags = values[len(head):len(head) + len(window)]
-        losses = values[len(head) + len(window):]
+        losses = values[len(head) + len(window):len(parts)]
         norm, gnorm = confirm_norms(scope, norm, gnorm)
         self.steps_checked += 1
-        trip, where = self._classify(step, flags, losses, norm, gnorm, scale)
+        if self.ranks is not None:
+            trip, where = rank_trip(self.ranks, step, values[len(parts):], self._last_step,
+                                    flags, losses, gnorm)
+        else:
+            trip, where = self._classify(step, flags, losses, norm, gnorm, scale)
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
         self._record(step, mean_loss, gnorm, norm, started, scale)
         self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
@@ -254,7 +270,8 @@ class Sentinel:
         started = time.perf_counter()
         session = replay_session(self)
         note = None
-        if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None:
+        if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None \
+                and self.ranks is None:
             where, note = search_window(self, session, trip, window, scale)
         if where is None:
             where = len(window) - 1 if window else None
@@ -265,7 +282,11 @@ class Sentinel:
         self.tripped = (trip, state)         # for integrations writing a repro bundle
         outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
                               state=state)
-        if trip.check in (Check.LOSS, Check.GRADIENT) and (self.loss_fn is None or micro is None):
+        if self.ranks is not None:
+            from nanaudit.localize.sharded_replay import rank_finding
+            finding = rank_finding(self.ranks.coord, self.ranks.flags, session, outcome,
+                                   self.loss_fn is not None)
+        elif trip.check in (Check.LOSS, Check.GRADIENT) and (self.loss_fn is None or micro is None):
             finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
                                                "loss_fn(model, batch))")
         else:

@@ -65,6 +65,7 @@ class ForwardRecord:
     input_makers: tuple = ()       # the forward records that made its tensor inputs
     function: str | None = None    # a custom autograd.Function's class: this record stands for
     #                                its whole forward (the backward is the user's own code)
+    reads_weights: bool = False    # a trainable leaf (a parameter, or a view of one) is an input
 
 
 @dataclass
@@ -109,6 +110,14 @@ class OpEvent:
         return scalar_overflows(self.args, self.kwargs, self.op)
 
 
+def _storage(t: torch.Tensor) -> tuple | None:
+    """Where a dense tensor's memory is (device, address); None for one without storage."""
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
 # Ops that hand a value on unchanged: "where it came from" looks through them.
 PASS_THROUGH = frozenset({
     "view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "expand", "transpose", "t",
@@ -126,9 +135,20 @@ class Trace:
     producer: dict = field(default_factory=dict)         # id(tensor) -> event index
     makers: dict = field(default_factory=dict)           # id(tensor) -> (weakref, record index)
     ops_seen: int = 0
+    written: dict = field(default_factory=dict)          # storage -> event that wrote a bad value
 
     def producer_of(self, t: torch.Tensor) -> int | None:
-        return self.producer.get(id(t))
+        """The event that made `t` bad: by the tensor, else by the memory an op wrote a bad
+        value into (a view made below autograd, as FSDP's flat reduce-scatter buffer is
+        filled, is not the tensor the op returned)."""
+        found = self.producer.get(id(t))
+        return found if found is not None else self.written.get(_storage(t))
+
+    def wrote_into(self, t: torch.Tensor, event: int) -> None:
+        """An in-place or `out=` op wrote a bad value into `t`'s memory."""
+        key = _storage(t)
+        if key is not None:
+            self.written[key] = event
 
     def maker_index(self, t: torch.Tensor) -> int | None:
         entry = self.makers.get(id(t))

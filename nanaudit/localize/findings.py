@@ -3,6 +3,8 @@ checks; through a traced replay (localize) and a sample search for the loss and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -22,11 +24,14 @@ from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.report.vocabulary import Cause
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.optimizer_state import explain_state
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
 
 
-def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True) -> Finding:
+def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool = True,
+                  localizer: Callable | None = None) -> Finding:
+    """`localizer`: replays a loss or gradient trip (FSDP2: localize/sharded_replay.py)."""
     trip, state = outcome.trip, outcome.state
     if trip is None or state is None:
         raise ValueError("build_finding needs a tripped outcome (a trip and its step's state)")
@@ -37,7 +42,8 @@ def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool 
     elif trip.check == "schedule":
         finding = schedule_finding(session, trip)
     else:
-        finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples)
+        finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples,
+                                    localizer or localize)
     return with_position(finding, trip, state)
 
 
@@ -88,11 +94,14 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == "optimizer" and params:
-        return Finding(step=trip.step, where="optimizer", value=value,
-                       cause=Cause.OPTIMIZER_UPDATE,
-                       explanation=_optimizer_text(session, trip.step, params),
-                       fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
-                       tensors=names)
+        finding = Finding(step=trip.step, where="optimizer", value=value,
+                          cause=Cause.OPTIMIZER_UPDATE,
+                          explanation=_optimizer_text(session, trip.step, params),
+                          fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
+                          tensors=names)
+        explain_state(finding, session.optimizers.values(), [tensors[n] for n in params],
+                      session.param_names, trip.rank)
+        return finding
     ckpt = session.options.checkpoint
     origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
               else "the model's state")
@@ -148,8 +157,9 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
     return text
 
 
-def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
-    loc = localize(session, state, trip, timeline)
+def localized_finding(session, state, trip, timeline, isolate_samples,
+                      localizer: Callable = localize) -> Finding:
+    loc = localizer(session, state, trip, timeline)
     if not loc.reproduced:
         return _not_reproduced(trip, own_step=session.step_fn is not None)
     bad = loc.bad_tensors or []
@@ -163,6 +173,8 @@ def localized_finding(session, state, trip, timeline, isolate_samples) -> Findin
                                              "divergence: the weights, not particular rows")
     elif isolate_samples:
         _isolate(session, state, trip, finding)
+    elif loc.rows:       # read off the traced op's output (FSDP2: no replays to search with)
+        finding.samples, finding.sample_search = loc.rows, loc.sample_search
     return finding
 
 
@@ -185,8 +197,11 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
 
 
 def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
-    """For a forward-created value: the batch rows whose slice of the op's output is bad."""
-    if event.phase != "forward" or not batch_size:
+    """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
+    backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
+    per-row norm; one of a matmul with a weight sums over the rows)."""
+    if not batch_size or (event.phase != "forward" and (
+            event.forward is None or event.forward.reads_weights)):
         return None
     trace = tracer.trace
     rows: set[int] = set()
@@ -223,36 +238,6 @@ def event_precision(event) -> str:
     if torch.float16 in dtypes:
         return "fp16"
     return "bf16" if torch.bfloat16 in dtypes else "fp32"
-
-
-GROWTH_WARNINGS = ("loss-spike", "grad-growth", "update-ratio")
-
-
-def attach_warnings(finding: Finding | None, warnings: list, precision: str) -> None:
-    """Link the early warnings that came before a finding to it: growth before an fp32
-    overflow makes the cause `divergence`; the most relevant earliest warning is named."""
-    if finding is None:
-        return
-    before = [w for w in warnings if w.step <= finding.step]
-    if not before:
-        return
-    growth = [w for w in before if w.kind in GROWTH_WARNINGS]
-    near = [w for w in before if w.kind == "near-overflow"]
-    if (growth and precision == "fp32" and finding.cause in (Cause.DTYPE_OVERFLOW, Cause.UNKNOWN)
-            and finding.where in ("forward", "backward")):
-        finding.cause, finding.fix = Cause.DIVERGENCE, fix_for(Cause.DIVERGENCE)
-    if finding.cause == Cause.DTYPE_OVERFLOW and near:
-        # The module that overflowed, warned about earlier, says more than any growth metric.
-        relevant = [w for w in near if w.module == finding.module] or near
-    elif finding.cause == Cause.DIVERGENCE and growth:
-        relevant = growth
-    else:
-        relevant = before
-    first = min(relevant, key=lambda w: (w.step, w.began))
-    finding.first_warning = first
-    began = f" (growing since step {first.began})" if first.began < first.step else ""
-    finding.explain(f"nanaudit warned at step {first.step}{began}: {first.kind}, "
-                    f"{first.message}")
 
 
 def _loss_name(session) -> str:

@@ -24,6 +24,12 @@ def op_base(op_name: str) -> str:
     return base
 
 
+def is_collective(op_name: str) -> bool:
+    """A torch.distributed collective (`c10d.allreduce_.default`): what it outputs came from
+    the peers, so it never *creates* a value on this rank."""
+    return op_name.startswith(("c10d.", "_c10d_functional.", "c10d_functional."))
+
+
 def packet_of(func) -> Any:
     """The overload packet of an aten op (`aten.log` for `aten.log.default`); None for a name."""
     return getattr(func, "overloadpacket", None)

@@ -81,6 +81,21 @@ def written_arguments(func) -> frozenset:
     return frozenset(positions)
 
 
+def written_tensors(func, args, kwargs) -> list:
+    """The tensors an op writes to, by its schema (`Tensor(a!)`, `Tensor(a!)[]`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else (kwargs or {}).get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in values if isinstance(v, torch.Tensor)]
+    return found
+
+
 RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
@@ -174,6 +189,10 @@ class OpTracer:
         out = func(*args, **kwargs)
         self.trace.ops_seen += 1
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outputs:
+            # An op returning nothing wrote its results into its arguments (`_foreach_add_`,
+            # FSDP's `chunk_cat(..., out=)` filling the buffer it reduce-scatters).
+            outputs = written_tensors(func, args, kwargs)
         record = None
         if not backward:
             record = self._forward_record(func, str(func), args, kwargs)
@@ -228,7 +247,8 @@ class OpTracer:
                                kwargs=kwargs if keep else None, arg_names=schema_names(func),
                                func=func,
                                in_producers=tuple(self.trace.producer.get(id(t)) for t in inputs),
-                               input_makers=tuple(self.trace.maker_index(t) for t in inputs))
+                               input_makers=tuple(self.trace.maker_index(t) for t in inputs),
+                               reads_weights=any(_trainable_leaf(t) for t in inputs))
         self.trace.forward_records.append(record)
         return record
 
@@ -267,6 +287,10 @@ class OpTracer:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+                if written:
+                    # The memory holds the value now, whatever tensor is read from it later
+                    # (a flat buffer filled below autograd, as FSDP's reduce-scatter's is).
+                    self.trace.wrote_into(t, event.index)
                 if t._base is not None and any(t is inputs[i] for i in written
                                                if i < len(inputs)):
                     # written into a view (`x[11, 3] = nan`): its base holds the value now
@@ -281,6 +305,11 @@ class OpTracer:
             return f"code inside the backward of the autograd.Function " \
                    f"{node._forward_cls.__qualname__}"
         return untracked_origin(t)
+
+
+def _trainable_leaf(t: torch.Tensor) -> bool:
+    root = t._base if t._base is not None else t
+    return root.is_leaf and root.requires_grad
 
 
 def function_record(node, inner: ForwardRecord | None) -> ForwardRecord:

@@ -31,6 +31,8 @@ class Localization:
     diagnosis: Diagnosis | None = None
     bad_tensors: list | None = None       # parameter names with non-finite gradients
     ops_traced: int = 0
+    rows: list | None = None              # rows read off the creating op's output, and how
+    sample_search: object = None          # (FSDP2's replays: no sample search, see findings)
 
 
 def _last_event(trace: Trace, phase: str) -> int | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from nanaudit.run.sharded import local_shard, local_shards
+
 _FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
 _GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
 _IS_SET = functools.partial(operator.is_not, None)
@@ -174,8 +176,9 @@ class StepChecks:
         # `model.buffers()`: a BufferKeeper's copies of them stand in for the live ones.
         self.float_buffers = [i for i, b in enumerate(buffers) if b.is_floating_point()]
         self.state = self.params + [buffers[i] for i in self.float_buffers]
-        # Detached once: aliases of the same storage, which in-place updates keep current.
-        self._state = [t.detach() for t in self.state]
+        # Detached once: aliases of the same storage, which in-place updates keep current
+        # (FSDP2: this rank's shards, whose storage the optimizer updates in place).
+        self._state = [t.detach() for t in local_shards(self.state)]
         self.param_values = self._state[:len(self.params)]   # the parameters, detached
         # One fused float32 pass covers them (gradients share their parameter's dtype and
         # device); float64 or scattered tensors take the per-group path.
@@ -192,7 +195,7 @@ class StepChecks:
 
     def grads(self) -> list[torch.Tensor]:
         # filter/map/attrgetter walk the parameters in C: this runs every step.
-        return list(filter(_IS_SET, map(_GRAD, self.params)))
+        return local_shards(filter(_IS_SET, map(_GRAD, self.params)))
 
     def grad_values(self) -> list[torch.Tensor]:
         """Each gradient as a dense tensor of its values: a sparse gradient
@@ -306,10 +309,11 @@ class ParamPack:
 
 
 def dense_values(t: torch.Tensor) -> torch.Tensor:
-    """A sparse tensor's stored values as a dense tensor (itself when dense): what the
-    finiteness checks and statistics read, since most kernels take no sparse layout."""
+    """A sparse tensor's stored values as a dense tensor (itself when dense; this rank's shard
+    of an FSDP2 DTensor, whose own ops would be collectives): what the finiteness checks and
+    statistics read, since most kernels take no sparse layout."""
     if t.layout is torch.strided:      # the common case, first: this runs per gradient per step
-        return t
+        return local_shard(t)
     if t.layout is torch.sparse_coo:
         return t.coalesce().values()
     if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):

@@ -37,9 +37,11 @@ from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import DistributedRun, ErrorInfo
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules, shard_model
 
 EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
-FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED)   # a rank's row in the exchange
+WEIGHTS, REDUCED = "weights", "reduced"    # its own weights (FSDP2: its shards), its gradients
+FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED, WEIGHTS, REDUCED)  # a rank's row
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
 _CURRENT: Coordinator | None = None
@@ -127,8 +129,10 @@ class Coordinator:
         self.placement: Placement | None = None
         self.store: Any = None           # the rendezvous store (torch.distributed.Store)
         self.local_grad_bad: torch.Tensor | None = None
+        self.pre_reduce: PreReduceFlags | None = None     # FSDP2: the reduce-scatters' flags
         self.failed = False
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
+        self.gathers = 0                  # exchanges through the store so far (their keys)
 
     @classmethod
     def start(cls, config: Config, device_name: str) -> Coordinator:
@@ -162,6 +166,24 @@ class Coordinator:
         _CURRENT = coord
         return coord
 
+    @classmethod
+    def adopt(cls) -> Coordinator | None:
+        """The process group an unmodified script under torchrun initialised itself (`nanaudit
+        run`): its checks exchange flags over it, and its ranks leave together through its
+        store. None when the script joined none (its ranks then run apart)."""
+        global _CURRENT
+        import torch.distributed as dist
+        if _CURRENT is not None:
+            return _CURRENT
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        coord = cls(DistributedOptions(), dist.get_rank(), dist.get_world_size(),
+                    int(os.environ.get("LOCAL_RANK", "0")))
+        coord.backend = str(dist.get_backend())
+        coord.store = dist.distributed_c10d._get_default_store()
+        _CURRENT = coord
+        return coord
+
     def _catch_sigterm(self) -> None:
         """torchrun stops every rank with SIGTERM once one exits. Note it instead of dying:
         a rank blocked in a collective with the rank that left is about to get an error and
@@ -185,7 +207,22 @@ class Coordinator:
 
     # --- model and data -------------------------------------------------------------------
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: each rank holds its own shard of the weights (sharded.py)."""
+        return self.pre_reduce is not None
+
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
+        here (`distributed.fsdp`), its reduce-scatters flagged."""
+        if self.options.fsdp and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype)
+        modules = fsdp_modules(model)
+        if modules:
+            check_supported(modules)
+            self.pre_reduce = PreReduceFlags()
+            self.pre_reduce.install(modules)
+            return model
         if not self.options.ddp:
             return model
         from torch.nn.parallel import DistributedDataParallel
@@ -217,15 +254,17 @@ class Coordinator:
     def local_gradient_flag(self, grad_norm) -> torch.Tensor:
         """1.0 when this rank's own gradients (before averaging) held a non-finite value;
         `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
+        if self.pre_reduce is not None:      # FSDP2: before the reduce-scatter
+            return self.pre_reduce.take(grad_norm().device)
         if self.local_grad_bad is None:      # no DDP: the gradients are the local ones
             return (~torch.isfinite(grad_norm())).to(torch.float64)
         flag, self.local_grad_bad = self.local_grad_bad, torch.zeros_like(self.local_grad_bad)
         return flag
 
     def exchange(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's row of flags, by one all-reduce (MAX) of a world x len(FLAGS) table."""
+        """Every rank's row of flags, by one all-reduce (MAX) of a world x len(row) table."""
         import torch.distributed as dist
-        table = torch.zeros(self.world_size, len(FLAGS), dtype=torch.float64, device=row.device)
+        table = torch.zeros(self.world_size, row.numel(), dtype=torch.float64, device=row.device)
         table[self.rank] = row
         try:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)

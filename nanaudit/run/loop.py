@@ -84,7 +84,8 @@ class StepLoop:
         self.optimizers = list(session.optimizers.values())
         self.precision = session.precision
         self.coord = session.coordinator
-        self.watches = WatchReadout(session, self.sentinels.params, self.optimizer is not None)
+        self.watches = WatchReadout(session, self.sentinels.param_values,
+                                    self.optimizer is not None)
         outcome.warnings = self.watches.warnings
         self.updated = False            # has an optimizer step run since the last read?
         self.what = f"the data from `{session.options.data_label}`"

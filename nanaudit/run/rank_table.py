@@ -18,9 +18,11 @@ def rank_row(coord: Coordinator, readout: StepReadout, loss: torch.Tensor,
     """This rank's flags for the exchange, in FLAGS order, all on the device (no sync)."""
     bad_loss = (~torch.isfinite(loss.detach())).to(torch.float64).reshape(())
     grad_flag = coord.local_gradient_flag(readout.grad_norm)
+    norms = torch.stack([readout.state_norm(), readout.grad_norm()])
+    bad_state, bad_grads = (~torch.isfinite(norms)).to(torch.float64)
     return torch.stack([readout.batch_bad(), bad_loss, grad_flag.reshape(()),
                         torch.tensor(float(exhausted), dtype=torch.float64,
-                                     device=readout.values.device)])
+                                     device=readout.values.device), bad_state, bad_grads])
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,10 @@ def build_session(config: Config, coordinator=None) -> Session:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))
     model.to(device)
     model.train()
+    # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
+    wrapped = coordinator.wrap(model, device) if coordinator is not None else model
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
-    wrapped = coordinator.wrap(model, device) if coordinator is not None else model
     if checkpoint is not None:
         load_training_state(checkpoint.raw, optimizers, schedulers)
     names = {id(p): n for n, p in model.named_parameters()}

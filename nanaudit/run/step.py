@@ -154,7 +154,7 @@ class Trip:
         """The Trip of a verdict. Bad weights carry no loss or gradient norm: those are the
         reading step's, not the step that made the weights."""
         if tripped.check in (Check.PARAMETER, Check.OPTIMIZER):
-            return cls(tripped.step, tripped.check)
+            return cls(tripped.step, tripped.check, rank=rank)
         return cls(tripped.step, tripped.check, loss, grad_norm, rank=rank)
 
 

@@ -20,6 +20,7 @@ import torch
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
+from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
 from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
@@ -142,11 +143,16 @@ class SyncStep:
         if table.exhausted():
             self.loop.stop_after_this_step()
         rank_grads = table.ok(Check.GRADIENT)
+        # FSDP2: each rank reads its own shards, and every rank must decide alike.
+        sharded = self.loop.coord is not None and self.loop.coord.sharded
+        reduced_ok = all(table.ok(REDUCED)) if sharded else math.isfinite(gnorm)
         # The averaged gradients can overflow where no rank's own did: then no rank is named.
-        grads_ok: Flags = rank_grads if not all(rank_grads) else math.isfinite(gnorm)
+        grads_ok: Flags = rank_grads if not all(rank_grads) else reduced_ok
         verdict = tripped_check(step, inputs_ok=table.ok(Check.INPUT),
-                                weights_finite=math.isfinite(norm), updated_at=updated_at,
-                                loss_finite=table.ok(Check.LOSS), grads_finite=grads_ok)
+                                weights_finite=(table.ok(WEIGHTS) if sharded
+                                                else math.isfinite(norm)),
+                                updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
+                                grads_finite=grads_ok)
         if verdict is None:
             return None
         return Trip.found(verdict, loss_value, gnorm, rank=verdict.part)

@@ -28,7 +28,7 @@ class Tripped:
     part: int | None = None     # the first bad rank or micro-batch; None: the whole step's
 
 
-def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: bool,
+def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: Flags,
                   updated_at: int | None, loss_finite: Flags,
                   grads_finite: Flags) -> Tripped | None:
     """The first check that tripped at `step`, or None when all are finite.
@@ -39,11 +39,13 @@ def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: bool,
     tripped, part = _first_bad(inputs_ok)
     if tripped:
         return Tripped(Check.INPUT, step, part)
-    if not weights_finite:
-        # The weights are the same on every part (DDP keeps them in step): no part is named.
+    # One flag when the weights are the same on every part (DDP keeps them in step); one per
+    # rank when each holds its own shard of them (FSDP): the first bad shard's rank is named.
+    tripped, part = _first_bad(weights_finite)
+    if tripped:
         if updated_at is not None:
-            return Tripped(Check.OPTIMIZER, updated_at)
-        return Tripped(Check.PARAMETER, step)
+            return Tripped(Check.OPTIMIZER, updated_at, part)
+        return Tripped(Check.PARAMETER, step, part)
     for check, flags in ((Check.LOSS, loss_finite), (Check.GRADIENT, grads_finite)):
         tripped, part = _first_bad(flags)
         if tripped:

@@ -13,7 +13,10 @@ checked when backward returns, before the script's own update.
 
 On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
 N-1's update to step N's check (rerun_window.py); for an input trip, over the script's own code
-between its model calls instead (data_window.py), which the window is told of.
+between its model calls instead (data_window.py), which the window is told of. Under torchrun,
+once the script joined a process group, each rank reads its own shards (FSDP2) and every rank's
+flags join the read, so the ranks stop together and the rank that made the value is named
+(run/rank_checks.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
+from nanaudit.run.optimizer_state import creates_state_only, nonfinite_state
+from nanaudit.run.rank_checks import RankChecks
+from nanaudit.run.sharded import local_shards, nonfinite_shards
 from nanaudit.run.verdict import tripped_check
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
@@ -90,6 +96,8 @@ class ScriptAuditor:
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
         self._last_check = time.perf_counter()
+        self.ranks: RankChecks | None = None     # torchrun: the script's process group
+        self._state_step: int | None = None      # id of an optimizer creating its state
 
     def install(self) -> ScriptAuditor:
         self.hooks.install()
@@ -106,8 +114,12 @@ class ScriptAuditor:
         traced window) take the finiteness of its data inputs, on the device."""
         self.window.leave_data_code()
         self.ledger.called(module)
+        if self.rank is not None:        # torchrun: once the script joined a process group
+            self.ranks = RankChecks.saw(self.ranks, module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
+            if self.ranks is not None:
+                self.ranks.tracing(True)
         if self.window.armed is not None:
             return
         inputs = data_inputs(args, kwargs)
@@ -147,6 +159,9 @@ class ScriptAuditor:
         """The check before an update; `evaluation`: which call of the step's closure just
         returned (None: a step without a closure)."""
         if evaluation is None:
+            if creates_state_only(optimizer):
+                self._state_step = id(optimizer)     # DCP creating the state: not a step
+                return
             self._check(optimizer)
             return
         self._evaluation = evaluation
@@ -154,6 +169,9 @@ class ScriptAuditor:
         self._evaluation = evaluation + 1
 
     def after_update(self, optimizer: Any) -> None:
+        if self._state_step == id(optimizer):
+            self._state_step = None
+            return
         self.ledger.steps_taken += 1
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
@@ -186,25 +204,31 @@ class ScriptAuditor:
             return
         device = params[0].device
         self.device = str(device)
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        state, gnorm = finite_norms([[p.detach() for p in params], grads], device)
+        # Each rank's own shards under FSDP2 (an op on a DTensor is a collective).
+        shards = [p.detach() for p in local_shards(params)]
+        grads = [g.detach() for g in local_shards([p.grad for p in params
+                                                   if p.grad is not None])]
+        state, gnorm = finite_norms([shards, grads], device)
         inbox, self._inbox = self._inbox, StepInbox()
-        ok, norm, loss_value, grad_norm = torch.stack(
-            [inbox.inputs_ok(device).to(torch.float64), state, inbox.loss(device),
-             gnorm]).tolist()
+        values = torch.stack([inbox.inputs_ok(device).to(torch.float64), state,
+                              inbox.loss(device), gnorm])
+        if self.ranks is not None:
+            values = self.ranks.with_table(values)     # every rank's flags, same read
+        read = values.tolist()
+        ok, norm, loss_value, grad_norm = read[:4]
         self.host_reads += 1
         loss = loss_value if inbox.losses else None
         if not math.isfinite(grad_norm) and not confirm_nonfinite(grads):
             grad_norm = exact_norm(grads)      # a float32 sum of squares overflowed: finite
-        if not math.isfinite(norm) and not confirm_nonfinite(params):
-            norm = exact_norm(params)
+        if not math.isfinite(norm) and not confirm_nonfinite(shards):
+            norm = exact_norm(shards)
         entry = self._entry(optimizer, loss, grad_norm, norm)
         if evaluation == 0:
             self._append(entry)
             if self._left_first_run(loss):
                 raise StepHalted()             # a re-run that already differs: no use going on
         trip = self._classify(optimizer, ok, norm, loss if loss is not None else 0.0,
-                              grad_norm, params, inbox.inputs)
+                              grad_norm, params, inbox.inputs, read[4:])
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
@@ -267,30 +291,40 @@ class ScriptAuditor:
         return not same_value(expected[self.step], loss)
 
     def _classify(self, optimizer: Any, ok: float, norm: float, loss: float, grad_norm: float,
-                  params: list, inputs: list) -> ScriptTrip | None:
-        """The step's trip, by the one rule every checker names what tripped with."""
-        verdict = tripped_check(self.step, inputs_ok=ok >= 1.0,
-                                weights_finite=math.isfinite(norm),
-                                updated_at=self.ledger.updated_at.get(id(optimizer)),
-                                loss_finite=math.isfinite(loss),
-                                grads_finite=math.isfinite(grad_norm))
+                  params: list, inputs: list, table: list) -> ScriptTrip | None:
+        """The step's trip, by the one rule every checker names what tripped with (under
+        torchrun from every rank's flags: the same trip on every rank, naming the rank whose
+        own value went bad; the details are that rank's)."""
+        updated_at = self.ledger.updated_at.get(id(optimizer))
+        if self.ranks is not None:
+            verdict = self.ranks.verdict(self.step, table, updated_at)
+        else:
+            verdict = tripped_check(self.step, inputs_ok=ok >= 1.0,
+                                    weights_finite=math.isfinite(norm), updated_at=updated_at,
+                                    loss_finite=math.isfinite(loss),
+                                    grads_finite=math.isfinite(grad_norm))
         if verdict is None:
             return None
         if verdict.check == Check.INPUT:
-            return self._input_trip(inputs, loss, grad_norm)
-        name = self.parameter_name
-        if verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
-            bad = [p for p in params if not bool(torch.isfinite(p).all())]
-            trip = self._trip(verdict.check, value_kind(bad[0]), [name(p) for p in bad])
+            trip = self._input_trip(inputs, loss, grad_norm)
+        elif verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
+            bad = nonfinite_shards(params)
+            trip = self._trip(verdict.check, value_kind(bad[0][1]) if bad else "nan",
+                              [self.parameter_name(p) for p, _ in bad])
             trip.step = verdict.step
+            trip.state = nonfinite_state(optimizer, [p for p, _ in bad], self.parameter_name,
+                                         self.rank)
         else:
-            bad = [p for p in params
-                   if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            with_grad = [p for p in params if p.grad is not None]
+            bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
             kind = (float_kind(loss) if verdict.check == Check.LOSS
-                    else value_kind(bad[0].grad))
-            trip = self._trip(verdict.check, kind, [name(p) for p in bad], loss=loss,
-                              grad_norm=grad_norm)
-        trip.optimizer = describe_optimizer(optimizer)
+                    else value_kind(bad[0][1]) if bad else "nan")
+            trip = self._trip(verdict.check, kind, [self.parameter_name(p) for p, _ in bad],
+                              loss=loss, grad_norm=grad_norm)
+        if self.ranks is not None:
+            trip.rank = verdict.part
+        if verdict.check != Check.INPUT:
+            trip.optimizer = describe_optimizer(optimizer)
         return trip
 
     def _input_trip(self, inputs: list, loss: float, grad_norm: float | None) -> ScriptTrip:
@@ -320,15 +354,16 @@ class ScriptAuditor:
         if not tensors:
             return
         self.host_reads += 1
-        if math.isfinite(finite_norms([[p.detach() for p in tensors]], tensors[0].device)[0]
-                         .item()) or not confirm_nonfinite(tensors):
+        shards = local_shards(tensors)
+        if math.isfinite(finite_norms([[p.detach() for p in shards]], tensors[0].device)[0]
+                         .item()) or not confirm_nonfinite(shards):
             return
         for opt in self.ledger.stepped.values():
-            bad = [p for group in opt.param_groups for p in group["params"]
-                   if not bool(torch.isfinite(p).all())]
+            params = [p for group in opt.param_groups for p in group["params"]]
+            bad = nonfinite_shards(params)
             if bad:
-                self.trip = self._trip(Check.OPTIMIZER, value_kind(bad[0]),
-                                       [self.parameter_name(p) for p in bad])
+                self.trip = self._trip(Check.OPTIMIZER, value_kind(bad[0][1]),
+                                       [self.parameter_name(p) for p, _ in bad])
                 self.trip.step = self.ledger.updated_at.get(id(opt), self.step - 1)
                 self.trip.optimizer = describe_optimizer(opt)
                 return

@@ -5,21 +5,24 @@ re-run followed the first run before it believes the finding)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from nanaudit.errors import UserCodeError
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.sharded_replay import made_here
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.sharded import local_shards
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.data_window import DataWindow
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
-from nanaudit.script.target import execute
+from nanaudit.script.target import execute, script_rank
 from nanaudit.script.trip import ERROR_CHECK
 
 
@@ -35,14 +38,20 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if sinks:
             _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
-                   spec.step, None, result)
+                   spec.step, None, result, auditor.rank)
         return
-    bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
-           for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
-    if bad:
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None]
+    bad = [(auditor.parameter_name(p), g) for p, g in zip(params, local_shards(
+        [p.grad for p in params])) if kinds_of(g)]
+    # Under FSDP this rank's own gradients before the reduce-scatter: its shard after it may
+    # hold a peer's value, or none of its own.
+    own = [s for s in (auditor.ranks.flags.sinks if auditor.ranks else []) if kinds_of(s)]
+    if bad or own:
         names = [n for n, _ in bad]
-        loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
-        _adopt(armed, loc, spec.step, names, result)
+        sink = own[0] if own else bad[0][1]
+        loc = walk_from_sink(trace, sink, "backward", auditor.timeline, names)
+        _adopt(armed, loc, spec.step, names, result, auditor.rank)
 
 
 def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
@@ -60,18 +69,22 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
         return
     phase = trace.events[trace.producer_of(sinks[0])].phase
     _adopt(armed, walk_from_sink(trace, sinks[0], phase, auditor.timeline, None), spec.step,
-           None, result)
+           None, result, auditor.rank)
     if result.finding is not None:
         result.finding.tensor = None
 
 
 def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
-           result: RerunResult) -> None:
+           result: RerunResult, rank: int | None) -> None:
     if not loc.reproduced or loc.event is None:
         return
     event = loc.event
+    if rank is not None and not made_here(loc):
+        result.received = True          # under torchrun: it arrived from a peer
+        return
     finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
                              tensors=names or [])
+    finding.rank = rank
     rows = created_rows(armed.tracer, event, armed.batch_size)
     finding.sample_search = rows_search(event.op, rows, armed.batch_size)
     if rows and armed.batch_size is not None and len(rows) < armed.batch_size:
@@ -81,7 +94,8 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
 
 def rerun(spec: RerunSpec) -> RerunResult:
     auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=list(spec.losses),
-                            rerun_evaluation=spec.evaluation, tracer=OpTracer)
+                            rerun_evaluation=spec.evaluation, tracer=OpTracer,
+                            rank=script_rank())
     result = RerunResult()
     if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead
         auditor.window = DataWindow(spec.step, OpTracer)
@@ -114,6 +128,12 @@ def rerun(spec: RerunSpec) -> RerunResult:
 
 def main(spec_path: str, result_path: str) -> int:
     protocol.write(Path(result_path), rerun(protocol.read_spec(spec_path)))
+    if script_rank() is not None:
+        # Under torchrun the script's process group and sharded model are still alive: leave
+        # without the interpreter's teardown, which can abort in gloo's destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -69,11 +69,14 @@ def _state_finding(trip: ScriptTrip) -> Finding:
         when = f"before step {trip.step}'s update"
     cause = Cause.OPTIMIZER_UPDATE if trip.check == Check.OPTIMIZER else Cause.NONFINITE_PARAMETER
     error = f"; the script then raised {trip.error}" if trip.error else ""
-    return Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
-                   explanation=f"the parameters {short(trip.tensors)} hold non-finite values "
-                               f"{when}{error}", fix=fix_for(cause),
-                   tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,
-                   rank=trip.rank)
+    finding = Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
+                      explanation=f"the parameters {short(trip.tensors)} hold non-finite values "
+                                  f"{when}{error}", fix=fix_for(cause),
+                      tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,
+                      rank=trip.rank)
+    for note in trip.state:
+        finding.explain(note)
+    return finding
 
 
 def trip_notes(trip: ScriptTrip) -> list[str]:

@@ -54,6 +54,7 @@ class RerunResult:
     ops_traced: int | None = None
     precision: str | None = None
     trip: ScriptTrip | None = None       # the re-run tripped before the step: it left the run
+    received: bool = False               # torchrun: the value reached this rank from a peer
     error: RerunFailure | None = None
 
 

@@ -12,15 +12,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from nanaudit.config.schema import DistributedOptions
 from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
+from nanaudit.run.distributed import current
 from nanaudit.script import protocol
 from nanaudit.script.data_window import same_inputs
 from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.protocol import RerunResult, RerunSpec
+from nanaudit.script.ranks import rerun_environment
 from nanaudit.script.step_values import same_value
-from nanaudit.script.target import ScriptOptions, ScriptTarget
+from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 from nanaudit.script.trip import ScriptTrip
 
 CHILD_MODULE = "nanaudit.script.child"     # run as `python -m` (test_layout sees the name)
@@ -64,7 +67,8 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         return ran(status, note=note), finding
     localized = result.finding
     localized.tensors = localized.tensors or finding.tensors
-    localized.rank = trip.rank
+    if localized.rank is None:           # torchrun: the re-run names the rank that made it
+        localized.rank = trip.rank
     for note in trip_notes(trip):
         localized.explain(note)
     return ran(RerunStatus.REPRODUCED, ops_traced=result.ops_traced,
@@ -80,14 +84,19 @@ def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None
         note = (f"not re-run: localizing step {trip.step} repeats {steps} steps, more than "
                 f"--max-rerun-steps {options.max_rerun_steps}")
         return note, note
-    if trip.rank is not None:
-        note = ("not re-run under torchrun: a re-run needs every rank; run the script on one "
-                "process, or move to a YAML config (`nanaudit scan`), to name the op")
+    if script_rank() is not None and current() is None:
+        note = ("not re-run under torchrun: the script's ranks joined no process group to "
+                "re-run together; run the script on one process, or move to a YAML config "
+                "(`nanaudit scan`), to name the op")
         return note, note
     return None
 
 
 def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
+    if result.received:
+        return RerunStatus.NOT_REPRODUCED, (
+            f"on this rank the value of step {step} arrived from a peer rank through a "
+            f"collective: none of its own ops made it")
     if not result.traced:
         return RerunStatus.NOT_TRACED, (
             f"the re-run reached step {step} but no module was called between step "
@@ -106,6 +115,10 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation,
                      losses=tuple(e.loss for e in timeline[:trip.step]))
+    env = rerun_environment()          # torchrun: every rank re-runs, together
+    timeout = options.rerun_timeout_s
+    if env is not None and timeout is None:
+        timeout = DistributedOptions.timeout_s      # a peer's re-run that stalls: no hang
     with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder:
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
@@ -113,9 +126,9 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
         with open(log_path, "wb") as log:
             try:
                 subprocess.run([sys.executable, "-m", CHILD_MODULE, str(spec_path),
-                                str(result_path)], cwd=os.getcwd(), env=dict(os.environ),
-                               stdout=log, stderr=subprocess.STDOUT,
-                               timeout=options.rerun_timeout_s, check=False)
+                                str(result_path)], cwd=os.getcwd(), env=env or dict(os.environ),
+                               stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                               check=False)
             except subprocess.TimeoutExpired:
                 pass
         tail = log_path.read_text(errors="replace")[-2000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
-from nanaudit.localize.findings import attach_warnings
+from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.report.model import Report, SampleSearch
 from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Status

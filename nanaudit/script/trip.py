@@ -34,6 +34,7 @@ class ScriptTrip:
     evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
     error: str = ""                     # the script's exception after the value, first line
     where: str = ""                     # error trips: raised in forward or in backward
+    state: list = field(default_factory=list)      # optimizer-state entries holding the value
 
     @property
     def needs_rerun(self) -> bool:

@@ -294,39 +294,23 @@ def test_accelerate_script_backward_finding_names_the_forward_op():
 
 
 @pytest.mark.slow
-def test_under_torchrun_each_rank_checks_and_reports_its_rank(tmp_path):
-    import os
-    import socket
-    import subprocess
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_under_torchrun_every_rank_names_the_rank_that_made_the_value(tmp_path):
+    from helpers import launch_ranks
     out = tmp_path / "report.json"
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-               "LOCAL_RANK": str(rank)}
-        env.pop("GITHUB_ACTIONS", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "nanaudit", "run", "-q", "--json", str(out),
-             str(SCRIPTS / "ddp_log_counts.py")], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
-    try:
-        outputs = [proc.communicate(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert [proc.returncode for proc in procs] == [1, 1], outputs
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out,
+                                   SCRIPTS / "ddp_log_counts.py"])
+    assert codes == [1, 1], outputs
     rank0 = json.loads(out.read_text())
     rank1 = json.loads((tmp_path / "report.rank1.json").read_text())
-    # DDP all-reduces the gradients: every rank stops at step 3 before the update; rank 1,
-    # whose batch held the zero, saw its own loss go non-finite.
-    assert (rank0["finding"]["step"], rank0["finding"]["rank"]) == (3, 0)
-    assert (rank1["finding"]["step"], rank1["finding"]["where"], rank1["finding"]["rank"]) == (
-        3, "forward", 1)
-    assert rank1["run"]["rerun"]["status"] == "skipped"
+    # DDP all-reduces the gradients, so both ranks' go bad at step 3; the exchanged flags and
+    # the re-run on both ranks name rank 1, whose batch held the zero, in both reports.
+    for report in (rank0, rank1):
+        f = report["finding"]
+        assert (f["step"], f["rank"], f["where"], f["op"], f["samples"]) == (
+            3, 1, "forward", "aten.log.default", [2])
+        assert report["run"]["rerun"]["status"] == "reproduced"
+    assert (rank0["run"]["rank"], rank1["run"]["rank"]) == (0, 1)
+    assert [r["status"] for r in rank0["distributed"]["ranks"]] == ["nonfinite", "nonfinite"]
 
 
 @pytest.mark.parametrize("seed", [-1, 2**40])

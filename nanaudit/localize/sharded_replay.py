@@ -1,0 +1,103 @@
+"""The traced replay of a step under FSDP2 (`Sentinel` in the user's loop, `scan`): every rank
+replays its own (micro-)batch at once, since each forward and backward all-gathers the weights
+and reduce-scatters the gradients with every peer, and each rank walks back from what its own
+ops made: its loss, or its own gradients before the reduce-scatter (which the flags of
+run/sharded.PreReduceFlags keep while a replay traces). A value that reached a rank from a peer
+(the walk ends at an input that no op of this rank made: a collective's output) is not that
+rank's: its Localization is not reproduced, and the caller takes the finding of the rank whose
+own op made the value (run/rank_checks.origin_entry).
+
+One replay per rank and no sample search (a search replays sub-batches a number of times only
+the searching rank knows, and every replay needs every rank): the rows are read off the
+creating op's output (findings.created_rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.findings import (
+    build_finding,
+    created_rows,
+    rows_search,
+    unreplayed_finding,
+)
+from nanaudit.localize.ops import is_collective
+from nanaudit.localize.replay import preserved_buffers
+from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.walk import Localization, walk_from_sink
+from nanaudit.report.model import Finding
+from nanaudit.report.vocabulary import Check
+from nanaudit.run.batch import infer_layout
+from nanaudit.run.checks import nonfinite_names
+from nanaudit.run.distributed import Coordinator
+from nanaudit.run.rank_checks import gather_by_store, origin_entry
+from nanaudit.run.session import Session
+from nanaudit.run.sharded import PreReduceFlags
+from nanaudit.run.step import ReplayHooks, ScanOutcome, StepState, Trip
+
+
+def made_here(loc: Localization) -> bool:
+    """Under torchrun: did this rank's own op make the value? Not when the walk ends at a
+    collective, or at an input no op of this rank made (the tracer saw all of them)."""
+    event = loc.event
+    return event is not None and not event.untracked and not is_collective(event.op)
+
+
+def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
+    """localize() for one rank of an FSDP2 run (see the module docstring)."""
+    def localize_rank(session: Session, state: StepState, trip: Trip,
+                      timeline) -> Localization:
+        flags.tracing, flags.sinks = True, []
+        try:
+            with preserved_buffers(session.model), OpTracer(session.model) as tracer:
+                loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
+                                                                    tracer.end_backward))
+        finally:
+            flags.tracing = False
+        trace = tracer.trace
+        sink: torch.Tensor | None = loss
+        if trip.check == Check.LOSS:
+            phase, names = "forward", None
+        else:
+            own = [s for s in flags.sinks if kinds_of(s)]
+            names = nonfinite_names((n, p.grad) for n, p in session.model.named_parameters())
+            sink, phase = (own[0] if own else None), "backward"
+        if sink is None or not kinds_of(sink):
+            return Localization(False, ops_traced=trace.ops_seen)
+        loc = walk_from_sink(trace, sink, phase, timeline, names)
+        if loc.event is None or not made_here(loc):
+            return Localization(False, ops_traced=trace.ops_seen)     # a peer's value
+        size = infer_layout(state.batch, session.options.batch_dim).size
+        loc.rows = created_rows(tracer, loc.event, size)
+        loc.sample_search = rows_search(loc.event.op, loc.rows, size)
+        return loc
+    return localize_rank
+
+
+def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
+                 outcome: ScanOutcome, replayable: bool = True) -> Finding:
+    """Every rank's finding of the trip, the same on every rank: for a loss or gradient trip
+    every rank replays at once and the finding of the rank whose own op made the value is
+    taken; for an input or a weights' shard, the finding of the rank the flags named. Called
+    by every rank (`replayable`: the loss can be replayed, alike on every rank)."""
+    trip = outcome.trip
+    assert trip is not None, "a finding is built for a trip"
+    finding, made = None, False
+    if trip.check in (Check.LOSS, Check.GRADIENT):
+        if replayable:
+            finding = build_finding(session, outcome, False, rank_localizer(flags))
+            made = finding.reproduced is True and finding.op is not None
+        elif trip.rank in (None, coord.rank):
+            finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
+                                               "loss_fn(model, batch))")
+    elif trip.rank in (None, coord.rank):    # the rank whose batch or shard holds the value
+        finding, made = build_finding(session, outcome, False), trip.rank == coord.rank
+    if finding is not None:
+        finding.rank = coord.rank
+    gathered = gather_by_store(coord, "finding", (finding, made))
+    chosen = origin_entry([f for f, _ in gathered], [m for _, m in gathered], trip.rank)
+    return chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")

@@ -1,0 +1,135 @@
+"""Under torchrun, the flags each rank adds to a step's one read, so that every rank decides
+alike at the same step and the rank whose own value went bad is named: for a program that
+joined a process group itself (`nanaudit run`'s script, `Sentinel` in the user's FSDP2 loop).
+
+Each rank's row: its batch, its weights (its own shards under FSDP), its loss, its own
+gradients before the reduce-scatter mixed them (FSDP: sharded.PreReduceFlags) and its
+gradients as reduced, exchanged in one small all-reduce (distributed.py) and read with the
+step's values. Every rank gets the same table, so every rank stops at the same step before the
+update, and the verdict (verdict.py, the rule every checker uses) names the first rank whose own
+value went bad. The table names no rank for gradients that are only bad after the reduction
+(every rank's own were finite), nor, under DDP, for the weights and gradients every rank
+shares: a replay, where each rank's tracer sees only its own ops, tells those apart.
+
+After a trip, each rank's finding is gathered through the rendezvous store (the program may
+have destroyed its process group) and the origin's chosen by one rule (`origin_entry`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nanaudit.config.schema import DistributedOptions
+from nanaudit.run.distributed import Coordinator, DistributedError
+from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules
+from nanaudit.run.verdict import Tripped, tripped_check
+
+INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS = range(5)    # a rank's row of flags
+
+
+class RankChecks:
+    """One run's process group as its checks use it (see the module docstring)."""
+
+    def __init__(self, coord: Coordinator):
+        self.coord = coord
+        self.rank = coord.rank
+        self.flags = PreReduceFlags()
+        self.sharded = False              # FSDP2: each rank holds its own shard of the weights
+        self._seen: set[int] = set()      # the outermost modules looked into
+
+    @classmethod
+    def join(cls) -> RankChecks | None:
+        """The ranks, once the program initialised a process group of two or more."""
+        coord = Coordinator.adopt()
+        return cls(coord) if coord is not None else None
+
+    @classmethod
+    def saw(cls, checks: RankChecks | None, module: torch.nn.Module) -> RankChecks | None:
+        """`checks`, or the ranks once the program joined a process group, told of the step's
+        outermost `module`."""
+        checks = checks if checks is not None else cls.join()
+        if checks is not None:
+            checks.saw_model(module)
+        return checks
+
+    def saw_model(self, module: torch.nn.Module) -> None:
+        """The step's outermost module: flag its FSDP modules' own gradients (HSDP refused)."""
+        if id(module) in self._seen:
+            return
+        self._seen.add(id(module))
+        modules = fsdp_modules(module)
+        if modules:
+            check_supported(modules)
+            self.flags.install(modules)
+            self.sharded = True
+
+    def with_table(self, values: torch.Tensor) -> torch.Tensor:
+        """The step's values [inputs finite, weights' norm, loss, gradients' norm] followed by
+        every rank's row of flags, exchanged (no host read here)."""
+        bad = (~torch.isfinite(values[1:])).to(torch.float64)      # weights, loss, gradients
+        row = torch.stack([1.0 - values[0], bad[0], bad[1], self.flags.take(values.device),
+                           bad[2]])
+        return torch.cat([values, self.coord.exchange(row).reshape(-1)])
+
+    def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
+        """The check that tripped, from every rank's flags (`table`: the read's tail), with
+        the first rank whose own value went bad as its part (None: no one rank's)."""
+        width = len(table) // self.coord.world_size
+        rows = [table[r * width:(r + 1) * width] for r in range(self.coord.world_size)]
+
+        def ok(flag: int) -> list[bool]:
+            return [not row[flag] > 0 for row in rows]
+        own = ok(OWN_GRADIENTS)
+        return tripped_check(step, inputs_ok=ok(INPUT),
+                             weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
+                             updated_at=updated_at, loss_finite=ok(LOSS),
+                             grads_finite=own if not all(own) else all(ok(GRADIENTS)))
+
+    def tracing(self, on: bool) -> None:
+        """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""
+        self.flags.tracing = on
+
+
+def origin_entry(entries: Sequence, made_here: Sequence[bool], origin: int | None) -> Any:
+    """Of every rank's entry (by rank, None: it has no finding), the one of the rank that
+    made the value: one whose own replay traced it to its own op (`made_here`; `origin` first
+    among them), else `origin` (the rank the flags named), else the first with a finding."""
+    traced = [r for r, made in enumerate(made_here) if made and entries[r] is not None]
+    if traced:
+        return entries[origin if origin in traced else traced[0]]
+    if origin is not None and entries[origin] is not None:
+        return entries[origin]
+    return next((entry for entry in entries if entry is not None), None)
+
+
+def gather_by_store(coord: Coordinator, key: str, payload: Any,
+                    timeout_s: float = DistributedOptions.timeout_s) -> list:
+    """Every rank's `payload`, by rank, through the rendezvous store: the program may have
+    destroyed its process group already (a clean script ends with `destroy_process_group()`).
+    A peer that failed (its error is in the store) or never answers is a DistributedError at
+    once or after `timeout_s`, never a hang."""
+    coord.gathers += 1           # every rank gathers in the same order: the same keys
+    keys = [f"nanaudit/{key}/{coord.gathers}/{rank}" for rank in range(coord.world_size)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
+        coord.store.set(keys[coord.rank], pickle.dumps(payload))
+        while not coord.store.check(keys):
+            failed = coord.peer_error(wait_s=0.0)
+            if failed is not None or time.monotonic() > deadline:
+                why = (f"rank {failed.rank} failed" if failed is not None
+                       else f"a peer did not answer within {timeout_s:g}s")
+                raise DistributedError(f"rank {coord.rank}: the ranks could not exchange "
+                                       f"their {key.replace('-', ' ')}: {why}")
+            time.sleep(0.02)
+        return [pickle.loads(coord.store.get(k)) for k in keys]
+    except DistributedError:
+        raise
+    except Exception as exc:
+        raise DistributedError(f"rank {coord.rank}: the ranks could not exchange their "
+                               f"{key.replace('-', ' ')}: {exc}") from None
