@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nanaudit._version import __version__
 from nanaudit.config.schema import Config
-from nanaudit.errors import NanauditError
+from nanaudit.errors import USER_FAILURES, NanauditError, UserCodeError
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.model import Report
 from nanaudit.report.sections import ErrorInfo, InternalFailure, Interruption
@@ -98,7 +98,10 @@ def guarded(report: Report, body: Callable[[], None],
         body()
     except KeyboardInterrupt:
         report.status = Status.INTERRUPTED
-    except Exception as exc:
+    except USER_FAILURES as exc:
+        if not isinstance(exc, Exception):
+            # sys.exit or GeneratorExit that no narrower guard named: ours never raise them.
+            exc = UserCodeError("the user's code", exc)
         report.status = Status.ERROR
         report.error = error_info(exc)
         if on_error is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from nanaudit.config.schema import Entrypoint
 from nanaudit.config.values import did_you_mean
-from nanaudit.errors import ConfigError, Problem, UserCodeError
+from nanaudit.errors import USER_FAILURES, ConfigError, Problem, UserCodeError
 
 
 @contextlib.contextmanager
@@ -78,7 +78,7 @@ def _import_module(entry: Entrypoint, base_dir: Path) -> ModuleType:
                                        f"on sys.path and in the config's folder {base_dir})")]
                               ) from None
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
 
 
@@ -100,7 +100,7 @@ def _import_file(entry: Entrypoint, base_dir: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except USER_FAILURES as exc:
         del sys.modules[name]
         raise UserCodeError(f"importing `{entry.module_part}`", exc) from exc
     return module

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nanaudit.errors import ConfigError, NanauditError, UserCodeError
+from nanaudit.errors import USER_FAILURES, ConfigError, NanauditError, UserCodeError
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.seeding import seed_everything
 
@@ -119,7 +119,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
             raise user_error(target, exc, f"exited with status {exc.code}") from None
     except (KeyboardInterrupt, NanauditError):
         raise
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise user_error(target, exc) from exc
     finally:
         hooks.remove()

@@ -1,0 +1,37 @@
+"""Adversarial probes (issue 30): hostile entrypoints and scripts, closed streams, signals at the
+edges, odd paths. Each failed on the code before it: a stale "clean" verdict, a lost or
+misplaced report, a wrong exit code or a raw traceback of ours."""
+
+import json
+
+import pytest
+from helpers import LINEAR_CASE, run_cli
+
+# --- 1. user code that exits is the user's error, and every report is written -----------------
+
+EXITING = {
+    "sys.exit(0) in the model factory": ("build_model", "import sys; sys.exit(0)"),
+    "sys.exit(3) in the model factory": ("build_model", "import sys; sys.exit(3)"),
+    "argparse in the model factory": ("build_model", "import argparse; p = argparse."
+                                      "ArgumentParser(); p.add_argument('--x', required=True); "
+                                      "p.parse_args([])"),
+    "GeneratorExit from the data": ("batches", "raise GeneratorExit()"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXITING))
+def test_user_code_that_exits_is_exit_4_over_the_stale_clean_report(tmp_path, case, name):
+    function, statement = EXITING[name]
+    config = case(LINEAR_CASE)
+    out, xml = tmp_path / "r.json", tmp_path / "r.xml"
+    assert run_cli("scan", config, "-q", "--json", out, "--junit-xml", xml).code == 0
+    assert json.loads(out.read_text())["status"] == "clean"
+    code = LINEAR_CASE.replace(f"def {function}():\n", f"def {function}():\n    {statement}\n")
+    (tmp_path / "case.py").write_text(code)
+    result = run_cli("scan", config, "-q", "--json", out, "--junit-xml", xml)
+    assert result.code == 4, result.stderr
+    report = json.loads(out.read_text())
+    assert report["status"] == "error" and report["error"]["exit_code"] == 4
+    assert report["error"]["exception"] in ("SystemExit", "GeneratorExit")
+    assert any(f["file"] == str(tmp_path / "case.py") for f in report["error"]["frames"])
+    assert report["error"]["exception"] in xml.read_text()     # rewritten too
