@@ -306,7 +306,14 @@ class ScriptAuditor:
     # --- after the script --------------------------------------------------------------------
 
     def finish(self) -> None:
-        """After the script returned: the parameters the last updates left (one read)."""
+        """After the script returned: a loss that reached backward with no step after it (a
+        script that skips its update or exits on seeing a NaN loss), then the parameters the
+        last updates left (one read each)."""
+        self._unstepped_losses()
+        if self.trip is None:
+            self._last_updates()
+
+    def _last_updates(self) -> None:
         tensors = [p for opt in self.ledger.stepped.values()
                    for group in opt.param_groups for p in group["params"]]
         if not tensors:
@@ -325,6 +332,23 @@ class ScriptAuditor:
                 self.trip.optimizer = describe_optimizer(opt)
                 return
 
+    def _unstepped_losses(self) -> None:
+        """The losses and inputs no check read: non-finite, they are this step's finding (a
+        loss nanaudit saw non-finite is never part of a clean run)."""
+        inbox, self._inbox = self._inbox, StepInbox()
+        if not inbox.losses or self.window.armed is not None:
+            return
+        device = inbox.losses[0].device
+        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
+                                      inbox.loss(device)]).tolist()
+        self.host_reads += 1
+        if ok >= 1.0 and math.isfinite(loss_value):
+            return
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self._append(self._entry(last, loss_value, None, None))
+        self.trip = (self._input_trip(inbox.inputs, loss_value, None) if ok < 1.0 else
+                     self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value))
+
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last
         updates left (an update to NaN that a later op then refused), then the tensors in the
@@ -333,7 +357,7 @@ class ScriptAuditor:
         if self.trip is not None or self.window.armed is not None:
             return self.trip
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        self.finish()
+        self._last_updates()
         if self.trip is not None:
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip

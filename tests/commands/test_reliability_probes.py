@@ -3,6 +3,7 @@ edges, odd paths. Each failed on the code before it: a stale "clean" verdict, a 
 misplaced report, a wrong exit code or a raw traceback of ours."""
 
 import json
+import textwrap
 
 import pytest
 from helpers import LINEAR_CASE, run_cli
@@ -35,3 +36,39 @@ def test_user_code_that_exits_is_exit_4_over_the_stale_clean_report(tmp_path, ca
     assert report["error"]["exception"] in ("SystemExit", "GeneratorExit")
     assert any(f["file"] == str(tmp_path / "case.py") for f in report["error"]["frames"])
     assert report["error"]["exception"] in xml.read_text()     # rewritten too
+
+
+# --- 2. a loss nanaudit saw non-finite is never "clean" ---------------------------------------
+
+GUARDED_LOSS = textwrap.dedent("""
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(8):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        if step == 3:
+            loss = loss + torch.log(torch.zeros(()))
+        optimizer.zero_grad()
+        loss.backward()
+        if not torch.isfinite(loss):
+            sys.exit(0)          # the script's own guard: stop on a bad loss
+        optimizer.step()
+""")
+
+
+@pytest.mark.slow
+def test_a_script_that_exits_on_its_nan_loss_is_a_finding_not_clean(tmp_path):
+    (tmp_path / "train.py").write_text(GUARDED_LOSS)
+    out = tmp_path / "r.json"
+    result = run_cli("run", "-q", "--json", out, tmp_path / "train.py")
+    report = json.loads(out.read_text())
+    assert result.code == 1 and report["status"] == "nonfinite"
+    f = report["finding"]
+    assert (f["step"], f["value"], f["op"], f["cause"]) == (3, "-inf", "aten.log.default",
+                                                            "log-domain")
+    assert report["run"]["rerun"]["status"] == "reproduced"
+    assert [e["step"] for e in report["timeline"]] == [0, 1, 2, 3]
