@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM while a command runs.
+"""SIGINT, SIGTERM and SIGHUP (as SIGTERM: a closed terminal) while a command runs.
 
 The first signal stops the run at the next Python instruction and the partial report is
 written (exit 130 or 143); one that arrives while the reports are being written lets them
@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 from nanaudit.cli.outputs import Requested, final_code
 from nanaudit.cli.process import exit_with, main_thread
 from nanaudit.cli.terminal import Terminal
+from nanaudit.exitcodes import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from nanaudit.report.model import Report
 
 
 class Stop:
-    """SIGINT/SIGTERM handling for one command (see the module docstring)."""
+    """SIGINT/SIGTERM/SIGHUP handling for one command (see the module docstring)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -34,7 +35,8 @@ class Stop:
 
     def __enter__(self) -> Stop:
         if main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for name in STOP_SIGNALS:
+                sig = signal.Signals[name]
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -3,10 +3,27 @@ edges, odd paths. Each failed on the code before it: a stale "clean" verdict, a 
 misplaced report, a wrong exit code or a raw traceback of ours."""
 
 import json
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 from helpers import LINEAR_CASE, run_cli
+
+
+def _nanaudit(*args, cwd, **popen):
+    return subprocess.Popen([sys.executable, "-m", "nanaudit", *map(str, args)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _wait_for(path, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached the point to signal"
+        time.sleep(0.02)
 
 # --- 1. user code that exits is the user's error, and every report is written -----------------
 
@@ -72,3 +89,43 @@ def test_a_script_that_exits_on_its_nan_loss_is_a_finding_not_clean(tmp_path):
                                                             "log-domain")
     assert report["run"]["rerun"]["status"] == "reproduced"
     assert [e["step"] for e in report["timeline"]] == [0, 1, 2, 3]
+
+
+# --- 3. a stop signal the script's own handler takes still stops the run ---------------------
+
+OWN_HANDLER = textwrap.dedent("""
+    import pathlib, signal, time
+    import torch
+    from torch import nn
+
+    stop = False
+    def handler(signum, frame):          # as Lightning and the Trainer do: stop gracefully
+        global stop
+        stop = True
+    signal.signal(signal.SIGTERM, handler)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(40):
+        if stop:
+            break
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step == 2:
+            pathlib.Path("marker").touch()
+        time.sleep(0.1)
+""")
+
+
+@pytest.mark.slow
+def test_sigterm_taken_by_the_scripts_own_handler_is_interrupted_143(tmp_path):
+    (tmp_path / "train.py").write_text(OWN_HANDLER)
+    proc = _nanaudit("run", "-q", "--json", "r.json", "train.py", cwd=tmp_path)
+    _wait_for(tmp_path / "marker", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert proc.returncode == 143 and report["status"] == "interrupted"
+    assert report["error"]["signal"] == "SIGTERM" and 3 <= report["steps_run"] < 40
