@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from nanaudit._version import __version__
-from nanaudit.cli.outputs import FORMATS, STREAM_FORMATS, Requested, final_code, write
+from nanaudit.cli.outputs import (
+    FORMATS,
+    STREAM_FORMATS,
+    Requested,
+    absolute,
+    final_code,
+    write,
+)
 from nanaudit.cli.process import (
     code_of,
     exit_with,
@@ -108,8 +115,8 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
     outputs.check(terminal)
     progress, on_start, on_step = progress_hooks(terminal)
-    repro = (None if no_repro else Path(repro_dir) if repro_dir else
-             default_folder(outputs.without("plot").files(), 0).parent)
+    repro = (None if no_repro else Path(absolute(repro_dir or str(
+        default_folder(outputs.without("plot").files(), 0).parent))))
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir,
@@ -148,6 +155,7 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
     from nanaudit.report.sections import DataBisect
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     outputs.check(terminal, also=[skip_list_path])
     progress, on_start, on_step = progress_hooks(terminal)
     options = ScanOptions(steps=steps, device=device, fail_on=fail_on, on_start=on_start,

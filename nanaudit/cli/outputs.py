@@ -92,7 +92,7 @@ class Requested:
             destination = options.get(fmt.param) if fmt.param else (
                 "-" if stream == fmt.name else None)
             if destination:
-                writes.append((fmt, str(destination)))
+                writes.append((fmt, absolute(str(destination))))
         return cls(tuple(writes))
 
     @property
@@ -149,6 +149,12 @@ class Requested:
             if problem:
                 failed.append(problem)
         return failed
+
+
+def absolute(destination: str) -> str:
+    """A destination resolved at start-up: user code that calls `os.chdir` must not move the
+    reports into its new folder (where they could overwrite its files); '-' stays stdout."""
+    return destination if destination == "-" else os.path.abspath(destination)
 
 
 def write(what: str, destination: str, data: str | bytes) -> str | None:

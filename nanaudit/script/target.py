@@ -147,7 +147,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
     """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it) ends it
     quietly. The script's exceptions become UserCodeError with its frames (runpy's and ours
     removed)."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts().__enter__()
     hooks.install()
     try:
@@ -173,8 +173,17 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
     finally:
         hooks.remove()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
+        _return_to(saved_cwd)
         interrupts.__exit__()
     interrupts.raise_if_stopped()
+
+
+def _return_to(folder: str) -> None:
+    """Back to the folder the script started in (it may `os.chdir`): the re-run starts there."""
+    try:
+        os.chdir(folder)
+    except OSError:
+        pass        # the script removed it: the outputs were resolved at start-up anyway
 
 
 def user_error(target: ScriptTarget, exc: BaseException, note: str = "") -> UserCodeError:

@@ -129,3 +129,52 @@ def test_sigterm_taken_by_the_scripts_own_handler_is_interrupted_143(tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert proc.returncode == 143 and report["status"] == "interrupted"
     assert report["error"]["signal"] == "SIGTERM" and 3 <= report["steps_run"] < 40
+
+
+# --- 4. a script that changes folder: reports where asked, the re-run from the start folder ----
+
+CHDIR = textwrap.dedent("""
+    import os
+    import torch
+    from torch import nn
+
+    os.chdir("results")                   # the script's own output folder
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        if step == 3:
+            loss = loss + torch.log(torch.zeros(()))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""")
+
+
+@pytest.mark.slow
+def test_a_script_that_changes_folder_keeps_reports_in_place_and_reruns(tmp_path):
+    (tmp_path / "train.py").write_text(CHDIR)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("the user's own results\n")
+    result = run_cli("run", "-q", "--json", "r.json", "--junit-xml", "r.xml", "train.py")
+    assert (tmp_path / "results" / "r.json").read_text() == "the user's own results\n"
+    assert not (tmp_path / "results" / "r.xml").exists()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert result.code == 1 and report["run"]["rerun"]["status"] == "reproduced"
+    assert (report["finding"]["step"], report["finding"]["op"]) == (3, "aten.log.default")
+    assert (tmp_path / "r.xml").is_file()
+
+
+def test_an_entrypoint_that_changes_folder_keeps_the_reports_and_bundle_in_place(tmp_path,
+                                                                                 case):
+    (tmp_path / "elsewhere").mkdir()
+    code = LINEAR_CASE.replace("def build_model():\n", "def build_model():\n    import os; "
+                               "os.chdir('elsewhere')\n")
+    config = case(code.replace("yield torch.randn(4, 3, generator=g)",
+                               "yield torch.full((4, 3), float('nan'))"))
+    result = run_cli("scan", config, "-q", "--json", "r.json")
+    assert result.code == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["repro"] == str(tmp_path / "repro-step0")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
