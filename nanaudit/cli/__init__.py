@@ -113,7 +113,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    outputs.check(terminal)
+    outputs.check(terminal, folder=absolute(repro_dir) if repro_dir and not no_repro else None)
     progress, on_start, on_step = progress_hooks(terminal)
     repro = (None if no_repro else Path(absolute(repro_dir or str(
         default_folder(outputs.without("plot").files(), 0).parent))))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanaudit.cli.outputs import Requested, final_code
 from nanaudit.cli.process import exit_with, main_thread
+from nanaudit.cli.streams import release_stdout
 from nanaudit.cli.terminal import Terminal
 from nanaudit.exitcodes import STOP_SIGNALS
 
@@ -32,12 +33,17 @@ class Stop:
         self.signal_name: str | None = None
         self.holding = False
         self._previous: dict[int, Any] = {}
+        self._early: int | None = None
 
     def __enter__(self) -> Stop:
         if main_thread():
             for name in STOP_SIGNALS:
                 sig = signal.Signals[name]
                 self._previous[sig] = signal.signal(sig, self._handle)
+                # __main__'s EarlySignals noted what arrived while the command line imported.
+                received = getattr(self._previous[sig], "received", None)
+                if received and self._early is None:
+                    self._early = received[0]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -46,11 +52,20 @@ class Stop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is not None:
-            sys.stderr.write(f"\nnanaudit: second {signal.Signals(signum).name}, exiting now\n")
+            from nanaudit.report.output import remove_temporaries
+            remove_temporaries()        # os._exit runs no `finally`: no .tmp file left behind
+            if sys.stderr is not None:
+                sys.stderr.write(f"\nnanaudit: second {signal.Signals(signum).name}, "
+                                 f"exiting now\n")
             os._exit(128 + signum)
         self.signal_name = signal.Signals(signum).name
         if not self.holding:
             raise KeyboardInterrupt(self.signal_name)
+
+    def act_on_early_signal(self) -> None:
+        """A stop signal that arrived before this handler was installed stops the run now."""
+        if self._early is not None:
+            self._handle(self._early, None)
 
     def hold(self) -> None:
         """From here on the first signal is noted, not raised: the reports are being written."""
@@ -74,9 +89,12 @@ def stoppable(command: str) -> Callable[[Callable], Callable]:
         def guarded_command(**kwargs: Any) -> Any:
             with Stop() as stop:
                 try:
+                    stop.act_on_early_signal()
                     return fn(**kwargs, stop=stop)
                 except KeyboardInterrupt:
                     _stopped_early(stop, command, kwargs)
+                finally:
+                    release_stdout()
         return guarded_command
     return wrap
 

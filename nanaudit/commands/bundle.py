@@ -49,7 +49,7 @@ import torch
 
 from nanaudit._version import __version__
 from nanaudit.errors import ConfigError
-from nanaudit.report.output import honour_umask
+from nanaudit.report.output import honour_umask, in_flight
 from nanaudit.run.batch import batch_structure, to_plain
 
 BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "report.json",
@@ -124,25 +124,26 @@ def publish_bundle(folder: Path, fill: Callable[[Path], None]) -> Path:
                               f"nothing in it was touched")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    aside = None
-    try:
-        honour_umask(tmp, directory=True)
-        fill(tmp)
-        _write_manifest(tmp)
-        if folder.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-            os.replace(folder, aside / folder.name)
-            aside_bundle = aside / folder.name
-            if not is_bundle(aside_bundle):
-                os.replace(aside_bundle, folder)
-                raise FileExistsError(f"{folder} changed while the new bundle was written; "
-                                      f"it was left as it is")
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and not any(aside.iterdir()):
-            aside.rmdir()
-        raise
+    with in_flight(tmp):
+        aside = None
+        try:
+            honour_umask(tmp, directory=True)
+            fill(tmp)
+            _write_manifest(tmp)
+            if folder.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+                os.replace(folder, aside / folder.name)
+                aside_bundle = aside / folder.name
+                if not is_bundle(aside_bundle):
+                    os.replace(aside_bundle, folder)
+                    raise FileExistsError(f"{folder} changed while the new bundle was written; "
+                                          f"it was left as it is")
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if aside is not None and not any(aside.iterdir()):
+                aside.rmdir()
+            raise
     if aside is not None:
         _remove_bundle(aside / folder.name)
         aside.rmdir()
