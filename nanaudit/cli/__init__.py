@@ -2,7 +2,7 @@
 process's exit. Each command turns its options into one call of `nanaudit.commands`, which
 returns a Report and never prints or exits; then the requested outputs are written and the
 process exits with the report's code. terminal.py owns the console, outputs.py the formats,
-signals.py SIGINT and SIGTERM, process.py the exit.
+streams.py stdout and stderr, signals.py the stop signals, process.py the exit.
 
 torch is imported lazily inside the commands, so `nanaudit --help` stays instant.
 """
@@ -60,8 +60,8 @@ def report_options(fn: Callable) -> Callable:
         elif fmt.name == STREAM_FORMATS[1]:
             options.append(click.option(
                 "--format", "fmt", type=click.Choice(STREAM_FORMATS), default=None,
-                help="github: print ::error annotations on stdout (default when "
-                     "GITHUB_ACTIONS=true)."))
+                help="github: print ::error annotations on stdout (on stderr when --json - "
+                     "takes stdout; default when GITHUB_ACTIONS=true)."))
     options += [
         click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
                      help=f"{FAIL_ON[0]} (default): exit {int(ExitCode.NONFINITE)} only on a "

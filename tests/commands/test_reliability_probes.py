@@ -3,6 +3,7 @@ edges, odd paths. Each failed on the code before it: a stale "clean" verdict, a 
 misplaced report, a wrong exit code or a raw traceback of ours."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -178,3 +179,219 @@ def test_an_entrypoint_that_changes_folder_keeps_the_reports_and_bundle_in_place
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["repro"] == str(tmp_path / "repro-step0")
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# --- 5. stdout carries the machine output alone -------------------------------------------------
+
+NAN_DATA = LINEAR_CASE.replace("yield torch.randn(4, 3, generator=g)",
+                               "yield torch.full((4, 3), float('nan'))")
+
+
+def test_json_on_stdout_is_not_followed_by_annotations_under_actions(tmp_path, case):
+    config = case(NAN_DATA)
+    result = run_cli("scan", config, "--json", "-", "--no-repro", env={"GITHUB_ACTIONS": "true"})
+    assert result.code == 1
+    assert json.loads(result.stdout)["finding"]["cause"] == "nonfinite-input"
+    assert "::error" in result.stderr and "::error" not in result.stdout
+
+
+PRINTING = textwrap.dedent("""
+    import os
+    import torch
+    from torch import nn
+
+    print("hello from the script")
+    os.system("echo from a child process")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        print("loss", loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+""")
+
+
+def test_a_scripts_prints_never_reach_the_json_on_stdout(tmp_path):
+    (tmp_path / "train.py").write_text(PRINTING)
+    proc = _nanaudit("run", "--json", "-", "train.py", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["status"] == "clean"
+    assert "hello from the script" in err and "from a child process" in err
+
+
+# --- 6. the reports are written whatever happens to the console --------------------------------
+
+def _shell(command, cwd, **env):
+    return subprocess.run(["sh", "-c", command], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+@pytest.mark.slow
+def test_a_closed_stderr_still_writes_the_reports_and_says_so_on_stdout(tmp_path, case):
+    config = case(LINEAR_CASE)
+    done = _shell(f"{sys.executable} -m nanaudit scan {config} --json r.json 2>&-", tmp_path)
+    assert done.returncode == 9
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "clean"
+    assert "stderr is closed" in done.stdout
+    quiet = _shell(f"{sys.executable} -m nanaudit scan {config} -q --json q.json 2>&-", tmp_path)
+    assert quiet.returncode == 0 and (tmp_path / "q.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_early_costs_no_report(tmp_path, case):
+    config = case(NAN_DATA)
+    proc = _nanaudit("scan", config, "--json", "r.json", "--junit-xml", "r.xml", "--no-repro",
+                     cwd=tmp_path)
+    proc.stderr.close()                      # `2>&1 | head -3`: nobody reads the console
+    proc.communicate(timeout=120)
+    assert proc.returncode == 9
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "nonfinite"
+    assert (tmp_path / "r.xml").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", ["--json -", "--format github"])
+def test_a_closed_stdout_is_exit_9_with_a_message(tmp_path, case, stream):
+    config = case(LINEAR_CASE)
+    done = _shell(f"{sys.executable} -m nanaudit scan {config} {stream} --junit-xml r.xml >&-",
+                  tmp_path)
+    assert done.returncode == 9, done.stderr
+    assert "stdout is closed" in done.stderr and "Traceback" not in done.stderr
+    assert (tmp_path / "r.xml").is_file()
+
+
+@pytest.mark.slow
+def test_annotations_are_utf8_whatever_pythonioencoding_says(tmp_path, case):
+    case(LINEAR_CASE.replace("return ((model(x) - y) ** 2).mean()",
+                             "return torch.log(((model(x) - y) ** 2).mean() * 0)"))
+    folder = tmp_path / "données"            # the annotation names the user's file
+    folder.mkdir()
+    for name in ("case.py", "config.yaml"):
+        (folder / name).write_text((tmp_path / name).read_text())
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "scan", str(folder / "config.yaml"),
+                           "--format", "github", "--junit-xml", "r.xml", "--no-repro"],
+                          cwd=tmp_path, capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.startswith(b"::error") and "données".encode() in done.stdout
+    assert (tmp_path / "r.xml").is_file()
+
+
+def test_a_lone_surrogate_in_the_users_message_costs_no_report(tmp_path, case):
+    config = case(LINEAR_CASE.replace("def build_model():\n", "def build_model():\n    import os\n"
+                                      "    raise FileNotFoundError(os.fsdecode(b'shard-\\xff.pt'))"
+                                      "\n"))
+    result = run_cli("scan", config, "-q", "--json", "r.json", "--junit-xml", "r.xml",
+                     "--markdown", "r.md")
+    assert result.code == 4
+    import xml.etree.ElementTree as ET
+    assert "shard-\\udcff.pt" in ET.parse(tmp_path / "r.xml").getroot().find(".//error").get(
+        "message")
+    assert "shard-\\udcff.pt" in (tmp_path / "r.md").read_text()
+    assert json.loads((tmp_path / "r.json").read_text())["error"]["exit_code"] == 4
+
+
+# --- 8. outputs checked before the first step, and rewritten with their own mode ----------------
+
+def test_a_repro_folder_that_cannot_be_made_is_refused_before_the_first_step(tmp_path, case):
+    marker = tmp_path / "data-started"
+    config = case(NAN_DATA.replace("def batches():\n", f"def batches():\n    open({str(marker)!r},"
+                                   f" 'w').close()\n"))
+    (tmp_path / "afile").write_text("the user's file")
+    result = run_cli("scan", config, "-q", "--repro", tmp_path / "afile" / "bundle")
+    assert result.code == 9 and "afile is a file" in result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o444, 0o640])
+def test_a_rewritten_report_keeps_its_mode(tmp_path, case, mode):
+    config = case(LINEAR_CASE)
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    out.chmod(mode)
+    assert run_cli("scan", config, "-q", "--json", out).code == 0
+    assert out.stat().st_mode & 0o777 == mode
+    assert json.loads(out.read_text())["status"] == "clean"
+
+
+# --- 10. signals at the edges -------------------------------------------------------------------
+
+SLOW_IMPORT = textwrap.dedent("""
+    import builtins, pathlib, runpy, sys, time
+    real = builtins.__import__
+    def slow(name, *args, **kwargs):
+        if name == "click" and "click" not in sys.modules:
+            pathlib.Path("importing").touch()
+            time.sleep(3)                    # the command line's imports, slowed
+        return real(name, *args, **kwargs)
+    builtins.__import__ = slow
+    sys.argv = ["nanaudit", "scan", sys.argv[1], "-q", "--json", "r.json"]
+    runpy.run_module("nanaudit", run_name="__main__")
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_the_command_line_is_imported_still_leaves_a_report(tmp_path, case, sig):
+    config = case(LINEAR_CASE)
+    (tmp_path / "start.py").write_text(SLOW_IMPORT)
+    proc = subprocess.Popen([sys.executable, "start.py", str(config)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "importing", proc)
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert proc.returncode == 143
+    assert report["status"] == "interrupted" and report["error"]["signal"] == sig.name
+
+
+@pytest.mark.slow
+def test_sighup_mid_scan_is_a_partial_report_and_leaves_no_temporary(tmp_path, case):
+    marked = LINEAR_CASE.replace("for _ in range(4):", "for i in range(400):\n"
+                                 "        if i == 3:\n"
+                                 "            open('marker', 'w').close()\n"
+                                 "        __import__('time').sleep(0.05)")
+    config = case(marked)
+    proc = _nanaudit("scan", config, "-q", "--json", "r.json", cwd=tmp_path)
+    _wait_for(tmp_path / "marker", proc)
+    proc.send_signal(signal.SIGHUP)
+    proc.communicate(timeout=60)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert proc.returncode == 143 and report["error"]["signal"] == "SIGHUP"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_second_signal_during_the_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import nanaudit.report.output as output
+    from nanaudit.cli.signals import Stop
+
+    out = tmp_path / "r.json"
+    out.write_text("last run's report")
+    stop, exits = Stop(), []
+
+    def hard_exit(code):                 # what is on disk when the process is gone
+        exits.append((code, sorted(p.name for p in tmp_path.iterdir())))
+        raise SystemExit(code)
+
+    def second_signal(fd):
+        stop.signal_name = "SIGTERM"     # the first one arrived already
+        stop._handle(signal.SIGTERM, None)
+    monkeypatch.setattr(output.os, "fsync", second_signal)
+    monkeypatch.setattr("nanaudit.cli.signals.os._exit", hard_exit)
+    with pytest.raises(SystemExit):
+        output.write_atomic(out, "this run's report")
+    assert exits == [(143, ["r.json"])]
+    assert out.read_text() == "last run's report"
+
+
+# --- 12. COLUMNS=0 does not silence the console --------------------------------------------------
+
+def test_columns_zero_still_prints_the_console_report(case):
+    result = run_cli("scan", case(NAN_DATA), "--no-repro", env={"COLUMNS": "0"})
+    assert result.code == 1 and "nonfinite-input" in result.stderr
+    bad = run_cli("scan", "missing.yaml", env={"COLUMNS": "0"})
+    assert bad.code == 3 and "missing.yaml" in bad.stderr
