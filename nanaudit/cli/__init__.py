@@ -113,7 +113,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    outputs.check(terminal, folder=absolute(repro_dir) if repro_dir and not no_repro else None)
+    outputs.check(terminal, folder=None if no_repro else repro_dir)
     progress, on_start, on_step = progress_hooks(terminal)
     repro = (None if no_repro else Path(absolute(repro_dir or str(
         default_folder(outputs.without("plot").files(), 0).parent))))
@@ -155,8 +155,8 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
     from nanaudit.report.sections import DataBisect
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
+    outputs.check(terminal, also={"--skip-list": skip_list_path})
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
-    outputs.check(terminal, also=[skip_list_path])
     progress, on_start, on_step = progress_hooks(terminal)
     options = ScanOptions(steps=steps, device=device, fail_on=fail_on, on_start=on_start,
                           on_step=on_step)

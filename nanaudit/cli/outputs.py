@@ -8,7 +8,7 @@ exit 9 whatever the scan found: CI must never read a stale report from an earlie
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,9 +77,11 @@ STREAM_FORMATS = ("console", *(f.name for f in FORMATS if f.option is None))
 
 @dataclass(frozen=True)
 class Requested:
-    """The outputs a command was asked for: (format, destination) pairs; '-' is stdout."""
+    """The outputs a command was asked for: (format, destination) pairs; '-' is stdout.
+    `empty`: the options given an empty path (an unset CI variable), refused by check()."""
 
     writes: tuple[tuple[Format, str], ...]
+    empty: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Requested:
@@ -87,17 +89,19 @@ class Requested:
         stream = options.get("fmt")
         if stream is None and os.environ.get("GITHUB_ACTIONS") == "true":
             stream = "github"
-        writes = []
+        writes, empty = [], []
         for fmt in FORMATS:
             destination = options.get(fmt.param) if fmt.param else (
                 "-" if stream == fmt.name else None)
             if destination:
                 writes.append((fmt, absolute(str(destination))))
+            elif destination is not None and fmt.option:
+                empty.append(fmt.option)
         if any(fmt.quiets_console and dest == "-" for fmt, dest in writes):
             # stdout carries the JSON alone: the annotations go to stderr (Actions reads both).
-            writes = [(fmt, STDERR if dest == "-" and not fmt.quiets_console else dest)
+            writes = [(fmt, STDERR if dest == "-" and fmt.option is None else dest)
                       for fmt, dest in writes]
-        return cls(tuple(writes))
+        return cls(tuple(writes), tuple(empty))
 
     @property
     def quiets_console(self) -> bool:
@@ -114,22 +118,23 @@ class Requested:
         writes = [(fmt, move(dest) if fmt.param else dest) for fmt, dest in self.writes]
         return Requested(tuple((fmt, dest) for fmt, dest in writes if dest))
 
-    def check(self, terminal: Terminal, also: Iterable[str | None] = (),
+    def check(self, terminal: Terminal, also: Mapping[str, str | None] | None = None,
               folder: str | None = None) -> None:
-        """Refuse, before any step runs, outputs that cannot be written (and `also`, a
-        command's own files, and its `folder`: --repro); then keep stdout for the JSON report
-        when it goes there."""
+        """Refuse, before any step runs, two outputs on one path or an empty one (a usage
+        error), then outputs that cannot be written (and `also`, a command's own files by
+        option, and its `folder`: --repro); then keep stdout for the JSON report when it goes
+        there."""
         from nanaudit.report.output import output_problem
         from nanaudit.report.plot import PlotUnavailable
-        paths = dict.fromkeys([*self.files(), *(str(p) for p in also if p and p != "-")])
+        own = {option: absolute(path) if path else path for option, path in (also or {}).items()
+               if path is not None}
+        _refuse(terminal, self.usage_problems(own, folder), ExitCode.USAGE)
+        paths = dict.fromkeys([*self.files(), *(p for p in own.values() if p and p != "-")])
         problems = [f"cannot write {p}: {problem}" for p in paths
                     if (problem := output_problem(p))]
-        if folder and (problem := output_problem(folder, folder=True)):
+        if folder and (problem := output_problem(absolute(folder), folder=True)):
             problems.append(f"cannot write the repro bundle to {folder}: {problem}")
-        if problems:
-            for problem in problems:
-                terminal.error(problem)
-            exit_with(ExitCode.OUTPUT)
+        _refuse(terminal, problems, ExitCode.OUTPUT)
         for fmt, _ in self.writes:
             try:
                 if fmt.requires is not None:
@@ -139,6 +144,26 @@ class Requested:
                 exit_with(ExitCode.USAGE)
         if self.quiets_console:
             reserve_stdout()
+
+    def usage_problems(self, own: Mapping[str, str], folder: str | None) -> list[str]:
+        """Two outputs on one path (or both on stdout: the last would silently win), and
+        empty paths; `own`: a command's own files by option, `folder`: --repro."""
+        named = [*((fmt.option or f"--format {fmt.name}", dest) for fmt, dest in self.writes),
+                 *((option, path) for option, path in own.items() if path),
+                 *([("--repro", absolute(folder))] if folder else [])]
+        taken: dict[str, str] = {}
+        problems = []
+        for option, destination in named:
+            where = destination if destination == "-" else os.path.realpath(destination)
+            if where in taken:
+                problems.append(f"{taken[where]} and {option} both write "
+                                f"{'stdout' if where == '-' else destination}: give each its "
+                                f"own path")
+            taken.setdefault(where, option)
+        empty = [*self.empty, *(o for o, p in own.items() if not p),
+                 *(["--repro"] if folder == "" else [])]
+        return problems + [f"{option}: an empty path (an unset variable?); give a file name"
+                           for option in empty]
 
     def emit(self, report: Report, terminal: Terminal) -> list[str]:
         """Write every requested output, the files first, then print the console report (a
@@ -161,6 +186,14 @@ class Requested:
         elif report.status == "error" and report.error:
             terminal.error(report.error.message)
         return failed
+
+
+def _refuse(terminal: Terminal, problems: list[str], code: ExitCode) -> None:
+    """Before the run: every problem said, then the exit."""
+    for problem in problems:
+        terminal.error(problem)
+    if problems:
+        exit_with(code)
 
 
 def absolute(destination: str) -> str:

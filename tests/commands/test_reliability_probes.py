@@ -295,6 +295,28 @@ def test_a_lone_surrogate_in_the_users_message_costs_no_report(tmp_path, case):
     assert json.loads((tmp_path / "r.json").read_text())["error"]["exit_code"] == 4
 
 
+# --- 7. two outputs on one path, or an empty one: a usage error before the run ---------------
+
+@pytest.mark.parametrize("command, options, message", [
+    ("scan", ["--json", "x", "--junit-xml", "x"], "--json and --junit-xml both write"),
+    ("scan", ["--json", "x.json", "--plot", "x.json"], "--json and --plot both write"),
+    ("scan", ["--json", "-", "--markdown", "-"], "both write stdout"),
+    ("scan", ["--json", "out/x", "--repro", "out/./x"], "--json and --repro both write"),
+    ("bisect", ["--json", "x", "--skip-list", "x"], "--json and --skip-list both write"),
+    ("scan", ["--json", ""], "--json: an empty path"),
+    ("scan", ["--repro", ""], "--repro: an empty path"),
+    ("bisect", ["--skip-list", ""], "--skip-list: an empty path"),
+])
+def test_clashing_or_empty_outputs_are_a_usage_error_before_the_run(tmp_path, case, command,
+                                                                   options, message):
+    marker = tmp_path / "data-started"
+    config = case(LINEAR_CASE.replace("def batches():\n", f"def batches():\n    open("
+                                      f"{str(marker)!r}, 'w').close()\n"))
+    result = run_cli(command, config, "-q", *options)
+    assert result.code == 2 and message in result.stderr, result.stderr
+    assert not marker.exists() and not (tmp_path / "x").exists()
+
+
 # --- 8. outputs checked before the first step, and rewritten with their own mode ----------------
 
 def test_a_repro_folder_that_cannot_be_made_is_refused_before_the_first_step(tmp_path, case):
