@@ -417,3 +417,35 @@ def test_columns_zero_still_prints_the_console_report(case):
     assert result.code == 1 and "nonfinite-input" in result.stderr
     bad = run_cli("scan", "missing.yaml", env={"COLUMNS": "0"})
     assert bad.code == 3 and "missing.yaml" in bad.stderr
+
+
+# --- 11. the user's input is exit 3 or 4 with a message, never 6 -------------------------------
+
+def test_meta_tensors_in_a_batch_are_the_users_error(tmp_path, case):
+    config = case(LINEAR_CASE.replace("yield torch.randn(4, 3, generator=g)",
+                                      "yield torch.empty(4, 3, device='meta')"))
+    result = run_cli("scan", config, "-q", "--json", "r.json")
+    error = json.loads((tmp_path / "r.json").read_text())["error"]
+    assert result.code == 4 and "meta tensor (shape [4, 3]" in error["message"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda meta: meta.pop("step"), "step: missing"),
+    (lambda meta: meta.update(step="six"), "step: expected a non-negative integer, got 'six'"),
+    (lambda meta: meta.update(check=3), "check: expected a string"),
+    (lambda meta: meta.update(scale="big"), "scale: expected a number"),
+])
+def test_a_damaged_bundle_meta_is_a_config_error_naming_the_key(tmp_path, case, edit, message):
+    config = case(NAN_DATA)
+    assert run_cli("scan", config, "-q", "--repro", "bundle").code == 1
+    meta = json.loads((tmp_path / "bundle" / "meta.json").read_text())
+    edit(meta)
+    (tmp_path / "bundle" / "meta.json").write_text(json.dumps(meta))
+    result = run_cli("replay", tmp_path / "bundle", "-q")
+    assert result.code == 3 and message in result.stderr, result.stderr
+
+
+def test_a_pattern_that_is_not_a_regex_is_a_config_error(tmp_path, case):
+    (tmp_path / "ckpts").mkdir()
+    result = run_cli("bisect", case(LINEAR_CASE), "-q", "--checkpoints", "ckpts", "--pattern", "(")
+    assert result.code == 3 and "--pattern: not a regular expression" in result.stderr
