@@ -207,22 +207,28 @@ def init(config: Path, force: bool) -> None:
     "Localize again the step saved in a repro BUNDLE (written by `scan`, `Sentinel` or a "
     "training callback on a finding): same weights, batch and RNG state, without the data "
     f"pipeline. Exits {int(ExitCode.NONFINITE)} when the non-finite value reproduces, "
-    f"{int(ExitCode.USAGE)} when the bundle needs --model or --loss (the message says which)."))
+    f"{int(ExitCode.USAGE)} when the bundle needs --model or --loss (the message says which) "
+    f"or names code from outside the bundle, this folder and the installed packages (a "
+    f"replay imports and runs what the bundle names: see --trust-entrypoints)."))
 @click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--model", "model_target", metavar="MODULE:FACTORY",
               help="Build the model with this callable (bundles of Sentinel or a training "
                    "callback that could not record how; the saved weights are loaded into it).")
 @click.option("--loss", "loss_target", metavar="MODULE:FN",
               help="Compute the loss as FN(model, batch) (bundles of Sentinel or a callback).")
+@click.option("--trust-entrypoints", "trust", is_flag=True,
+              help="Import whatever the bundle's config and meta.json name, even code outside "
+                   "the bundle, this folder and the installed packages (only for a bundle "
+                   "whose author you trust: its code runs).")
 @report_options
 @stoppable("replay")
-def replay(bundle: Path, model_target: str | None, loss_target: str | None,
+def replay(bundle: Path, model_target: str | None, loss_target: str | None, trust: bool,
            fail_on: str | None, quiet: bool, stop: Stop, **formats: Any) -> None:
     from nanaudit.commands.replay import replay as run_replay
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
     outputs.check(terminal)
-    report = _ran(lambda: run_replay(bundle, model_target, loss_target), stop)
+    report = _ran(lambda: run_replay(bundle, model_target, loss_target, trust), stop)
     _finish(report, outputs, terminal)
 
 

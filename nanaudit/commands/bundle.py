@@ -320,7 +320,7 @@ def _meta_problems(meta: dict) -> list[Problem]:
             continue
         numbers = (int, float) if kind is float else (kind,)
         if isinstance(value, bool) or not isinstance(value, numbers) or (
-                kind is int and value < 0):
+                isinstance(value, int) and value < 0):
             what = "a non-negative integer" if kind is int else (
                 "a number" if kind is float else "a string")
             problems.append(Problem(key, f"expected {what}, got {value!r}"))

@@ -449,3 +449,44 @@ def test_a_pattern_that_is_not_a_regex_is_a_config_error(tmp_path, case):
     (tmp_path / "ckpts").mkdir()
     result = run_cli("bisect", case(LINEAR_CASE), "-q", "--checkpoints", "ckpts", "--pattern", "(")
     assert result.code == 3 and "--pattern: not a regular expression" in result.stderr
+
+
+# --- 13. replay runs what a bundle names: only trusted code without --trust-entrypoints --------
+
+def _bundle(tmp_path, case):
+    config = case(NAN_DATA)
+    assert run_cli("scan", config, "-q", "--repro", tmp_path / "bundle").code == 1
+    return tmp_path / "bundle"
+
+
+def test_replay_refuses_a_standard_library_entrypoint_an_edited_bundle_names(tmp_path, case):
+    bundle = _bundle(tmp_path, case)
+    assert run_cli("replay", bundle, "-q").code == 1          # its own code: replayed
+    text = (bundle / "config.yaml").read_text()
+    (bundle / "config.yaml").write_text(text.replace(
+        "model: case:build_model", "model: {entrypoint: os:system, args: {command: touch pwned}}"))
+    refused = run_cli("replay", bundle, "-q", "--json", "r.json")
+    assert refused.code == 2 and "--trust-entrypoints" in refused.stderr
+    assert "`os:system`" in json.loads((tmp_path / "r.json").read_text())["error"]["message"]
+    assert not (tmp_path / "pwned").exists()
+    trusted = run_cli("replay", bundle, "-q", "--trust-entrypoints")
+    assert trusted.code != 2 and (tmp_path / "pwned").exists()     # what the flag allows
+
+
+def test_replay_refuses_a_module_from_a_folder_the_bundle_points_at(tmp_path, case, monkeypatch):
+    bundle = _bundle(tmp_path, case)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "planted.py").write_text("import pathlib\npathlib.Path(__file__).with_name("
+                                          "'ran').touch()\n" + LINEAR_CASE)
+    (bundle / "config.yaml").write_text((bundle / "config.yaml").read_text().replace(
+        "case:", "planted:"))
+    meta = json.loads((bundle / "meta.json").read_text())
+    meta.update(config_path=str(elsewhere / "config.yaml"), base_dir=str(elsewhere))
+    (bundle / "meta.json").write_text(json.dumps(meta))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    refused = run_cli("replay", bundle, "-q")
+    assert refused.code == 2 and "planted" in refused.stderr
+    assert not (elsewhere / "ran").exists()      # not even imported
