@@ -99,6 +99,8 @@ class ScriptAuditor:
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
         self.ledger.called(module)
+        if self.ledger.cleared_by_hand():
+            self._step_by_hand()        # the backward before was a step the script took itself
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
         if self.window.armed is not None:
@@ -110,6 +112,8 @@ class ScriptAuditor:
                                                         for _, t in inputs]).all())
 
     def loss(self, loss: torch.Tensor) -> None:
+        if self.ledger.cleared_by_hand():
+            self._step_by_hand()        # `zero_grad()` after the forward, then backward
         armed = self.window.armed
         if armed is not None:
             armed.sinks.append(loss)          # no ops of ours inside the traced window
@@ -124,12 +128,16 @@ class ScriptAuditor:
     def backward_ended(self, raised: bool) -> None:
         if self.window.armed is not None:
             self.window.armed.tracer.end_backward()
+        self.ledger.backwards += not raised
         if not raised and self.ledger.updates_by_hand:
-            # This backward was the script's step: check it before the script's own update,
-            # then count the step as an optimizer's post-hook does.
-            manual = self.ledger.manual_step()
-            self._check(manual)
-            self.after_update(manual)
+            self._step_by_hand()
+
+    def _step_by_hand(self) -> None:
+        """This backward was the script's step: check it before the script's own update, then
+        count the step as an optimizer's post-hook does."""
+        manual = self.ledger.manual_step()
+        self._check(manual)
+        self.after_update(manual)
 
     def update_starting(self) -> None:
         self._evaluation = 0
@@ -145,6 +153,9 @@ class ScriptAuditor:
         self._evaluation = evaluation + 1
 
     def after_update(self, optimizer: Any) -> None:
+        if self.ledger.by_hand_anyway and optimizer is not self.ledger.manual:
+            self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
+            self._number_afresh()
         self.ledger.steps_taken += 1
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
@@ -156,8 +167,11 @@ class ScriptAuditor:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
         self.ledger.optimizers_made += 1
-        if (self.ledger.optimizers_made == 1 and self.step and self.trip is None
-                and self.window.armed is None):
+        if self.ledger.optimizers_made == 1:
+            self._number_afresh()
+
+    def _number_afresh(self) -> None:
+        if self.step and self.trip is None and self.window.armed is None:
             self.step = 0
             self.timeline.clear()
             self.ledger.forget_manual_steps()
@@ -293,7 +307,8 @@ class ScriptAuditor:
     def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
         return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
                           rank=self.rank, optimizers=len(self.ledger.stepped),
-                          manual=not self.ledger.optimizers_made, **fields)
+                          manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,
+                          **fields)
 
     def parameter_name(self, p: torch.Tensor) -> str:
         return self.ledger.name(p)

@@ -47,10 +47,14 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     trip = auditor.trip
     if trip is None:
         if auditor.step == 0:
+            did = (f"after calling backward {auditor.ledger.backwards} time(s) but never stepping "
+                   f"the optimizer it built, nor clearing the gradients with `zero_grad()` "
+                   f"between backward calls" if auditor.ledger.backwards else
+                   "without stepping an optimizer or calling backward")
             raise NothingAuditedError(
-                f"the script `{target.display}` finished without stepping an optimizer or "
-                f"calling backward: nanaudit checks at each `optimizer.step()` (at each backward "
-                f"in a script that builds no optimizer), so nothing was audited (does it "
+                f"the script `{target.display}` finished {did}: nanaudit checks at each "
+                f"`optimizer.step()` (at each backward in a script that builds no optimizer, or "
+                f"updates by hand and clears its gradients), so nothing was audited (does it "
                 f"train? are its arguments right?)")
         attach_timeline_warnings(report, None, auditor.optimizer_count)
         report.status = Status.CLEAN
