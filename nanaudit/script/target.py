@@ -23,6 +23,7 @@ from nanaudit.errors import USER_FAILURES, ConfigError, NanauditError, UserCodeE
 from nanaudit.exitcodes import STOP_SIGNALS
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.seeding import seed_everything
+from nanaudit.script.concurrency import ScriptThreads
 
 _RUNPY = os.path.abspath(runpy.__file__)
 
@@ -130,6 +131,16 @@ class Interrupts:
             previous(signum, frame)
         raise KeyboardInterrupt()
 
+    def in_child(self) -> None:
+        """In a process the script forked: its signals are its own again (default handling,
+        and no byte into this process's wakeup fd)."""
+        if self._pipe is not None and signal.set_wakeup_fd(-1) != self._pipe[1]:
+            signal.set_wakeup_fd(self._wakeup)      # not ours after all: put it back
+        for signum in self._previous:
+            if signal.getsignal(signum) == self._raise:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                              else signal.SIG_DFL)
+
     def raise_if_stopped(self) -> None:
         """After the script: KeyboardInterrupt when a stop signal arrived, also one that the
         script's own handler took (the command's handler is told which)."""
@@ -143,13 +154,14 @@ class Interrupts:
             raise KeyboardInterrupt()
 
 
-def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
-    """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it) ends it
-    quietly. The script's exceptions become UserCodeError with its frames (runpy's and ours
-    removed)."""
+def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
+    """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it, in any of
+    its threads) ends it quietly. The script's exceptions become UserCodeError with its frames
+    (runpy's and ours removed). Returns how many processes it forked (not audited)."""
     saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts().__enter__()
     hooks.install()
+    threads = ScriptThreads(undo_in_child=[hooks.remove, interrupts.in_child]).__enter__()
     try:
         seed_everything(seed)
         if target.module:
@@ -171,11 +183,13 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
     except USER_FAILURES as exc:
         raise user_error(target, exc) from exc
     finally:
+        threads.__exit__()
         hooks.remove()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
         _return_to(saved_cwd)
         interrupts.__exit__()
     interrupts.raise_if_stopped()
+    return threads.forks
 
 
 def _return_to(folder: str) -> None:

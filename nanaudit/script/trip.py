@@ -4,6 +4,7 @@ non-finite tensors in the frames of an exception the script raised."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -81,3 +82,14 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str
                 where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
                 bad.append((f"`{name}` in {where}", value_kind(value.detach())))
     return bad
+
+
+_ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th output")
+
+
+def anomaly_output(exc: BaseException) -> list[tuple[str, str]]:
+    """[(description, "nan")] when the exception is anomaly mode's (a script that calls
+    `torch.autograd.set_detect_anomaly(True)`: backward raises as soon as a function returns
+    NaN): that value is the finding, the error its effect."""
+    match = _ANOMALY.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    return [(f"output {match[2]} of {match[1]} (anomaly detection)", "nan")] if match else []

@@ -490,3 +490,117 @@ def test_replay_refuses_a_module_from_a_folder_the_bundle_points_at(tmp_path, ca
     refused = run_cli("replay", bundle, "-q")
     assert refused.code == 2 and "planted" in refused.stderr
     assert not (elsewhere / "ran").exists()      # not even imported
+
+
+# --- 9. processes, threads, anomaly mode and updates by hand -----------------------------------
+
+TRAIN = """
+    import torch
+    from torch import nn
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(6):
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            if step == 3:
+                loss = loss + torch.log(torch.zeros(()))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+"""
+FORKED = TRAIN + """
+    import os
+    pid = os.fork()
+    if pid == 0:
+        train()
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+THREADED = TRAIN + """
+    import threading
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    print("the main thread went on")
+"""
+
+
+def _run_script(tmp_path, code):
+    (tmp_path / "train.py").write_text(textwrap.dedent(code))
+    proc = _nanaudit("run", "-q", "--json", "r.json", "train.py", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, json.loads((tmp_path / "r.json").read_text()), out, err
+
+
+@pytest.mark.slow
+def test_training_in_a_forked_child_is_said_not_a_raw_traceback(tmp_path):
+    code, report, out, err = _run_script(tmp_path, FORKED)
+    assert code == 5 and "forked 1 process(es)" in report["error"]["message"]
+    assert "StepHalted" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_training_in_a_thread_stops_the_script_quietly_and_is_localized(tmp_path):
+    code, report, out, err = _run_script(tmp_path, THREADED)
+    assert code == 1 and "StepHalted" not in err and "the main thread went on" not in out
+    f = report["finding"]
+    assert (f["step"], f["op"], f["cause"]) == (3, "aten.log.default", "log-domain")
+    assert report["run"]["rerun"]["status"] == "reproduced"
+
+
+ANOMALY = """
+    import torch
+    from torch import nn
+
+    torch.autograd.set_detect_anomaly(True)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        out = model(torch.randn(4, 3))
+        loss = torch.sqrt(out.pow(2).sum() * (0 if step == 3 else 1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_anomaly_modes_error_is_the_finding_not_the_users_error(tmp_path):
+    code, report, out, err = _run_script(tmp_path, ANOMALY)
+    assert code == 1 and report["status"] == "nonfinite"
+    f = report["finding"]
+    assert (f["step"], f["where"], f["cause"]) == (3, "backward", "sqrt-domain")
+
+
+BY_HAND = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)      # built, never stepped
+    for step in range(8):
+        {zero_first}
+        out = model(torch.randn(4, 3))
+        loss = torch.sqrt(out.pow(2).sum() * (0 if step == 5 else 1))   # NaN gradients only
+        {zero_after}
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["zero_first", "zero_after"])
+def test_an_optimizer_built_but_never_stepped_with_updates_by_hand(tmp_path, where):
+    code = BY_HAND.format(**{key: "model.zero_grad()" if key == where else "pass"
+                             for key in ("zero_first", "zero_after")})
+    exit_code, report, out, err = _run_script(tmp_path, code)
+    assert exit_code == 1, report["error"]
+    f = report["finding"]
+    assert (f["step"], f["where"], f["cause"]) == (5, "backward", "sqrt-domain")
+    assert [e["step"] for e in report["timeline"]] == list(range(6))
