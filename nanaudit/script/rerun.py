@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from nanaudit.report.model import Finding, TimelineEntry
+from nanaudit.report.output import in_flight
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.script import protocol
@@ -105,7 +106,7 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation,
                      losses=tuple(e.loss for e in timeline[:trip.step]))
-    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder:
+    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder, in_flight(folder):
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
         protocol.write(spec_path, spec)
