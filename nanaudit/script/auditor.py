@@ -34,13 +34,7 @@ from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
-from nanaudit.script.trip import (
-    ERROR_CHECK,
-    ScriptTrip,
-    anomaly_output,
-    float_kind,
-    nonfinite_locals,
-)
+from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
 
 
 def _lr(optimizer: Any) -> float | None:
@@ -172,7 +166,7 @@ class ScriptAuditor:
     def optimizer_built(self) -> None:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
-        self.ledger.optimizers_made += 1
+        self.ledger.optimizer_made()
         if self.ledger.optimizers_made == 1:
             self._number_afresh()
 
@@ -382,7 +376,7 @@ class ScriptAuditor:
         if self.trip is not None:
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip
-        bad = nonfinite_locals(exc) or anomaly_output(exc)
+        bad = nonfinite_locals(exc)
         if not bad:
             return None
         self.trip = self._trip(ERROR_CHECK, bad[0][1], [name for name, _ in bad],

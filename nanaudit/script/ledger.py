@@ -48,6 +48,10 @@ class Ledger:
         module trained: each backward is the script's step."""
         return (not self.optimizers_made or self.by_hand_anyway) and bool(self.roots)
 
+    def optimizer_made(self) -> None:
+        self.optimizers_made += 1
+        self.backwards = 0          # those before it were not for it (a warm-up, an init)
+
     def cleared_by_hand(self) -> bool:
         """A new loss after a backward, no optimizer stepped yet (nor skipped by a GradScaler),
         and every trained gradient cleared (`zero_grad()` sets them to None): the script used

@@ -57,7 +57,8 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str]]:
     """[(description, kind)] of the floating tensors holding NaN or Inf among the local
     variables of the frames an exception passed through, innermost first (the op that raised
-    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked."""
+    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked.
+    Without any, the value anomaly mode's error names (`anomaly_output`)."""
     frames, tb = [], exc.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -81,7 +82,7 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str
             if not bool(torch.isfinite(value.detach()).all()):
                 where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
                 bad.append((f"`{name}` in {where}", value_kind(value.detach())))
-    return bad
+    return bad or anomaly_output(exc)
 
 
 _ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th output")
