@@ -31,7 +31,12 @@ from nanaudit.cli.process import (
     leave_early_if_failed,
     leave_process_group,
 )
-from nanaudit.cli.signals import Stop, finish_despite_sigterm, stoppable
+from nanaudit.cli.signals import (
+    Stop,
+    finish_despite_sigterm,
+    hand_over_early_signals,
+    stoppable,
+)
 from nanaudit.cli.terminal import Terminal, progress_hooks
 from nanaudit.config.schema import FAIL_ON
 from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
 def main() -> None:
     """Audit a PyTorch training run for NaN/Inf: find the batch, sample, module and op that
     made it, explain the cause, and suggest the fix."""
+    hand_over_early_signals(click.get_current_context().invoked_subcommand)
 
 
 def report_options(fn: Callable) -> Callable:

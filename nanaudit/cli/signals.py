@@ -20,7 +20,7 @@ from nanaudit.cli.outputs import Requested, final_code
 from nanaudit.cli.process import exit_with, main_thread
 from nanaudit.cli.streams import release_stdout
 from nanaudit.cli.terminal import Terminal
-from nanaudit.exitcodes import STOP_SIGNALS
+from nanaudit.exitcodes import STOP_SIGNALS, stopped_by
 
 if TYPE_CHECKING:
     from nanaudit.report.model import Report
@@ -79,11 +79,30 @@ class Stop:
             mark_interrupted(report, self.signal_name)
 
 
+_STOPPABLE: set[str] = set()      # the commands whose Stop takes over __main__'s EarlySignals
+
+
+def hand_over_early_signals(command: str | None) -> None:
+    """Before a command that installs no Stop of its own (validate, init, --help): the stop
+    signals get Python's default handling back, and one noted while importing ends the
+    process now, as it would have."""
+    if command in _STOPPABLE or not main_thread():
+        return
+    for name in STOP_SIGNALS:
+        sig = signal.Signals[name]
+        if getattr(signal.getsignal(sig), "received", None):
+            exit_with(stopped_by(name))
+        if hasattr(signal.getsignal(sig), "received"):
+            signal.signal(sig, signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+
+
 def stoppable(command: str) -> Callable[[Callable], Callable]:
     """Cover a command from its first line: a signal that arrives before the run has a report
     (torch still importing, the outputs being checked) still leaves a partial report and exits
     130 or 143, not click's "Aborted!" with exit 1. The command gets the guard as `stop`: one
     handler for the whole command."""
+    _STOPPABLE.add(command)
+
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def guarded_command(**kwargs: Any) -> Any:
