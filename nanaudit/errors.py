@@ -132,11 +132,18 @@ class UserCodeError(NanauditError):
                                        for f in self.frames], exit_code=self.exit_code)
 
 
+USER_FAILURES = (Exception, SystemExit, GeneratorExit)
+"""What the user's code raises as its own failure: any Exception, and the two BaseExceptions it
+raises on its own account: `sys.exit` (argparse, a factory parsing its argv, a library that
+exits) and GeneratorExit. Neither is nanaudit's (commands return, only the CLI exits), so
+either is the user's error, exit 4, with every report written; KeyboardInterrupt is a stop."""
+
+
 def call_user(what: str, fn, *args, **kwargs):
     """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
     try:
         return fn(*args, **kwargs)
     except (KeyboardInterrupt, NanauditError):
         raise
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise UserCodeError(what, exc) from exc

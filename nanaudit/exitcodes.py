@@ -28,8 +28,17 @@ class ExitCode(IntEnum):
     OUTPUT = 9, ("a requested output (report, plot, repro bundle, skip list) could not be "
                  "written, whatever the scan found")
     INTERRUPTED = 130, "interrupted by Ctrl-C (SIGINT): the partial report is valid"
-    TERMINATED = 143, ("stopped by SIGTERM (CI timeout, Kubernetes, `timeout`): the partial "
-                       "report is valid")
+    TERMINATED = 143, ("stopped by SIGTERM or SIGHUP (CI timeout, Kubernetes, `timeout`, a "
+                       "closed terminal): the partial report is valid")
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+"""The signals that stop a run with a partial report (by name: no import of `signal` here)."""
+
+
+def stopped_by(signal_name: str) -> ExitCode:
+    """The exit code of a run stopped by one of STOP_SIGNALS: Ctrl-C is 130, the others 143."""
+    return ExitCode.INTERRUPTED if signal_name == "SIGINT" else ExitCode.TERMINATED
 
 
 def exit_code_help() -> str:

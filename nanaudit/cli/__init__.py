@@ -2,7 +2,7 @@
 process's exit. Each command turns its options into one call of `nanaudit.commands`, which
 returns a Report and never prints or exits; then the requested outputs are written and the
 process exits with the report's code. terminal.py owns the console, outputs.py the formats,
-signals.py SIGINT and SIGTERM, process.py the exit.
+streams.py stdout and stderr, signals.py the stop signals, process.py the exit.
 
 torch is imported lazily inside the commands, so `nanaudit --help` stays instant.
 """
@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from nanaudit._version import __version__
-from nanaudit.cli.outputs import FORMATS, STREAM_FORMATS, Requested, final_code, write
+from nanaudit.cli.outputs import (
+    FORMATS,
+    STREAM_FORMATS,
+    Requested,
+    absolute,
+    final_code,
+    write,
+)
 from nanaudit.cli.process import (
     code_of,
     exit_with,
@@ -24,7 +31,12 @@ from nanaudit.cli.process import (
     leave_early_if_failed,
     leave_process_group,
 )
-from nanaudit.cli.signals import Stop, finish_despite_sigterm, stoppable
+from nanaudit.cli.signals import (
+    Stop,
+    finish_despite_sigterm,
+    hand_over_early_signals,
+    stoppable,
+)
 from nanaudit.cli.terminal import Terminal, progress_hooks
 from nanaudit.config.schema import FAIL_ON
 from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
@@ -40,6 +52,7 @@ if TYPE_CHECKING:
 def main() -> None:
     """Audit a PyTorch training run for NaN/Inf: find the batch, sample, module and op that
     made it, explain the cause, and suggest the fix."""
+    hand_over_early_signals(click.get_current_context().invoked_subcommand)
 
 
 def report_options(fn: Callable) -> Callable:
@@ -53,8 +66,8 @@ def report_options(fn: Callable) -> Callable:
         elif fmt.name == STREAM_FORMATS[1]:
             options.append(click.option(
                 "--format", "fmt", type=click.Choice(STREAM_FORMATS), default=None,
-                help="github: print ::error annotations on stdout (default when "
-                     "GITHUB_ACTIONS=true)."))
+                help="github: print ::error annotations on stdout (on stderr when --json - "
+                     "takes stdout; default when GITHUB_ACTIONS=true)."))
     options += [
         click.option("--fail-on", "fail_on", type=click.Choice(FAIL_ON), default=None,
                      help=f"{FAIL_ON[0]} (default): exit {int(ExitCode.NONFINITE)} only on a "
@@ -106,10 +119,10 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    outputs.check(terminal)
+    outputs.check(terminal, folder=None if no_repro else repro_dir)
     progress, on_start, on_step = progress_hooks(terminal)
-    repro = (None if no_repro else Path(repro_dir) if repro_dir else
-             default_folder(outputs.without("plot").files(), 0).parent)
+    repro = (None if no_repro else Path(absolute(repro_dir or str(
+        default_folder(outputs.without("plot").files(), 0).parent))))
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir,
@@ -148,7 +161,8 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
     from nanaudit.report.sections import DataBisect
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
-    outputs.check(terminal, also=[skip_list_path])
+    outputs.check(terminal, also={"--skip-list": skip_list_path})
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     progress, on_start, on_step = progress_hooks(terminal)
     options = ScanOptions(steps=steps, device=device, fail_on=fail_on, on_start=on_start,
                           on_step=on_step)
@@ -199,22 +213,28 @@ def init(config: Path, force: bool) -> None:
     "Localize again the step saved in a repro BUNDLE (written by `scan`, `Sentinel` or a "
     "training callback on a finding): same weights, batch and RNG state, without the data "
     f"pipeline. Exits {int(ExitCode.NONFINITE)} when the non-finite value reproduces, "
-    f"{int(ExitCode.USAGE)} when the bundle needs --model or --loss (the message says which)."))
+    f"{int(ExitCode.USAGE)} when the bundle needs --model or --loss (the message says which) "
+    f"or names code from outside the bundle, this folder and the installed packages (a "
+    f"replay imports and runs what the bundle names: see --trust-entrypoints)."))
 @click.argument("bundle", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--model", "model_target", metavar="MODULE:FACTORY",
               help="Build the model with this callable (bundles of Sentinel or a training "
                    "callback that could not record how; the saved weights are loaded into it).")
 @click.option("--loss", "loss_target", metavar="MODULE:FN",
               help="Compute the loss as FN(model, batch) (bundles of Sentinel or a callback).")
+@click.option("--trust-entrypoints", "trust", is_flag=True,
+              help="Import whatever the bundle's config and meta.json name, even code outside "
+                   "the bundle, this folder and the installed packages (only for a bundle "
+                   "whose author you trust: its code runs).")
 @report_options
 @stoppable("replay")
-def replay(bundle: Path, model_target: str | None, loss_target: str | None,
+def replay(bundle: Path, model_target: str | None, loss_target: str | None, trust: bool,
            fail_on: str | None, quiet: bool, stop: Stop, **formats: Any) -> None:
     from nanaudit.commands.replay import replay as run_replay
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
     outputs.check(terminal)
-    report = _ran(lambda: run_replay(bundle, model_target, loss_target), stop)
+    report = _ran(lambda: run_replay(bundle, model_target, loss_target, trust), stop)
     _finish(report, outputs, terminal)
 
 

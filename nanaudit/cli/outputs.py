@@ -8,12 +8,12 @@ exit 9 whatever the scan found: CI must never read a stale report from an earlie
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanaudit.cli.process import code_of, exit_with
+from nanaudit.cli.streams import STDERR, reserve_stdout, write_stderr, write_stdout
 from nanaudit.cli.terminal import Terminal
 from nanaudit.exitcodes import ExitCode
 
@@ -79,9 +79,11 @@ STREAM_FORMATS = ("console", *(f.name for f in FORMATS if f.option is None))
 
 @dataclass(frozen=True)
 class Requested:
-    """The outputs a command was asked for: (format, destination) pairs; '-' is stdout."""
+    """The outputs a command was asked for: (format, destination) pairs; '-' is stdout.
+    `empty`: the options given an empty path (an unset CI variable), refused by check()."""
 
     writes: tuple[tuple[Format, str], ...]
+    empty: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Requested:
@@ -89,20 +91,26 @@ class Requested:
         stream = options.get("fmt")
         if stream is None and os.environ.get("GITHUB_ACTIONS") == "true":
             stream = "github"
-        writes = []
+        writes, empty = [], []
         for fmt in FORMATS:
             destination = options.get(fmt.param) if fmt.param else (
                 "-" if stream == fmt.name else None)
             if destination:
-                writes.append((fmt, str(destination)))
-        return cls(tuple(writes))
+                writes.append((fmt, absolute(str(destination))))
+            elif destination is not None and fmt.option:
+                empty.append(fmt.option)
+        if any(fmt.quiets_console and dest == "-" for fmt, dest in writes):
+            # stdout carries the JSON alone: the annotations go to stderr (Actions reads both).
+            writes = [(fmt, STDERR if dest == "-" and fmt.option is None else dest)
+                      for fmt, dest in writes]
+        return cls(tuple(writes), tuple(empty))
 
     @property
     def quiets_console(self) -> bool:
         return any(fmt.quiets_console and dest == "-" for fmt, dest in self.writes)
 
     def files(self) -> list[str]:
-        return [dest for _, dest in self.writes if dest != "-"]
+        return [dest for _, dest in self.writes if dest not in ("-", STDERR)]
 
     def without(self, name: str) -> Requested:
         return Requested(tuple((fmt, dest) for fmt, dest in self.writes if fmt.name != name))
@@ -112,18 +120,23 @@ class Requested:
         writes = [(fmt, move(dest) if fmt.param else dest) for fmt, dest in self.writes]
         return Requested(tuple((fmt, dest) for fmt, dest in writes if dest))
 
-    def check(self, terminal: Terminal, also: Iterable[str | None] = ()) -> None:
-        """Refuse, before any step runs, outputs that cannot be written (and `also`, a
-        command's own files)."""
+    def check(self, terminal: Terminal, also: Mapping[str, str | None] | None = None,
+              folder: str | None = None) -> None:
+        """Refuse, before any step runs, two outputs on one path or an empty one (a usage
+        error), then outputs that cannot be written (and `also`, a command's own files by
+        option, and its `folder`: --repro); then keep stdout for the JSON report when it goes
+        there."""
         from nanaudit.report.output import output_problem
         from nanaudit.report.plot import PlotUnavailable
-        paths = dict.fromkeys([*self.files(), *(str(p) for p in also if p and p != "-")])
+        own = {option: absolute(path) if path else path for option, path in (also or {}).items()
+               if path is not None}
+        _refuse(terminal, self.usage_problems(own, folder), ExitCode.USAGE)
+        paths = dict.fromkeys([*self.files(), *(p for p in own.values() if p and p != "-")])
         problems = [f"cannot write {p}: {problem}" for p in paths
                     if (problem := output_problem(p))]
-        if problems:
-            for problem in problems:
-                terminal.error(problem)
-            exit_with(ExitCode.OUTPUT)
+        if folder and (problem := output_problem(absolute(folder), folder=True)):
+            problems.append(f"cannot write the repro bundle to {folder}: {problem}")
+        _refuse(terminal, problems, ExitCode.OUTPUT)
         for fmt, _ in self.writes:
             try:
                 if fmt.requires is not None:
@@ -131,17 +144,36 @@ class Requested:
             except PlotUnavailable as exc:
                 terminal.error(str(exc))
                 exit_with(ExitCode.USAGE)
+        if self.quiets_console:
+            reserve_stdout()
+
+    def usage_problems(self, own: Mapping[str, str], folder: str | None) -> list[str]:
+        """Two outputs on one path (or both on stdout: the last would silently win), and
+        empty paths; `own`: a command's own files by option, `folder`: --repro."""
+        named = [*((fmt.option or f"--format {fmt.name}", dest) for fmt, dest in self.writes),
+                 *((option, path) for option, path in own.items() if path),
+                 *([("--repro", absolute(folder))] if folder else [])]
+        taken: dict[str, str] = {}
+        problems = []
+        for option, destination in named:
+            where = destination if destination == "-" else os.path.realpath(destination)
+            if where in taken:
+                problems.append(f"{taken[where]} and {option} both write "
+                                f"{'stdout' if where == '-' else destination}: give each its "
+                                f"own path")
+            taken.setdefault(where, option)
+        empty = [*self.empty, *(o for o, p in own.items() if not p),
+                 *(["--repro"] if folder == "" else [])]
+        return problems + [f"{option}: an empty path (an unset variable?); give a file name"
+                           for option in empty]
 
     def emit(self, report: Report, terminal: Terminal) -> list[str]:
-        """Print the console report and write every requested output; returns the failures."""
+        """Write every requested output, the files first, then print the console report (a
+        console that fails cannot cost a file); returns the failures."""
         from nanaudit.report.console import print_report
         from nanaudit.report.plot import PlotUnavailable
-        if not terminal.quiet:
-            print_report(report, terminal.err)
-        elif report.status == "error" and report.error:
-            terminal.error(report.error.message)
         failed = []
-        for fmt, destination in self.writes:
+        for fmt, destination in sorted(self.writes, key=lambda w: w[1] in ("-", STDERR)):
             try:
                 data = fmt.render(report)
             except PlotUnavailable as exc:
@@ -150,28 +182,52 @@ class Requested:
             problem = write(fmt.what, destination, data)
             if problem:
                 failed.append(problem)
+        if not terminal.quiet:
+            problem = terminal.show(lambda console: print_report(report, console))
+            failed += [problem] if problem else []
+        elif report.status == "error" and report.error:
+            terminal.error(report.error.message)
         return failed
+
+
+def _refuse(terminal: Terminal, problems: list[str], code: ExitCode) -> None:
+    """Before the run: every problem said, then the exit."""
+    for problem in problems:
+        terminal.error(problem)
+    if problems:
+        exit_with(code)
+
+
+def absolute(destination: str) -> str:
+    """A destination resolved at start-up: user code that calls `os.chdir` must not move the
+    reports into its new folder (where they could overwrite its files); '-' stays stdout."""
+    return destination if destination == "-" else os.path.abspath(destination)
 
 
 def write(what: str, destination: str, data: str | bytes) -> str | None:
     """Write `data` atomically to the file `destination`, or text to stdout when it is '-'
-    (bytes, a PNG or the skip list, always go to a file); the failure message, or None."""
-    from nanaudit.report.output import write_atomic_bytes
+    (stderr: STDERR; bytes, a PNG or the skip list, always go to a file); the failure
+    message, or None. Text is UTF-8; a lone surrogate (a file name os.listdir could not
+    decode, in a user's message) is written escaped, never a failure."""
+    from nanaudit.report.output import encoded, write_atomic_bytes
+    raw = encoded(data) if isinstance(data, str) else data
     try:
         if destination == "-" and isinstance(data, str):
-            sys.stdout.write(data)
-            sys.stdout.flush()
+            write_stdout(raw)
+        elif destination == STDERR:
+            write_stderr(raw)
         else:
-            write_atomic_bytes(destination, data.encode("utf-8") if isinstance(data, str)
-                               else data)
+            write_atomic_bytes(destination, raw)
     except OSError as exc:      # a closed pipe (`| head`), a full disk: it did not arrive
-        where = "stdout" if destination == "-" else destination
+        where = {"-": "stdout", STDERR: "stderr"}.get(destination, destination)
         return f"cannot write {what} to {where}: {exc.strerror or str(exc)}"
     return None
 
 
 def final_code(report: Report, failed: list[str], terminal: Terminal) -> ExitCode:
-    """The report's exit code, unless a requested output could not be written."""
+    """The report's exit code, unless a requested output (the console report among them)
+    could not be written."""
+    failed = [*failed, *(f for f in terminal.failures if f not in failed)]
     if not failed:
         return code_of(report)
     for message in failed:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 
 def exit_with(code: ExitCode) -> NoReturn:
+    from nanaudit.cli.streams import settle_before_exit
+    settle_before_exit()
     sys.exit(int(code))
 
 

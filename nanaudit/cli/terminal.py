@@ -5,7 +5,9 @@ markup, no progress bar when stderr is not a terminal, and `NO_COLOR` honoured (
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,27 +19,54 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich's own points stdout at /dev/null and exits 1: the JSON on stdout and every
+        # report not yet written would be lost. The pipe's reader left: say so, exit 9.
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
 class Terminal:
-    """Owns the console: semantic levels on stderr, user strings never parsed as markup."""
+    """Owns the console: semantic levels on stderr, user strings never parsed as markup. A
+    console that fails (stderr closed or broken, an encoding that cannot print) is noted in
+    `failures`, never raised: the reports are written whatever happens to it."""
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
-        self.err = Console(stderr=True, highlight=False, width=_log_width())
+        self.err = _Console(stderr=True, highlight=False, width=_log_width())
+        self.failures: list[str] = []
+
+    def show(self, draw: Callable[[Console], object]) -> str | None:
+        """Draw on the console; why it failed, or None (the failure is also noted)."""
+        if self.failures:
+            return self.failures[0]
+        try:
+            if sys.stderr is None:
+                raise OSError(errno.EBADF, "stderr is closed")
+            draw(self.err)
+            return None
+        except (OSError, ValueError) as exc:     # UnicodeEncodeError is a ValueError
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.failures.append(f"cannot print the console report to stderr: {reason}")
+            return self.failures[0]
 
     def error(self, message: str) -> None:
-        self.err.print(Text("error: ", style="bold red") + Text(message))
+        line = Text("error: ", style="bold red") + Text(message)
+        if self.show(lambda console: console.print(line)) is not None:
+            _last_resort(f"nanaudit: error: {message}\n")
 
     def warning(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(Text("warning: ", style="bold yellow") + Text(message))
+            self.show(lambda console: console.print(Text("warning: ", style="bold yellow")
+                                                    + Text(message)))
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(Text(message))
+            self.show(lambda console: console.print(Text(message)))
 
     def success(self, message: str) -> None:
         if not self.quiet:
-            self.err.print(Text(message, style="bold green"))
+            self.show(lambda console: console.print(Text(message, style="bold green")))
 
     def progress(self) -> Progress | None:
         """A progress bar on stderr, or None when not a terminal or quiet."""
@@ -54,12 +83,33 @@ class Terminal:
                         TimeElapsedColumn(), console=self.err, transient=True)
 
 
+def _last_resort(text: str) -> None:
+    """An error message when stderr failed: on stdout, unless stdout carries machine output."""
+    from nanaudit.cli.streams import stdout_is_free
+    if stdout_is_free() and sys.stdout is not None:
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def _log_width() -> int | None:
     """Not a terminal (a CI log, a pipe) and no COLUMNS: do not wrap at rich's default 80
-    columns, which cuts numbers and paths in half. A terminal, or COLUMNS, decides otherwise."""
-    if os.environ.get("COLUMNS") or sys.stderr.isatty():
+    columns, which cuts numbers and paths in half. A terminal, or a positive COLUMNS, decides
+    otherwise; COLUMNS=0 (or junk), which rich would take as zero columns and print nothing,
+    counts as unset."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
         return None
-    return 1000
+    tty = False
+    try:
+        tty = sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError):
+        pass
+    if not tty:
+        return 1000
+    return shutil.get_terminal_size((80, 24)).columns if columns else None
 
 
 def progress_hooks(terminal: Terminal) -> tuple[Progress | None, Callable[[int | None], None],

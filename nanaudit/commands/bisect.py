@@ -233,7 +233,10 @@ class CheckpointFile:
 def list_checkpoints(folder: Path, pattern: str | None = None) -> list[CheckpointFile]:
     if not folder.is_dir():
         raise ConfigError([Problem("--checkpoints", f"not a folder: {folder}")])
-    regex = re.compile(pattern or DEFAULT_PATTERN)
+    try:
+        regex = re.compile(pattern or DEFAULT_PATTERN)
+    except re.error as exc:
+        raise ConfigError([Problem("--pattern", f"not a regular expression: {exc}")]) from None
     found, unmatched = [], []
     for path in sorted(folder.iterdir()):
         if not path.is_file() or path.name.startswith("."):

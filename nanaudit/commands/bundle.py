@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from nanaudit._version import __version__
-from nanaudit.errors import ConfigError
-from nanaudit.report.output import honour_umask
+from nanaudit.errors import ConfigError, Problem
+from nanaudit.report.output import honour_umask, in_flight
 from nanaudit.run.batch import batch_structure, to_plain
 
 BUNDLE_FILES = ("state.pt", "rng.pt", "batch.pt", "config.yaml", "meta.json", "report.json",
@@ -124,25 +124,26 @@ def publish_bundle(folder: Path, fill: Callable[[Path], None]) -> Path:
                               f"nothing in it was touched")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    aside = None
-    try:
-        honour_umask(tmp, directory=True)
-        fill(tmp)
-        _write_manifest(tmp)
-        if folder.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
-            os.replace(folder, aside / folder.name)
-            aside_bundle = aside / folder.name
-            if not is_bundle(aside_bundle):
-                os.replace(aside_bundle, folder)
-                raise FileExistsError(f"{folder} changed while the new bundle was written; "
-                                      f"it was left as it is")
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and not any(aside.iterdir()):
-            aside.rmdir()
-        raise
+    with in_flight(tmp):
+        aside = None
+        try:
+            honour_umask(tmp, directory=True)
+            fill(tmp)
+            _write_manifest(tmp)
+            if folder.exists():
+                aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+                os.replace(folder, aside / folder.name)
+                aside_bundle = aside / folder.name
+                if not is_bundle(aside_bundle):
+                    os.replace(aside_bundle, folder)
+                    raise FileExistsError(f"{folder} changed while the new bundle was written; "
+                                          f"it was left as it is")
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if aside is not None and not any(aside.iterdir()):
+                aside.rmdir()
+            raise
     if aside is not None:
         _remove_bundle(aside / folder.name)
         aside.rmdir()
@@ -286,6 +287,8 @@ def load_bundle(folder: Path) -> Bundle:
     if meta is not None and not isinstance(meta, dict):
         raise ConfigError(f"cannot read the repro bundle {folder}: meta.json holds a "
                           f"{type(meta).__name__}, not an object")
+    if meta is not None and (problems := _meta_problems(meta)):
+        raise ConfigError(problems, source=str(folder / "meta.json"))
     required = BUNDLE_FILES if meta is None or bundle_source(meta) == "scan" else RECORDED_FILES
     missing = [name for name in required if not (folder / name).exists()]
     if missing:
@@ -298,6 +301,30 @@ def load_bundle(folder: Path) -> Bundle:
         raise ConfigError(f"cannot read the repro bundle {folder}: {exc}") from None
     assert meta is not None, "meta.json is in every list of required files"
     return Bundle(folder, meta, state, rng, batch)
+
+
+_META_KEYS = {"step": (int, True), "check": (str, True), "config_path": (str, False),
+              "window": (int, False), "halt_at": (int, False), "batch_index": (int, False),
+              "micro_batch": (int, False), "rank": (int, False), "scale": (float, False)}
+"""meta.json's keys a replay computes with: (type, required); an optional one may be null."""
+
+
+def _meta_problems(meta: dict) -> list[Problem]:
+    """meta.json's missing or mistyped keys (an edited or damaged bundle), each named."""
+    problems = []
+    for key, (kind, required) in _META_KEYS.items():
+        value = meta.get(key)
+        if value is None:
+            if required or (key == "config_path" and bundle_source(meta) == "scan"):
+                problems.append(Problem(key, "missing"))
+            continue
+        numbers = (int, float) if kind is float else (kind,)
+        if isinstance(value, bool) or not isinstance(value, numbers) or (
+                isinstance(value, int) and value < 0):
+            what = "a non-negative integer" if kind is int else (
+                "a number" if kind is float else "a string")
+            problems.append(Problem(key, f"expected {what}, got {value!r}"))
+    return problems
 
 
 def bundle_source(meta: dict) -> str:

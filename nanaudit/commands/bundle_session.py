@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from nanaudit.commands.bundle import Bundle
-from nanaudit.errors import ConfigError, NanauditError, Problem, UsageError, UserCodeError
+from nanaudit.errors import (
+    USER_FAILURES,
+    ConfigError,
+    NanauditError,
+    Problem,
+    UsageError,
+    UserCodeError,
+)
 
 
 def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = None):
@@ -145,7 +152,7 @@ def _build(what: str, build, meta: dict, resolve, override):
         raise UsageError(f"cannot replay the bundle: {missing}") from None
     except NanauditError:
         raise
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise UserCodeError(what, exc) from exc
 
 

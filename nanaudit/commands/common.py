@@ -14,8 +14,8 @@ from pathlib import Path
 
 from nanaudit._version import __version__
 from nanaudit.config.schema import Config
-from nanaudit.errors import NanauditError
-from nanaudit.exitcodes import ExitCode
+from nanaudit.errors import USER_FAILURES, NanauditError, UserCodeError
+from nanaudit.exitcodes import ExitCode, stopped_by
 from nanaudit.report.model import Report
 from nanaudit.report.sections import ErrorInfo, InternalFailure, Interruption
 from nanaudit.report.vocabulary import Status
@@ -59,9 +59,8 @@ def early_report(target, command: str, signal_name: str) -> Report:
 
 def mark_interrupted(report: Report, signal_name: str) -> None:
     """A run stopped by SIGINT or SIGTERM: the report keeps what it has, marked partial."""
-    import signal
     report.status = Status.INTERRUPTED
-    code = ExitCode.TERMINATED if signal_name == signal.SIGTERM.name else ExitCode.INTERRUPTED
+    code = stopped_by(signal_name)
     report.error = Interruption(signal=signal_name, exit_code=code,
                                 message=f"stopped by {signal_name} after {report.steps_run} "
                                         f"step(s); this report is partial")
@@ -98,7 +97,10 @@ def guarded(report: Report, body: Callable[[], None],
         body()
     except KeyboardInterrupt:
         report.status = Status.INTERRUPTED
-    except Exception as exc:
+    except USER_FAILURES as exc:
+        if not isinstance(exc, Exception):
+            # sys.exit or GeneratorExit that no narrower guard named: ours never raise them.
+            exc = UserCodeError("the user's code", exc)
         report.status = Status.ERROR
         report.error = error_info(exc)
         if on_error is not None:

@@ -5,31 +5,40 @@ record).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+from nanaudit.commands.bundle_trust import EntrypointGate
 from nanaudit.commands.common import base_report, guarded
+from nanaudit.config.entrypoints import import_gate
 from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report
 from nanaudit.report.vocabulary import Status
 
 
-def replay(folder: str | Path, model: str | None = None, loss: str | None = None) -> Report:
-    """`nanaudit replay DIR`: localize the step saved in a repro bundle again."""
+def replay(folder: str | Path, model: str | None = None, loss: str | None = None,
+           trust: bool = False) -> Report:
+    """`nanaudit replay DIR`: localize the step saved in a repro bundle again; without `trust`,
+    only code from the bundle, the working folder and installed packages is imported (and
+    what `model` / `loss` name: bundle_trust.py)."""
     report = base_report(Path(folder) / "config.yaml", None)
     report.command = "replay"
-    return guarded(report, lambda: _replay(Path(folder), report, model, loss))
+    return guarded(report, lambda: _replay(Path(folder), report, model, loss, trust))
 
 
-def _replay(folder: Path, report: Report, model: str | None, loss: str | None) -> None:
+def _replay(folder: Path, report: Report, model: str | None, loss: str | None,
+            trust: bool) -> None:
     from nanaudit.commands.bundle import bundle_source as _source
     from nanaudit.commands.bundle import load_bundle
     from nanaudit.commands.bundle_session import bundle_import_path, replay_bundle
     from nanaudit.localize.findings import build_finding
     bundle = load_bundle(folder)
+    gate = contextlib.nullcontext() if trust else import_gate(
+        EntrypointGate(bundle, typed=(model, loss)))
     if not bundle.from_scan:
         report.config = {"path": str(folder), "source": _source(bundle.meta),
                          "model": model, "loss": loss}
-    with bundle_import_path(bundle, with_cwd=bool(model or loss)):
+    with gate, bundle_import_path(bundle, with_cwd=bool(model or loss)):
         session, outcome, notes = replay_bundle(bundle, model, loss)
         if bundle.from_scan:
             report.config = session.config.summary()

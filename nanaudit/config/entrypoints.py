@@ -1,7 +1,9 @@
 """Resolve the config's entrypoints (`pkg.mod:fn` or `file.py:fn`) to the user's callables.
 
 The config's folder is on `sys.path` only inside `user_import_path`, so `case:build_model`
-beside the YAML imports, and nothing leaks into the interpreter after the run.
+beside the YAML imports, and nothing leaks into the interpreter after the run. Inside
+`import_gate(gate)` every entrypoint's module is shown to `gate` before it is imported (a
+replay vets what a bundle names: commands/bundle_trust.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ from typing import Any
 
 from nanaudit.config.schema import Entrypoint
 from nanaudit.config.values import did_you_mean
-from nanaudit.errors import ConfigError, Problem, UserCodeError
+from nanaudit.errors import USER_FAILURES, ConfigError, Problem, UserCodeError
+
+_GATES: list[Callable[[Entrypoint, Path], None]] = []
+
+
+@contextlib.contextmanager
+def import_gate(gate: Callable[[Entrypoint, Path], None]) -> Iterator[None]:
+    """`gate(entry, base_dir)` is called before each entrypoint's module is imported; it
+    raises to refuse the import."""
+    _GATES.append(gate)
+    try:
+        yield
+    finally:
+        _GATES.remove(gate)
 
 
 @contextlib.contextmanager
@@ -66,6 +81,8 @@ def resolve_callable(entry: Entrypoint, base_dir: Path) -> Callable:
 
 
 def _import_module(entry: Entrypoint, base_dir: Path) -> ModuleType:
+    for gate in _GATES:
+        gate(entry, base_dir)
     module_part = entry.module_part
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         return _import_file(entry, base_dir)
@@ -78,7 +95,7 @@ def _import_module(entry: Entrypoint, base_dir: Path) -> ModuleType:
                                        f"on sys.path and in the config's folder {base_dir})")]
                               ) from None
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise UserCodeError(f"importing `{module_part}`", exc) from exc
 
 
@@ -100,7 +117,7 @@ def _import_file(entry: Entrypoint, base_dir: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except USER_FAILURES as exc:
         del sys.modules[name]
         raise UserCodeError(f"importing `{entry.module_part}`", exc) from exc
     return module

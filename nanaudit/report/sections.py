@@ -97,10 +97,10 @@ class InternalFailure(ErrorInfo):
 
 @dataclass(kw_only=True)
 class Interruption(ErrorInfo):
-    """SIGINT or SIGTERM stopped the run: the report is partial."""
+    """SIGINT, SIGTERM or SIGHUP stopped the run: the report is partial."""
 
     type: str = field(default="Interrupted", init=False)
-    signal: str                # SIGINT | SIGTERM
+    signal: str                # SIGINT | SIGTERM | SIGHUP
     exit_code: ExitCode
     message: str
     rank: int | None = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.errors import ConfigError, Problem
+from nanaudit.errors import ConfigError, Problem, UserCodeError
 
 
 @dataclass(frozen=True)
@@ -261,6 +261,11 @@ def move(tree: Any, device, leaves: list) -> Any:
     custom batch class) is moved by it. non_blocking lets host-to-device copies overlap with
     compute on CUDA; it is a no-op on CPU."""
     if isinstance(tree, torch.Tensor):
+        if tree.is_meta:
+            raise UserCodeError("the data", ValueError(
+                f"a batch holds a meta tensor (shape {list(tree.shape)}, dtype "
+                f"{str(tree.dtype).removeprefix('torch.')}): it has a shape but no values, "
+                f"so it cannot be trained on or checked; load the real data"))
         moved = tree.to(device, non_blocking=True)
         if moved.is_floating_point() or moved.is_complex():
             leaves.append(moved)

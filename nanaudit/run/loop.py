@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
+from nanaudit.errors import USER_FAILURES, ConfigError, Problem, UserCodeError, call_user
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import StepChecks, confirm_norms
 from nanaudit.run.deferred import BufferKeeper, ReadMode, choose_read
@@ -63,7 +63,7 @@ def next_batch(iterator: Iterator, what: str) -> Any:
         return DATA_END
     except (KeyboardInterrupt, UserCodeError, ConfigError):
         raise
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise UserCodeError(what, exc) from exc
 
 

@@ -116,6 +116,8 @@ class ScriptAuditor:
         self.ledger.called(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
             self.ranks = RankChecks.saw(self.ranks, module)
+        if self.ledger.cleared_by_hand():
+            self._step_by_hand()        # the backward before was a step the script took itself
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs)
             if self.ranks is not None:
@@ -129,6 +131,8 @@ class ScriptAuditor:
                                                         for _, t in inputs]).all())
 
     def loss(self, loss: torch.Tensor) -> None:
+        if self.ledger.cleared_by_hand():
+            self._step_by_hand()        # `zero_grad()` after the forward, then backward
         armed = self.window.armed
         if armed is not None:
             armed.sinks.append(loss)          # no ops of ours inside the traced window
@@ -143,13 +147,17 @@ class ScriptAuditor:
     def backward_ended(self, raised: bool) -> None:
         if self.window.armed is not None:
             self.window.armed.tracer.end_backward()
+        self.ledger.backwards += not raised
         if not raised and self.ledger.updates_by_hand:
-            # This backward was the script's step: check it before the script's own update,
-            # then count the step as an optimizer's post-hook does.
-            manual = self.ledger.manual_step()
-            self._check(manual)
-            self.after_update(manual)
+            self._step_by_hand()
         self.window.enter_data_code(self.step)
+
+    def _step_by_hand(self) -> None:
+        """This backward was the script's step: check it before the script's own update, then
+        count the step as an optimizer's post-hook does."""
+        manual = self.ledger.manual_step()
+        self._check(manual)
+        self.after_update(manual)
 
     def update_starting(self) -> None:
         self.window.leave_data_code()
@@ -172,6 +180,9 @@ class ScriptAuditor:
         if self._state_step == id(optimizer):
             self._state_step = None
             return
+        if self.ledger.by_hand_anyway and optimizer is not self.ledger.manual:
+            self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
+            self._number_afresh()
         self.ledger.steps_taken += 1
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
@@ -183,9 +194,12 @@ class ScriptAuditor:
     def optimizer_built(self) -> None:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
-        self.ledger.optimizers_made += 1
-        if (self.ledger.optimizers_made == 1 and self.step and self.trip is None
-                and self.window.armed is None):
+        self.ledger.optimizer_made()
+        if self.ledger.optimizers_made == 1:
+            self._number_afresh()
+
+    def _number_afresh(self) -> None:
+        if self.step and self.trip is None and self.window.armed is None:
             self.step = 0
             self.timeline.clear()
             self.ledger.forget_manual_steps()
@@ -335,7 +349,8 @@ class ScriptAuditor:
     def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
         return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
                           rank=self.rank, optimizers=len(self.ledger.stepped),
-                          manual=not self.ledger.optimizers_made, **fields)
+                          manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,
+                          **fields)
 
     def parameter_name(self, p: torch.Tensor) -> str:
         return self.ledger.name(p)
@@ -348,7 +363,14 @@ class ScriptAuditor:
     # --- after the script --------------------------------------------------------------------
 
     def finish(self) -> None:
-        """After the script returned: the parameters the last updates left (one read)."""
+        """After the script returned: a loss that reached backward with no step after it (a
+        script that skips its update or exits on seeing a NaN loss), then the parameters the
+        last updates left (one read each)."""
+        self._unstepped_losses()
+        if self.trip is None:
+            self._last_updates()
+
+    def _last_updates(self) -> None:
         tensors = [p for opt in self.ledger.stepped.values()
                    for group in opt.param_groups for p in group["params"]]
         if not tensors:
@@ -368,6 +390,23 @@ class ScriptAuditor:
                 self.trip.optimizer = describe_optimizer(opt)
                 return
 
+    def _unstepped_losses(self) -> None:
+        """The losses and inputs no check read: non-finite, they are this step's finding (a
+        loss nanaudit saw non-finite is never part of a clean run)."""
+        inbox, self._inbox = self._inbox, StepInbox()
+        if not inbox.losses or self.window.armed is not None:
+            return
+        device = inbox.losses[0].device
+        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
+                                      inbox.loss(device)]).tolist()
+        self.host_reads += 1
+        if ok >= 1.0 and math.isfinite(loss_value):
+            return
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self._append(self._entry(last, loss_value, None, None))
+        self.trip = (self._input_trip(inbox.inputs, loss_value, None) if ok < 1.0 else
+                     self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value))
+
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last
         updates left (an update to NaN that a later op then refused), then the tensors in the
@@ -376,7 +415,7 @@ class ScriptAuditor:
         if self.trip is not None or self.window.armed is not None:
             return self.trip
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        self.finish()
+        self._last_updates()
         if self.trip is not None:
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip

@@ -30,7 +30,7 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
     """The finding of the traced step N from its loss or gradients (none: it came out
     finite)."""
     armed, optimizer = auditor.window.armed, auditor.window.localized
-    if armed is None or optimizer is None:
+    if armed is None or (optimizer is None and spec.check != Check.LOSS):
         return
     trace = armed.tracer.trace
     result.ops_traced = trace.ops_seen
@@ -113,7 +113,12 @@ def rerun(spec: RerunSpec) -> RerunResult:
             result.traced = auditor.window.armed is not None
             localize_raised(auditor, spec, result)
         else:
-            result.reached = auditor.window.localized is not None
+            window = auditor.window
+            # The script ended inside step N's window, on the loss it saw (it exits or skips
+            # its update on a NaN loss): the window ends with the script.
+            ended_inside = (spec.check == Check.LOSS and auditor.step == spec.step
+                            and window.armed is not None and window.localized is None)
+            result.reached = window.localized is not None or ended_inside
             result.traced = auditor.window.armed is not None
             if result.reached and isinstance(auditor.window, DataWindow):
                 auditor.window.localize(result)

@@ -30,6 +30,8 @@ class Ledger:
         self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
         self.steps_taken = 0                     # post-hook calls, every one
+        self.backwards = 0                       # backward calls that returned
+        self.by_hand_anyway = False              # optimizers built, yet updated by hand
 
     def called(self, module: torch.nn.Module) -> None:
         if id(module) not in self.roots:
@@ -42,8 +44,26 @@ class Ledger:
 
     @property
     def updates_by_hand(self) -> bool:
-        """No optimizer built, and a module trained: each backward is the script's step."""
-        return not self.optimizers_made and bool(self.roots)
+        """No optimizer built (or one built and never stepped: `cleared_by_hand`), and a
+        module trained: each backward is the script's step."""
+        return (not self.optimizers_made or self.by_hand_anyway) and bool(self.roots)
+
+    def optimizer_made(self) -> None:
+        self.optimizers_made += 1
+        self.backwards = 0          # those before it were not for it (a warm-up, an init)
+
+    def cleared_by_hand(self) -> bool:
+        """A new loss after a backward, no optimizer stepped yet (nor skipped by a GradScaler),
+        and every trained gradient cleared (`zero_grad()` sets them to None): the script used
+        those gradients itself, updating by hand with an optimizer it built and never steps.
+        (Gradient accumulation keeps them; a real step comes through the optimizer's hooks.)
+        Read on the host, and only until the first optimizer step."""
+        if not self.optimizers_made or self.stepped or self.by_hand_anyway \
+                or not self.backwards:
+            return False
+        params = self.manual_step().param_groups[0]["params"]
+        self.by_hand_anyway = bool(params) and all(p.grad is None for p in params)
+        return self.by_hand_anyway
 
     def manual_step(self) -> ManualUpdate:
         """The script's own update: the trainable parameters of the modules it called."""

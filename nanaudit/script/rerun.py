@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.report.model import Finding, TimelineEntry
+from nanaudit.report.output import in_flight
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.run.distributed import current
@@ -119,7 +120,7 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:
         timeout = DistributedOptions.timeout_s      # a peer's re-run that stalls: no hang
-    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder:
+    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder, in_flight(folder):
         spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
         log_path = Path(folder) / "rerun.log"
         protocol.write(spec_path, spec)

@@ -28,9 +28,9 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     report); the script raising for another reason is raised, as its UserCodeError."""
     started = time.perf_counter()
     check_target(target)
-    script_error = None
+    script_error, forks = None, 0
     try:
-        execute(target, auditor, options.seed)
+        forks = execute(target, auditor, options.seed)
     except UserCodeError as error:
         # A script that raised because of a non-finite value (BCELoss refusing a NaN, a
         # weight an update made NaN): the value is the finding, the exception its effect.
@@ -47,11 +47,18 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     trip = auditor.trip
     if trip is None:
         if auditor.step == 0:
+            did = (f"after calling backward {auditor.ledger.backwards} time(s) but never stepping "
+                   f"the optimizer it built, nor clearing the gradients with `zero_grad()` "
+                   f"between backward calls" if auditor.ledger.backwards else
+                   "without stepping an optimizer or calling backward")
+            forked = (f"; it forked {forks} process(es), and training in a forked process is "
+                      f"not audited: train in the main process, or check the child's loop with "
+                      f"`nanaudit.Sentinel`" if forks else "")
             raise NothingAuditedError(
-                f"the script `{target.display}` finished without stepping an optimizer or "
-                f"calling backward: nanaudit checks at each `optimizer.step()` (at each backward "
-                f"in a script that builds no optimizer), so nothing was audited (does it "
-                f"train? are its arguments right?)")
+                f"the script `{target.display}` finished {did}: nanaudit checks at each "
+                f"`optimizer.step()` (at each backward in a script that builds no optimizer, or "
+                f"updates by hand and clears its gradients), so nothing was audited (does it "
+                f"train? are its arguments right?){forked}")
         attach_timeline_warnings(report, None, auditor.optimizer_count)
         report.status = Status.CLEAN
         return None

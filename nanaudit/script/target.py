@@ -2,7 +2,7 @@
 with the argv, `sys.path[0]` and `__file__` that `python` would give it, under the auditor's
 hooks; the script's exceptions become the user's error with its own frames.
 
-Ctrl-C and SIGTERM during the script raise KeyboardInterrupt (so the partial report is
+Ctrl-C, SIGTERM and SIGHUP during the script raise KeyboardInterrupt (so the partial report is
 written) and are remembered: a framework that catches it and returns normally (Lightning's
 graceful shutdown) still ends as interrupted.
 """
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nanaudit.errors import ConfigError, NanauditError, UserCodeError
+from nanaudit.errors import USER_FAILURES, ConfigError, NanauditError, UserCodeError
+from nanaudit.exitcodes import STOP_SIGNALS
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.seeding import seed_everything
+from nanaudit.script.concurrency import ScriptThreads
 
 _RUNPY = os.path.abspath(runpy.__file__)
 
@@ -67,22 +69,58 @@ def script_rank() -> int | None:
 
 
 class Interrupts:
-    """SIGINT and SIGTERM as KeyboardInterrupt while the script runs, remembered (see the
-    module docstring); the handlers in place before are restored on exit."""
+    """SIGINT, SIGTERM and SIGHUP as KeyboardInterrupt while the script runs, remembered (see
+    the module docstring); the handlers in place before are restored on exit.
+
+    A script may install its own handler (Lightning and the Trainer do, for SIGTERM) and return
+    normally once it ran: the signal still stopped the run early. Python's wakeup fd hears
+    every signal a Python handler takes, whoever's handler it is, so such a stop is still
+    reported as interrupted (143), never as a clean run of the steps taken before it."""
 
     def __init__(self) -> None:
         self.seen = False
         self._previous: dict = {}
+        self._pipe: tuple[int, int] | None = None
+        self._wakeup = -1
+        self._heard: list[int] = []           # stop signals heard through the wakeup fd
+        self._previous_handlers: dict = {}    # the handlers restored on exit
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for name in STOP_SIGNALS:
+                signum = signal.Signals[name]
                 self._previous[signum] = signal.signal(signum, self._raise)
+            read, write = os.pipe()
+            for fd in (read, write):
+                os.set_blocking(fd, False)
+            self._pipe = (read, write)
+            self._wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        self._previous_handlers, self._previous = self._previous, {}
+        self._heard = self._drain()
+
+    def _drain(self) -> list[int]:
+        """The stop signals the wakeup fd heard, in order; the fd put back as it was."""
+        if self._pipe is None:
+            return []
+        read, write = self._pipe
+        self._pipe = None
+        signal.set_wakeup_fd(self._wakeup)
+        heard = b""
+        try:
+            while chunk := os.read(read, 4096):
+                heard += chunk
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(read)
+            os.close(write)
+        stops = {int(signal.Signals[name]) for name in STOP_SIGNALS}
+        return [signum for signum in heard if signum in stops]
 
     def _raise(self, signum: int, frame: Any) -> None:
         self.seen = True
@@ -93,14 +131,37 @@ class Interrupts:
             previous(signum, frame)
         raise KeyboardInterrupt()
 
+    def in_child(self) -> None:
+        """In a process the script forked: its signals are its own again (default handling,
+        and no byte into this process's wakeup fd)."""
+        if self._pipe is not None and signal.set_wakeup_fd(-1) != self._pipe[1]:
+            signal.set_wakeup_fd(self._wakeup)      # not ours after all: put it back
+        for signum in self._previous:
+            if signal.getsignal(signum) == self._raise:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                              else signal.SIG_DFL)
 
-def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
-    """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it) ends it
-    quietly. The script's exceptions become UserCodeError with its frames (runpy's and ours
-    removed)."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    def raise_if_stopped(self) -> None:
+        """After the script: KeyboardInterrupt when a stop signal arrived, also one that the
+        script's own handler took (the command's handler is told which)."""
+        if self.seen:
+            raise KeyboardInterrupt()
+        if self._heard:
+            signum = self._heard[0]
+            previous = self._previous_handlers.get(signum)
+            if callable(previous):
+                previous(signum, None)
+            raise KeyboardInterrupt()
+
+
+def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
+    """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it, in any of
+    its threads) ends it quietly. The script's exceptions become UserCodeError with its frames
+    (runpy's and ours removed). Returns how many processes it forked (not audited)."""
+    saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts().__enter__()
     hooks.install()
+    threads = ScriptThreads(undo_in_child=[hooks.remove, interrupts.in_child]).__enter__()
     try:
         seed_everything(seed)
         if target.module:
@@ -119,14 +180,24 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> None:
             raise user_error(target, exc, f"exited with status {exc.code}") from None
     except (KeyboardInterrupt, NanauditError):
         raise
-    except Exception as exc:
+    except USER_FAILURES as exc:
         raise user_error(target, exc) from exc
     finally:
+        threads.__exit__()
         hooks.remove()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
+        _return_to(saved_cwd)
         interrupts.__exit__()
-    if interrupts.seen:
-        raise KeyboardInterrupt()
+    interrupts.raise_if_stopped()
+    return threads.forks
+
+
+def _return_to(folder: str) -> None:
+    """Back to the folder the script started in (it may `os.chdir`): the re-run starts there."""
+    try:
+        os.chdir(folder)
+    except OSError:
+        pass        # the script removed it: the outputs were resolved at start-up anyway
 
 
 def user_error(target: ScriptTarget, exc: BaseException, note: str = "") -> UserCodeError:

@@ -4,6 +4,7 @@ non-finite tensors in the frames of an exception the script raised."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,8 @@ _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str]]:
     """[(description, kind)] of the floating tensors holding NaN or Inf among the local
     variables of the frames an exception passed through, innermost first (the op that raised
-    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked."""
+    is closest to the bad value), nanaudit's own frames left out; at most `limit` checked.
+    Without any, the value anomaly mode's error names (`anomaly_output`)."""
     frames, tb = [], exc.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -92,4 +94,15 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str
             if not bool(torch.isfinite(value.detach()).all()):
                 where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
                 bad.append((f"`{name}` in {where}", value_kind(value.detach())))
-    return bad
+    return bad or anomaly_output(exc)
+
+
+_ANOMALY = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th output")
+
+
+def anomaly_output(exc: BaseException) -> list[tuple[str, str]]:
+    """[(description, "nan")] when the exception is anomaly mode's (a script that calls
+    `torch.autograd.set_detect_anomaly(True)`: backward raises as soon as a function returns
+    NaN): that value is the finding, the error its effect."""
+    match = _ANOMALY.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    return [(f"output {match[2]} of {match[1]} (anomaly detection)", "nan")] if match else []
