@@ -21,6 +21,7 @@ from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.report.vocabulary import Cause
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
 
@@ -78,10 +79,12 @@ def input_finding(session: Session, state: StepState) -> Finding:
 
 def state_finding(session: Session, trip: Trip) -> Finding:
     model = session.model
-    params = nonfinite_names(model.named_parameters())
-    buffers = nonfinite_names((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+    named_params = list(user_named(model, model.named_parameters()))
+    named_buffers = list(user_named(model, model.named_buffers()))
+    params = nonfinite_names(named_params)
+    buffers = nonfinite_names((n, b) for n, b in named_buffers if b.is_floating_point())
     names = params + buffers
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    tensors = dict(named_params) | dict(named_buffers)
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == "optimizer" and params:
