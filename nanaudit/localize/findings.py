@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
+from nanaudit.localize.compiled_finding import replayed_compiled
 from nanaudit.localize.replay import (
     localize,
     preserved_buffers,
@@ -18,9 +19,11 @@ from nanaudit.localize.samples import SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_stats
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.sections import CompiledReplay
+from nanaudit.report.vocabulary import Cause, CompiledOutcome
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.compiled import find_compiled
 from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
@@ -150,12 +153,18 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
 
 def localized_finding(session, state, trip, timeline, isolate_samples) -> Finding:
     loc = localize(session, state, trip, timeline)
+    compiled = find_compiled(session.model)
     if not loc.reproduced:
-        return _not_reproduced(trip, own_step=session.step_fn is not None)
+        finding = _not_reproduced(trip, own_step=session.step_fn is not None)
+        if compiled is None:
+            return finding
+        return replayed_compiled(session, state, trip, compiled, finding)
     bad = loc.bad_tensors or []
     finding = traced_finding(loc, trip.step, tensor=bad[0] if trip.check == "gradient" and bad
                              else (None if trip.check == "gradient" else "loss"),
                              tensors=bad, loss_name=_loss_name(session))
+    if compiled is not None:
+        finding.compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
     if trip.note:
         finding.explain(trip.note)
     if finding.cause == Cause.DIVERGENCE:

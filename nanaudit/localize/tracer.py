@@ -35,7 +35,7 @@ from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
-from nanaudit.run.compiled import eager_stance
+from nanaudit.run.compiled import replay_eagerly
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
@@ -125,7 +125,7 @@ class OpTracer:
     def __enter__(self) -> OpTracer:
         with contextlib.ExitStack() as entering:
             # A compiled model runs eagerly under the tracer: every aten op is the user's own.
-            entering.enter_context(eager_stance())
+            entering.enter_context(replay_eagerly())
             entering.enter_context(self.modules)
             entering.enter_context(self._mode)
             self._exit = entering.pop_all()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,13 @@ def _dynamo_context(module: Any) -> Any:
 
 
 def backend_name(backend: Any) -> str:
-    """How torch names a backend: the wrapper's `compiler_name`, else the callable's name."""
+    """How torch names a backend: the wrapper's `compiler_name`, else the callable's name; a
+    backend built with `aot_autograd(fw_compiler=f)` is `aot_autograd(f)`."""
+    inner = getattr(backend, "compiler_fn", backend)
+    options = getattr(inner, "kwargs", None)
+    if isinstance(options, dict) and "fw_compiler" in options:
+        compiler = options["fw_compiler"]
+        return f"aot_autograd({getattr(compiler, '__name__', type(compiler).__name__)})"
     name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
     return str(name) if name else type(backend).__name__
 
@@ -94,10 +101,17 @@ def stance(name: str, **kwargs: Any) -> contextlib.AbstractContextManager:
     return set_stance(name, **kwargs)
 
 
+# What `OptimizedModule.__call__` warns while any global module hook is registered: the op
+# tracer's hooks are, for the replay only, and the user's own run never printed it.
+GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
+
+
 @contextlib.contextmanager
-def eager_stance() -> Iterator[None]:
-    """Every compiled function and module runs eagerly inside: replays see the user's ops."""
-    with stance("force_eager"):
+def replay_eagerly() -> Iterator[None]:
+    """Every compiled function and module runs eagerly inside (replays see the user's ops),
+    without torch's warning about the replay's global module hooks."""
+    with stance("force_eager"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=GLOBAL_HOOKS_WARNING)
         yield
 
 

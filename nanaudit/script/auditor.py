@@ -100,7 +100,7 @@ class ScriptAuditor:
         traced window) take the finiteness of its data inputs, on the device."""
         self.ledger.called(module)
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
-            self.window.arm(module, args, kwargs)
+            self.window.arm(module, args, kwargs, self.hooks.entry)
         if self.window.armed is not None:
             return
         inputs = data_inputs(args, kwargs)

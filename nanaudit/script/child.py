@@ -16,6 +16,7 @@ from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.compiled_rerun import compiled_rerun_finding, eager_section
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
 from nanaudit.script.target import execute
@@ -35,13 +36,19 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         if sinks:
             _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
                    spec.step, None, result)
-        return
-    bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
-           for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
-    if bad:
-        names = [n for n, _ in bad]
-        loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
-        _adopt(armed, loc, spec.step, names, result)
+    else:
+        bad = [(auditor.parameter_name(p), p) for group in optimizer.param_groups
+               for p in group["params"] if p.grad is not None and kinds_of(p.grad)]
+        if bad:
+            names = [n for n, _ in bad]
+            loc = walk_from_sink(trace, bad[0][1].grad, "backward", auditor.timeline, names)
+            _adopt(armed, loc, spec.step, names, result)
+    if armed.compiled is not None:
+        # A compiled model: the trace ran it eagerly; finite there, the compiled call decides.
+        if result.finding is not None:
+            result.finding.compiled = eager_section(armed.compiled)
+        else:     # the parent names the tensors the first run saw
+            result.finding = compiled_rerun_finding(armed.compiled, spec.step, spec.check)
 
 
 def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:

@@ -37,7 +37,8 @@ class Waiting(Protocol):
     def waiting(self) -> bool: ...
     def stop_waiting(self) -> None: ...
     def await_forward(self) -> None: ...
-    def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool: ...
+    def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                        entry: Any) -> bool: ...
 
 
 class CompiledCalls:
@@ -82,18 +83,18 @@ class CompiledCalls:
         self._instances = []
         self._class_wrapped = False
 
-    def _entering(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    def _entering(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> bool:
         """Before a compiled call: no global hook stays for the compiled code; the call is the
         step's first if the hooks wait for one and it trains. True: wait again after it."""
         hooks = self.hooks
         if not hooks.waiting:
             return False
         hooks.stop_waiting()
-        return not hooks.take_first_call(module, args, kwargs)
+        return not hooks.take_first_call(module, args, kwargs, entry)
 
-    def _calling(self, module: torch.nn.Module, call: Callable[..., Any], args: tuple,
-                 kwargs: dict) -> Any:
-        resume = self._entering(module, args, kwargs)
+    def _calling(self, module: torch.nn.Module, entry: Any, call: Callable[..., Any],
+                 args: tuple, kwargs: dict) -> Any:
+        resume = self._entering(module, entry, args, kwargs)
         try:
             return call(*args, **kwargs)
         finally:
@@ -108,8 +109,8 @@ class CompiledCalls:
 
         @functools.wraps(original)
         def call(optimized: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._calling(optimized._orig_mod, functools.partial(original, optimized),
-                                 args, kwargs)
+            return self._calling(optimized._orig_mod, optimized,
+                                 functools.partial(original, optimized), args, kwargs)
         OptimizedModule.__call__ = call  # type: ignore[method-assign]
         self._restore.append(lambda: setattr(OptimizedModule, "__call__", original))
         self._class_wrapped = True
@@ -123,6 +124,6 @@ class CompiledCalls:
 
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._calling(module, original, args, kwargs)
+            return self._calling(module, module, original, args, kwargs)
         module._compiled_call_impl = call
         self._instances.append((weakref.ref(module), original))

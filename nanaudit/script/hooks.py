@@ -63,6 +63,7 @@ class ScriptHooks:
         self._tap = LossTap(listener.loss, before=listener.backward_started,
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
+        self.entry: Any = None        # what the script called for the step's first call
 
     @property
     def raised_in_backward(self) -> bool:
@@ -116,13 +117,17 @@ class ScriptHooks:
             return
         kwargs = caller_kwargs()
         self._stop_waiting()
+        self.entry = module
         self.listener.first_call(module, args, kwargs)
 
-    def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                        entry: Any) -> bool:
         """A compiled module's call, heard before its compiled code (the hook is already
-        removed): the step's first call when it trains. True when taken."""
+        removed): the step's first call when it trains; `entry` is what the script called (a
+        `torch.compile` wrapper of `module`). True when taken."""
         if not _trains(module):
             return False
+        self.entry = entry
         self.listener.first_call(module, args, kwargs)
         return True
 

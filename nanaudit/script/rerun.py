@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import RerunStatus
+from nanaudit.report.vocabulary import CompiledOutcome, RerunStatus
 from nanaudit.script import protocol
 from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.protocol import RerunResult, RerunSpec
@@ -63,11 +63,14 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         return ran(status, note=note), finding
     localized = result.finding
     localized.tensors = localized.tensors or finding.tensors
+    localized.tensor = localized.tensor or finding.tensor
     localized.rank = trip.rank
     for note in trip_notes(trip):
         localized.explain(note)
-    return ran(RerunStatus.REPRODUCED, ops_traced=result.ops_traced,
-               precision=result.precision), localized
+    compiled = localized.compiled
+    status = RerunStatus.COMPILED_ONLY if compiled is not None and \
+        compiled.outcome == CompiledOutcome.COMPILED_ONLY else RerunStatus.REPRODUCED
+    return ran(status, ops_traced=result.ops_traced, precision=result.precision), localized
 
 
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:
