@@ -15,12 +15,15 @@ from nanaudit.config import values
 from nanaudit.config.schema import (
     AMP_KEYS,
     BACKENDS,
+    COMPILE_KEYS,
+    COMPILE_MODES,
     DISTRIBUTED_KEYS,
     ENTRYPOINT_KEYS,
     LOCALIZE_KEYS,
     WATCH_KEYS,
     AmpOptions,
     BuilderSpec,
+    CompileOptions,
     DistributedOptions,
     Entrypoint,
     LocalizeOptions,
@@ -214,3 +217,31 @@ def distributed(value: Any, problems: Problems) -> DistributedOptions:
         ddp=d.ddp if ddp is None else ddp,
         timeout_s=values.positive_field(raw, "distributed", "timeout_s", d, problems),
         find_unused_parameters=bool(unused))
+
+
+def compile_options(value: Any, problems: Problems) -> CompileOptions | None:
+    """`compile: true`, or `compile: {backend: inductor, mode: max-autotune}`; false or absent:
+    the model runs as its factory built it."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileOptions()
+    if not isinstance(value, dict):
+        problems.append(Problem("compile", f"expected true, false or a mapping of torch.compile "
+                                f"arguments ({', '.join(COMPILE_KEYS)}), got {value!r}"))
+        return None
+    values.check_unknown(value, COMPILE_KEYS, "compile.", problems)
+    d = CompileOptions()
+    backend = value.get("backend", d.backend)
+    if not isinstance(backend, str) or not backend:
+        problems.append(Problem("compile.backend", f"expected a backend name (inductor, "
+                                f"aot_eager, ...), got {backend!r}"))
+        backend = d.backend
+    mode = value.get("mode", d.mode)
+    if mode is not None:
+        mode = values.choice(mode, "compile.mode", COMPILE_MODES, problems)
+    fullgraph = values.boolean(value.get("fullgraph", d.fullgraph), "compile.fullgraph",
+                               problems)
+    dynamic = values.boolean(value.get("dynamic"), "compile.dynamic", problems)
+    return CompileOptions(backend=backend, mode=mode, fullgraph=bool(fullgraph),
+                          dynamic=dynamic)

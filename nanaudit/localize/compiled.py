@@ -161,25 +161,32 @@ def narrow(compiled: CompiledModel, replay: Replay, kind: str | None, phase: str
             narrowed.node, narrowed.chain = found
             section.node, section.graph = found[0].name, found[0].graph
             section.decomposed_from = found[0].decomposed_from
+            if found[0].random_sources and compiled.inductor:
+                _random_draws(replay, narrowed, found[0].random_sources)
     elif made.stage == CompileStage.INDUCTOR:
-        _random_draws(replay, narrowed)
+        _random_draws(replay, narrowed, None)
     return narrowed
 
 
-def _random_draws(replay: Replay, narrowed: Narrowed) -> None:
-    """Only inductor makes the value: is it inductor's random numbers? Replayed with inductor
-    drawing as eager does, and once node by node to find where the graph draws."""
+def _random_draws(replay: Replay, narrowed: Narrowed, lines: list | None) -> None:
+    """Is the value inductor's random numbers (its decomposed random ops draw differently
+    from eager's)? Replayed with inductor drawing as eager does; finite then, it is: the lines
+    of the random ops are those the node depends on, or (`lines` None: the value came out of
+    inductor's kernels) every random op of the graph, run node by node."""
     back, note = _run(replay, _eager_random_inductor)
     section = narrowed.replay
     section.replays.append(StageReplay(CompileStage.INDUCTOR, "inductor, fallback_random=True",
                                        back, note or None))
     if back is not False:
         return
-    watch = NodeWatch()
-    table, partition = _inductor_decompositions()
-    _run(replay, watch.aot_backend(table, partition))
-    lines = [line for line in watch.random if line is not None]
-    section.random_ops = bool(watch.random)
+    if lines is None:
+        watch = NodeWatch()
+        table, partition = _inductor_decompositions()
+        _run(replay, watch.aot_backend(table, partition))
+        lines = [line for line in watch.random if line is not None]
+        section.random_ops = bool(watch.random)
+    else:
+        section.random_ops = True
     narrowed.random_lines = list(dict.fromkeys(lines))
 
 

@@ -62,18 +62,22 @@ def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
     finding = Finding(
         step=step, where=phase, value=value, cause=Cause.COMPILED_ONLY,
         explanation=(f"the eager replay of step {step} from its saved state is finite, but the "
-                     f"compiled step (backend {section.backend}) makes {value} again from the "
-                     f"same state: the value exists only in the compiled program, not in the "
-                     f"code as written"),
+                     f"compiled step (backend {section.backend}), replayed from the same state, "
+                     f"is non-finite again ({value}): the value exists only in the compiled "
+                     f"program, not in the code as written"),
         fix=_fix(narrowed), tensor=tensor, tensors=tensors, reproduced=False, compiled=section)
     finding.explain(_stages_clause(section))
-    if node is not None:
+    if section.random_ops:
+        # The op where the value shows depends on which numbers were drawn: never named as
+        # the op that made it. The line is the random op's.
+        lines = narrowed.random_lines or []
+        finding.source = lines[0] if lines else None
+        finding.explain(_random_clause(narrowed))
+    elif node is not None:
         finding.op, finding.source, finding.inputs = node.op, node.source, node.inputs
         finding.module = node.module or ""
         finding.explain(_node_clause(node))
         finding.chain = [_link(n) for n in narrowed.chain or [node]]
-    elif section.random_ops:
-        finding.explain(_random_clause(narrowed))
     elif section.stage == CompileStage.INDUCTOR:
         finding.explain("its graphs, decomposed as inductor decomposes them and run node by "
                         "node, stay finite: the value is made in inductor's generated kernels "
@@ -83,7 +87,8 @@ def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
 
 
 def _stages_clause(section: CompiledReplay) -> str:
-    tried = [r for r in section.replays if r.stage not in ("eager", "compiled")]
+    tried = [r for r in section.replays if r.stage not in ("eager", "compiled")
+             and "fallback_random" not in r.backend]
     if not tried:
         return f"the {section.stage} stage makes it"
     shown = "; ".join(f"{r.backend}: " + ("failed (" + (r.note or "") + ")" if r.nonfinite is None
@@ -110,11 +115,14 @@ def _node_clause(node: BadNode) -> str:
 def _random_clause(narrowed: Narrowed) -> str:
     lines = ", ".join(f"{os.path.basename(s.file)}:{s.line}" for s in narrowed.random_lines or [])
     at = f" (at {lines})" if lines else ""
+    node = narrowed.node
+    shows = (f"; with these draws it shows first at `{node.name}` ({node.op}){_where(node)}"
+             if node is not None else "")
     return ("inductor drawing its random ops as eager draws them (`fallback_random=True`) makes "
             f"the step finite: the value depends on the random numbers the compiled program "
             f"draws for its random ops{at}, which differ from eager's for the same seed, so the "
-            f"eager replay cannot draw them and no op is named; other draws could make it in "
-            f"eager too")
+            f"eager replay cannot draw them and no op is named as its maker{shows}; other draws "
+            f"could make it in eager too")
 
 
 def _fix(narrowed: Narrowed) -> str:
@@ -123,9 +131,11 @@ def _fix(narrowed: Narrowed) -> str:
         if node is not None and node.source is not None else ""
     keep_out = f"keep that code out of the graph with `@torch.compiler.disable`{at}"
     if section.random_ops:
-        return ("set `torch._inductor.config.fallback_random = True` before compiling: inductor "
-                "then draws random numbers as eager does, so the run reproduces eagerly and "
-                "nanaudit names the op")
+        return ("make the code after the random op safe for every draw (a dropout mask can zero "
+                "all of a row); to see which op makes it, set "
+                "`torch._inductor.config.fallback_random = True` before compiling: inductor then "
+                "draws random numbers as eager does, so the run reproduces eagerly and nanaudit "
+                "names the op")
     if section.stage == CompileStage.DECOMPOSITIONS and node is not None \
             and node.decomposed_from:
         return (f"the compiler's decomposition of {node.decomposed_from} computes it less safely "

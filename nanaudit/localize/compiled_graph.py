@@ -49,6 +49,7 @@ class BadNode:
     out_kinds: frozenset
     inputs: list = field(default_factory=list)          # [TensorStats]
     input_nodes: list = field(default_factory=list)     # [(node name, kinds)] of bad inputs
+    random_sources: list = field(default_factory=list)  # the lines of random ops it depends on
 
 
 def node_source(node: Any) -> SourceLine | None:
@@ -86,6 +87,22 @@ RANDOM = "nondeterministic_seeded"     # the tag aten gives every op that draws 
 def is_random(node: Any) -> bool:
     tags = getattr(node.target, "tags", ()) or ()
     return any(getattr(tag, "name", "") == RANDOM for tag in tags)
+
+
+def random_upstream(node: Any) -> list[SourceLine]:
+    """The user's lines of the random ops a node's value depends on, in its graph."""
+    seen, stack, lines = set(), list(node.all_input_nodes), []
+    while stack:
+        current = stack.pop()
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if is_random(current):
+            source = node_source(current)
+            if source is not None and source not in lines:
+                lines.append(source)
+        stack.extend(current.all_input_nodes)
+    return lines
 
 
 class _Checked(torch.fx.Interpreter):
@@ -127,7 +144,7 @@ class _Checked(torch.fx.Interpreter):
         self.bad[node.name] = BadNode(
             self.part, node.name, op_name(node.target), decomposed, node_module(node),
             node_source(node), kinds, [tensor_stats(n, t) for n, t in named],
-            [(n.name, self.bad[n.name].out_kinds) for n in inputs])
+            [(n.name, self.bad[n.name].out_kinds) for n in inputs], random_upstream(node))
 
 
 def _kinds(value: Any) -> frozenset:

@@ -23,7 +23,7 @@ from nanaudit.report.sections import CompiledReplay
 from nanaudit.report.vocabulary import Cause, CompiledOutcome
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
-from nanaudit.run.compiled import find_compiled
+from nanaudit.run.compiled import find_compiled, replay_eagerly
 from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
@@ -345,8 +345,8 @@ def _isolate(session, state, trip, finding: Finding) -> None:
         restore_buffers()      # each replay starts from the same buffers (running stats)
         return replay_reproduces(session, state, sub, trip.check)
 
-    try:
-        with preserved_buffers(session.model) as restore_buffers:
+    try:      # eager, as the traced replay: sub-batches would recompile a compiled model
+        with preserved_buffers(session.model) as restore_buffers, replay_eagerly():
             search = isolate_rows(reproduces, layout.size, session.options.localize.max_replays,
                                   min_rows=min_rows, min_reason=why)
     except SearchInterrupted as stop:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from nanaudit.errors import ConfigError, Problem
+
 # `torch.compile(model, backend=..., mode=...)` arguments that `compile:` in a config may give.
 COMPILE_ARGUMENTS = ("backend", "mode", "fullgraph", "dynamic")
 
@@ -117,6 +119,13 @@ def replay_eagerly() -> Iterator[None]:
 
 def compile_model(model: torch.nn.Module, options: dict) -> torch.nn.Module:
     """The config's `compile:` applied in place (`model.compile(**options)`), which keeps the
-    module's type, its state-dict keys and its parameter names as the user wrote them."""
-    model.compile(**{k: v for k, v in options.items() if k in COMPILE_ARGUMENTS})
+    module's type, its state-dict keys and its parameter names as the user wrote them. A
+    backend torch does not know is the config's problem, named at its key."""
+    try:
+        model.compile(**{k: v for k, v in options.items() if k in COMPILE_ARGUMENTS})
+    except Exception as exc:
+        if type(exc).__name__ != "InvalidBackend":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError([Problem("compile.backend", first)]) from None
     return model

@@ -125,6 +125,9 @@ def build_session(config: Config, coordinator=None) -> Session:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))
     model.to(device)
     model.train()
+    if config.compile is not None:
+        from nanaudit.run.compiled import compile_model
+        compile_model(model, config.compile.arguments())
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     wrapped = coordinator.wrap(model, device) if coordinator is not None else model

@@ -68,8 +68,9 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     for note in trip_notes(trip):
         localized.explain(note)
     compiled = localized.compiled
-    status = RerunStatus.COMPILED_ONLY if compiled is not None and \
-        compiled.outcome == CompiledOutcome.COMPILED_ONLY else RerunStatus.REPRODUCED
+    status = RerunStatus.REPRODUCED
+    if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
+        status, localized.value = RerunStatus.COMPILED_ONLY, finding.value   # as the run saw it
     return ran(status, ops_traced=result.ops_traced, precision=result.precision), localized
 
 
