@@ -49,6 +49,9 @@ def _dynamo_context(module: Any) -> Any:
     context = getattr(module, "dynamo_ctx", None)
     if context is not None and hasattr(module, "_orig_mod"):
         return context                              # torch.compile(model)
+    lightning = getattr(module, "__dict__", {}).get("_compiler_ctx")
+    if isinstance(lightning, dict) and lightning.get("dynamo_ctx") is not None:
+        return lightning["dynamo_ctx"]      # Lightning's `from_compiled`: its steps compiled
     compiled = getattr(module, "__dict__", {}).get("_compiled_call_impl")
     if compiled is None:
         return None
