@@ -131,10 +131,11 @@ def _eager_random_inductor(module: Any, example_inputs: Any) -> Any:
         return compile_fx(module, example_inputs)
 
 
-def narrow(compiled: CompiledModel, replay: Replay, kind: str | None, phase: str) -> Narrowed:
+def narrow(compiled: CompiledModel, replay: Replay, kind: str | None, phase: str,
+           model: Any) -> Narrowed:
     """The compiled replays of a step whose eager replay was finite (the module docstring);
     `kind` (nan or inf; None: either) and `phase` (forward or backward) are what the sentinel
-    saw."""
+    saw; `model` names the modules."""
     section = CompiledReplay(backend=compiled.backend_name,
                              outcome=CompiledOutcome.NOT_REPRODUCED)
     section.replays.append(StageReplay("eager", "eager", False))
@@ -154,7 +155,7 @@ def narrow(compiled: CompiledModel, replay: Replay, kind: str | None, phase: str
     section.stage = made.stage
     narrowed = Narrowed(section)
     if made.watch is not None:
-        watch = NodeWatch()
+        watch = NodeWatch(model)
         back, _ = _run(replay, made.watch(watch))
         found = watch.creator(kind, phase) if back else None
         if found is not None and found[0].op != "input":

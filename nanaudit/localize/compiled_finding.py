@@ -38,7 +38,7 @@ def replayed_compiled(session, state, trip, compiled: CompiledModel,
         return replay_reproduces(session, state, state.batch, trip.check)
     with preserved_buffers(model):
         narrowed = narrow(compiled, replay, sink_kind(not_reproduced.value),
-                          step_phase(trip.check))
+                          step_phase(trip.check), model)
         bad = [name for name, p in user_named(model, model.named_parameters())
                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     if narrowed.replay.outcome != CompiledOutcome.COMPILED_ONLY:
@@ -75,7 +75,7 @@ def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
         finding.explain(_random_clause(narrowed))
     elif node is not None:
         finding.op, finding.source, finding.inputs = node.op, node.source, node.inputs
-        finding.module = node.module or ""
+        finding.module = node.module
         finding.explain(_node_clause(node))
         finding.chain = [_link(n) for n in narrowed.chain or [node]]
     elif section.stage == CompileStage.INDUCTOR:

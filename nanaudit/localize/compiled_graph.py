@@ -29,6 +29,7 @@ from nanaudit.localize.events import carries, kinds_of
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.stats import tensor_stats
 from nanaudit.report.model import SourceLine
+from nanaudit.run.names import user_named
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
 
@@ -63,16 +64,42 @@ def node_source(node: Any) -> SourceLine | None:
     return SourceLine(frame["file"], line, code, frame["function"])
 
 
-def node_module(node: Any) -> str | None:
-    """The innermost module a node ran in, as the user names it: `L['self'].encoder.fc` ->
-    `encoder.fc` (None when outside every module, as a loss is)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return None
-    path = str(list(stack.values())[-1][0])
+class ModuleNames:
+    """The user's name of the module a node ran in. `nn_module_stack` (a backward node's
+    `fwd_nn_module_stack`) is keyed by the ids of the modules called, innermost last; its paths
+    are relative to the compiled frame, which need not be the model's root. A node of the
+    frame's own module has no stack: its line is in that module's `forward`, which names it
+    when one module of the model runs that code."""
+
+    def __init__(self, model: Any):
+        named = list(user_named(model, model.named_modules())) if model is not None else []
+        self.by_id = {str(id(m)): n for n, m in named}
+        self.by_code: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+        for name, module in named:
+            code = getattr(getattr(type(module), "forward", None), "__code__", None)
+            if code is None:
+                continue
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            key = (code.co_filename, code.co_name)
+            self.by_code.setdefault(key, []).append((min(lines), max(lines), name))
+
+    def of(self, node: Any, source: SourceLine | None) -> str | None:
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+        if stack:
+            key = list(stack)[-1]
+            return self.by_id.get(str(key), _relative(str(list(stack.values())[-1][0])))
+        if source is None:
+            return None
+        owners = {name for first, last, name in self.by_code.get((source.file, source.function),
+                                                                  ())
+                  if first <= source.line <= last}
+        return owners.pop() if len(owners) == 1 else None
+
+
+def _relative(path: str) -> str:
+    """`L['self'].encoder.fc` -> `encoder.fc`: a path relative to the compiled frame."""
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return path
+    return re.sub(r"^L\['[a-z_]+'\]\.?", "", path)
 
 
 def op_name(target: Any) -> str:
@@ -141,9 +168,11 @@ class _Checked(torch.fx.Interpreter):
         decomposed = node.meta.get("original_aten")
         decomposed = str(decomposed) if decomposed is not None and \
             str(decomposed) != op_name(node.target) else None
+        source = node_source(node)
         self.bad[node.name] = BadNode(
-            self.part, node.name, op_name(node.target), decomposed, node_module(node),
-            node_source(node), kinds, [tensor_stats(n, t) for n, t in named],
+            self.part, node.name, op_name(node.target), decomposed,
+            self.watch.names.of(node, source), source, kinds,
+            [tensor_stats(n, t) for n, t in named],
             [(n.name, self.bad[n.name].out_kinds) for n in inputs], random_upstream(node))
 
 
@@ -157,7 +186,8 @@ class NodeWatch:
     """A backend running each compiled graph node by node (see the module docstring); after a
     replay under it, `creator(kind, phase)` names the node that made the bad value."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any = None) -> None:
+        self.names = ModuleNames(model)
         self.runs: list[_Checked] = []
         self.outputs: list[tuple[_Checked, list]] = []
         self.random: list[SourceLine | None] = []      # the random ops' lines, as they ran

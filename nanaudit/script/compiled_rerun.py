@@ -108,7 +108,7 @@ def compiled_rerun_finding(kept: CompiledStep, step: int, check: str) -> Finding
     kept.close()
     phase = step_phase(check)
     tensor = "loss" if phase == "forward" else None
-    narrowed = narrow(kept.compiled, kept.replay, None, phase)
+    narrowed = narrow(kept.compiled, kept.replay, None, phase, kept.module)
     value = kept.seen or "nan"
     if narrowed.replay.outcome == CompiledOutcome.COMPILED_ONLY:
         return compiled_only_finding(narrowed, step, value, phase, tensor, [])
