@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import scan
 from rich.console import Console
 from torch import nn
 
@@ -184,3 +185,38 @@ def test_a_value_that_needs_inductors_random_draws_names_no_op():
     assert ("inductor, fallback_random=True", False) in [(r.backend, r.nonfinite)
                                                         for r in f.compiled.replays]
     assert "fallback_random = True" in f.fix
+
+
+@pytest.mark.slow
+def test_scan_compiles_on_request_and_names_a_backward_value_in_the_users_modules(tmp_path):
+    # The demo's sqrt(sum(z * z)) at an all-zero row: finite forward, NaN backward.
+    config = tmp_path / "config.yaml"
+    config.write_text("model: nanaudit.demo:build_model\ndata: nanaudit.demo:batches\n"
+                      "loss: nanaudit.demo:loss\noptimizer: {class: torch.optim.AdamW, lr: 1.0e-3}\n"
+                      "steps: 12\nseed: 0\ndevice: cpu\ncompile: true\n")
+    result = scan(config, "--no-repro", tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1 and result.report["config"]["compile"]["backend"] == "inductor"
+    assert (f["step"], f["where"], f["op"], f["forward_op"], f["module"], f["cause"]) == (
+        6, "backward", "aten.div.Tensor", "aten.sqrt.default", "features", "sqrt-domain")
+    assert f["tensors"] == ["features.gain"] and f["samples"] == [5]
+    assert f["compiled"] == {"backend": "inductor", "outcome": "eager"}
+
+
+def test_compile_key_takes_true_or_torch_compile_arguments(tmp_path):
+    from nanaudit.config.parse import load_draft
+    base = "model: a:b\ndata: a:c\nloss: a:d\n"
+    path = tmp_path / "c.yaml"
+
+    def parsed(compile_value: str):
+        path.write_text(base + f"compile: {compile_value}\n")
+        draft = load_draft(path)
+        return draft.values.get("compile"), {p.key for p in draft.problems}
+    assert parsed("false") == (None, set())
+    assert parsed("true")[0].arguments() == {"backend": "inductor", "mode": None,
+                                             "fullgraph": False, "dynamic": None}
+    options, problems = parsed("{backend: aot_eager, mode: max-autotune}")
+    assert (options.backend, options.mode, problems) == ("aot_eager", "max-autotune", set())
+    assert parsed("{backend: 3, mode: fast, fullgraph: 2, bogus: 1}")[1] == {
+        "compile.backend", "compile.mode", "compile.fullgraph", "compile.bogus"}
+    assert parsed("yes please")[1] == {"compile"}
