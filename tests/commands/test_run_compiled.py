@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import runpy
 import textwrap
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from nanaudit.commands.run import run_script
 from nanaudit.script.target import ScriptTarget
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # Two models, compiled both ways torch offers, trained with an evaluation under no_grad between
 # steps; at the end, dynamo's counters and every warning the training printed.
@@ -128,20 +125,27 @@ def _line(path: Path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
-def _counts(tmp_path: Path, *command: str) -> dict:
-    out = tmp_path / f"counts{len(command)}.json"
-    env = {**os.environ, "COUNTS": str(out), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, timeout=300,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+def _counts(tmp_path: Path, name: str, run) -> dict:
+    """Dynamo's counters and the warnings of one run of the CLEAN script, from a fresh start
+    of dynamo (its caches and counters are the process's)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    out = tmp_path / f"{name}.json"
+    os.environ["COUNTS"] = str(out)
+    try:
+        run()
+    finally:
+        del os.environ["COUNTS"]
     return json.loads(out.read_text())
 
 
 def test_a_clean_compiled_run_gets_no_graph_break_recompilation_or_warning_from_nanaudit(
         tmp_path):
     path = _write(tmp_path, CLEAN)
-    plain = _counts(tmp_path, str(path))
-    audited = _counts(tmp_path, "-m", "nanaudit", "run", "-q", str(path))
+    plain = _counts(tmp_path, "plain", lambda: runpy.run_path(str(path), run_name="__main__"))
+    audited = _counts(tmp_path, "audited", lambda: run_script(ScriptTarget(path=str(path))))
     assert plain["graph_breaks"] == 0 and plain["stats"]["unique_graphs"] >= 2
     assert audited == plain
 

@@ -193,14 +193,14 @@ def test_scan_compiles_on_request_and_names_a_backward_value_in_the_users_module
     config = tmp_path / "config.yaml"
     config.write_text("model: nanaudit.demo:build_model\ndata: nanaudit.demo:batches\n"
                       "loss: nanaudit.demo:loss\noptimizer: {class: torch.optim.AdamW, lr: 1.0e-3}\n"
-                      "steps: 12\nseed: 0\ndevice: cpu\ncompile: true\n")
+                      "steps: 12\nseed: 0\ndevice: cpu\ncompile: {backend: aot_eager}\n")
     result = scan(config, "--no-repro", tmp_path=tmp_path)
     f = result.finding
-    assert result.code == 1 and result.report["config"]["compile"]["backend"] == "inductor"
+    assert result.code == 1 and result.report["config"]["compile"]["backend"] == "aot_eager"
     assert (f["step"], f["where"], f["op"], f["forward_op"], f["module"], f["cause"]) == (
         6, "backward", "aten.div.Tensor", "aten.sqrt.default", "features", "sqrt-domain")
     assert f["tensors"] == ["features.gain"] and f["samples"] == [5]
-    assert f["compiled"] == {"backend": "inductor", "outcome": "eager"}
+    assert f["compiled"] == {"backend": "aot_eager", "outcome": "eager"}
 
 
 def test_compile_key_takes_true_or_torch_compile_arguments(tmp_path):
