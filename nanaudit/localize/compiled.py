@@ -144,7 +144,10 @@ def narrow(compiled: CompiledModel, replay: Replay, kind: str | None, phase: str
     if not back:
         return Narrowed(section)
     section.outcome = CompiledOutcome.COMPILED_ONLY
-    pipeline = stages(compiled)
+    try:
+        pipeline = stages(compiled)
+    except ImportError:              # a torch build without inductor or functorch's partitioner
+        return Narrowed(section)
     made = pipeline[-1]
     for stage in pipeline[:-1]:
         back, note = _run(replay, stage.backend)

@@ -64,8 +64,8 @@ class CompiledCalls:
             module_compile(module, *args, **kwargs)
             self._wrap_instance(module)
 
-        torch.compile = compile  # type: ignore[assignment]
-        torch.nn.Module.compile = compile_module  # type: ignore[method-assign]
+        torch.compile = compile
+        torch.nn.Module.compile = compile_module  # type: ignore[method-assign,assignment]
         self._restore += [lambda: setattr(torch, "compile", compile_fn),
                           lambda: setattr(torch.nn.Module, "compile", module_compile)]
         if "torch._dynamo.eval_frame" in sys.modules:
@@ -111,7 +111,7 @@ class CompiledCalls:
         def call(optimized: Any, *args: Any, **kwargs: Any) -> Any:
             return self._calling(optimized._orig_mod, optimized,
                                  functools.partial(original, optimized), args, kwargs)
-        OptimizedModule.__call__ = call  # type: ignore[method-assign]
+        OptimizedModule.__call__ = call  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(OptimizedModule, "__call__", original))
         self._class_wrapped = True
 

@@ -48,7 +48,7 @@ class CompiledStep:
         self.rng = RngState.capture()
         self.output_grads: list[torch.Tensor | None] | None = None
         self.seen: str | None = None     # the kind of value the last replay saw
-        self._handle = module.register_forward_hook(self._output)
+        self._handle: Any = module.register_forward_hook(self._output)
 
     def _output(self, module: Any, args: Any, output: Any) -> None:
         """The traced call's outputs: keep the gradient backward brings to each (one call)."""
@@ -114,16 +114,19 @@ def compiled_rerun_finding(kept: CompiledStep, step: int, check: str) -> Finding
         return compiled_only_finding(narrowed, step, value, phase, tensor, [])
     section = narrowed.replay
     section.outcome = CompiledOutcome.COMPILED_ONLY
+    failed = next((r.note for r in section.replays if r.stage == "compiled"
+                   and r.nonfinite is None), None)
+    replayed = (f"the compiled model call could not be replayed alone ({failed})" if failed else
+                "the compiled model call alone, replayed from that state, gives finite outputs "
+                "and gradients, so the value is made where the step computes on the compiled "
+                "outputs (its loss), which differ from eager's in the last bits")
     return Finding(
         step=step, where=phase, value=value, cause=Cause.COMPILED_ONLY, reproduced=False,
         tensor=tensor, compiled=section,
         explanation=(f"the first run's compiled step {step} made a non-finite value, and the "
                      f"re-run followed the first run's losses to that step; traced eagerly from "
                      f"the same state, step {step} is finite: the value exists only in the "
-                     f"compiled program. The compiled model call alone, replayed from that "
-                     f"state, gives finite outputs and gradients, so the value is made where the "
-                     f"step computes on the compiled outputs (its loss), which differ from "
-                     f"eager's in the last bits"),
+                     f"compiled program; {replayed}"),
         fix=("guard the loss against values at the edge of its domain (the compiled outputs "
              "are not bit-equal to eager's); " + fix_for(Cause.COMPILED_ONLY)))
 
