@@ -220,3 +220,21 @@ def test_compile_key_takes_true_or_torch_compile_arguments(tmp_path):
     assert parsed("{backend: 3, mode: fast, fullgraph: 2, bogus: 1}")[1] == {
         "compile.backend", "compile.mode", "compile.fullgraph", "compile.bogus"}
     assert parsed("yes please")[1] == {"compile"}
+
+
+@pytest.mark.slow
+def test_a_factory_returning_a_compiled_model_takes_a_checkpoint_of_the_plain_one(tmp_path):
+    from nanaudit import demo
+    torch.manual_seed(0)
+    torch.save(demo.build_model().state_dict(), tmp_path / "plain.pt")
+    (tmp_path / "factory.py").write_text(
+        "import torch\nfrom nanaudit import demo\n\n\ndef build_model():\n"
+        "    return torch.compile(demo.build_model(), backend='aot_eager')\n")
+    config = tmp_path / "config.yaml"
+    config.write_text("model: factory.py:build_model\ndata: nanaudit.demo:batches\n"
+                      "loss: nanaudit.demo:loss\noptimizer: {class: torch.optim.AdamW, lr: 1.0e-3}\n"
+                      "steps: 12\nseed: 0\ndevice: cpu\ncheckpoint: plain.pt\n")
+    f = scan(config, "--no-repro", tmp_path=tmp_path).finding
+    assert (f["where"], f["op"], f["module"], f["tensors"]) == (
+        "backward", "aten.div.Tensor", "features", ["features.gain"])
+    assert f["compiled"]["outcome"] == "eager"
