@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.localize.events import carries, kinds_of
-from nanaudit.localize.ops import named_tensors, schema_names
+from nanaudit.localize.ops import named_tensors, scalar_infinities, schema_names
 from nanaudit.localize.stats import tensor_stats
 from nanaudit.report.model import SourceLine
 from nanaudit.run.names import user_named
@@ -51,6 +51,7 @@ class BadNode:
     inputs: list = field(default_factory=list)          # [TensorStats]
     input_nodes: list = field(default_factory=list)     # [(node name, kinds)] of bad inputs
     random_sources: list = field(default_factory=list)  # the lines of random ops it depends on
+    writes_infinity: bool = False      # an infinity among its Python numbers (a -inf mask fill)
 
 
 def node_source(node: Any) -> SourceLine | None:
@@ -173,7 +174,8 @@ class _Checked(torch.fx.Interpreter):
             self.part, node.name, op_name(node.target), decomposed,
             self.watch.names.of(node, source), source, kinds,
             [tensor_stats(n, t) for n, t in named],
-            [(n.name, self.bad[n.name].out_kinds) for n in inputs], random_upstream(node))
+            [(n.name, self.bad[n.name].out_kinds) for n in inputs], random_upstream(node),
+            bool(scalar_infinities(args, kwargs, op_name(node.target))))
 
 
 def _kinds(value: Any) -> frozenset:
@@ -233,9 +235,17 @@ class NodeWatch:
         return None
 
     def _walk(self, run: _Checked, node: BadNode, kind: str) -> tuple[BadNode, list[BadNode]]:
-        chain = [node]
+        """Back through the inputs carrying `kind`; a NaN made of infinities (inf - inf, inf /
+        inf) goes on to the node that made the infinity, unless that node wrote it on purpose
+        (a `-inf` mask): then the NaN's maker is the node named."""
+        chain, made_nan = [node], None
         while True:
             upstream = [run.bad[name] for name, kinds in node.input_nodes if carries(kinds, kind)]
+            if not upstream and kind == "nan" and node.op != "input":
+                infinite = [run.bad[name] for name, kinds in node.input_nodes
+                            if carries(kinds, "inf")]
+                if infinite:
+                    made_nan, kind, upstream = node, "inf", infinite
             if not upstream and node.op == "input" and run.part == "backward":
                 saved = self._saved(node.name)       # a forward value the backward reads
                 if saved is None:
@@ -248,6 +258,9 @@ class NodeWatch:
             node = upstream[0]
             chain.append(node)
         creator = next((n for n in reversed(chain) if n.op != "input"), chain[-1])
+        if made_nan is not None and creator.writes_infinity:
+            chain = chain[:chain.index(made_nan) + 1]
+            creator = made_nan
         return creator, [n for n in reversed(chain) if n.op != "input"]
 
     def _saved(self, name: str) -> tuple[_Checked, BadNode] | None:

@@ -159,6 +159,51 @@ def test_a_value_only_the_compiled_program_makes_is_narrowed_to_the_decompositio
     assert "made only by the compiled program" in console.file.getvalue()
 
 
+def naive_log_sigmoid_backward(grad, x, buffer):
+    """logsigmoid's gradient as a careless compiler might decompose it: exp(-x) overflows for
+    x below -88.7 and inf / inf is NaN, where eager's kernel stays finite."""
+    e = torch.exp(-x)
+    return grad * e / (1 + e)
+
+
+@pytest.mark.slow
+def test_a_backward_value_only_a_decomposed_backward_makes_names_its_graph_node():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions={
+        torch.ops.aten.log_sigmoid_backward.default: naive_log_sigmoid_backward})
+
+    class Scorer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return -F.logsigmoid(self.fc(x)).mean()        # LOGSIGMOID
+
+    def batches(model):
+        g = torch.Generator().manual_seed(0)
+        for step in range(4):
+            x = torch.randn(6, 4, generator=g)
+            if step == 2:                                   # a score far below -88.7
+                x[3] = -300.0 * model.fc.weight.detach().sign()[0]
+            yield x
+
+    torch.manual_seed(0)
+    model = Scorer()
+    report = _train(torch.compile(model, backend=backend), lambda m, x: m(x), batches(model))
+    f = report.finding
+    assert (f.step, f.where, f.cause, f.value) == (2, "backward", "compiled-only", "nan")
+    c = f.compiled
+    assert (c.stage, c.graph, c.node, c.decomposed_from) == (
+        "decompositions", "backward", "exp", "aten.log_sigmoid_backward.default")
+    # The NaN is inf / inf: the node named is the exp whose infinity came first.
+    assert [link.op for link in f.chain][:3] == ["aten.exp.default", "aten.mul.Tensor",
+                                                 "aten.div.Tensor"]
+    assert f.source.line == _line("# LOGSIGMOID") and f.module == ""
+    assert sorted(f.tensors) == ["fc.bias", "fc.weight"]
+
+
 @pytest.mark.slow
 def test_a_value_that_needs_inductors_random_draws_names_no_op():
     class Dropped(nn.Module):
