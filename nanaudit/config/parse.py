@@ -130,6 +130,7 @@ def _settings(raw: Mapping[str, Any], path: Path, own_step: bool,
         fail_on=choice("fail_on", "nonfinite", FAIL_ON),
         distributed=sections.distributed(raw.get("distributed"), problems),
         sentinel_read=choice("sentinel_read", "auto", SENTINEL_READS),
+        compile=sections.compile_options(raw.get("compile"), problems),
     )
 
 

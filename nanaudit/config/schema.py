@@ -137,6 +137,23 @@ class DistributedOptions:
     fsdp_param_dtype: str = "fp32"    # FSDP2's MixedPrecisionPolicy param_dtype (fp32: none)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """`compile:`, torch.compile applied to the model the config builds (`true`, or these
+    arguments of `torch.compile`), so the program audited is the program trained."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+    def arguments(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def section_keys(options: type) -> tuple[str, ...]:
     """A section's YAML keys are its dataclass's fields: one list, never a hand-kept copy."""
     return tuple(f.name for f in fields(options))
@@ -152,6 +169,9 @@ WATCH_KEYS = section_keys(WatchOptions)
 
 
 DISTRIBUTED_KEYS = section_keys(DistributedOptions)
+
+
+COMPILE_KEYS = section_keys(CompileOptions)
 
 
 @dataclass(frozen=True)
@@ -219,6 +239,7 @@ class Config:
     fail_on          nonfinite, or warning (an early warning also fails the run, exit 7)
     sentinel_read    auto, sync or deferred (see run/deferred.py)
     accumulate       micro-batches (consecutive batches) per optimizer step
+    compile          torch.compile the model (`CompileOptions`; None: run it as built)
 
     Field order is the order unknown-key messages list the YAML keys in."""
 
@@ -243,6 +264,7 @@ class Config:
     scheduler: SchedulerSpec | None = None
     accumulate: int = 1
     step: Entrypoint | None = None
+    compile: CompileOptions | None = None
 
     @property
     def own_code(self) -> Entrypoint:
@@ -283,6 +305,8 @@ class Config:
             extra["accumulate"] = self.accumulate
         if self.step is not None:
             extra["step"] = self.step.target
+        if self.compile is not None:
+            extra["compile"] = self.compile.arguments()
         return {
             "path": str(self.path), "model": self.model.target, "data": self.data.target,
             "loss": self.loss.target if self.loss else None, **extra,

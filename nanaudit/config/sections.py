@@ -15,6 +15,8 @@ from nanaudit.config import values
 from nanaudit.config.schema import (
     AMP_KEYS,
     BACKENDS,
+    COMPILE_KEYS,
+    COMPILE_MODES,
     DISTRIBUTED_KEYS,
     ENTRYPOINT_KEYS,
     FSDP_PARAM_DTYPES,
@@ -22,6 +24,7 @@ from nanaudit.config.schema import (
     WATCH_KEYS,
     AmpOptions,
     BuilderSpec,
+    CompileOptions,
     DistributedOptions,
     Entrypoint,
     LocalizeOptions,
@@ -219,3 +222,31 @@ def distributed(value: Any, problems: Problems) -> DistributedOptions:
         fsdp_param_dtype=values.choice(raw.get("fsdp_param_dtype", d.fsdp_param_dtype),
                                        "distributed.fsdp_param_dtype", FSDP_PARAM_DTYPES,
                                        problems))
+
+
+def compile_options(value: Any, problems: Problems) -> CompileOptions | None:
+    """`compile: true`, or `compile: {backend: inductor, mode: max-autotune}`; false or absent:
+    the model runs as its factory built it."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileOptions()
+    if not isinstance(value, dict):
+        problems.append(Problem("compile", f"expected true, false or a mapping of torch.compile "
+                                f"arguments ({', '.join(COMPILE_KEYS)}), got {value!r}"))
+        return None
+    values.check_unknown(value, COMPILE_KEYS, "compile.", problems)
+    d = CompileOptions()
+    backend = value.get("backend", d.backend)
+    if not isinstance(backend, str) or not backend:
+        problems.append(Problem("compile.backend", f"expected a backend name (inductor, "
+                                f"aot_eager, ...), got {backend!r}"))
+        backend = d.backend
+    mode = value.get("mode", d.mode)
+    if mode is not None:
+        mode = values.choice(mode, "compile.mode", COMPILE_MODES, problems)
+    fullgraph = values.boolean(value.get("fullgraph", d.fullgraph), "compile.fullgraph",
+                               problems)
+    dynamic = values.boolean(value.get("dynamic"), "compile.dynamic", problems)
+    return CompileOptions(backend=backend, mode=mode, fullgraph=bool(fullgraph),
+                          dynamic=dynamic)

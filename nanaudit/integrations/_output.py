@@ -14,6 +14,7 @@ import torch
 
 from nanaudit.report.model import Report
 from nanaudit.report.output import write_atomic
+from nanaudit.run.names import unwrapped
 
 REPORT_FILES = {"json": "nanaudit.json", "markdown": "nanaudit.md", "html": "nanaudit.html",
                 "console": "nanaudit.txt"}
@@ -60,6 +61,7 @@ def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, tri
     from nanaudit.run.batch import batch_structure
     # The same rules as `scan`'s bundles: never replace a folder nanaudit did not write.
     folder = bundle_folder(Path(folder), state.step)
+    model = unwrapped(model)         # the user's module: its class, its state-dict keys
     recipe = model_recipe(model)
     structure = batch_structure(state.batch)
     targets = [recipe.get("class"), meta.get("loss"),

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from nanaudit.run.compiled import find_compiled
+
 if TYPE_CHECKING:
     from nanaudit.integrations.sentinel import Sentinel
 
@@ -75,7 +77,11 @@ class NanauditCallback(TrainerCallback):
         self.trainer = trainer
         # What a finding names for ops outside every submodule: the Trainer's loss computation.
         self.loss_label = f"{type(trainer).__qualname__}.compute_loss"
-        self.sentinel = Sentinel(trainer.model, trainer.optimizer, loss_fn=self._replay_loss,
+        # `torch_compile=True`: the compiled model, so that a step finite eagerly is replayed
+        # compiled too (the Trainer's own names are the user's either way).
+        wrapped = getattr(trainer, "model_wrapped", None)
+        model = wrapped if find_compiled(wrapped) is not None else trainer.model
+        self.sentinel = Sentinel(model, trainer.optimizer, loss_fn=self._replay_loss,
                                  scaler=getattr(trainer.accelerator, "scaler", None),
                                  isolate_samples=self.isolate_samples,
                                  max_skipped=self.max_skipped, scale_floor=self.scale_floor)
@@ -114,7 +120,8 @@ class NanauditCallback(TrainerCallback):
         if self._num_items is not None:
             kwargs["num_items_in_batch"] = self._num_items
         with trainer.compute_loss_context_manager():
-            return self._original(self._loss_model or model, dict(batch), **kwargs)
+            loss_model = self._loss_model if self._loss_model is not None else model
+            return self._original(loss_model, dict(batch), **kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unwrap()

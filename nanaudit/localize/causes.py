@@ -79,6 +79,14 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.INF_ARITHMETIC: (
         "an op turned infinities into NaN (inf - inf, 0 * inf, inf / inf)",
         "follow the inf back to where it was made and guard that op"),
+    Cause.COMPILED_ONLY: (
+        "only the torch.compile'd program makes the value: the eager step from the same state "
+        "is finite (a decomposition or fused kernel computes an op less safely, or random ops "
+        "draw differently)",
+        "train with the stage that stays finite (`torch.compile(model, backend=\"aot_eager\")`, "
+        "or without compile) until it is fixed; make a minimal repro with torch's minifier "
+        "(`TORCHDYNAMO_REPRO_AFTER=aot TORCHDYNAMO_REPRO_LEVEL=4`) and report it at "
+        "https://github.com/pytorch/pytorch/issues"),
     Cause.UNKNOWN: (
         "none of the catalogue's causes fits",
         "inspect the op and its inputs' statistics below"),

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
+from nanaudit.localize.compiled_finding import replayed_compiled
 from nanaudit.localize.ops import named_tensors
 from nanaudit.localize.replay import (
     localize,
@@ -21,9 +22,12 @@ from nanaudit.localize.samples import SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_stats
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.sections import CompiledReplay
+from nanaudit.report.vocabulary import Cause, CompiledOutcome
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
+from nanaudit.run.compiled import find_compiled, replay_eagerly
+from nanaudit.run.names import user_named
 from nanaudit.run.optimizer_state import explain_state
 from nanaudit.run.session import Session
 from nanaudit.run.step import ScanOutcome, StepState, Trip
@@ -87,10 +91,12 @@ def input_finding(session: Session, state: StepState) -> Finding:
 
 def state_finding(session: Session, trip: Trip) -> Finding:
     model = session.model
-    params = nonfinite_names(model.named_parameters())
-    buffers = nonfinite_names((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+    named_params = list(user_named(model, model.named_parameters()))
+    named_buffers = list(user_named(model, model.named_buffers()))
+    params = nonfinite_names(named_params)
+    buffers = nonfinite_names((n, b) for n, b in named_buffers if b.is_floating_point())
     names = params + buffers
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    tensors = dict(named_params) | dict(named_buffers)
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == "optimizer" and params:
@@ -160,12 +166,18 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
 def localized_finding(session, state, trip, timeline, isolate_samples,
                       localizer: Callable = localize) -> Finding:
     loc = localizer(session, state, trip, timeline)
+    compiled = find_compiled(session.model)
     if not loc.reproduced:
-        return _not_reproduced(trip, own_step=session.step_fn is not None)
+        finding = _not_reproduced(trip, own_step=session.step_fn is not None)
+        if compiled is None:
+            return finding
+        return replayed_compiled(session, state, trip, compiled, finding)
     bad = loc.bad_tensors or []
     finding = traced_finding(loc, trip.step, tensor=bad[0] if trip.check == "gradient" and bad
                              else (None if trip.check == "gradient" else "loss"),
                              tensors=bad, loss_name=_loss_name(session))
+    if compiled is not None:
+        finding.compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
     if trip.note:
         finding.explain(trip.note)
     if finding.cause == Cause.DIVERGENCE:
@@ -335,8 +347,8 @@ def _isolate(session, state, trip, finding: Finding) -> None:
         restore_buffers()      # each replay starts from the same buffers (running stats)
         return replay_reproduces(session, state, sub, trip.check)
 
-    try:
-        with preserved_buffers(session.model) as restore_buffers:
+    try:      # eager, as the traced replay: sub-batches would recompile a compiled model
+        with preserved_buffers(session.model) as restore_buffers, replay_eagerly():
             search = isolate_rows(reproduces, layout.size, session.options.localize.max_replays,
                                   min_rows=min_rows, min_reason=why)
     except SearchInterrupted as stop:

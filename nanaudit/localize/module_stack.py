@@ -15,13 +15,15 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from nanaudit.run.names import user_named
+
 
 class ModuleStack:
     """The innermost running module of `model` while entered: `with ModuleStack(model) as m:`
     ... `m.current`."""
 
     def __init__(self, model: torch.nn.Module):
-        self.names = {id(m): n for n, m in model.named_modules()}
+        self.names = {id(m): n for n, m in user_named(model, model.named_modules())}
         self.stack: list[str] = []
         self.handles: list[Any] = []
 

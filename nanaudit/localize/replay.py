@@ -18,6 +18,7 @@ from nanaudit.localize.events import Trace, kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.run.checks import StepChecks
+from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
 from nanaudit.run.step import ReplayHooks, StepState, Trip
 
@@ -63,7 +64,7 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
     in train mode needs more than one value per channel (a 1-row batch of (N, C) features
     raises). Other limits (a model that fixes its batch size) show as an exception, which the
     sample search answers by feeding the full batch size."""
-    norms = [name or type(m).__name__ for name, m in model.named_modules()
+    norms = [name or type(m).__name__ for name, m in user_named(model, model.named_modules())
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
     if norms:
         shown = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
@@ -78,7 +79,8 @@ def localize(session: Session, state: StepState, trip: Trip, timeline) -> Locali
         trace, loss = traced_replay(session, state)
     if trip.check == "loss":
         return walk_from_sink(trace, loss, "forward", timeline, None)
-    bad = [(name, p) for name, p in session.model.named_parameters()
+    model = session.model
+    bad = [(name, p) for name, p in user_named(model, model.named_parameters())
            if p.grad is not None and kinds_of(p.grad)]
     if not bad:
         return Localization(False, ops_traced=trace.ops_seen)

@@ -36,6 +36,7 @@ from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
+from nanaudit.run.compiled import replay_eagerly
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
@@ -152,6 +153,8 @@ class OpTracer:
 
     def __enter__(self) -> OpTracer:
         with contextlib.ExitStack() as entering:
+            # A compiled model runs eagerly under the tracer: every aten op is the user's own.
+            entering.enter_context(replay_eagerly())
             entering.enter_context(self.modules)
             entering.enter_context(self._mode)
             self._exit = entering.pop_all()

@@ -113,7 +113,10 @@ def _finding_panel(f: Finding, boxed: bool = True) -> RenderableType:
         parts.append(_stats_table(f"inputs of the forward op {f.forward_op}", f.forward_inputs))
     if f.sample_rows:
         parts.append(_samples(f))
-    if f.reproduced is False:
+    if f.cause == Cause.COMPILED_ONLY:
+        parts.append(Text("made only by the compiled program (finite eagerly): see the "
+                          "explanation", style="yellow"))
+    elif f.reproduced is False:
         parts.append(Text("not reproduced on replay: see the explanation", style="yellow"))
     why = Text("why  ", style="bold")
     why.append(f.explanation)
@@ -281,6 +284,9 @@ def _next_steps(report: Report) -> Text:
                      f"{f.source.line} is where the grown weights overflowed, not the bug)")
     elif f.source and f.reproduced is not False:
         hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
+    elif f.cause == Cause.COMPILED_ONLY:
+        hints.append("change how the model is compiled as the fix says (your code as written "
+                     "stays finite)")
     if f.samples and report.command != "bisect":
         hints.append(f"inspect batch rows {f.samples} of step {f.step}")
     elif f.samples:

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanaudit.exitcodes import ExitCode
-from nanaudit.report.vocabulary import BisectMode, RerunStatus, SentinelReadMode, Status
+from nanaudit.report.vocabulary import (
+    BisectMode,
+    CompiledOutcome,
+    CompileStage,
+    RerunStatus,
+    SentinelReadMode,
+    Status,
+)
 
 # --- error: what stopped the run ----------------------------------------------------------------
 
@@ -232,3 +239,36 @@ class ScriptRun:
     rerun: Rerun | None = None
 
     OMIT_WHEN_NONE = ("rank", "first_run", "rerun")
+
+
+@dataclass(frozen=True)
+class StageReplay:
+    """One replay of a compiled step from its saved state: the stage it stops at, the backend
+    it ran with, and whether the value came back (None: the replay itself failed)."""
+
+    stage: str                      # "eager", or a CompileStage
+    backend: str
+    nonfinite: bool | None
+    note: str | None = None         # why it failed
+
+    OMIT_WHEN_NONE = ("note",)
+
+
+@dataclass
+class CompiledReplay:
+    """A finding's replays when the model is `torch.compile`d: its backend, what the replays
+    came to (`outcome`), and for a compiled-only value the first compiler stage that makes it,
+    each replay tried, and the FX node (in which graph, decomposed from which op) that made it
+    first; `random_ops`: the value needs the random numbers the compiled program draws."""
+
+    backend: str
+    outcome: CompiledOutcome
+    stage: CompileStage | None = None
+    replays: list = field(default_factory=list)     # [StageReplay], in the order tried
+    node: str | None = None
+    graph: str | None = None        # forward | backward (AOTAutograd's) | graph (dynamo's)
+    decomposed_from: str | None = None
+    random_ops: bool | None = None
+
+    OMIT_WHEN_NONE = ("stage", "node", "graph", "decomposed_from", "random_ops")
+    OMIT_EMPTY = ("replays",)

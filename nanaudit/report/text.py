@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats
-from nanaudit.report.vocabulary import ProducerKind
+from nanaudit.report.vocabulary import CompiledOutcome, ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -59,7 +59,8 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
-             ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause)]
+             ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
+             ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
 
 
@@ -84,6 +85,22 @@ def producer_label(f: Finding) -> str | None:
     if p.sample_indices:
         label += f"; data set indices {p.sample_indices}"
     return label
+
+
+def compiled_fact(f: Finding) -> str | None:
+    """A torch.compile'd model's replays in a line: eager made it, only the compiled program
+    makes it (and where), or neither."""
+    c = f.compiled
+    if c is None:
+        return None
+    if c.outcome == CompiledOutcome.EAGER:
+        return f"replayed eagerly, which makes it too (backend {c.backend})"
+    if c.outcome == CompiledOutcome.NOT_REPRODUCED:
+        return f"finite replayed eagerly and compiled (backend {c.backend})"
+    where = f", stage {c.stage}" if c.stage else ""
+    node = f", node {c.node} in the {c.graph} graph" if c.node else ""
+    random = ", random ops" if c.random_ops else ""
+    return f"only the compiled program makes it (backend {c.backend}{where}{node}{random})"
 
 
 def finding_message(f: Finding) -> str:

@@ -69,6 +69,25 @@ class RerunStatus(Word):
     NONDETERMINISTIC = "nondeterministic"     # its losses before the step differed
     NOT_TRACED = "not-traced"                 # no module ran in the traced step
     NOT_REPRODUCED = "not-reproduced"         # the traced step came out finite
+    COMPILED_ONLY = "compiled-only"           # finite eagerly; the compiled step makes it
+
+
+class CompiledOutcome(Word):
+    """What the replays of a compiled model's bad step came to (a finding's `compiled`)."""
+
+    EAGER = "eager"                       # the eager replay made the value: the usual finding
+    COMPILED_ONLY = "compiled-only"       # eager is finite; the compiled step makes the value
+    NOT_REPRODUCED = "not-reproduced"     # eager and compiled replays are finite
+
+
+class CompileStage(Word):
+    """The stage of torch.compile that first makes a compiled-only value, in pipeline order."""
+
+    DYNAMO = "dynamo"                     # dynamo's captured graph, run as Python
+    AOT_AUTOGRAD = "aot-autograd"         # AOTAutograd's forward and backward graphs (aot_eager)
+    DECOMPOSITIONS = "decompositions"     # the backend's decomposition table, without its compiler
+    INDUCTOR = "inductor"                 # inductor's generated kernels
+    BACKEND = "backend"                   # a custom backend's own compiler
 
 
 class ProducerKind(Word):
@@ -109,4 +128,5 @@ class Cause(Word):
     DIVERGENCE = "divergence"
     OPTIMIZER_UPDATE = "optimizer-update"
     INF_ARITHMETIC = "inf-arithmetic"
+    COMPILED_ONLY = "compiled-only"
     UNKNOWN = "unknown"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanaudit.errors import ConfigError, Problem
+from nanaudit.run.names import unwrapped, user_path
 
 
 @dataclass
@@ -58,7 +59,14 @@ def _looks_like_torch_save(path: Path) -> bool:
 
 
 def apply_model_state(model, checkpoint: Checkpoint, key: str, label: str) -> None:
-    """load_state_dict strictly, turning mismatches into one error that lists the keys."""
+    """load_state_dict strictly, turning mismatches into one error that lists the keys. A
+    model a wrapper holds (`torch.compile(model)`) takes the user's module's state, its keys
+    with or without the wrapper's prefix (as nanoGPT strips `_orig_mod.`)."""
+    state = checkpoint.model_state
+    inner = unwrapped(model)
+    if inner is not model:
+        state = {user_path(model, name): value for name, value in state.items()}
+        model, checkpoint = inner, Checkpoint(state, checkpoint.raw, checkpoint.path)
     own = set(model.state_dict().keys())
     given = set(checkpoint.model_state.keys())
     missing, unexpected = sorted(own - given), sorted(given - own)

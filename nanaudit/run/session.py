@@ -23,6 +23,7 @@ from nanaudit.config.validate import (
 )
 from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
+from nanaudit.run.names import parameter_names
 from nanaudit.run.seeding import seed_everything
 
 
@@ -97,7 +98,7 @@ class Session:
         import torch
         run_options = RunOptions(data_label=label, loss_label=f"{label}:loss_fn",
                                  loss_key=label, **options)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = parameter_names(model)
         return cls(run_options, torch.device(device), model, optimizer, loss_fn,
                    lambda: batches, names, precision=precision)
 
@@ -124,13 +125,16 @@ def build_session(config: Config, coordinator=None) -> Session:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))
     model.to(device)
     model.train()
+    if config.compile is not None:
+        from nanaudit.run.compiled import compile_model
+        compile_model(model, config.compile.arguments())
     # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
     wrapped = coordinator.wrap(model, device) if coordinator is not None else model
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     if checkpoint is not None:
         load_training_state(checkpoint.raw, optimizers, schedulers)
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
 
     shards_itself = (coordinator is not None
                      and all(data_accepts(data_fn, name) for name in SHARD_KWARGS))

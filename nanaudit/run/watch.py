@@ -25,6 +25,7 @@ from nanaudit.config.schema import WatchOptions
 from nanaudit.report.model import EarlyWarning, TimelineEntry
 from nanaudit.report.vocabulary import WarningKind
 from nanaudit.run.checks import ParamPack, finite_norm
+from nanaudit.run.names import user_named
 
 MAX_WARNINGS = 50
 
@@ -43,7 +44,7 @@ class ActivationWatch:
         if every:
             root = type(model).__name__
             self.handles = [module.register_forward_hook(partial(self._hook, name or root))
-                            for name, module in model.named_modules()]
+                            for name, module in user_named(model, model.named_modules())]
 
     def begin(self, step: int) -> None:
         self.active = bool(self.every) and step % self.every == 0

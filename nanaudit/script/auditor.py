@@ -119,7 +119,7 @@ class ScriptAuditor:
         if self.ledger.cleared_by_hand():
             self._step_by_hand()        # the backward before was a step the script took itself
         if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
-            self.window.arm(module, args, kwargs)
+            self.window.arm(module, args, kwargs, self.hooks.entry)
             if self.ranks is not None:
                 self.ranks.tracing(True)
         if self.window.armed is not None:

@@ -19,6 +19,7 @@ from nanaudit.report.vocabulary import Check
 from nanaudit.run.sharded import local_shards
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.compiled_rerun import compiled_rerun_finding, eager_section
 from nanaudit.script.data_window import DataWindow
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
@@ -39,19 +40,25 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         if sinks:
             _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
                    spec.step, None, result, auditor.rank)
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None]
-    bad = [(auditor.parameter_name(p), g) for p, g in zip(params, local_shards(
-        [p.grad for p in params])) if kinds_of(g)]
-    # Under FSDP this rank's own gradients before the reduce-scatter: its shard after it may
-    # hold a peer's value, or none of its own.
-    own = [s for s in (auditor.ranks.flags.sinks if auditor.ranks else []) if kinds_of(s)]
-    if bad or own:
-        names = [n for n, _ in bad]
-        sink = own[0] if own else bad[0][1]
-        loc = walk_from_sink(trace, sink, "backward", auditor.timeline, names)
-        _adopt(armed, loc, spec.step, names, result, auditor.rank)
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        bad = [(auditor.parameter_name(p), g) for p, g in zip(params, local_shards(
+            [p.grad for p in params])) if kinds_of(g)]
+        # Under FSDP this rank's own gradients before the reduce-scatter: its shard after it
+        # may hold a peer's value, or none of its own.
+        own = [s for s in (auditor.ranks.flags.sinks if auditor.ranks else []) if kinds_of(s)]
+        if bad or own:
+            names = [n for n, _ in bad]
+            sink = own[0] if own else bad[0][1]
+            loc = walk_from_sink(trace, sink, "backward", auditor.timeline, names)
+            _adopt(armed, loc, spec.step, names, result, auditor.rank)
+    if armed.compiled is not None:
+        # A compiled model: the trace ran it eagerly; finite there, the compiled call decides.
+        if result.finding is not None:
+            result.finding.compiled = eager_section(armed.compiled)
+        else:     # the parent names the tensors the first run saw
+            result.finding = compiled_rerun_finding(armed.compiled, spec.step, spec.check)
 
 
 def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:

@@ -9,6 +9,8 @@ Nothing in the script changes. What is installed, and what each tells the audito
   accumulation's micro-batches belong to the step they feed);
 * a module forward pre-hook, registered only while waiting for a step's first module call (the
   outermost one) and removed in it, so the rest of the forward keeps PyTorch's hook-free path;
+  a compiled model's call is heard before its compiled code runs, which never meets the hook
+  (compiled_calls.py);
 * the loss tap (intercept.py): the scalar reaching `backward`, unscaled, kept on the device
   until the step's read;
 * `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from nanaudit.run.intercept import LossTap, checked_closure_args
+from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_values import caller_kwargs
 
 
@@ -42,6 +45,13 @@ class Listener(Protocol):
     def stepped(self) -> int: ...
 
 
+def _trains(module: torch.nn.Module) -> bool:
+    """A call without autograd (an evaluation under `no_grad` between two steps) is not the
+    training forward; nor is a module without parameters (a data transform the DataLoader
+    calls on each sample, as torchvision's `Normalize`): the hooks keep waiting."""
+    return torch.is_grad_enabled() and next(module.parameters(), None) is not None
+
+
 class ScriptHooks:
     """Installs and removes the hooks of one script run (see the module docstring)."""
 
@@ -52,6 +62,8 @@ class ScriptHooks:
         self._restore: list = []
         self._tap = LossTap(listener.loss, before=listener.backward_started,
                             after=self._backward_ended)
+        self._compiled = CompiledCalls(self)
+        self.entry: Any = None        # what the script called for the step's first call
 
     @property
     def raised_in_backward(self) -> bool:
@@ -67,6 +79,7 @@ class ScriptHooks:
         self._tap.install()
         self._wrap_scaler_step()
         self._wrap_optimizer_init()
+        self._compiled.install()
         self.await_forward()
         return self
 
@@ -75,6 +88,7 @@ class ScriptHooks:
             handle.remove()
         self._handles = []
         self._stop_waiting()
+        self._compiled.remove()
         self._tap.remove()
         for restore in reversed(self._restore):
             restore()
@@ -86,20 +100,36 @@ class ScriptHooks:
             from torch.nn.modules.module import register_module_forward_pre_hook
             self._forward_handle = register_module_forward_pre_hook(self._first_call)
 
+    @property
+    def waiting(self) -> bool:
+        return self._forward_handle is not None
+
+    def stop_waiting(self) -> None:
+        self._stop_waiting()
+
     def _stop_waiting(self) -> None:
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
-        # A call without autograd (an evaluation under `no_grad` between two steps) is not the
-        # training forward; nor is a module without parameters (a data transform the
-        # DataLoader calls on each sample, as torchvision's `Normalize`): keep waiting.
-        if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
+        if not _trains(module):
             return
         kwargs = caller_kwargs()
         self._stop_waiting()
+        self.entry = module
         self.listener.first_call(module, args, kwargs)
+
+    def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                        entry: Any) -> bool:
+        """A compiled module's call, heard before its compiled code (the hook is already
+        removed): the step's first call when it trains; `entry` is what the script called (a
+        `torch.compile` wrapper of `module`). True when taken."""
+        if not _trains(module):
+            return False
+        self.entry = entry
+        self.listener.first_call(module, args, kwargs)
+        return True
 
     def _backward_ended(self, raised: bool) -> None:
         self.await_forward()            # gradient accumulation: the next micro-batch's forward

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from nanaudit.run.names import user_named
+
 
 class ManualUpdate:
     """The script's own update, for a script that builds no torch.optim optimizer: the
@@ -36,7 +38,7 @@ class Ledger:
     def called(self, module: torch.nn.Module) -> None:
         if id(module) not in self.roots:
             self.roots[id(module)] = module
-            for name, p in module.named_parameters():
+            for name, p in user_named(module, module.named_parameters()):
                 self.names.setdefault(id(p), name)
 
     def name(self, p: torch.Tensor) -> str:

@@ -16,7 +16,7 @@ from nanaudit.config.schema import DistributedOptions
 from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.output import in_flight
 from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import RerunStatus
+from nanaudit.report.vocabulary import CompiledOutcome, RerunStatus
 from nanaudit.run.distributed import current
 from nanaudit.script import protocol
 from nanaudit.script.data_window import same_inputs
@@ -68,12 +68,16 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         return ran(status, note=note), finding
     localized = result.finding
     localized.tensors = localized.tensors or finding.tensors
+    localized.tensor = localized.tensor or finding.tensor
     if localized.rank is None:           # torchrun: the re-run names the rank that made it
         localized.rank = trip.rank
     for note in trip_notes(trip):
         localized.explain(note)
-    return ran(RerunStatus.REPRODUCED, ops_traced=result.ops_traced,
-               precision=result.precision), localized
+    compiled = localized.compiled
+    status = RerunStatus.REPRODUCED
+    if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
+        status, localized.value = RerunStatus.COMPILED_ONLY, finding.value   # as the run saw it
+    return ran(status, ops_traced=result.ops_traced, precision=result.precision), localized
 
 
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:

@@ -6,11 +6,14 @@ back from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanaudit.script.step_values import leading_size
+
+if TYPE_CHECKING:
+    from nanaudit.script.compiled_rerun import CompiledStep
 
 
 @dataclass
@@ -22,6 +25,7 @@ class Armed:
     batch_size: int | None
     sinks: list = field(default_factory=list)       # the loss tensors that reached backward
     closed: bool = False
+    compiled: CompiledStep | None = None            # a compiled model's call, kept to replay
 
 
 class RerunWindow:
@@ -43,9 +47,14 @@ class RerunWindow:
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and evaluation == self.evaluation
 
-    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
+        """Arm the tracer at step N's first call of `module` (`entry`: what the script
+        called, a torch.compile wrapper of it), after keeping a compiled model's state."""
+        # The expensive path's modules, imported on the re-run only (as the tracer is).
+        from nanaudit.script.compiled_rerun import compiled_step
+        compiled = compiled_step(module, entry if entry is not None else module, args, kwargs)
         tracer = self.tracer(module)
-        self.armed = Armed(tracer, module, leading_size(args, kwargs))
+        self.armed = Armed(tracer, module, leading_size(args, kwargs), compiled=compiled)
         tracer.__enter__()
 
     def reached(self, optimizer: Any) -> None:

@@ -113,6 +113,28 @@ def test_trainer_log_zero_in_an_accumulated_micro_batch(tmp_path):
     assert again["module"] == "Trainer.compute_loss"
 
 
+def test_trainer_torch_compile_is_audited_in_the_users_names(tmp_path):
+    callback = NanauditCallback(echo=False)
+    trainer = transformers.Trainer(
+        # aot_eager: the Trainer's compile path without inductor's cold C++ builds in CI.
+        model=_bert(), args=_args(tmp_path, torch_compile=True,
+                                  torch_compile_backend="aot_eager"),
+        train_dataset=Rows(zero_target=21), compute_loss_func=log_target_loss,
+        callbacks=[callback])
+    with pytest.raises(NonFiniteError) as raised:
+        trainer.train()
+    f = raised.value.report.finding
+    # Row 21 is row 1 of batch 5; the compiled model, replayed eagerly, names the user's op.
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (
+        5, "forward", "aten.log.default", "log-domain", [1])
+    assert f.source.function == "log_target_loss" and f.reproduced is True
+    assert (f.compiled.backend, f.compiled.outcome) == ("aot_eager", "eager")
+    body = (tmp_path / "nanaudit" / "nanaudit.json").read_text()
+    assert "_orig_mod" not in body and json.loads(body)["finding"]["compiled"]["outcome"] == "eager"
+    state = torch.load(tmp_path / "nanaudit" / "repro-step5" / "state.pt", weights_only=True)
+    assert "classifier.weight" in state["model"]
+
+
 def test_trainer_stop_mode_ends_training_on_a_poisoned_sample(tmp_path):
     callback = NanauditCallback(echo=False, on_finding="stop")
     trainer = transformers.Trainer(

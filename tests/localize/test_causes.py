@@ -11,7 +11,7 @@ CATALOGUE = ("nonfinite-input", "nonfinite-parameter", "log-domain", "div-by-zer
              "sqrt-domain", "exp-overflow", "trig-domain", "norm-at-zero", "softmax-all-masked",
              "degenerate-reduction", "pole", "dtype-overflow", "masked-nonfinite-gradient",
              "impossible-ctc-target", "divergence", "optimizer-update", "inf-arithmetic",
-             "unknown")
+             "compiled-only", "unknown")
 
 
 def test_the_enum_holds_exactly_the_catalogue_and_every_id_has_a_fix():
