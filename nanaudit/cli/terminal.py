@@ -50,19 +50,21 @@ class Terminal:
             self.failures.append(f"cannot print the console report to stderr: {reason}")
             return self.failures[0]
 
+    # Messages are soft-wrapped (left to the terminal): a path or a command cut in two by a
+    # hard line break cannot be copied, and a log's reader searches for it whole.
     def error(self, message: str) -> None:
         line = Text("error: ", style="bold red") + Text(message)
-        if self.show(lambda console: console.print(line)) is not None:
+        if self.show(lambda console: console.print(line, soft_wrap=True)) is not None:
             _last_resort(f"nanaudit: error: {message}\n")
 
     def warning(self, message: str) -> None:
         if not self.quiet:
             self.show(lambda console: console.print(Text("warning: ", style="bold yellow")
-                                                    + Text(message)))
+                                                    + Text(message), soft_wrap=True))
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.show(lambda console: console.print(Text(message)))
+            self.show(lambda console: console.print(Text(message), soft_wrap=True))
 
     def success(self, message: str) -> None:
         if not self.quiet:
