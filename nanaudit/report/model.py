@@ -170,12 +170,12 @@ class Finding:
     producer: InputProducer | None = None  # input findings: where the batch's value was made
     compiled: CompiledReplay | None = None   # a torch.compile'd model: what its replays came to
 
-    OMIT_WHEN_NONE = ("producer",)    # added within schema version 1: absent while unset
+    # Added within schema version 1: absent wherever a finding is, while unset.
+    OMIT_WHEN_NONE = ("producer", "compiled")
     # Added within schema version 1: left out of the report's own `finding` while unset, so
     # reports of runs that do not use them keep their exact shape. bisect's `bad_batches`
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).
     OMIT_WHEN_NONE_AS_FINDING = ("optimizer", "loss_name")
-    OMIT_WHEN_NONE = ("compiled",)    # added later: left out wherever a finding is, while unset
 
     def explain(self, clause: str) -> None:
         """Add a clause to the explanation: the one place clauses are joined ("; ")."""
