@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +28,14 @@ from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import nonfinite_rows
 from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
 from nanaudit.run.intercept import StepHalted
+from nanaudit.run.timeline import Timeline
 from nanaudit.run.verdict import tripped_check
+from nanaudit.run.watch import TimelineWarnings
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
+from nanaudit.script.readout import StepInbox, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
-from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
+from nanaudit.script.step_values import data_inputs, same_value
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
 
 
@@ -42,34 +44,18 @@ def _lr(optimizer: Any) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
-@dataclass
-class StepInbox:
-    """What the hooks collected since the last check, on the device (no read yet)."""
-
-    losses: list = field(default_factory=list)       # 0-dim float64 losses that reached backward
-    factors: list = field(default_factory=list)      # what each was divided by, or None
-    input_flags: list = field(default_factory=list)  # 0-dim bools: the first call's inputs finite
-    inputs: list = field(default_factory=list)       # (name, tensor) of that call's float inputs
-
-    def loss(self, device: torch.device) -> torch.Tensor:
-        if not self.losses:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return window_loss([v.to(device) for v in self.losses], self.factors)
-
-    def inputs_ok(self, device: torch.device) -> torch.Tensor:
-        if not self.input_flags:
-            return torch.ones((), dtype=torch.bool, device=device)
-        return torch.stack([f.to(device) for f in self.input_flags]).all()
-
-
 class ScriptAuditor:
     """The checks of one script run; its hooks are `hooks` (install() / remove())."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
-                 expected_losses: list | None = None, tracer: Any = None,
+                 expected_losses: dict[int, float | None] | None = None, tracer: Any = None,
                  rerun_evaluation: int = 0):
         self.step = 0                    # optimizer steps completed
-        self.timeline: list[TimelineEntry] = []
+        self.timeline = Timeline()       # bounded: a run's first and last steps, summarized between
+        # The early warnings, read off each entry once it is final (the next step began):
+        # the timeline does not keep every step to read them off at the end.
+        self._warnings = TimelineWarnings()
+        self._unwatched: TimelineEntry | None = None
         self.trip: ScriptTrip | None = None
         self.rank = rank
         self.host_reads = 0
@@ -78,11 +64,12 @@ class ScriptAuditor:
         # The re-run's traced window (the tracer class handed in: the cheap path never imports
         # the expensive one) and the first run's losses, to stop a re-run that left it.
         self.window = RerunWindow(rerun_step, rerun_evaluation, tracer)
-        self.expected_losses = expected_losses
+        self.expected_losses = expected_losses      # the first run's, by step
         self.hooks = ScriptHooks(self)
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
+        self._scopes: dict[int, WeightsScope] = {}  # id(optimizer) -> its tensors, as read
         self._last_check = time.perf_counter()
 
     def install(self) -> ScriptAuditor:
@@ -105,17 +92,14 @@ class ScriptAuditor:
             return
         inputs = data_inputs(args, kwargs)
         if inputs:
-            self._inbox.inputs = inputs
-            self._inbox.input_flags.append(torch.stack([torch.isfinite(t).all()
-                                                        for _, t in inputs]).all())
+            self._inbox.add_inputs(inputs)
 
     def loss(self, loss: torch.Tensor) -> None:
         armed = self.window.armed
         if armed is not None:
             armed.sinks.append(loss)          # no ops of ours inside the traced window
             return
-        self._inbox.losses.append(loss.detach().reshape(()).to(torch.float64))
-        self._inbox.factors.append(loss_factor(loss))
+        self._inbox.add_loss(loss)
 
     def backward_started(self) -> None:
         if self.window.armed is not None:
@@ -160,57 +144,82 @@ class ScriptAuditor:
                 and self.window.armed is None):
             self.step = 0
             self.timeline.clear()
+            self._warnings, self._unwatched = TimelineWarnings(), None
             self.ledger.forget_manual_steps()
 
     # --- the check ---------------------------------------------------------------------------
 
     def _check(self, optimizer: Any, evaluation: int = 0) -> None:
-        """One host read: [inputs finite, parameter norm, window loss, gradient norm]. A
-        closure's later evaluations in the same step add no timeline entry."""
+        """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
+        loss and the gradient norm. A closure's later evaluations in the same step add no
+        timeline entry."""
         self.ledger.stepped[id(optimizer)] = optimizer
         if self.window.arms_at(self.step, self._evaluation):
             self.window.reached(optimizer)
             raise StepHalted()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not params:
+        scope = self._scope(optimizer)
+        if scope is None:
             return
-        device = params[0].device
-        self.device = str(device)
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        state, gnorm = finite_norms([[p.detach() for p in params], grads], device)
+        self.device = scope.device_name
+        grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
-        ok, norm, loss_value, grad_norm = torch.stack(
-            [inbox.inputs_ok(device).to(torch.float64), state, inbox.loss(device),
-             gnorm]).tolist()
+        read = read_step(inbox, scope, grads)
         self.host_reads += 1
-        loss = loss_value if inbox.losses else None
+        loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
+        assert norm is not None and grad_norm is not None
         if not math.isfinite(grad_norm) and not confirm_nonfinite(grads):
             grad_norm = exact_norm(grads)      # a float32 sum of squares overflowed: finite
-        if not math.isfinite(norm) and not confirm_nonfinite(params):
-            norm = exact_norm(params)
+        if not math.isfinite(norm) and not confirm_nonfinite(scope.params):
+            norm = exact_norm(scope.params)
         entry = self._entry(optimizer, loss, grad_norm, norm)
         if evaluation == 0:
             self._append(entry)
             if self._left_first_run(loss):
                 raise StepHalted()             # a re-run that already differs: no use going on
-        trip = self._classify(optimizer, ok, norm, loss if loss is not None else 0.0,
-                              grad_norm, params, inbox.inputs)
+        if (read.inputs_ok and math.isfinite(norm) and math.isfinite(grad_norm)
+                and (loss is None or math.isfinite(loss))):
+            return                             # all finite: no check can trip
+        trip = self._classify(optimizer, read.inputs_ok, norm,
+                              loss if loss is not None else 0.0, grad_norm, scope.params,
+                              inbox.inputs)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
-                self.timeline[-1] = entry      # the step shows the evaluation that went bad
+                # The step shows the evaluation that went bad.
+                self.timeline.replace_last(entry)
+                self._unwatched = entry
             self.trip = trip
             raise StepHalted()
 
+    def _scope(self, optimizer: Any) -> WeightsScope | None:
+        """The optimizer's tensors as the check reads them (None: it holds none)."""
+        params = WeightsScope.params_of(optimizer)
+        scope = self._scopes.get(id(optimizer))
+        if scope is None or not scope.holds(params):
+            scope = WeightsScope(params) if params else None
+            if scope is not None:
+                self._scopes[id(optimizer)] = scope
+        return scope
+
     def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
                norm: float | None, **fields: Any) -> TimelineEntry:
+        now = time.perf_counter()      # one clock read a step: the time since the last check
+        took, self._last_check = now - self._last_check, now
         return TimelineEntry(step=self.step, loss=loss, grad_norm=grad_norm, param_norm=norm,
-                             lr=_lr(optimizer), time_ms=round(
-                                 (time.perf_counter() - self._last_check) * 1000, 3), **fields)
+                             lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
 
     def _append(self, entry: TimelineEntry) -> None:
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)     # final now: the next step began
+        self._unwatched = entry
         self.timeline.append(entry)
-        self._last_check = time.perf_counter()
+
+    def early_warnings(self) -> list:
+        """The early warnings of the run so far (all of it: call at its end)."""
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)
+            self._unwatched = None
+        return self._warnings.warnings
 
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
         """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
@@ -228,20 +237,19 @@ class ScriptAuditor:
         self.ledger.stepped[id(optimizer)] = optimizer
         self.skipped += 1
         inbox, self._inbox = self._inbox, StepInbox()
-        if not inbox.losses and not inbox.input_flags:
+        if not inbox:
             return
-        device = (inbox.losses or inbox.input_flags)[0].device
-        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
-                                      inbox.loss(device)]).tolist()
+        read = read_step(inbox)
         self.host_reads += 1
-        if ok >= 1.0 and math.isfinite(loss_value):
+        loss_value = read.loss if read.loss is not None else 0.0
+        if read.inputs_ok and math.isfinite(loss_value):
             return
         if self.window.step is not None and self.step == self.window.step:
             self.window.reached(optimizer)     # step N reached, but nothing was armed
             raise StepHalted()
-        self._append(self._entry(optimizer, loss_value if inbox.losses else None, None, None,
+        self._append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
-        if ok < 1.0:
+        if not read.inputs_ok:
             trip = self._input_trip(inbox.inputs, loss_value, None)
         else:
             trip = self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value)
@@ -252,14 +260,14 @@ class ScriptAuditor:
 
     def _left_first_run(self, loss: float | None) -> bool:
         expected = self.expected_losses
-        if expected is None or self.step >= len(expected):
+        if expected is None or self.step not in expected:
             return False
         return not same_value(expected[self.step], loss)
 
-    def _classify(self, optimizer: Any, ok: float, norm: float, loss: float, grad_norm: float,
-                  params: list, inputs: list) -> ScriptTrip | None:
+    def _classify(self, optimizer: Any, inputs_ok: bool, norm: float, loss: float,
+                  grad_norm: float, params: list, inputs: list) -> ScriptTrip | None:
         """The step's trip, by the one rule every checker names what tripped with."""
-        verdict = tripped_check(self.step, inputs_ok=ok >= 1.0,
+        verdict = tripped_check(self.step, inputs_ok=inputs_ok,
                                 weights_finite=math.isfinite(norm),
                                 updated_at=self.ledger.updated_at.get(id(optimizer)),
                                 loss_finite=math.isfinite(loss),

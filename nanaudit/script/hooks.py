@@ -19,6 +19,7 @@ Nothing in the script changes. What is installed, and what each tells the audito
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +51,9 @@ class ScriptHooks:
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
+        # Modules seen holding parameters: each step's first call asks, and walking a module's
+        # parameters to learn it costs more than the rest of the hook.
+        self._trained: weakref.WeakSet = weakref.WeakSet()
         self._tap = LossTap(listener.loss, before=listener.backward_started,
                             after=self._backward_ended)
 
@@ -95,11 +99,19 @@ class ScriptHooks:
         # A call without autograd (an evaluation under `no_grad` between two steps) is not the
         # training forward; nor is a module without parameters (a data transform the
         # DataLoader calls on each sample, as torchvision's `Normalize`): keep waiting.
-        if not torch.is_grad_enabled() or next(module.parameters(), None) is None:
+        if not torch.is_grad_enabled() or not self._has_parameters(module):
             return
         kwargs = caller_kwargs()
         self._stop_waiting()
         self.listener.first_call(module, args, kwargs)
+
+    def _has_parameters(self, module: torch.nn.Module) -> bool:
+        if module in self._trained:
+            return True
+        if next(module.parameters(), None) is None:
+            return False
+        self._trained.add(module)
+        return True
 
     def _backward_ended(self, raised: bool) -> None:
         self.await_forward()            # gradient accumulation: the next micro-batch's forward

@@ -1,0 +1,139 @@
+"""The one host read of a `nanaudit run` step, kept to a handful of kernels: a tiny step must
+not pay for nanaudit more than the step loop of `scan` makes it pay.
+
+Between two checks the hooks leave what they collect on the device (`StepInbox`): each loss
+that reached backward, detached as it is, and for each outermost module call the largest
+|value| of each data input (its infinity norm: finite exactly when every element is, and never
+an overflow, which a sum of squares can be). The check adds the optimizer's weights and
+gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors packed first,
+as the step loop packs them: run/checks.ParamPack), stacks everything and reads it with ONE
+`.tolist()`; the host combines the norms (`math.hypot`) and the losses
+(step_values.window_loss). All of it is float32 in the common case, so the stack converts
+nothing (a stack of mixed dtypes costs it three times as much). An optimizer's tensors are
+looked up once (`WeightsScope`) and reused while its param groups hold the same parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanaudit.run.checks import ParamPack, dense_values, finite_norms
+from nanaudit.script.step_values import loss_factor, window_loss
+
+_SAFE = (torch.float32, torch.float16, torch.bfloat16)     # float32 holds their values exactly
+_READ_EXACTLY = (*_SAFE, torch.float64)                    # a loss stacked in these stays exact
+_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_IS_SET = functools.partial(operator.is_not, None)
+_DENSE = {torch.strided}
+_PARAMS = operator.itemgetter("params")
+
+
+def input_peaks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors, one per input that has elements: its largest |value|, finite exactly when
+    every element is (max propagates NaN), in float32 unless the input is float64."""
+    return [torch.linalg.vector_norm(t.detach() if t.requires_grad else t, math.inf,
+                                     dtype=torch.float32 if t.dtype in _SAFE else None)
+            for t in tensors if t.numel()]
+
+
+@dataclass(slots=True)
+class StepInbox:
+    """What the hooks collected since the last check, on the device (no read yet)."""
+
+    losses: list = field(default_factory=list)       # 0-dim losses that reached backward
+    factors: list = field(default_factory=list)      # what each was divided by, or None
+    input_peaks: list = field(default_factory=list)  # finite iff each call's inputs are
+    inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach()
+        if value.dim():
+            value = value.reshape(())
+        self.losses.append(value if value.dtype in _READ_EXACTLY else value.to(torch.float64))
+        self.factors.append(loss_factor(loss))
+
+    def add_inputs(self, inputs: list[tuple[str, torch.Tensor]]) -> None:
+        self.inputs = inputs
+        self.input_peaks.extend(input_peaks([t for _, t in inputs]))
+
+    def __bool__(self) -> bool:
+        return bool(self.losses or self.input_peaks)
+
+
+class WeightsScope:
+    """An optimizer's parameters as the check reads them: detached once, with their device and
+    (small CPU tensors) their packing; valid while its param groups hold the same tensors."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.device = params[0].device
+        self.device_name = str(self.device)
+        self.values = [p.detach() for p in params]
+        self.fused = all(t.dtype in _SAFE and t.device == self.device for t in self.values)
+        self.pack = (ParamPack(self.values) if self.fused and self.device.type == "cpu"
+                     else None)
+
+    @staticmethod
+    def params_of(optimizer: Any) -> list[torch.Tensor]:
+        """The optimizer's parameters, every group in order (walked in C: this runs per step)."""
+        return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+
+    def holds(self, params: list[torch.Tensor]) -> bool:
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients that are set, each as a dense tensor of its values (a sparse one's
+        coalesced values)."""
+        grads = list(filter(_IS_SET, map(_GRAD, self.params)))
+        if set(map(_LAYOUT, grads)) <= _DENSE:
+            return grads
+        return [dense_values(g) for g in grads]
+
+    def norm_parts(self, grads: list[torch.Tensor]) -> tuple[list, list]:
+        """(the weights' norms, the gradients' norms) on the device, whose hypot is each
+        group's norm: per tensor from one fused call, or one per group when dtypes or devices
+        are mixed."""
+        if not self.fused:
+            state_norm, grad_norm = finite_norms([self.values, grads], self.device)
+            return [state_norm], [grad_norm]
+        state = self.values
+        if self.pack is not None:
+            state, grads = self.pack.params(), self.pack.grads(grads)
+        norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
+        return list(norms[:len(state)]), list(norms[len(state):])
+
+
+@dataclass(frozen=True, slots=True)
+class StepRead:
+    """What the host read of a step says: its data inputs finite, its loss (None: no loss
+    reached backward), the weights' and the gradients' norms (None: not read)."""
+
+    inputs_ok: bool
+    loss: float | None
+    norm: float | None = None
+    grad_norm: float | None = None
+
+
+def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
+              grads: list[torch.Tensor] | None = None) -> StepRead:
+    """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms."""
+    state, grad_parts = scope.norm_parts(grads or []) if scope is not None else ([], [])
+    extra = inbox.losses + inbox.input_peaks
+    device = scope.device if scope is not None else extra[0].device
+    parts = [t if t.device == device else t.to(device) for t in extra]
+    values = torch.stack(parts + state + grad_parts).tolist()
+    n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
+    start = n_loss + n_in
+    loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
+    inputs_ok = all(map(math.isfinite, values[n_loss:start]))
+    if scope is None:
+        return StepRead(inputs_ok, loss)
+    return StepRead(inputs_ok, loss, math.hypot(*values[start:start + len(state)]),
+                    math.hypot(*values[start + len(state):]))
