@@ -89,8 +89,12 @@ class Timeline(Sequence):
     """A run's timeline in bounded memory (see the module docstring): `append` each step's
     entry; read the kept entries as a sequence; `summary()` for the steps between them."""
 
-    def __init__(self, head: int = HEAD, tail: int = TAIL, buckets: int = BUCKETS,
-                 entries: Iterable[TimelineEntry] = ()):
+    def __init__(self, head: int | None = None, tail: int | None = None,
+                 buckets: int | None = None, entries: Iterable[TimelineEntry] = ()):
+        # The module's budget, read now (not when this was defined): one place sets it.
+        head = HEAD if head is None else head
+        tail = TAIL if tail is None else tail
+        buckets = BUCKETS if buckets is None else buckets
         if head < 0 or tail < 1 or buckets < 2:
             raise ValueError(f"a timeline keeps head >= 0, tail >= 1 and buckets >= 2 "
                              f"(got {head}, {tail}, {buckets})")
