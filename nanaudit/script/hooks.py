@@ -106,7 +106,7 @@ class ScriptHooks:
         self.listener.first_call(module, args, kwargs)
 
     def _has_parameters(self, module: torch.nn.Module) -> bool:
-        if module in self._trained:
+        if module in self._trained:     # modules hash by identity (torch's own walks need it)
             return True
         if next(module.parameters(), None) is None:
             return False
