@@ -5,12 +5,13 @@ Between two checks the hooks leave what they collect on the device (`StepInbox`)
 that reached backward, detached as it is, and for each outermost module call the largest
 |value| of each data input (its infinity norm: finite exactly when every element is, and never
 an overflow, which a sum of squares can be). The check adds the optimizer's weights and
-gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors packed first,
-as the step loop packs them: run/checks.ParamPack), stacks everything and reads it with ONE
-`.tolist()`; the host combines the norms (`math.hypot`) and the losses
+gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors flattened into
+one first, as the step loop packs them below run/checks.PACK_BELOW), stacks everything and
+reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and the losses
 (step_values.window_loss). All of it is float32 in the common case, so the stack converts
-nothing (a stack of mixed dtypes costs it three times as much). An optimizer's tensors are
-looked up once (`WeightsScope`) and reused while its param groups hold the same parameters.
+nothing (a stack of mixed dtypes costs it three times as much). Which tensors an optimizer
+holds is worked out once (`WeightsScope`) and reused while its param groups hold the same
+parameters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
-from nanaudit.run.checks import ParamPack, dense_values, finite_norms
+from nanaudit.run.checks import PACK_BELOW, dense_values, finite_norms
 from nanaudit.script.step_values import loss_factor, window_loss
 
 _SAFE = (torch.float32, torch.float16, torch.bfloat16)     # float32 holds their values exactly
@@ -68,17 +70,30 @@ class StepInbox:
 
 
 class WeightsScope:
-    """An optimizer's parameters as the check reads them: detached once, with their device and
-    (small CPU tensors) their packing; valid while its param groups hold the same tensors."""
+    """An optimizer's parameters as the check reads them: their device, and which are packed
+    (small CPU tensors); valid while its param groups hold the same tensors. The parameters are
+    read live each step, never through aliases made once: a script may give one new storage
+    (`p.data = p.data * mask`), which an alias would not follow."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self.device = params[0].device
         self.device_name = str(self.device)
-        self.values = [p.detach() for p in params]
-        self.fused = all(t.dtype in _SAFE and t.device == self.device for t in self.values)
-        self.pack = (ParamPack(self.values) if self.fused and self.device.type == "cpu"
-                     else None)
+        self.fused = all(t.dtype in _SAFE and t.device == self.device for t in params)
+        small = ([i for i, p in enumerate(params) if p.numel() < PACK_BELOW]
+                 if self.fused and self.device.type == "cpu" else [])
+        self._small = small if len(small) > 1 else []    # packing one tensor saves nothing
+        self._large = [i for i in range(len(params)) if i not in set(self._small)]
+
+    def _packed(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` (one per parameter, in order) with the small ones flattened into one (in
+        C, as DDP's buckets are: a Python loop of reshapes would cost what it saves)."""
+        if not self._small:
+            return tensors
+        if not self._large:
+            return [_flatten_dense_tensors(tensors)]
+        return [_flatten_dense_tensors([tensors[i] for i in self._small]),
+                *[tensors[i] for i in self._large]]
 
     @staticmethod
     def params_of(optimizer: Any) -> list[torch.Tensor]:
@@ -99,14 +114,22 @@ class WeightsScope:
     def norm_parts(self, grads: list[torch.Tensor]) -> tuple[list, list]:
         """(the weights' norms, the gradients' norms) on the device, whose hypot is each
         group's norm: per tensor from one fused call, or one per group when dtypes or devices
-        are mixed."""
-        if not self.fused:
-            state_norm, grad_norm = finite_norms([self.values, grads], self.device)
-            return [state_norm], [grad_norm]
-        state = self.values
-        if self.pack is not None:
-            state, grads = self.pack.params(), self.pack.grads(grads)
-        norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
+        are mixed. Gradients are packed like their parameters when every one has a gradient
+        (otherwise their places do not line up)."""
+        # Live parameters, so no graph of our norms: grad mode off, set directly (the
+        # `no_grad` context manager costs four times as much, on every step).
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if not self.fused:
+                state_norm, grad_norm = finite_norms([self.params, grads], self.device)
+                return [state_norm], [grad_norm]
+            state = self._packed(self.params)
+            if len(grads) == len(self.params):
+                grads = self._packed(grads)
+            norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
+        finally:
+            torch._C._set_grad_enabled(enabled)
         return list(norms[:len(state)]), list(norms[len(state):])
 
 

@@ -95,3 +95,16 @@ def test_a_script_with_a_parameter_that_gets_no_gradient(tmp_path):
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).norm()
     assert math.isclose(report.timeline[0].param_norm, float(weights), rel_tol=1e-6)
     assert all(math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in report.timeline)
+
+
+def test_a_parameter_given_new_storage_is_read_live():
+    # `p.data = p.data * mask` (pruning) gives the parameter a new storage: the read follows.
+    model, _ = model_with_grads()
+    scope = WeightsScope(list(model.parameters()))
+    read_step(StepInbox(), scope, scope.grads())
+    for p in model.parameters():
+        p.data = torch.full_like(p.data, 2.0)
+    read = read_step(StepInbox(), scope, scope.grads())
+    count = sum(p.numel() for p in model.parameters())
+    assert math.isclose(read.norm, 2.0 * math.sqrt(count), rel_tol=1e-6)
+    assert torch.is_grad_enabled()            # the read put grad mode back
