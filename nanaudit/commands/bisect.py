@@ -41,6 +41,7 @@ from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session, load_training_state
 from nanaudit.run.step import ScanOutcome
+from nanaudit.run.timeline import report_timeline
 
 
 def bisect(config_path: str | Path, options: ScanOptions | None = None,
@@ -74,7 +75,8 @@ def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
             options.on_start(config.steps)
         result = bisect_data(session, config.steps, on_step=options.on_step)
     outcome = result["outcome"]
-    report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+    report.steps_run = outcome.steps_run
+    report.timeline, report.timeline_summary = report_timeline(outcome.timeline)
     if outcome.steps_run == 0:
         raise NothingAuditedError(nothing_audited(config))
     findings = result["findings"]
@@ -102,7 +104,8 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
             return
         report.status = Status.NONFINITE
         if outcome is not None:
-            report.steps_run, report.timeline = outcome.steps_run, outcome.timeline
+            report.steps_run = outcome.steps_run
+            report.timeline, report.timeline_summary = report_timeline(outcome.timeline)
         if outcome is not None and outcome.trip is not None:
             report.finding = build_finding(session, outcome, config.localize.samples)
             state = outcome.state

@@ -60,6 +60,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
     from nanaudit.run.loop import run_steps
     from nanaudit.run.session import build_session
     from nanaudit.run.step import ScanOutcome
+    from nanaudit.run.timeline import report_timeline
     with user_import_path(config.base_dir):
         session = build_session(config, coordinator)
         report.device = str(session.device)
@@ -71,7 +72,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
         finally:
             # Kept when the user's code raises mid-run: the steps before it still count.
             report.steps_run = outcome.steps_run
-            report.timeline = outcome.timeline
+            report.timeline, report.timeline_summary = report_timeline(outcome.timeline)
             report.warnings = outcome.warnings
             read = outcome.read_mode
             if read is not None:

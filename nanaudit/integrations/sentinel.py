@@ -58,13 +58,14 @@ from nanaudit.integrations.sentinel_ranks import (
     rank_trip,
     with_rank_flags,
 )
-from nanaudit.report.model import Finding, Report, TimelineEntry
+from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.batch import float_leaves
 from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
 from nanaudit.run.precision import backoff_scale, collapse_reason
 from nanaudit.run.sharded import local_shards
 from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, timeline_entry
+from nanaudit.run.timeline import Timeline, report_timeline
 from nanaudit.run.verdict import tripped_check
 
 
@@ -114,7 +115,9 @@ class Sentinel:
     """Cheap non-finite checks for a hand-written training loop (see the module docstring).
 
     `optimizer` may be one optimizer or a list (the timeline's lr is the first one's); pass the
-    one about to step to `check_update(step, optimizer=...)` to check only its gradients."""
+    one about to step to `check_update(step, optimizer=...)` to check only its gradients. The
+    timeline keeps the first steps and the last `history` ones whole, and summarizes the steps
+    between (run/timeline.py), so a loop of any length keeps it in bounded memory."""
 
     def __init__(self, model: torch.nn.Module, optimizer=None,
                  loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
@@ -140,7 +143,7 @@ class Sentinel:
         self.skipped_in_row = 0
         self.skipped = 0
         self.steps_checked = 0
-        self.timeline: list[TimelineEntry] = []
+        self.timeline = Timeline(tail=max(history, 1))
         self.report: Report | None = None    # the last trip's report
         self.tripped: tuple[Trip, StepState] | None = None
         self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
@@ -258,7 +261,6 @@ class Sentinel:
     def _record(self, step, loss_value, gnorm, norm, started, scale) -> None:
         self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
                                             started, scale))
-        del self.timeline[:-self.history]
 
     # --- the report -------------------------------------------------------------------------
 
@@ -307,7 +309,9 @@ class Sentinel:
                     duration_s: float = 0.0) -> Report:
         """The Report of this sentinel's run so far (integrations write a clean one at the end)."""
         from nanaudit._version import __version__
+        timeline, summary = report_timeline(self.timeline)
         return Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
                       torch_version=torch.__version__, device=str(self.device),
                       status=Status(status), steps_run=self.steps_checked, command="sentinel",
-                      finding=finding, timeline=list(self.timeline), duration_s=duration_s)
+                      finding=finding, timeline=timeline, duration_s=duration_s,
+                      timeline_summary=summary)

@@ -27,6 +27,7 @@ from nanaudit.report.text import (
     search_summary,
     sparkline,
     step_marks,
+    summary_line,
     warning_line,
 )
 from nanaudit.report.vocabulary import Cause
@@ -220,6 +221,10 @@ def _timeline(report: Report) -> Text:
         legend = [f"{mark} {meaning}" for mark, meaning in
                   (("▲", "warning"), ("s", "skipped (AMP)"), ("✗", "finding")) if mark in marks]
         text.append("  " + "  ".join(legend), style="dim")
+    summary = report.timeline_summary
+    if summary is not None and summary.buckets:
+        text.append("\n  earlier   ")
+        text.append(summary_line(summary), style="dim")
     skipped = sum(e.skipped for e in report.timeline)
     if skipped:
         scales = [e.scale for e in report.timeline if e.scale is not None]

@@ -58,6 +58,9 @@ class JunitRenderer(Renderer):
         for key, value in (("config", report.config.get("path", "")), ("device", report.device),
                            ("torch", report.torch_version), ("steps_run", str(report.steps_run))):
             ET.SubElement(props, "property", name=key, value=_clean_xml(str(value)))
+        if report.timeline_summary is not None:     # a long run: steps in no timeline entry
+            ET.SubElement(props, "property", name="timeline_summarized_steps",
+                          value=str(report.timeline_summary.steps))
         ET.indent(suite)
         body = ET.tostring(suite, encoding="unicode")
         return '<?xml version="1.0" encoding="utf-8"?>\n' + body + "\n"

@@ -10,6 +10,7 @@ from nanaudit.report.text import (
     headline,
     sparkline,
     step_marks,
+    summary_line,
     warning_line,
 )
 
@@ -52,5 +53,8 @@ class MarkdownRenderer(Renderer):
             marks = step_marks(tail, report.warnings, report.finding)
             if marks:
                 out.append(f"- marks &nbsp;&nbsp;&nbsp;`{marks}` (▲ warning, s skipped, ✗ finding)")
+            summary = report.timeline_summary
+            if summary is not None and summary.buckets:
+                out.append(f"- earlier: {_cell(summary_line(summary))}")
             out.append("")
         return "\n".join(out) + "\n"

@@ -203,6 +203,54 @@ class TimelineEntry:
     act_ratio: float | None = None        # ... as a fraction of its dtype's largest value
 
 
+@dataclass(frozen=True)
+class SeriesRange:
+    """One series of a TimelineBucket (`loss`, `grad_norm`, ...): its smallest, largest and last
+    value over the bucket's steps. NaN is left out of `min` and `max` (a skipped step's NaN
+    gradient norm is counted in the bucket's `skipped`); +-inf is not. `last` is the value of
+    the bucket's latest step that had one."""
+
+    min: float | None
+    max: float | None
+    last: float | None
+
+
+@dataclass(frozen=True)
+class TimelineBucket:
+    """Consecutive audited steps `first_step`..`last_step` of a long run's middle, summarized:
+    `count` steps (timeline entries), `skipped` of them skipped by the GradScaler, and each of
+    TimelineEntry's number series as a SeriesRange (None: no step of the bucket had a value).
+    A spike is never lost: it is its bucket's `max` (a dip its `min`)."""
+
+    first_step: int
+    last_step: int
+    count: int
+    skipped: int
+    loss: SeriesRange | None
+    grad_norm: SeriesRange | None
+    param_norm: SeriesRange | None
+    lr: SeriesRange | None
+    time_ms: SeriesRange | None
+    scale: SeriesRange | None
+    update_ratio: SeriesRange | None
+    act_max: SeriesRange | None
+    act_ratio: SeriesRange | None
+
+
+@dataclass(frozen=True)
+class TimelineSummary:
+    """The middle of a timeline too long to keep whole (the `timeline_summary` section, present
+    only then). The report's `timeline` keeps its first `head` steps and its last `tail` steps
+    (those before the finding) at full resolution; the `steps` audited between them are the
+    `buckets`, in step order, each a run of consecutive steps (all of one width, the last
+    perhaps narrower). Early warnings are never summarized: all are in `warnings`."""
+
+    steps: int                    # audited steps the buckets cover (in no timeline entry)
+    head: int                     # entries kept from the start of the run
+    tail: int                     # entries kept before its end
+    buckets: list = field(default_factory=list)       # [TimelineBucket]
+
+
 @dataclass
 class Report:
     """Everything one command found: how it ended (`status`), the `finding`, the `timeline` of
@@ -219,7 +267,7 @@ class Report:
     steps_run: int
     command: str = "scan"
     finding: Finding | None = None
-    timeline: list = field(default_factory=list)      # [TimelineEntry]
+    timeline: list = field(default_factory=list)      # [TimelineEntry] (long runs: see below)
     warnings: list = field(default_factory=list)      # [EarlyWarning], in step order
     error: ErrorInfo | None = None
     duration_s: float = 0.0
@@ -230,8 +278,10 @@ class Report:
     bisect: DataBisect | CheckpointBisect | None = None   # bisect: the bad batches or checkpoints
     distributed: DistributedRun | None = None     # torchrun: every rank's status
     run: ScriptRun | None = None          # `nanaudit run`: the first run and the re-run
+    # A long run: `timeline` holds its first and last steps, this summarizes the steps between.
+    timeline_summary: TimelineSummary | None = None
 
-    SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run")
+    SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run", "timeline_summary")
 
 
 def json_number(x: Any) -> Any:

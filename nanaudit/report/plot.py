@@ -1,8 +1,10 @@
 """`--plot PATH.png`: loss, gradient norm, update ratio and activation maxima against steps.
 
 The first warning is a dashed orange line, the finding a red one, GradScaler skips are marked
-on the gradient-norm panel. matplotlib is an optional extra (`nanaudit[plot]`), imported only
-here, with the Agg backend so it never needs a display.
+on the gradient-norm panel. A long run's summarized middle (`timeline_summary`) is drawn as
+bands from each bucket's min to its max, with a thin line through its last values, so a spike
+between the kept steps still shows. matplotlib is an optional extra (`nanaudit[plot]`),
+imported only here, with the Agg backend so it never needs a display.
 """
 
 from __future__ import annotations
@@ -22,13 +24,44 @@ def _finite(xs, ys):
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _panels(report: Report):
-    steps = [e.step for e in report.timeline]
-    yield "loss", steps, [e.loss for e in report.timeline], "linear"
-    yield "gradient norm", steps, [e.grad_norm for e in report.timeline], "log"
-    yield "|update| / |weights|", steps, [e.update_ratio for e in report.timeline], "log"
-    yield ("largest |activation|\n(fraction of dtype max)", steps,
-           [e.act_ratio for e in report.timeline], "log")
+PANELS = (("loss", "loss", "linear"), ("gradient norm", "grad_norm", "log"),
+          ("|update| / |weights|", "update_ratio", "log"),
+          ("largest |activation|\n(fraction of dtype max)", "act_ratio", "log"))
+
+
+def _segments(report: Report) -> list[list]:
+    """The timeline's entries in runs of consecutive kept steps: the first steps and the last
+    ones of a long run are two runs, with its summarized middle between them."""
+    summary = report.timeline_summary
+    if summary is None or not summary.buckets:
+        return [report.timeline]
+    gap = summary.buckets[0].first_step
+    return [[e for e in report.timeline if e.step < gap],
+            [e for e in report.timeline if e.step > gap]]
+
+
+def _bands(ax, report: Report, name: str, log: bool) -> bool:
+    """The summarized middle of one series as min-max bands: whether any was drawn."""
+    summary = report.timeline_summary
+    xs, lows, highs, lasts = [], [], [], []
+    for b in summary.buckets if summary is not None else ():
+        r = getattr(b, name)
+        if r is None or r.min is None or r.max is None or (log and r.min <= 0):
+            continue
+        if not (math.isfinite(r.min) and math.isfinite(r.max)):
+            continue
+        xs += [b.first_step, b.last_step]
+        lows += [r.min, r.min]
+        highs += [r.max, r.max]
+        lasts.append((b.last_step, r.last))
+    if not xs:
+        return False
+    ax.fill_between(xs, lows, highs, color="tab:blue", alpha=0.25, linewidth=0,
+                    label="min-max of summarized steps")
+    points = [(x, y) for x, y in lasts if y is not None and math.isfinite(y) and (y > 0 or not log)]
+    if points:
+        ax.plot(*zip(*points), color="tab:blue", linewidth=0.6)
+    return True
 
 
 def check_available() -> None:
@@ -47,13 +80,18 @@ def render_png(report: Report) -> bytes:
     first_warning = min((w.step for w in report.warnings), default=None)
     finding = report.finding.step if report.finding is not None else None
     skipped = [e.step for e in report.timeline if e.skipped]
-    for ax, (title, xs, ys, scale) in zip(axes, _panels(report)):
-        fx, fy = _finite(xs, ys)
-        if scale == "log":
-            fx, fy = zip(*[(x, y) for x, y in zip(fx, fy) if y > 0]) if any(
-                y > 0 for y in fy) else ((), ())
-        if fx:
-            ax.plot(fx, fy, marker="." if len(fx) < 80 else None, linewidth=1.2)
+    for ax, (title, name, scale) in zip(axes, PANELS):
+        drawn = _bands(ax, report, name, scale == "log")
+        for segment in _segments(report):
+            fx, fy = _finite([e.step for e in segment], [getattr(e, name) for e in segment])
+            if scale == "log":
+                fx, fy = zip(*[(x, y) for x, y in zip(fx, fy) if y > 0]) if any(
+                    y > 0 for y in fy) else ((), ())
+            if fx:
+                ax.plot(fx, fy, marker="." if len(report.timeline) < 80 else None,
+                        linewidth=1.2, color="tab:blue")
+                drawn = True
+        if drawn:
             ax.set_yscale(scale)
         else:
             ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center",

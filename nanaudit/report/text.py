@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats
+from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats, TimelineSummary
 from nanaudit.report.vocabulary import CompiledOutcome, ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -127,6 +127,25 @@ def step_marks(timeline, warnings, finding) -> str:
         marks.append("✗" if e.step == bad else "▲" if e.step in warned else
                      "s" if e.skipped else " ")
     return "".join(marks).rstrip()
+
+
+def summary_line(summary: TimelineSummary) -> str:
+    """One line for a long run's summarized steps (between the timeline's first and last ones):
+    their range, the extremes of the loss and the gradient norm over them (a spike shows in
+    the max), and the steps the GradScaler skipped."""
+    buckets = summary.buckets
+    parts = [f"steps {buckets[0].first_step}..{buckets[-1].last_step} summarized "
+             f"({summary.steps} steps in {len(buckets)} buckets)"]
+    for label, name in (("loss", "loss"), ("grad norm", "grad_norm")):
+        ranges = [r for r in (getattr(b, name) for b in buckets) if r is not None]
+        lows = [r.min for r in ranges if r.min is not None]
+        highs = [r.max for r in ranges if r.max is not None]
+        if lows and highs:
+            parts.append(f"{label} {min(lows):.4g}..{max(highs):.4g}")
+    skipped = sum(b.skipped for b in buckets)
+    if skipped:
+        parts.append(f"{skipped} skipped by the GradScaler")
+    return ", ".join(parts)
 
 
 def warning_line(w) -> str:

@@ -65,13 +65,13 @@ class GatedStep:
         seen = GateReads(leaves, saved)
         lr = current_lr(loop.optimizer)
         run = loop.unit.run(batch, lambda point: self._gate(step, point, seen))
-        loop.outcome.steps_run = step + 1
         if run.halted is None:
             seen.trip = self._returned_losses(step, run, seen)
         if seen.trip is None and run.updates and loop.session.schedulers:
             step_schedulers(loop.session.schedulers, seen.loss)
         loop.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
                                                     loop.optimizer, started, lr=lr))
+        loop.outcome.steps_run = step + 1           # with its timeline entry
         loop.updated = loop.updated or run.updates > 0
         if seen.trip is None:
             return None, None

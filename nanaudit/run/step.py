@@ -22,6 +22,7 @@ from nanaudit.errors import ConfigError, Problem
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.deferred import ReadMode
+from nanaudit.run.timeline import Timeline
 from nanaudit.run.verdict import Tripped
 
 
@@ -188,7 +189,7 @@ class StepState:
 @dataclass
 class ScanOutcome:
     steps_run: int = 0
-    timeline: list = field(default_factory=list)
+    timeline: Timeline = field(default_factory=Timeline)
     trip: Trip | None = None
     state: StepState | None = None
     interrupted: bool = False

@@ -72,7 +72,6 @@ class SyncStep:
             norm, gnorm = confirm_norms(loop.sentinels, norm, gnorm, state)
         if scale is not None:
             gnorm = gnorm / scale
-        loop.outcome.steps_run = step + 1
         trip = (None if all_finite and table is None else
                 self._classify(step, table, inputs_ok, norm, loss_value, gnorm))
         lr = current_lr(loop.optimizer)
@@ -83,6 +82,9 @@ class SyncStep:
         loop.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
                                                     loop.optimizer, started, scale, scaler_step,
                                                     lr=lr, **fields))
+        # Counted with its timeline entry: a stop signal between the two would leave a
+        # partial report whose step count and timeline disagree.
+        loop.outcome.steps_run = step + 1
         if trip is None:
             return None, None
         return trip, self._trip_state(trip, micros, scale)

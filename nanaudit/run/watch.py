@@ -283,26 +283,41 @@ def update_ratio_warning(step: int, ratio: float, limit: float, lr: float | None
                         threshold=limit, message=message)
 
 
-def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:
-    """Early warnings from a finished run's timeline, on the host (`nanaudit run`, whose
-    script nanaudit does not step itself): loss spikes and gradient growth, and an update
-    that changed the weights' norm by more than `update_ratio` of it. Each entry holds the
-    norm as the previous update left it, and | |w'| - |w| | <= |w' - w|, so the norms bound
-    |update| / |weights| from below."""
-    options = options if options is not None else WatchOptions()
-    growth = GrowthWatch(options)
-    warnings: list[EarlyWarning] = []
-    previous: TimelineEntry | None = None
-    for entry in timeline:
+class TimelineWarnings:
+    """`timeline_warnings` one entry at a time, for a run whose timeline does not keep every
+    step (`nanaudit run`'s, run/timeline.py): `observe` each entry once it is final, in step
+    order; `warnings` holds the first MAX_WARNINGS found."""
+
+    def __init__(self, options: WatchOptions | None = None):
+        self.options = options if options is not None else WatchOptions()
+        self.growth = GrowthWatch(self.options)
+        self.warnings: list[EarlyWarning] = []
+        self._previous: TimelineEntry | None = None
+
+    def observe(self, entry: TimelineEntry) -> None:
+        """Each entry holds the norm as the previous update left it, and
+        | |w'| - |w| | <= |w' - w|, so the norms bound |update| / |weights| from below."""
         if entry.skipped:
-            continue
-        warnings += growth.observe(entry.step, entry.loss, entry.grad_norm)
-        norm = entry.param_norm
+            return
+        found = self.growth.observe(entry.step, entry.loss, entry.grad_norm)
+        norm, previous, options = entry.param_norm, self._previous, self.options
         if (previous is not None and previous.param_norm and norm is not None
                 and math.isfinite(norm) and math.isfinite(previous.param_norm)
                 and options.update_ratio):
             before = previous.param_norm
             change = abs(norm - before) / before
-            warnings += growth.observe_update(previous.step, change, previous.lr, (before, norm))
-        previous = entry
-    return warnings[:MAX_WARNINGS]
+            found += self.growth.observe_update(previous.step, change, previous.lr,
+                                                (before, norm))
+        self._previous = entry
+        if found and len(self.warnings) < MAX_WARNINGS:
+            self.warnings.extend(found[:MAX_WARNINGS - len(self.warnings)])
+
+
+def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:
+    """Early warnings from a finished run's timeline, on the host (`nanaudit run`, whose
+    script nanaudit does not step itself): loss spikes and gradient growth, and an update
+    that changed the weights' norm by more than `update_ratio` of it (TimelineWarnings)."""
+    watch = TimelineWarnings(options)
+    for entry in timeline:
+        watch.observe(entry)
+    return watch.warnings

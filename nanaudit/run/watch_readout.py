@@ -7,6 +7,7 @@ recorded at the step (`ReadoutExtras`) because the deferred read reads it one st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ class WatchReadout:
             parts.append(act.to(torch.float64))
         return parts, extras
 
-    def observe(self, step: int, extra: list[float], timeline: list, loss, gnorm,
+    def observe(self, step: int, extra: list[float], timeline: Sequence, loss, gnorm,
                 extras: ReadoutExtras) -> dict:
         """Turn the readout's extra values into timeline fields and warnings."""
         fields: dict = {}
@@ -80,7 +81,7 @@ class WatchReadout:
         self._add(self.growth.observe(step, loss, gnorm))
         return fields
 
-    def finish(self, timeline: list) -> None:
+    def finish(self, timeline: Sequence) -> None:
         """Read the last sampled update norm (at the end of the run, with the final check)."""
         step, norm, base = self.updates.take()
         if step is not None and norm is not None:
@@ -89,7 +90,7 @@ class WatchReadout:
             self._add(self.growth.observe_update(step, ratio))
 
     @staticmethod
-    def _set_update_ratio(timeline: list, step: int, ratio: float) -> None:
+    def _set_update_ratio(timeline: Sequence, step: int, ratio: float) -> None:
         for entry in reversed(timeline[-2:]):
             if entry.step == step:
                 entry.update_ratio = ratio

@@ -23,30 +23,31 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
-from nanaudit.run.checks import confirm_nonfinite, exact_norm, finite_norms, value_kind
+from nanaudit.run.checks import confirm_nonfinite, exact_norm
 from nanaudit.run.intercept import StepHalted
-from nanaudit.run.optimizer_state import creates_state_only, nonfinite_state
+from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
-from nanaudit.run.sharded import local_shards, nonfinite_shards
+from nanaudit.run.timeline import Timeline
 from nanaudit.run.verdict import tripped_check
+from nanaudit.run.watch import TimelineWarnings
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
+from nanaudit.script.readout import StepInbox, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
-from nanaudit.script.step_values import data_inputs, loss_factor, same_value, window_loss
+from nanaudit.script.step_values import data_inputs, same_value
 from nanaudit.script.trip import (
     ERROR_CHECK,
     ScriptTrip,
     float_kind,
-    input_fields,
     nonfinite_locals,
 )
+from nanaudit.script.trip_namer import TripNamer
 
 
 def _lr(optimizer: Any) -> float | None:
@@ -54,34 +55,18 @@ def _lr(optimizer: Any) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
-@dataclass
-class StepInbox:
-    """What the hooks collected since the last check, on the device (no read yet)."""
-
-    losses: list = field(default_factory=list)       # 0-dim float64 losses that reached backward
-    factors: list = field(default_factory=list)      # what each was divided by, or None
-    input_flags: list = field(default_factory=list)  # 0-dim bools: the first call's inputs finite
-    inputs: list = field(default_factory=list)       # (name, tensor) of that call's float inputs
-
-    def loss(self, device: torch.device) -> torch.Tensor:
-        if not self.losses:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return window_loss([v.to(device) for v in self.losses], self.factors)
-
-    def inputs_ok(self, device: torch.device) -> torch.Tensor:
-        if not self.input_flags:
-            return torch.ones((), dtype=torch.bool, device=device)
-        return torch.stack([f.to(device) for f in self.input_flags]).all()
-
-
 class ScriptAuditor:
     """The checks of one script run; its hooks are `hooks` (install() / remove())."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
-                 expected_losses: list | None = None, tracer: Any = None,
+                 expected_losses: dict[int, float | None] | None = None, tracer: Any = None,
                  rerun_evaluation: int = 0):
         self.step = 0                    # optimizer steps completed
-        self.timeline: list[TimelineEntry] = []
+        self.timeline = Timeline()       # bounded: a run's first and last steps, summarized between
+        # The early warnings, read off each entry once it is final (the next step began):
+        # the timeline does not keep every step to read them off at the end.
+        self._warnings = TimelineWarnings()
+        self._unwatched: TimelineEntry | None = None
         self.trip: ScriptTrip | None = None
         self.rank = rank
         self.host_reads = 0
@@ -90,11 +75,13 @@ class ScriptAuditor:
         # The re-run's traced window (the tracer class handed in: the cheap path never imports
         # the expensive one) and the first run's losses, to stop a re-run that left it.
         self.window = RerunWindow(rerun_step, rerun_evaluation, tracer)
-        self.expected_losses = expected_losses
+        self.expected_losses = expected_losses      # the first run's, by step
         self.hooks = ScriptHooks(self)
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
+        self.namer = TripNamer(self.ledger, rank)
+        self._scopes: dict[int, WeightsScope] = {}  # id(optimizer) -> its tensors, as read
         self._last_check = time.perf_counter()
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         self._state_step: int | None = None      # id of an optimizer creating its state
@@ -126,9 +113,7 @@ class ScriptAuditor:
             return
         inputs = data_inputs(args, kwargs)
         if inputs:
-            self._inbox.inputs = inputs
-            self._inbox.input_flags.append(torch.stack([torch.isfinite(t).all()
-                                                        for _, t in inputs]).all())
+            self._inbox.add_inputs(inputs)
 
     def loss(self, loss: torch.Tensor) -> None:
         if self.ledger.cleared_by_hand():
@@ -137,8 +122,7 @@ class ScriptAuditor:
         if armed is not None:
             armed.sinks.append(loss)          # no ops of ours inside the traced window
             return
-        self._inbox.losses.append(loss.detach().reshape(()).to(torch.float64))
-        self._inbox.factors.append(loss_factor(loss))
+        self._inbox.add_loss(loss)
 
     def backward_started(self) -> None:
         if self.window.armed is not None:
@@ -202,63 +186,84 @@ class ScriptAuditor:
         if self.step and self.trip is None and self.window.armed is None:
             self.step = 0
             self.timeline.clear()
+            self._warnings, self._unwatched = TimelineWarnings(), None
             self.ledger.forget_manual_steps()
 
     # --- the check ---------------------------------------------------------------------------
 
     def _check(self, optimizer: Any, evaluation: int = 0) -> None:
-        """One host read: [inputs finite, parameter norm, window loss, gradient norm]. A
-        closure's later evaluations in the same step add no timeline entry."""
+        """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
+        loss and the gradient norm. A closure's later evaluations in the same step add no
+        timeline entry."""
         self.ledger.stepped[id(optimizer)] = optimizer
         if self.window.arms_at(self.step, self._evaluation):
             self.window.reached(optimizer)
             raise StepHalted()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not params:
+        scope = self._scope(optimizer)
+        if scope is None:
             return
-        device = params[0].device
-        self.device = str(device)
-        # Each rank's own shards under FSDP2 (an op on a DTensor is a collective).
-        shards = [p.detach() for p in local_shards(params)]
-        grads = [g.detach() for g in local_shards([p.grad for p in params
-                                                   if p.grad is not None])]
-        state, gnorm = finite_norms([shards, grads], device)
+        self.device = scope.device_name
+        grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
-        values = torch.stack([inbox.inputs_ok(device).to(torch.float64), state,
-                              inbox.loss(device), gnorm])
-        if self.ranks is not None:
-            values = self.ranks.with_table(values)     # every rank's flags, same read
-        read = values.tolist()
-        ok, norm, loss_value, grad_norm = read[:4]
+        # Under torchrun every rank's flags join the read: the ranks decide together.
+        read = read_step(inbox, scope, grads,
+                         self.ranks.with_table if self.ranks is not None else None)
         self.host_reads += 1
-        loss = loss_value if inbox.losses else None
-        if not math.isfinite(grad_norm) and not confirm_nonfinite(grads):
-            grad_norm = exact_norm(grads)      # a float32 sum of squares overflowed: finite
-        if not math.isfinite(norm) and not confirm_nonfinite(shards):
-            norm = exact_norm(shards)
+        loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
+        assert norm is not None and grad_norm is not None
+        if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
+            grad_norm = exact_norm(scope.local(grads))  # a float32 sum of squares overflowed
+        if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
+            norm = exact_norm(scope.local(scope.params))
         entry = self._entry(optimizer, loss, grad_norm, norm)
         if evaluation == 0:
             self._append(entry)
             if self._left_first_run(loss):
                 raise StepHalted()             # a re-run that already differs: no use going on
-        trip = self._classify(optimizer, ok, norm, loss if loss is not None else 0.0,
-                              grad_norm, params, inbox.inputs, read[4:])
+        if (self.ranks is None and read.inputs_ok and math.isfinite(norm)
+                and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
+            return                             # all finite: no check can trip
+        trip = self._classify(optimizer, read.inputs_ok, norm,
+                              loss if loss is not None else 0.0, grad_norm, scope.params,
+                              inbox.inputs, read.table)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
-                self.timeline[-1] = entry      # the step shows the evaluation that went bad
+                # The step shows the evaluation that went bad.
+                self.timeline.replace_last(entry)
+                self._unwatched = entry
             self.trip = trip
             raise StepHalted()
 
+    def _scope(self, optimizer: Any) -> WeightsScope | None:
+        """The optimizer's tensors as the check reads them (None: it holds none)."""
+        params = WeightsScope.params_of(optimizer)
+        scope = self._scopes.get(id(optimizer))
+        if scope is None or not scope.holds(params):
+            scope = WeightsScope(params) if params else None
+            if scope is not None:
+                self._scopes[id(optimizer)] = scope
+        return scope
+
     def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
                norm: float | None, **fields: Any) -> TimelineEntry:
+        now = time.perf_counter()      # one clock read a step: the time since the last check
+        took, self._last_check = now - self._last_check, now
         return TimelineEntry(step=self.step, loss=loss, grad_norm=grad_norm, param_norm=norm,
-                             lr=_lr(optimizer), time_ms=round(
-                                 (time.perf_counter() - self._last_check) * 1000, 3), **fields)
+                             lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
 
     def _append(self, entry: TimelineEntry) -> None:
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)     # final now: the next step began
+        self._unwatched = entry
         self.timeline.append(entry)
-        self._last_check = time.perf_counter()
+
+    def early_warnings(self) -> list:
+        """The early warnings of the run so far (all of it: call at its end)."""
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)
+            self._unwatched = None
+        return self._warnings.warnings
 
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
         """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
@@ -276,20 +281,19 @@ class ScriptAuditor:
         self.ledger.stepped[id(optimizer)] = optimizer
         self.skipped += 1
         inbox, self._inbox = self._inbox, StepInbox()
-        if not inbox.losses and not inbox.input_flags:
+        if not inbox:
             return
-        device = (inbox.losses or inbox.input_flags)[0].device
-        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
-                                      inbox.loss(device)]).tolist()
+        read = read_step(inbox)
         self.host_reads += 1
-        if ok >= 1.0 and math.isfinite(loss_value):
+        loss_value = read.loss if read.loss is not None else 0.0
+        if read.inputs_ok and math.isfinite(loss_value):
             return
         if self.window.step is not None and self.step == self.window.step:
             self.window.reached(optimizer)     # step N reached, but nothing was armed
             raise StepHalted()
-        self._append(self._entry(optimizer, loss_value if inbox.losses else None, None, None,
+        self._append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
-        if ok < 1.0:
+        if not read.inputs_ok:
             trip = self._input_trip(inbox.inputs, loss_value, None)
         else:
             trip = self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value)
@@ -300,12 +304,13 @@ class ScriptAuditor:
 
     def _left_first_run(self, loss: float | None) -> bool:
         expected = self.expected_losses
-        if expected is None or self.step >= len(expected):
+        if expected is None or self.step not in expected:
             return False
         return not same_value(expected[self.step], loss)
 
-    def _classify(self, optimizer: Any, ok: float, norm: float, loss: float, grad_norm: float,
-                  params: list, inputs: list, table: list) -> ScriptTrip | None:
+    def _classify(self, optimizer: Any, inputs_ok: bool, norm: float, loss: float,
+                  grad_norm: float, params: list, inputs: list,
+                  table: tuple) -> ScriptTrip | None:
         """The step's trip, by the one rule every checker names what tripped with (under
         torchrun from every rank's flags: the same trip on every rank, naming the rank whose
         own value went bad; the details are that rank's)."""
@@ -313,44 +318,23 @@ class ScriptAuditor:
         if self.ranks is not None:
             verdict = self.ranks.verdict(self.step, table, updated_at)
         else:
-            verdict = tripped_check(self.step, inputs_ok=ok >= 1.0,
+            verdict = tripped_check(self.step, inputs_ok=inputs_ok,
                                     weights_finite=math.isfinite(norm), updated_at=updated_at,
                                     loss_finite=math.isfinite(loss),
                                     grads_finite=math.isfinite(grad_norm))
         if verdict is None:
             return None
-        if verdict.check == Check.INPUT:
-            trip = self._input_trip(inputs, loss, grad_norm)
-        elif verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
-            bad = nonfinite_shards(params)
-            trip = self._trip(verdict.check, value_kind(bad[0][1]) if bad else "nan",
-                              [self.parameter_name(p) for p, _ in bad])
-            trip.step = verdict.step
-            trip.state = nonfinite_state(optimizer, [p for p, _ in bad], self.parameter_name,
-                                         self.rank)
-        else:
-            with_grad = [p for p in params if p.grad is not None]
-            bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
-            kind = (float_kind(loss) if verdict.check == Check.LOSS
-                    else value_kind(bad[0][1]) if bad else "nan")
-            trip = self._trip(verdict.check, kind, [self.parameter_name(p) for p, _ in bad],
-                              loss=loss, grad_norm=grad_norm)
+        trip = self.namer.from_verdict(self.step, verdict, optimizer, loss, grad_norm, params,
+                                       inputs)
         if self.ranks is not None:
             trip.rank = verdict.part
-        if verdict.check != Check.INPUT:
-            trip.optimizer = describe_optimizer(optimizer)
         return trip
 
     def _input_trip(self, inputs: list, loss: float, grad_norm: float | None) -> ScriptTrip:
-        fields = input_fields(inputs)
-        return self._trip(Check.INPUT, fields.pop("value"), fields.pop("tensors"), loss=loss,
-                          grad_norm=grad_norm, **fields)
+        return self.namer.input_trip(self.step, inputs, loss, grad_norm)
 
     def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
-        return ScriptTrip(step=self.step, check=check, value=value, tensors=tensors,
-                          rank=self.rank, optimizers=len(self.ledger.stepped),
-                          manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,
-                          **fields)
+        return self.namer.trip(self.step, check, value, tensors, **fields)
 
     def parameter_name(self, p: torch.Tensor) -> str:
         return self.ledger.name(p)
@@ -371,24 +355,8 @@ class ScriptAuditor:
             self._last_updates()
 
     def _last_updates(self) -> None:
-        tensors = [p for opt in self.ledger.stepped.values()
-                   for group in opt.param_groups for p in group["params"]]
-        if not tensors:
-            return
-        self.host_reads += 1
-        shards = local_shards(tensors)
-        if math.isfinite(finite_norms([[p.detach() for p in shards]], tensors[0].device)[0]
-                         .item()) or not confirm_nonfinite(shards):
-            return
-        for opt in self.ledger.stepped.values():
-            params = [p for group in opt.param_groups for p in group["params"]]
-            bad = nonfinite_shards(params)
-            if bad:
-                self.trip = self._trip(Check.OPTIMIZER, value_kind(bad[0][1]),
-                                       [self.parameter_name(p) for p, _ in bad])
-                self.trip.step = self.ledger.updated_at.get(id(opt), self.step - 1)
-                self.trip.optimizer = describe_optimizer(opt)
-                return
+        self.host_reads += bool(self.ledger.stepped)
+        self.trip = self.namer.last_updates(self.step)
 
     def _unstepped_losses(self) -> None:
         """The losses and inputs no check read: non-finite, they are this step's finding (a
@@ -396,15 +364,14 @@ class ScriptAuditor:
         inbox, self._inbox = self._inbox, StepInbox()
         if not inbox.losses or self.window.armed is not None:
             return
-        device = inbox.losses[0].device
-        ok, loss_value = torch.stack([inbox.inputs_ok(device).to(torch.float64),
-                                      inbox.loss(device)]).tolist()
+        read = read_step(inbox)
         self.host_reads += 1
-        if ok >= 1.0 and math.isfinite(loss_value):
+        loss_value = read.loss if read.loss is not None else 0.0
+        if read.inputs_ok and math.isfinite(loss_value):
             return
         last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
         self._append(self._entry(last, loss_value, None, None))
-        self.trip = (self._input_trip(inbox.inputs, loss_value, None) if ok < 1.0 else
+        self.trip = (self._input_trip(inbox.inputs, loss_value, None) if not read.inputs_ok else
                      self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value))
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:

@@ -100,7 +100,7 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
 
 
 def rerun(spec: RerunSpec) -> RerunResult:
-    auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=list(spec.losses),
+    auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=dict(spec.losses),
                             rerun_evaluation=spec.evaluation, tracer=OpTracer,
                             rank=script_rank())
     result = RerunResult()

@@ -21,6 +21,7 @@ Nothing in the script changes. What is installed, and what each tells the audito
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -45,13 +46,6 @@ class Listener(Protocol):
     def stepped(self) -> int: ...
 
 
-def _trains(module: torch.nn.Module) -> bool:
-    """A call without autograd (an evaluation under `no_grad` between two steps) is not the
-    training forward; nor is a module without parameters (a data transform the DataLoader
-    calls on each sample, as torchvision's `Normalize`): the hooks keep waiting."""
-    return torch.is_grad_enabled() and next(module.parameters(), None) is not None
-
-
 class ScriptHooks:
     """Installs and removes the hooks of one script run (see the module docstring)."""
 
@@ -60,6 +54,9 @@ class ScriptHooks:
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
+        # Modules seen holding parameters: each step's first call asks, and walking a module's
+        # parameters to learn it costs more than the rest of the hook.
+        self._trained: weakref.WeakSet = weakref.WeakSet()
         self._tap = LossTap(listener.loss, before=listener.backward_started,
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
@@ -113,7 +110,7 @@ class ScriptHooks:
             self._forward_handle = None
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
-        if not _trains(module):
+        if not self._trains(module):
             return
         kwargs = caller_kwargs()
         self._stop_waiting()
@@ -125,10 +122,24 @@ class ScriptHooks:
         """A compiled module's call, heard before its compiled code (the hook is already
         removed): the step's first call when it trains; `entry` is what the script called (a
         `torch.compile` wrapper of `module`). True when taken."""
-        if not _trains(module):
+        if not self._trains(module):
             return False
         self.entry = entry
         self.listener.first_call(module, args, kwargs)
+        return True
+
+    def _trains(self, module: torch.nn.Module) -> bool:
+        """A call without autograd (an evaluation under `no_grad` between two steps) is not
+        the training forward; nor is a module without parameters (a data transform the
+        DataLoader calls on each sample, as torchvision's `Normalize`): the hooks keep
+        waiting. Modules seen to hold parameters are remembered (a walk a step otherwise)."""
+        if not torch.is_grad_enabled():
+            return False
+        if module in self._trained:     # modules hash by identity (torch's own walks need it)
+            return True
+        if next(module.parameters(), None) is None:
+            return False
+        self._trained.add(module)
         return True
 
     def _backward_ended(self, raised: bool) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanaudit.errors import NanauditError
-from nanaudit.report.model import Finding, TimelineEntry
+from nanaudit.report.model import Finding
+from nanaudit.run.timeline import Timeline
 from nanaudit.script.target import ScriptTarget
 from nanaudit.script.trip import ScriptTrip
 
@@ -17,14 +18,15 @@ from nanaudit.script.trip import ScriptTrip
 @dataclass(frozen=True)
 class RerunSpec:
     """What the re-run repeats: the script, the seed, the step and closure evaluation to trace,
-    the check that tripped there, and the first run's losses before it."""
+    the check that tripped there, and the first run's losses before it, as (step, loss) for
+    the steps its timeline kept (all of a short run; a long one's first and last)."""
 
     target: ScriptTarget
     seed: int
     step: int
     check: str
     evaluation: int
-    losses: tuple[float | None, ...]
+    losses: tuple[tuple[int, float | None], ...]
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class RerunResult:
     """What the re-run saw: its timeline (to check it followed the first run), whether it
     reached the traced step, the finding there, and the trace's size and precision."""
 
-    timeline: list[TimelineEntry] = field(default_factory=list)
+    timeline: Timeline = field(default_factory=Timeline)
     reached: bool = False
     traced: bool = False
     finding: Finding | None = None

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from nanaudit.config.schema import DistributedOptions
@@ -31,7 +32,8 @@ CHILD_MODULE = "nanaudit.script.child"     # run as `python -m` (test_layout see
 
 
 def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
-                      timeline: list[TimelineEntry], finding: Finding) -> tuple[Rerun, Finding]:
+                      timeline: Sequence[TimelineEntry],
+                      finding: Finding) -> tuple[Rerun, Finding]:
     """Re-run the script to `trip.step` with the tracer armed for that step: the re-run's
     record, and the finding (the re-run's when it reproduced the value, else the first run's
     with the reason the op is not named)."""
@@ -114,12 +116,12 @@ def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
 
 
 def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
-              timeline: list[TimelineEntry]) -> tuple[RerunResult | None, str]:
+              timeline: Sequence[TimelineEntry]) -> tuple[RerunResult | None, str]:
     """Run `python -m nanaudit.script.child SPEC RESULT` in the same folder and environment;
     (its result or None, the tail of its output)."""
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation,
-                     losses=tuple(e.loss for e in timeline[:trip.step]))
+                     losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step))
     env = rerun_environment()          # torchrun: every rank re-runs, together
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:
@@ -140,9 +142,15 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
         return protocol.read_result(result_path), tail
 
 
-def compare_losses(first: list[TimelineEntry], result: RerunResult, step: int) -> str | None:
-    """None when the re-run followed the first run to `step`; else what differed."""
-    for old, new in zip(first[:step], result.timeline[:step]):
+def compare_losses(first: Sequence[TimelineEntry], result: RerunResult,
+                   step: int) -> str | None:
+    """None when the re-run followed the first run to `step`; else what differed. A long run's
+    timelines keep their first and last steps (run/timeline.py): those are compared."""
+    rerun = {e.step: e for e in result.timeline}
+    for old in first:
+        new = rerun.get(old.step)
+        if old.step >= step or new is None:
+            continue
         if not same_value(old.loss, new.loss):
             return (f"the loss at step {old.step} was {number(old.loss)} in the first run and "
                     f"{number(new.loss)} in the re-run")
@@ -150,5 +158,6 @@ def compare_losses(first: list[TimelineEntry], result: RerunResult, step: int) -
         return (f"the re-run went non-finite earlier, at step {result.trip.step} "
                 f"({result.trip.check})")
     if not result.reached:
-        return f"the re-run ended after {len(result.timeline)} step(s) without reaching step {step}"
+        return (f"the re-run ended after {result.timeline.steps} step(s) without reaching "
+                f"step {step}")
     return None

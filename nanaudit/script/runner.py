@@ -13,7 +13,7 @@ from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.report.model import Report, SampleSearch
 from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Status
-from nanaudit.run.watch import timeline_warnings
+from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.rerun import localize_by_rerun
@@ -41,7 +41,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         auditor.finish()
     record(report, auditor)
     assert report.run is not None
-    report.run.first_run = FirstRun(steps=len(auditor.timeline),
+    report.run.first_run = FirstRun(steps=auditor.timeline.steps,
                                     duration_s=round(time.perf_counter() - started, 3),
                                     host_reads=auditor.host_reads, skipped=auditor.skipped)
     trip = auditor.trip
@@ -59,7 +59,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
                 f"`optimizer.step()` (at each backward in a script that builds no optimizer, or "
                 f"updates by hand and clears its gradients), so nothing was audited (does it "
                 f"train? are its arguments right?){forked}")
-        attach_timeline_warnings(report, None, auditor.optimizer_count)
+        attach_timeline_warnings(report, None, auditor)
         report.status = Status.CLEAN
         return None
     report.status = Status.NONFINITE
@@ -67,14 +67,14 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     if trip.needs_rerun:
         report.run.rerun, report.finding = localize_by_rerun(
             target, options, trip, auditor.timeline, report.finding)
-    attach_timeline_warnings(report, trip, auditor.optimizer_count)
+    attach_timeline_warnings(report, trip, auditor)
     return script_error
 
 
 def record(report: Report, auditor: ScriptAuditor) -> None:
     """What the first run saw so far, also when it was stopped or failed."""
-    report.timeline = auditor.timeline
-    report.steps_run = len(auditor.timeline)
+    report.timeline, report.timeline_summary = report_timeline(auditor.timeline)
+    report.steps_run = auditor.timeline.steps
     report.device = auditor.device or report.device
     if report.run is None:
         report.run = ScriptRun()
@@ -82,13 +82,14 @@ def record(report: Report, auditor: ScriptAuditor) -> None:
         report.run.rank = auditor.rank
 
 
-def attach_timeline_warnings(report: Report, trip: ScriptTrip | None, optimizers: int) -> None:
+def attach_timeline_warnings(report: Report, trip: ScriptTrip | None,
+                             auditor: ScriptAuditor) -> None:
     """The warnings of a one-optimizer run (several optimizers' steps interleave on one
     timeline), linked to the finding as `scan` links them: growth before an overflow in float32
     makes it divergence, which names the weights, not particular samples."""
-    if optimizers != 1:
+    if auditor.optimizer_count != 1:
         return
-    report.warnings = timeline_warnings(report.timeline)
+    report.warnings = auditor.early_warnings()
     finding = report.finding
     if finding is None or trip is None:
         return

@@ -16,7 +16,10 @@ def data_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     """The data among a forward's arguments: the floating tensors of the first positional
     argument (a tensor, or a batch dict / tuple) and the floating keyword tensors, leaving out
     masks (a float attention mask holds -inf on purpose)."""
-    leaves = tree_flatten(args[0])[0] if args else []
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and not kwargs:      # the common call: `model(x)`
+        return [("input[0]", first)] if first.is_floating_point() else []
+    leaves = tree_flatten(first)[0] if args else []
     named = [("input[0]" + (f"[{i}]" if len(leaves) > 1 else ""), t)
              for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
     named += [(k, t) for k, t in kwargs.items()
@@ -61,17 +64,18 @@ def loss_factor(loss: torch.Tensor) -> float | None:
     return float(other) if name.startswith("Div") else 1.0 / float(other)
 
 
-def window_loss(losses: list, factors: list) -> torch.Tensor:
-    """The loss of one optimizer step from the losses that reached backward: their mean, or,
-    when each was divided by the number of micro-batches in the window (gradient accumulation
-    as nanoGPT, Accelerate, Lightning and the Trainer normalize it), their sum: the micro-
-    batches' mean loss as the script computed it before dividing."""
-    stacked = torch.stack(losses)
+def window_loss(losses: list[float], factors: list) -> float:
+    """The loss of one optimizer step from the losses that reached backward (as read on the
+    host): their mean, or, when each was divided by the number of micro-batches in the window
+    (gradient accumulation as nanoGPT, Accelerate, Lightning and the Trainer normalize it),
+    their sum: the micro-batches' mean loss as the script computed it before dividing."""
     count = len(losses)
-    if count > 1 and all(f is not None and math.isclose(f, count, rel_tol=1e-6)
-                         for f in factors):
-        return stacked.sum()
-    return stacked.mean()
+    if count == 1:
+        return losses[0]
+    total = sum(losses)              # not fsum: inf + -inf is NaN here, as on the device
+    if all(f is not None and math.isclose(f, count, rel_tol=1e-6) for f in factors):
+        return total
+    return total / count
 
 
 def same_value(a: float | None, b: float | None) -> bool:

@@ -251,11 +251,12 @@ def test_lbfgs_nan_in_a_later_closure_call_is_traced_in_that_call(data):
 # --- the pieces ---------------------------------------------------------------------------------
 
 def test_a_loss_divided_by_the_window_size_counts_undivided():
-    losses = [torch.tensor(2.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)]
-    assert window_loss(losses, [2.0, 2.0]).item() == 6.0      # (4 + 8) / 2: the mean, undivided
-    assert window_loss(losses, [None, None]).item() == 3.0    # not divided: their mean
-    assert window_loss(losses, [3.0, 3.0]).item() == 3.0      # divided by something else
-    assert window_loss(losses[:1], [4.0]).item() == 2.0       # one micro-batch: as it is
+    losses = [2.0, 4.0]
+    assert window_loss(losses, [2.0, 2.0]) == 6.0      # (4 + 8) / 2: the mean, undivided
+    assert window_loss(losses, [None, None]) == 3.0    # not divided: their mean
+    assert window_loss(losses, [3.0, 3.0]) == 3.0      # divided by something else
+    assert window_loss(losses[:1], [4.0]) == 2.0       # one micro-batch: as it is
+    assert math.isnan(window_loss([math.inf, -math.inf], [2.0, 2.0]))   # as the device says
 
 
 def test_the_divisor_is_read_from_the_autograd_node():

@@ -1,0 +1,193 @@
+"""The one host read of a `nanaudit run` step, kept to a handful of kernels: a tiny step must
+not pay for nanaudit more than the step loop of `scan` makes it pay.
+
+Between two checks the hooks leave what they collect on the device (`StepInbox`): each loss
+that reached backward, detached as it is, and for each outermost module call the largest
+|value| of each data input (its infinity norm: finite exactly when every element is, and never
+an overflow, which a sum of squares can be). The check adds the optimizer's weights and
+gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors flattened into
+one first, as the step loop packs them below run/checks.PACK_BELOW), stacks everything and
+reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and the losses
+(step_values.window_loss). All of it is float32 in the common case, so the stack converts
+nothing (a stack of mixed dtypes costs it three times as much). Which tensors an optimizer
+holds is worked out once (`WeightsScope`) and reused while its param groups hold the same
+parameters. Under FSDP2 the norms are of this rank's own shards (an op on a DTensor would be a
+collective), and under torchrun every rank's flags join the same read (`exchange`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from nanaudit.run.checks import PACK_BELOW, dense_values, finite_norms
+from nanaudit.run.sharded import local_shards
+from nanaudit.script.step_values import loss_factor, window_loss
+
+_SAFE = (torch.float32, torch.float16, torch.bfloat16)     # float32 holds their values exactly
+_READ_EXACTLY = (*_SAFE, torch.float64)                    # a loss stacked in these stays exact
+_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_IS_SET = functools.partial(operator.is_not, None)
+_DENSE = {torch.strided}
+_PARAMS = operator.itemgetter("params")
+
+
+def input_peaks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors, one per input that has elements: its largest |value|, finite exactly when
+    every element is (max propagates NaN), in float32 unless the input is float64."""
+    return [torch.linalg.vector_norm(t.detach() if t.requires_grad else t, math.inf,
+                                     dtype=torch.float32 if t.dtype in _SAFE else None)
+            for t in tensors if t.numel()]
+
+
+@dataclass(slots=True)
+class StepInbox:
+    """What the hooks collected since the last check, on the device (no read yet)."""
+
+    losses: list = field(default_factory=list)       # 0-dim losses that reached backward
+    factors: list = field(default_factory=list)      # what each was divided by, or None
+    input_peaks: list = field(default_factory=list)  # finite iff each call's inputs are
+    inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach()
+        if value.dim():
+            value = value.reshape(())
+        self.losses.append(value if value.dtype in _READ_EXACTLY else value.to(torch.float64))
+        self.factors.append(loss_factor(loss))
+
+    def add_inputs(self, inputs: list[tuple[str, torch.Tensor]]) -> None:
+        self.inputs = inputs
+        self.input_peaks.extend(input_peaks([t for _, t in inputs]))
+
+    def __bool__(self) -> bool:
+        return bool(self.losses or self.input_peaks)
+
+
+class WeightsScope:
+    """An optimizer's parameters as the check reads them: their device, and which are packed
+    (small CPU tensors); valid while its param groups hold the same tensors. The parameters are
+    read live each step, never through aliases made once: a script may give one new storage
+    (`p.data = p.data * mask`), which an alias would not follow."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.device = params[0].device
+        self.device_name = str(self.device)
+        self.sharded = any(s is not p for s, p in zip(local_shards(params), params))
+        self.fused = not self.sharded and all(t.dtype in _SAFE and t.device == self.device
+                                              for t in params)
+        small = ([i for i, p in enumerate(params) if p.numel() < PACK_BELOW]
+                 if self.fused and self.device.type == "cpu" else [])
+        self._small = small if len(small) > 1 else []    # packing one tensor saves nothing
+        self._large = [i for i in range(len(params)) if i not in set(self._small)]
+
+    def _packed(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` (one per parameter, in order) with the small ones flattened into one (in
+        C, as DDP's buckets are: a Python loop of reshapes would cost what it saves)."""
+        if not self._small:
+            return tensors
+        if not self._large:
+            return [_flatten_dense_tensors(tensors)]
+        return [_flatten_dense_tensors([tensors[i] for i in self._small]),
+                *[tensors[i] for i in self._large]]
+
+    @staticmethod
+    def params_of(optimizer: Any) -> list[torch.Tensor]:
+        """The optimizer's parameters, every group in order (walked in C: this runs per step)."""
+        return list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+
+    def local(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's own values of `tensors` (their local shards under FSDP2)."""
+        return local_shards(tensors) if self.sharded else tensors
+
+    def holds(self, params: list[torch.Tensor]) -> bool:
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients that are set, each as a dense tensor of its values (a sparse one's
+        coalesced values)."""
+        grads = list(filter(_IS_SET, map(_GRAD, self.params)))
+        if set(map(_LAYOUT, grads)) <= _DENSE:
+            return grads
+        return [dense_values(g) for g in grads]
+
+    def norm_parts(self, grads: list[torch.Tensor]) -> tuple[list, list]:
+        """(the weights' norms, the gradients' norms) on the device, whose hypot is each
+        group's norm: per tensor from one fused call, or one per group when dtypes or devices
+        are mixed. Gradients are packed like their parameters when every one has a gradient
+        (otherwise their places do not line up)."""
+        # Live parameters, so no graph of our norms: grad mode off, set directly (the
+        # `no_grad` context manager costs four times as much, on every step).
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if not self.fused:
+                state_norm, grad_norm = finite_norms([self.local(self.params),
+                                                      self.local(grads)], self.device)
+                return [state_norm], [grad_norm]
+            state = self._packed(self.params)
+            if len(grads) == len(self.params):
+                grads = self._packed(grads)
+            norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+        return list(norms[:len(state)]), list(norms[len(state):])
+
+
+@dataclass(frozen=True, slots=True)
+class StepRead:
+    """What the host read of a step says: its data inputs finite, its loss (None: no loss
+    reached backward), the weights' and the gradients' norms (None: not read)."""
+
+    inputs_ok: bool
+    loss: float | None
+    norm: float | None = None
+    grad_norm: float | None = None
+    table: tuple = ()            # under torchrun: every rank's flags, read with the rest
+
+
+def step_summary(values: torch.Tensor, n_loss: int, n_in: int, n_state: int) -> torch.Tensor:
+    """[inputs finite, weights' norm, loss, gradients' norm] on the device from the stacked
+    read, for the ranks' exchange (whose flags only ask which of them are finite): sums in
+    float64, so no finite set of norms overflows."""
+    v = values.to(torch.float64)
+    start = n_loss + n_in
+    inputs_ok = torch.isfinite(v[n_loss:start]).all().to(torch.float64)
+    return torch.stack([inputs_ok, v[start:start + n_state].sum(), v[:n_loss].sum(),
+                        v[start + n_state:].sum()])
+
+
+def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
+              grads: list[torch.Tensor] | None = None,
+              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepRead:
+    """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms;
+    `exchange` (torchrun) appends every rank's flags to the step's summary before the read."""
+    state, grad_parts = scope.norm_parts(grads or []) if scope is not None else ([], [])
+    extra = inbox.losses + inbox.input_peaks
+    device = scope.device if scope is not None else extra[0].device
+    parts = [t if t.device == device else t.to(device) for t in extra]
+    stacked = torch.stack(parts + state + grad_parts)
+    n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
+    start = n_loss + n_in
+    if exchange is not None:
+        shared = exchange(step_summary(stacked, n_loss, n_in, len(state)))
+        values = torch.cat([stacked.to(torch.float64), shared[4:]]).tolist()
+        table = tuple(values[len(stacked):])
+        values = values[:len(stacked)]
+    else:
+        values, table = stacked.tolist(), ()
+    loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
+    inputs_ok = all(map(math.isfinite, values[n_loss:start]))
+    if scope is None:
+        return StepRead(inputs_ok, loss, table=table)
+    return StepRead(inputs_ok, loss, math.hypot(*values[start:start + len(state)]),
+                    math.hypot(*values[start + len(state):]), table)

@@ -1,0 +1,82 @@
+"""What a tripped step of `nanaudit run` names: once the verdict says which check tripped, the
+tensors behind it (this rank's non-finite shards, by the parameters' user names), the optimizer
+and its state, the losses. A read per tensor, after a trip only; the step check itself stays
+one read (auditor.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nanaudit.report.vocabulary import Check
+from nanaudit.run.checks import confirm_nonfinite, finite_norms, value_kind
+from nanaudit.run.optimizer_state import nonfinite_state
+from nanaudit.run.sharded import local_shards, nonfinite_shards
+from nanaudit.run.verdict import Tripped
+from nanaudit.script.ledger import Ledger, describe_optimizer
+from nanaudit.script.trip import ScriptTrip, float_kind, input_fields
+
+
+class TripNamer:
+    """Builds the ScriptTrip of a step from the ledger of the script's optimizers."""
+
+    def __init__(self, ledger: Ledger, rank: int | None):
+        self.ledger, self.rank = ledger, rank
+
+    def trip(self, step: int, check: str, value: str, tensors: list,
+             **fields: Any) -> ScriptTrip:
+        return ScriptTrip(step=step, check=check, value=value, tensors=tensors,
+                          rank=self.rank, optimizers=len(self.ledger.stepped),
+                          manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,
+                          **fields)
+
+    def input_trip(self, step: int, inputs: list, loss: float,
+                   grad_norm: float | None) -> ScriptTrip:
+        fields = input_fields(inputs)
+        return self.trip(step, Check.INPUT, fields.pop("value"), fields.pop("tensors"),
+                         loss=loss, grad_norm=grad_norm, **fields)
+
+    def from_verdict(self, step: int, verdict: Tripped, optimizer: Any, loss: float,
+                     grad_norm: float, params: list, inputs: list) -> ScriptTrip:
+        """The trip of a step the verdict tripped, naming what it found non-finite."""
+        name = self.ledger.name
+        if verdict.check == Check.INPUT:
+            return self.input_trip(step, inputs, loss, grad_norm)
+        if verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
+            bad = nonfinite_shards(params)
+            trip = self.trip(step, verdict.check, value_kind(bad[0][1]) if bad else "nan",
+                             [name(p) for p, _ in bad])
+            trip.step = verdict.step
+            trip.state = nonfinite_state(optimizer, [p for p, _ in bad], name, self.rank)
+        else:
+            with_grad = [p for p in params if p.grad is not None]
+            bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
+            kind = (float_kind(loss) if verdict.check == Check.LOSS
+                    else value_kind(bad[0][1]) if bad else "nan")
+            trip = self.trip(step, verdict.check, kind, [name(p) for p, _ in bad],
+                             loss=loss, grad_norm=grad_norm)
+        trip.optimizer = describe_optimizer(optimizer)
+        return trip
+
+    def last_updates(self, step: int) -> ScriptTrip | None:
+        """The parameters the script's last updates left, non-finite: the update that made
+        them (one read, then one per tensor only when one is bad)."""
+        tensors = [p for opt in self.ledger.stepped.values()
+                   for group in opt.param_groups for p in group["params"]]
+        if not tensors:
+            return None
+        shards = local_shards(tensors)
+        norm = finite_norms([[p.detach() for p in shards]], tensors[0].device)[0]
+        if math.isfinite(norm.item()) or not confirm_nonfinite(shards):
+            return None
+        for opt in self.ledger.stepped.values():
+            bad = nonfinite_shards([p for group in opt.param_groups for p in group["params"]])
+            if bad:
+                trip = self.trip(step, Check.OPTIMIZER, value_kind(bad[0][1]),
+                                 [self.ledger.name(p) for p, _ in bad])
+                trip.step = self.ledger.updated_at.get(id(opt), step - 1)
+                trip.optimizer = describe_optimizer(opt)
+                return trip
+        return None
+
+

@@ -1,0 +1,110 @@
+"""The one host read of a `nanaudit run` step (script/readout.py): its fast paths give the values
+the plain computation gives, and its fallbacks (float64, several inputs, a loss of shape (1,),
+no gradients) keep every check."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import torch
+
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run import run_script
+from nanaudit.script.readout import StepInbox, WeightsScope, input_peaks, read_step
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+
+def model_with_grads(dtype=torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).to(dtype)
+    loss = model(torch.randn(5, 4, dtype=dtype)).pow(2).mean()
+    loss.backward()
+    return model, loss
+
+
+def expected_norms(model) -> tuple[float, float]:
+    params = list(model.parameters())
+    return (float(torch.cat([p.detach().double().flatten() for p in params]).norm()),
+            float(torch.cat([p.grad.double().flatten() for p in params]).norm()))
+
+
+def test_the_read_gives_the_loss_and_the_norms_packed_or_not():
+    for dtype in (torch.float32, torch.float64):      # float64: the per-group fallback
+        model, loss = model_with_grads(dtype)
+        scope = WeightsScope(list(model.parameters()))
+        assert scope.fused == (dtype == torch.float32)
+        inbox = StepInbox()
+        inbox.add_loss(loss)
+        inbox.add_inputs([("input[0]", torch.ones(3, dtype=dtype))])
+        read = read_step(inbox, scope, scope.grads())
+        norm, grad_norm = expected_norms(model)
+        assert read.inputs_ok and read.loss == float(loss.detach())
+        assert math.isclose(read.norm, norm, rel_tol=1e-6)
+        assert math.isclose(read.grad_norm, grad_norm, rel_tol=1e-6)
+
+
+def test_input_peaks_are_finite_exactly_when_the_inputs_are():
+    nan64 = torch.tensor([1.0, math.nan], dtype=torch.float64)
+    big = torch.full((4,), 3e38)                  # its sum of squares overflows; its max does not
+    peaks = input_peaks([big, torch.zeros(0), torch.ones(2, requires_grad=True), nan64,
+                         torch.tensor([-math.inf], dtype=torch.bfloat16)])
+    assert len(peaks) == 4                        # the empty input has nothing to check
+    values = torch.stack(peaks).tolist()
+    assert [math.isfinite(v) for v in values] == [True, True, False, False]
+    assert all(not p.requires_grad for p in peaks)
+
+
+def test_the_losses_of_a_window_and_odd_shapes_and_dtypes():
+    inbox = StepInbox()
+    inbox.add_loss(torch.tensor([2.0]))                             # shape (1,)
+    inbox.add_loss(torch.tensor(4.0, dtype=torch.float16))
+    read = read_step(inbox)                   # no weights read (a step the GradScaler skipped)
+    assert (read.loss, read.inputs_ok, read.norm) == (3.0, True, None)
+    inbox.add_inputs([("x", torch.tensor([math.nan]))])
+    assert not read_step(inbox).inputs_ok
+
+
+def test_a_script_with_a_parameter_that_gets_no_gradient(tmp_path):
+    # The weights are packed, the gradients then are not (their places do not line up).
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.used, self.unused = nn.Linear(4, 1), nn.Linear(4, 1)
+            def forward(self, x):
+                return self.used(x)
+
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    """))
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    assert exit_code(report) == 0 and report.steps_run == 3
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 1), "unused": torch.nn.Linear(4, 1)})
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).norm()
+    assert math.isclose(report.timeline[0].param_norm, float(weights), rel_tol=1e-6)
+    assert all(math.isfinite(e.grad_norm) and e.grad_norm > 0 for e in report.timeline)
+
+
+def test_a_parameter_given_new_storage_is_read_live():
+    # `p.data = p.data * mask` (pruning) gives the parameter a new storage: the read follows.
+    model, _ = model_with_grads()
+    scope = WeightsScope(list(model.parameters()))
+    read_step(StepInbox(), scope, scope.grads())
+    for p in model.parameters():
+        p.data = torch.full_like(p.data, 2.0)
+    read = read_step(StepInbox(), scope, scope.grads())
+    count = sum(p.numel() for p in model.parameters())
+    assert math.isclose(read.norm, 2.0 * math.sqrt(count), rel_tol=1e-6)
+    assert torch.is_grad_enabled()            # the read put grad mode back
