@@ -77,6 +77,41 @@ LOG_ZERO = """
         optimizer.zero_grad()
 """
 
+# sqrt of a row's squared norm: 0 for the zero row, finite in forward; its gradient
+# 1/(2*sqrt(0)) makes NaN in backward only, with every loss finite.
+SQRT_ZERO = """
+    import torch
+    from torch import nn
+
+    class Length(nn.Module):
+        def forward(self, z):
+            return torch.sqrt((z * z).sum(dim=1, keepdim=True))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+            self.length = Length()
+            self.head = nn.Linear(5, 1)
+
+        def forward(self, x):
+            z = x * self.gain
+            return self.head(torch.cat([z, self.length(z)], dim=1))
+
+    torch.manual_seed(0)
+    model = torch.compile(Net(), backend="aot_eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x = torch.randn(8, 4, generator=g)
+        if step == 2:
+            x[6] = 0.0
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
 UNSAFE = """
     import torch
     import torch.nn.functional as F
@@ -160,6 +195,17 @@ def test_a_compiled_forward_value_is_named_in_the_users_modules_and_parameters(t
     assert f.compiled.outcome == "eager" and f.compiled.backend == "aot_eager"
     assert report.run.rerun.status == "reproduced"
     assert not [n for n in f.tensors if "_orig_mod" in n]
+
+
+def test_a_compiled_backward_only_value_is_named_with_its_forward_op_and_user_line(tmp_path):
+    path = _write(tmp_path, SQRT_ZERO)
+    report = run_script(ScriptTarget(path=str(path)))
+    f = report.finding
+    assert (f.step, f.where, f.cause) == (2, "backward", "sqrt-domain")
+    assert f.forward_op == "aten.sqrt.default" and f.module == "length"
+    assert f.source.line == _line(path, "return torch.sqrt(")
+    assert f.compiled.outcome == "eager" and report.run.rerun.status == "reproduced"
+    assert not [n for n in f.tensors if "_orig_mod" in n] and "gain" in f.tensors
 
 
 def test_a_value_only_the_compiled_program_makes_is_the_reruns_compiled_only(tmp_path):
