@@ -262,3 +262,29 @@ def test_manual_optimization_with_two_optimizers_clean_and_poisoned(tmp_path):
     refused = run_cli("replay", tmp_path / "repro-step10")
     assert refused.code == 2 and "manual optimization" in refused.stderr
     assert "--loss" in refused.stderr
+
+
+class CompiledRegressor(Regressor):
+    """The regressor with a forward, as a module `torch.compile` is given compiles it."""
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.sqrt(y * (y - 0.5) * self(x).pow(2)).mean()
+
+
+def test_a_compiled_module_is_audited_in_its_own_names():
+    torch.manual_seed(0)
+    callback = NanauditCallback(echo=False)
+    compiled = torch.compile(CompiledRegressor(), backend="aot_eager")
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(compiled, _loader(bad_row=13))
+    f = raised.value.report.finding
+    # Row 13 is batch 3, row 1; sqrt(0) is finite, its gradient is not.
+    assert (f.step, f.where, f.cause, f.samples) == (3, "backward", "sqrt-domain", [1])
+    assert f.forward_op == "aten.sqrt.default" and f.reproduced is True
+    assert f.tensors and not [n for n in f.tensors if "_orig_mod" in n]
+    assert "layer.weight" in f.tensors
+    assert f.compiled.outcome == "eager" and f.compiled.backend == "aot_eager"
