@@ -15,10 +15,12 @@ from helpers import ROOT
 EXAMPLES = ROOT / "configs" / "examples"
 
 
-def _sentinel_loop(loss_fn_given: bool, poison_step=5):
+def _sentinel_loop(loss_fn_given: bool, poison_step=5, compiled=False):
     from nanaudit import NonFiniteError, Sentinel
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
+    if compiled:
+        model = torch.compile(model, backend="aot_eager")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def compute_loss(model, batch):
@@ -50,6 +52,18 @@ def test_sentinel_raises_before_the_bad_update_with_a_localized_report():
         5, "forward", "aten.sqrt.default", "sqrt-domain", [1])
     assert all(torch.isfinite(p).all() for p in model.parameters()), "the update did not run"
     assert len(error.report.timeline) == 6 and "sqrt-domain" in str(error)
+
+
+@pytest.mark.slow
+def test_sentinel_on_a_compiled_model_gives_the_eager_finding_in_the_users_names():
+    error, _ = _sentinel_loop(loss_fn_given=True, compiled=True)
+    assert error is not None
+    f = error.report.finding
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (
+        5, "forward", "aten.sqrt.default", "sqrt-domain", [1])
+    assert f.compiled is not None and f.compiled.outcome == "eager"
+    from nanaudit.report.model import report_to_dict
+    assert "_orig_mod" not in json.dumps(report_to_dict(error.report), default=str)
 
 
 def test_sentinel_without_loss_fn_names_the_check():
