@@ -16,18 +16,13 @@ DISTANCE_OPS = {"cdist", "_cdist_forward", "_euclidean_dist"}
 def norm_rule(base, args, kwargs, phase):
     x = args[0].detach()
     if base in DISTANCE_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
-        d = torch.cdist(x.double(), args[1].detach().double())
-        zero = d == 0
-        if count(zero):
-            return Reason(Cause.NORM_AT_ZERO, f"{base} received identical points at "
-                                              f"{count(zero)} pair(s){first_at(zero)}: a zero "
-                                              f"distance, whose gradient is 0/0")
+        zero = torch.cdist(x.double(), args[1].detach().double()) == 0
+        what = "identical points at {n} pair(s){at}: a zero distance, whose gradient is 0/0"
+    else:
+        dim = args[2] if base == "linalg_vector_norm" and len(args) > 2 else kwargs.get("dim")
+        zero = torch.linalg.vector_norm(x.double(), dim=dim) == 0
+        what = "{n} all-zero vector(s){at}: the norm is 0 and its gradient x/|x| is 0/0"
+    n = count(zero)
+    if not n:
         return None
-    dim = args[2] if base == "linalg_vector_norm" and len(args) > 2 else kwargs.get("dim")
-    norms = torch.linalg.vector_norm(x.double(), dim=dim)
-    zero = norms == 0
-    if count(zero):
-        return Reason(Cause.NORM_AT_ZERO, f"{base} received {count(zero)} all-zero vector(s)"
-                                          f"{first_at(zero)}: the norm is 0 and its gradient "
-                                          f"x/|x| is 0/0")
-    return None
+    return Reason(Cause.NORM_AT_ZERO, f"{base} received " + what.format(n=n, at=first_at(zero)))
