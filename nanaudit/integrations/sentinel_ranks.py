@@ -11,6 +11,8 @@ before, by each rank alone.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nanaudit.run.rank_checks import RankChecks
@@ -48,7 +50,7 @@ def rank_trip(checks: RankChecks, step: int, table: list, last_step: int | None,
     if verdict is None:
         return None, None
     bad = [i for i, (ok, loss) in enumerate(zip(flags, losses))
-           if ok < 1.0 or loss != loss or abs(loss) == float("inf")]
+           if ok < 1.0 or not math.isfinite(loss)]
     where = bad[0] if bad else (len(losses) - 1 if losses else None)
     loss = losses[where] if where is not None else None
     return Trip.found(verdict, loss, gnorm, rank=verdict.part), where
