@@ -215,13 +215,17 @@ def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
     if not batch_size or (event.phase != "forward" and (
             event.forward is None or event.forward.reads_weights)):
         return None
-    trace = tracer.trace
     rows: set[int] = set()
-    for t in tracer.kept_tensors():
-        if trace.producer.get(id(t)) == event.index and t.dim() >= 1 \
-                and t.shape[0] == batch_size:
+    for t in made_by(tracer, {event.index}):
+        if t.dim() >= 1 and t.shape[0] == batch_size:
             rows.update(nonfinite_rows(t.detach(), 0))
     return sorted(rows) or None
+
+
+def made_by(tracer, events: set) -> list[torch.Tensor]:
+    """The bad tensors these events (by index) made, oldest first (the tracer keeps them)."""
+    producer = tracer.trace.producer
+    return [t for t in tracer.kept_tensors() if producer.get(id(t)) in events]
 
 
 def rows_search(op: str, rows: list[int] | None, batch_size: int | None) -> SampleSearch | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nanaudit.localize.events import OpEvent, Trace, carries, kinds_of
-from nanaudit.localize.findings import traced_finding
+from nanaudit.localize.findings import made_by, traced_finding
 from nanaudit.localize.loader_tap import LoaderBatch, remake
 from nanaudit.localize.ops import named_tensors, op_base
 from nanaudit.localize.walk import Localization, walk_from_sink
@@ -68,7 +68,7 @@ def origin_of(tracer: Any, leaf: torch.Tensor, timeline: list | None = None) -> 
         return LeafOrigin(arrival=Arrival(None, [leaf]), chain_tensors=(leaf,))
     kind = "nan" if "nan" in kinds_of(leaf) else "inf"
     creator, chain = trace.walk_back(start, kind)
-    on_the_way = (leaf, *_outputs(tracer, {e.index for e in chain}))
+    on_the_way = (leaf, *made_by(tracer, {e.index for e in chain}))
     arrival = arrival_at(tracer, creator, kind)
     if arrival is not None:
         return LeafOrigin(arrival=arrival, chain_tensors=on_the_way + tuple(arrival.carriers))
@@ -89,16 +89,10 @@ def arrival_at(tracer: Any, event: OpEvent, kind: str) -> Arrival | None:
         tensors = named_tensors(event.arg_names, event.args, event.kwargs)
         return Arrival(event, [tensors[i][1] for i in carrying if i < len(tensors)])
     if op_base(event.op) in ADOPTS_STORAGE:
-        return Arrival(event, list(_outputs(tracer, {event.index})))
+        return Arrival(event, list(made_by(tracer, {event.index})))
     if not any(event.in_kinds) and event.scalar_infinities():
         return Arrival(event, [], number=True)
     return None
-
-
-def _outputs(tracer: Any, events: set) -> list:
-    """The bad tensors these events made (the tracer keeps them alive)."""
-    producer = tracer.trace.producer
-    return [t for t in tracer.kept_tensors() if producer.get(id(t)) in events]
 
 
 def forget_finite(trace: Trace, since: int) -> None:
