@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
 from nanaudit.localize.causes import fix_for
+from nanaudit.localize.compiled import step_phase
 from nanaudit.localize.compiled_finding import replayed_compiled
 from nanaudit.localize.ops import named_tensors
 from nanaudit.localize.replay import (
@@ -301,7 +302,7 @@ def _tripped(trip: Trip) -> tuple[str, str, str]:
     what = "loss" if trip.check == "loss" else "gradients"
     value = trip.loss if trip.check == "loss" else trip.grad_norm
     kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
-    return what, kind, "forward" if trip.check == "loss" else "backward"
+    return what, kind, step_phase(trip.check)
 
 
 def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
