@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from nanaudit.localize.events import Trace, kinds_of
+from nanaudit.localize.events import kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.run.checks import StepChecks
@@ -39,12 +39,12 @@ def preserved_buffers(model: torch.nn.Module):
         restore()
 
 
-def traced_replay(session: Session, state: StepState) -> tuple[Trace, torch.Tensor]:
+def traced_replay(session: Session, state: StepState) -> tuple[OpTracer, torch.Tensor]:
     """The step unit's replay of the tripping (micro-)step under the OpTracer."""
     with OpTracer(session.model) as tracer:
         loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
                                                             tracer.end_backward))
-    return tracer.trace, loss
+    return tracer, loss
 
 
 def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
@@ -76,7 +76,8 @@ def localize(session: Session, state: StepState, trip: Trip, timeline) -> Locali
     """Replay the tripping step traced and walk back from what tripped: the loss, or the first
     parameter whose gradient is non-finite."""
     with preserved_buffers(session.model):
-        trace, loss = traced_replay(session, state)
+        tracer, loss = traced_replay(session, state)
+    trace = tracer.trace
     if trip.check == "loss":
         return walk_from_sink(trace, loss, "forward", timeline, None)
     model = session.model

@@ -26,8 +26,7 @@ from nanaudit.localize.findings import (
     unreplayed_finding,
 )
 from nanaudit.localize.ops import is_collective
-from nanaudit.localize.replay import preserved_buffers
-from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.replay import preserved_buffers, traced_replay
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Check
@@ -37,7 +36,7 @@ from nanaudit.run.distributed import Coordinator
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
-from nanaudit.run.step import ReplayHooks, ScanOutcome, StepState, Trip
+from nanaudit.run.step import ScanOutcome, StepState, Trip
 
 
 def made_here(loc: Localization) -> bool:
@@ -53,9 +52,8 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
                       timeline) -> Localization:
         flags.tracing, flags.sinks = True, []
         try:
-            with preserved_buffers(session.model), OpTracer(session.model) as tracer:
-                loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
-                                                                    tracer.end_backward))
+            with preserved_buffers(session.model):
+                tracer, loss = traced_replay(session, state)
         finally:
             flags.tracing = False
         trace = tracer.trace
