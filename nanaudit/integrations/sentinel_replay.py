@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.checks import confirm_nonfinite
 from nanaudit.run.step import StepState, Trip
 
 if TYPE_CHECKING:
@@ -78,5 +79,4 @@ def _accumulated_reproduces(sentinel: Sentinel, window: list[MicroBatch],
                                      sentinel.loss_fn, model, micro.batch))
         call_user("backward of the loss", (loss * scale if scale is not None else loss)
                   .backward)
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    return not all(bool(torch.isfinite(g).all()) for g in grads)
+    return confirm_nonfinite([p.grad.detach() for p in model.parameters() if p.grad is not None])
