@@ -113,10 +113,15 @@ def trace_input(session: Session, outcome: ScanOutcome, finding: Finding) -> Non
     except UserCodeError as error:
         attach_unlocalized(finding, f"reading the data again raised: {error}")
         return
-    if changed:
-        attach_unlocalized(finding, unrepeated(index))
-    elif finding.producer is None:
-        attach_unlocalized(finding, f"the data ended before batch {index} when read again")
+    _unnamed(finding, index, changed)
+
+
+def _unnamed(finding: Finding, index: int, changed: list[int]) -> None:
+    """Why the read again named nothing for the finding of batch `index`, when it did not."""
+    if finding.producer is not None:
+        return
+    attach_unlocalized(finding, unrepeated(index) if index in changed else
+                       f"the data ended before batch {index} when read again")
 
 
 def unrepeated(index: int) -> str:
@@ -138,7 +143,5 @@ def trace_inputs(session: Session, seen: dict, findings: dict) -> list[int]:
             if finding.producer is None:
                 attach_unlocalized(finding, f"reading the data again traced raised: {error}")
     for index, finding in findings.items():
-        if finding.producer is None:
-            attach_unlocalized(finding, unrepeated(index) if index in changed else
-                               f"the data ended before batch {index} when read again")
+        _unnamed(finding, index, changed)
     return changed
