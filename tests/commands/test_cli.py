@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from helpers import LINEAR_CASE, ROOT, run_cli, scan
+from helpers import INTERRUPTED_CASE, ROOT, run_cli, scan
 
 
 def test_help_does_not_import_torch():
@@ -66,13 +66,7 @@ def test_steps_option_limits_the_run(tmp_path):
 
 
 def test_ctrl_c_leaves_a_valid_partial_report(case, tmp_path):
-    code = LINEAR_CASE + (
-        "\ndef interrupted():\n"
-        "    for i, b in enumerate(batches()):\n"
-        "        if i == 2:\n"
-        "            raise KeyboardInterrupt\n"
-        "        yield b\n")
-    result = scan(case(code, data="case:interrupted"), tmp_path=tmp_path)
+    result = scan(case(INTERRUPTED_CASE, data="case:interrupted"), tmp_path=tmp_path)
     assert result.code == 130
     assert result.report["status"] == "interrupted" and result.report["steps_run"] == 2
     assert len(result.report["timeline"]) == 2
