@@ -110,7 +110,7 @@ def _chain(f: Finding) -> str:
     rows = [[str(i), f'<span class="mono">{esc(link.op)}</span>', esc(link.where),
              esc("(root)" if link.module == "" else link.module or "—"),
              "—" if link.line is None else str(link.line),
-             esc("; ".join(getattr(link, "received", None) or [])) or "—",
+             esc("; ".join(link.received)) or "—",
              f'<span class="bad">{esc(", ".join(map(str, link.value)))}</span>']
             for i, link in enumerate(f.chain, start=1)]
     body = table(("#", "op", "where", "module", "line", "received", "returned"), rows,
