@@ -63,6 +63,14 @@ LINEAR_CASE = textwrap.dedent("""
         return ((model(x) - y) ** 2).mean()
 """)
 
+# LINEAR_CASE with a data source `case:interrupted` that is Ctrl-C'd before its third batch.
+INTERRUPTED_CASE = LINEAR_CASE + (
+    "\ndef interrupted():\n"
+    "    for i, b in enumerate(batches()):\n"
+    "        if i == 2:\n"
+    "            raise KeyboardInterrupt\n"
+    "        yield b\n")
+
 
 
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:

@@ -169,7 +169,8 @@ class Requested:
 
     def emit(self, report: Report, terminal: Terminal) -> list[str]:
         """Write every requested output, the files first, then print the console report (a
-        console that fails cannot cost a file); returns the failures."""
+        console that fails cannot cost a file); returns the outputs that failed to write (a
+        console failure stays in `terminal.failures`, which final_code reads)."""
         from nanaudit.report.console import print_report
         from nanaudit.report.plot import PlotUnavailable
         failed = []
@@ -183,8 +184,7 @@ class Requested:
             if problem:
                 failed.append(problem)
         if not terminal.quiet:
-            problem = terminal.show(lambda console: print_report(report, console))
-            failed += [problem] if problem else []
+            terminal.show(lambda console: print_report(report, console))
         elif report.status == "error" and report.error:
             terminal.error(report.error.message)
         return failed

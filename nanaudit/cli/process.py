@@ -58,6 +58,6 @@ def leave_process_group(code: ExitCode) -> None:
 
 def _exit_now(code: ExitCode) -> NoReturn:
     """Flush and leave without interpreter teardown (torchrun ranks only)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    from nanaudit.cli.streams import settle_before_exit
+    settle_before_exit()        # a closed stream (None, or failing to flush) is no traceback
     os._exit(int(code))

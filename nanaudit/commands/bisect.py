@@ -109,7 +109,9 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
         if outcome is not None and outcome.trip is not None:
             report.finding = build_finding(session, outcome, config.localize.samples)
             state = outcome.state
-            if state is not None and state.batch_index is not None and unrepeatable_batches(
+            # A batch the data gives differently on a second pass (shuffling or augmentation
+            # outside the seeded RNG): its rows cannot be confirmed to be the same samples.
+            if state is not None and state.batch_index is not None and reread(
                     session, {state.batch_index: batch_fingerprint(state.batch)}):
                 mark_unconfirmed(report.finding)
         else:
@@ -169,13 +171,6 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
                       confirmed=False if f.batch_index in changed else None)
             for f, ids in bad]
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
-
-
-def unrepeatable_batches(session: Session, seen: dict) -> list:
-    """The data indices whose batch the data gives differently on a second pass (shuffling
-    or augmentation outside the seeded RNG): rows named in such a batch cannot be confirmed
-    to be the same samples the next time the data is read."""
-    return reread(session, seen)
 
 
 def mark_unconfirmed(finding) -> None:

@@ -262,7 +262,7 @@ class Bundle:
     @property
     def from_scan(self) -> bool:
         """Written by `scan` (a config names the model and loss), not by a training run."""
-        return bundle_source(self.meta) == "scan"
+        return self.source == "scan"
 
     @property
     def source(self) -> str:

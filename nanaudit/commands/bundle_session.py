@@ -39,7 +39,8 @@ def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = N
         session = _scan_session(bundle)
     else:
         session = _recorded_session(bundle, model, loss)
-    from nanaudit.run.step import ScanOutcome, StepState, Trip
+    from nanaudit.report.vocabulary import Check
+    from nanaudit.run.step import SCHEDULE, ScanOutcome, StepState, Trip
     meta = bundle.meta
     batch, notes = _batch(bundle, session.device)
     state = StepState(meta["step"], batch, rng_state(bundle.rng), meta.get("scale"),
@@ -48,7 +49,7 @@ def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = N
     trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"), note=meta.get("note"),
                 optimizer=meta.get("optimizer"), loss_name=meta.get("loss_name"),
                 micro_batch=meta.get("micro_batch"))
-    if trip.check not in ("input", "parameter", "optimizer", "loss", "gradient", "schedule"):
+    if trip.check not in (*Check, SCHEDULE):
         raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
     if trip.check == "optimizer" and not bundle.from_scan:
         raise UsageError(f"the bundle's finding is an optimizer update (step {trip.step}): "

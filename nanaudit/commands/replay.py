@@ -28,7 +28,6 @@ def replay(folder: str | Path, model: str | None = None, loss: str | None = None
 
 def _replay(folder: Path, report: Report, model: str | None, loss: str | None,
             trust: bool) -> None:
-    from nanaudit.commands.bundle import bundle_source as _source
     from nanaudit.commands.bundle import load_bundle
     from nanaudit.commands.bundle_session import bundle_import_path, replay_bundle
     from nanaudit.localize.findings import build_finding
@@ -36,7 +35,7 @@ def _replay(folder: Path, report: Report, model: str | None, loss: str | None,
     gate = contextlib.nullcontext() if trust else import_gate(
         EntrypointGate(bundle, typed=(model, loss)))
     if not bundle.from_scan:
-        report.config = {"path": str(folder), "source": _source(bundle.meta),
+        report.config = {"path": str(folder), "source": bundle.source,
                          "model": model, "loss": loss}
     with gate, bundle_import_path(bundle, with_cwd=bool(model or loss)):
         session, outcome, notes = replay_bundle(bundle, model, loss)

@@ -3,12 +3,10 @@ the error shell every command shares. Returns a Report; never prints or exits.""
 
 from __future__ import annotations
 
-from nanaudit._version import __version__
-from nanaudit.commands.common import guarded, rank_failed
+from nanaudit.commands.common import base_report, guarded, rank_failed
 from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
-from nanaudit.report.vocabulary import Status
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.ranks import merge_ranks
 from nanaudit.script.runner import audit_script, record
@@ -24,11 +22,9 @@ def summary(target: ScriptTarget, options: ScriptOptions) -> dict:
 
 def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Report:
     """The first run, then the re-run of a loss, gradient or error trip."""
-    import torch
     options = options or ScriptOptions()
-    report = Report(tool_version=__version__, config=summary(target, options),
-                    torch_version=torch.__version__, device="", status=Status.ERROR, steps_run=0,
-                    command="run")
+    report = base_report(target.display, None)
+    report.config, report.command = summary(target, options), "run"
     auditor = ScriptAuditor(rank=script_rank())
 
     def body() -> None:

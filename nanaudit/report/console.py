@@ -162,16 +162,12 @@ def _source(src: SourceLine, highlighted: bool = True) -> RenderableType:
     return Group(title, Text("\n".join(shown)))
 
 
-def _number(value: float | None) -> str:
-    return "—" if value is None else f"{value:.4g}"
-
-
 def _stats_table(title: str, stats: list[TensorStats]) -> Table:
     table = Table(title=title, title_justify="left", show_edge=False)
     for col in ("input", "shape", "dtype", "min", "max", "nan", "+inf", "-inf", "zeros", "neg"):
         table.add_column(col, justify="left" if col in ("input", "dtype") else "right")
     for s in stats:
-        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, _number(s.min), _number(s.max),
+        table.add_row(Text(s.name), str(list(s.shape)), s.dtype, _num(s.min), _num(s.max),
                       _count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
                       str(s.negatives))
     return table
@@ -233,7 +229,7 @@ def _timeline(report: Report) -> Text:
     return text
 
 
-def _num(v) -> str:
+def _num(v: float | None) -> str:
     return "—" if v is None else f"{v:.4g}"
 
 

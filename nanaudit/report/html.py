@@ -103,7 +103,7 @@ def _timeline(report: Report) -> str:
     figures = timeline_svgs(report)
     if not figures:
         return ""
-    steps = [e.step for e in report.timeline if isinstance(getattr(e, "step", None), int)]
+    steps = [e.step for e in report.timeline]
     legend = ('<p class="legend muted"><span class="bad">│ finding</span>'
               '<span class="warn">┆ early warning</span><span class="bad">✕ non-finite</span>'
               '<span>hover a point for its value</span></p>')

@@ -14,7 +14,13 @@ import os
 
 from nanaudit.report.html_text import esc, facts_table, number, number_text, table
 from nanaudit.report.model import Finding, SourceLine, TensorStats
-from nanaudit.report.text import describe, finding_facts, sample_value, search_summary
+from nanaudit.report.text import (
+    describe,
+    finding_facts,
+    module_label,
+    sample_value,
+    search_summary,
+)
 
 CONTEXT = 3             # source lines shown each side of the user's line
 CHAIN_OPEN = 25         # a longer chain is folded into <details>
@@ -108,9 +114,9 @@ def _chain(f: Finding) -> str:
     if not f.chain:
         return ""
     rows = [[str(i), f'<span class="mono">{esc(link.op)}</span>', esc(link.where),
-             esc("(root)" if link.module == "" else link.module or "—"),
+             esc(module_label(link.module) or "—"),
              "—" if link.line is None else str(link.line),
-             esc("; ".join(getattr(link, "received", None) or [])) or "—",
+             esc("; ".join(link.received)) or "—",
              f'<span class="bad">{esc(", ".join(map(str, link.value)))}</span>']
             for i, link in enumerate(f.chain, start=1)]
     body = table(("#", "op", "where", "module", "line", "received", "returned"), rows,

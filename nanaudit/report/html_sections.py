@@ -21,7 +21,7 @@ from nanaudit.report.sections import (
     ScriptRun,
     UserCodeFailure,
 )
-from nanaudit.report.text import warning_line
+from nanaudit.report.text import module_label, warning_line
 
 
 def _section(anchor: str, title: str, body: str) -> str:
@@ -48,7 +48,7 @@ def _data_bisect(section: DataBisect) -> str:
         rows.append([str(index), esc(f.samples if f.samples is not None else "—"),
                      esc(ids if ids is not None else "—"), f"<code>{esc(f.cause)}</code>",
                      f'<span class="mono">{esc(f.op or f.tensor or "")}</span>',
-                     esc("(root)" if f.module == "" else f.module or "—"), confirmed])
+                     esc(module_label(f.module) or "—"), confirmed])
         details.append(f"<details><summary>batch {index}: {esc(f.cause)}</summary>"
                        f"{finding_details(f)}</details>")
     title = (f"Bisect: {len(section.bad_batches)} bad batch(es) of "

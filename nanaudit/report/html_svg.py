@@ -7,8 +7,6 @@ Non-finite values are red crosses along the top edge, the finding a red line, ea
 warning a dashed line over a band from where it began, GradScaler skips ticks along the
 bottom. Each point and mark carries an SVG <title>, so values show on hover without script;
 the page's script adds a cursor and a readout across charts.
-The timeline is read through TimelineEntry's public fields, each looked up leniently, so an
-entry with fewer or more fields (a summarised long run) still draws.
 """
 
 from __future__ import annotations
@@ -50,17 +48,16 @@ SERIES = (
 def timeline_svgs(report: Report) -> list[str]:
     """One <figure> per series measured at several steps, in SERIES order (activation
     maxima once); a series measured at one step only is a sentence."""
-    entries = [e for e in report.timeline if isinstance(getattr(e, "step", None), int)]
+    entries = report.timeline
     if not entries:
         return []
     steps = [e.step for e in entries]
     span = (min(steps), max(steps))
     figures = []
     for series in SERIES:
-        if series.field == "act_max" and any(
-                getattr(e, "act_ratio", None) is not None for e in entries):
+        if series.field == "act_max" and any(e.act_ratio is not None for e in entries):
             continue
-        points = [(e.step, getattr(e, series.field, None)) for e in entries]
+        points = [(e.step, getattr(e, series.field)) for e in entries]
         measured = [(s, v) for s, v in points if v is not None]
         if len(measured) == 1 and len(entries) > 1:
             # One sample (a ratio measured every N steps) is a fact, not a chart.
@@ -197,7 +194,7 @@ def _marks(report: Report, x: _XScale, field: str, entries: list) -> list[str]:
                    f'{esc(f.cause)}</title></g>')
     if field in ("grad_norm", "scale"):
         for e in entries:
-            if getattr(e, "skipped", False):
+            if e.skipped:
                 at = x(e.step)
                 out.append(f'<line class="skip" x1="{at:.1f}" y1="{bottom - 6}" x2="{at:.1f}" '
                            f'y2="{bottom}"><title>step {e.step}: skipped by the GradScaler'

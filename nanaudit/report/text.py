@@ -48,9 +48,9 @@ def headline(report: Report) -> str:
 
 def finding_facts(f: Finding) -> list[tuple[str, str]]:
     """The finding's facts as (label, text), in one order, for every renderer that lists them
-    (console, Markdown, JUnit): the one place that decides what a fact is called and how the
-    root module reads."""
-    module = None if f.module is None else (f.module or "(root)")
+    (console, Markdown, JUnit, HTML): the one place that decides what a fact is called (and
+    module_label how the root module reads)."""
+    module = module_label(f.module)
     batch = None
     if f.batch_index is not None:   # under gradient accumulation: which batch of the data
         micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
@@ -62,6 +62,12 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
              ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def module_label(module: str | None) -> str | None:
+    """A module's name as every renderer shows it: the root module ("") reads `(root)`; None
+    (no module) stays None."""
+    return None if module is None else (module or "(root)")
 
 
 def search_summary(s: SampleSearch) -> str:

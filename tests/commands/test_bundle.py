@@ -62,6 +62,14 @@ def test_replay_of_a_broken_bundle_is_a_config_error(tmp_path):
     assert run_cli("replay", tmp_path / "nowhere").code == 3
 
 
+def test_replay_of_a_bundle_naming_an_unknown_check_is_a_config_error(tmp_path):
+    folder, _ = _bundle(tmp_path)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "check": "bogus"}))
+    result = run_cli("replay", folder)
+    assert result.code == 3 and "unknown check 'bogus'" in result.stderr
+
+
 def test_default_bundle_folder_and_no_repro(tmp_path):
     result = run_cli("scan", EXAMPLES / "div_zero.yaml", "-q")
     assert result.code == 1

@@ -3,7 +3,7 @@
 
 import json
 
-from helpers import LINEAR_CASE, ROOT, run_cli
+from helpers import INTERRUPTED_CASE, ROOT, run_cli
 
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.html_text import embedded_json
@@ -43,13 +43,7 @@ def test_an_unwritable_page_is_exit_9_before_any_step(tmp_path):
 
 
 def test_ctrl_c_still_writes_a_partial_page(case, tmp_path):
-    code = LINEAR_CASE + (
-        "\ndef interrupted():\n"
-        "    for i, b in enumerate(batches()):\n"
-        "        if i == 2:\n"
-        "            raise KeyboardInterrupt\n"
-        "        yield b\n")
-    result = run_cli("scan", case(code, data="case:interrupted"), "--quiet",
+    result = run_cli("scan", case(INTERRUPTED_CASE, data="case:interrupted"), "--quiet",
                      "--html", tmp_path / "r.html")
     assert result.code == ExitCode.INTERRUPTED
     page = (tmp_path / "r.html").read_text(encoding="utf-8")

@@ -58,7 +58,8 @@ def finding_report(module="encoder.attn", key='batch["x"]', path="model.py",
                                values=(('batch["id"]', "clip<0042>.wav"),))],
         sample_search=SampleSearch(batch_size=8, replays=5, coupled=False),
         chain=[ChainLink("aten.log.default", "forward", module, ["-inf"], 12),
-               ChainLink("aten.mul.Tensor", "forward", "", ["nan"], 13)],
+               ChainLink("aten.mul.Tensor", "forward", "", ["nan"], 13,
+                         received=["self: -inf", "other: finite"])],
         batch_index=6)
     timeline = [TimelineEntry(i, 1.0 / (i + 1), 0.5 * (i + 1), 4.0, 1e-3, 0.5,
                               scale=65536.0 / 2 ** (i // 3), skipped=i == 4)
@@ -114,6 +115,7 @@ def test_the_page_shows_verdict_timeline_finding_chain_rows_and_how_to_reproduce
     assert "<td>y = torch.log(x)  # &lt;b&gt;not bold&lt;/b&gt;</td>" in page
     assert "inputs of aten.log.default, the op that created it" in page
     assert page.count("<td><span class=\"mono\">aten.") == 2 and "(root)" in page
+    assert "<td>self: -inf; other: finite</td>" in page and "<td>—</td>" in page
     assert "clip&lt;0042&gt;.wav" in page and "<h3>row 3</h3>" in page
     assert "python out/repro-step6/repro.py --rows" in page and "nanaudit scan cfg.yaml" in page
     assert "<th>precision</th><td>fp16</td>" in page and "<th>seed</th><td>3</td>" in page
