@@ -31,7 +31,7 @@ from nanaudit.report.interface import Renderer
 from nanaudit.report.json import JsonRenderer
 from nanaudit.report.model import Report
 from nanaudit.report.sections import DataBisect
-from nanaudit.report.text import finding_facts, headline
+from nanaudit.report.text import finding_facts, headline, summary_line
 
 MARK = {"clean": "✓", "nonfinite": "✗"}
 VERDICT_FACTS = ("step", "batch", "rank", "samples", "cause")
@@ -107,8 +107,12 @@ def _timeline(report: Report) -> str:
     legend = ('<p class="legend muted"><span class="bad">│ finding</span>'
               '<span class="warn">┆ early warning</span><span class="bad">✕ non-finite</span>'
               '<span>hover a point for its value</span></p>')
+    summary = report.timeline_summary
+    summarized = (f'<p class="muted">{esc(summary_line(summary))}: each a band from its min '
+                  f'to its max</p>' if summary is not None and summary.buckets else "")
     return (f'<section id="timeline"><h2>Timeline: steps {min(steps)} to {max(steps)}</h2>'
-            f'{legend}<div id="readout" aria-live="polite"></div>{"".join(figures)}</section>')
+            f'{legend}{summarized}<div id="readout" aria-live="polite"></div>'
+            f'{"".join(figures)}</section>')
 
 
 def _json_section(report: Report) -> str:

@@ -64,7 +64,7 @@ svg text{fill:var(--muted);font-size:11px;font-family:inherit}
 .dot{fill:var(--series)}.nf{stroke:var(--bad);stroke-width:2}
 .mark-finding{stroke:var(--bad);stroke-width:2}
 .mark-warning{stroke:var(--warn);stroke-width:1.5;stroke-dasharray:5 3}
-.band{fill:var(--warn);opacity:.12}.skip{stroke:var(--skip);stroke-width:2}
+.band{fill:var(--warn);opacity:.12}.summary{fill:var(--series);opacity:.3}.skip{stroke:var(--skip);stroke-width:2}
 .limit{stroke:var(--bad);stroke-dasharray:2 3}
 .hit-area{stroke:transparent;stroke-width:10}
 .cursor{stroke:var(--muted);stroke-width:1;visibility:hidden}

@@ -5,8 +5,10 @@ One small chart per measured series; a series that was never measured (no value 
 gets no chart, rather than an empty one, and one measured at a single step a sentence.
 Non-finite values are red crosses along the top edge, the finding a red line, each early
 warning a dashed line over a band from where it began, GradScaler skips ticks along the
-bottom. Each point and mark carries an SVG <title>, so values show on hover without script;
-the page's script adds a cursor and a readout across charts.
+bottom. A long run's summarized middle is a min-max band per bucket (a spike there is its
+bucket's max), and the line does not cross it. Each point and mark carries an SVG <title>, so
+values show on hover without script; the page's script adds a cursor and a readout across
+charts.
 """
 
 from __future__ import annotations
@@ -73,10 +75,14 @@ def _figure(series: Series, points: list, span: tuple[int, int], report: Report,
             entries: list) -> str:
     finite = [(s, float(v)) for s, v in points if isinstance(v, (int, float))
               and math.isfinite(v)]
+    summary = report.timeline_summary
+    ranges = summary.ranges(series.field) if summary is not None else []
     log = _use_log(series, [v for _, v in finite])
     if log:
         finite = [(s, v) for s, v in finite if v > 0]
-    values = [v for _, v in finite] + ([series.limit] if series.limit is not None else [])
+        ranges = [r for r in ranges if r[1] > 0]
+    values = ([v for _, v in finite] + [v for r in ranges for v in r[1:3]]
+              + ([series.limit] if series.limit is not None else []))
     y = _YScale(values, log)
     x = _XScale(*span)
     parts = [f'<line class="axis" x1="{LEFT}" y1="{TOP + PLOT_H}" x2="{LEFT + PLOT_W}" '
@@ -86,7 +92,11 @@ def _figure(series: Series, points: list, span: tuple[int, int], report: Report,
         at = y(series.limit)
         parts.append(f'<line class="limit" x1="{LEFT}" y1="{at:.1f}" x2="{LEFT + PLOT_W}" '
                      f'y2="{at:.1f}"><title>the dtype\'s largest value</title></line>')
-    parts += _line(finite, x, y)
+    parts += _summary_bands(ranges, x, y)
+    gap = summary.buckets[0].first_step if summary is not None and summary.buckets else None
+    for run in ([finite] if gap is None else [[p for p in finite if p[0] < gap],
+                                              [p for p in finite if p[0] > gap]]):
+        parts += _line(run, x, y)
     parts += _nonfinite(points, x, series.title)
     parts.append(f'<line class="cursor" x1="0" y1="{TOP}" x2="0" y2="{TOP + PLOT_H}"/>')
     caption = f"{esc(series.title)}{' (log scale)' if log else ''}"
@@ -211,6 +221,20 @@ def _line(finite: list, x: _XScale, y: _YScale) -> list[str]:
     if len(finite) <= MAX_DOTS:
         out += [f'<circle class="dot" cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.5"><title>step {s}: '
                 f'{number(v)}</title></circle>' for s, v in finite]
+    return out
+
+
+def _summary_bands(ranges: list, x: _XScale, y: _YScale) -> list[str]:
+    """Each summarized bucket as a band from its min to its max, its values on hover."""
+    out = []
+    for bucket, low, high, last in ranges:
+        left, right = x(bucket.first_step), x(bucket.last_step)
+        top, bottom = y(high), y(low)
+        last_text = f", last {number(last)}" if last is not None else ""
+        out.append(f'<rect class="summary" x="{left:.1f}" y="{top:.1f}" '
+                   f'width="{max(right - left, 1.0):.1f}" height="{max(bottom - top, 1.0):.1f}">'
+                   f"<title>steps {bucket.first_step}..{bucket.last_step} ({bucket.count} "
+                   f"summarized): min {number(low)}, max {number(high)}{last_text}</title></rect>")
     return out
 
 

@@ -250,6 +250,25 @@ class TimelineSummary:
     tail: int                     # entries kept before its end
     buckets: list = field(default_factory=list)       # [TimelineBucket]
 
+    def runs(self, timeline: list) -> list[list]:
+        """The timeline's entries in runs of consecutive kept steps: the first steps and the
+        last ones, with the summarized middle between them (a line must not cross it)."""
+        if not self.buckets:
+            return [timeline]
+        gap = self.buckets[0].first_step
+        return [[e for e in timeline if e.step < gap], [e for e in timeline if e.step > gap]]
+
+    def ranges(self, name: str) -> list[tuple[TimelineBucket, float, float, float | None]]:
+        """(bucket, min, max, last) of series `name` in each bucket where its min and max are
+        finite."""
+        out = []
+        for bucket in self.buckets:
+            r = getattr(bucket, name)
+            if (r is not None and r.min is not None and r.max is not None
+                    and math.isfinite(r.min) and math.isfinite(r.max)):
+                out.append((bucket, r.min, r.max, r.last))
+        return out
+
 
 @dataclass
 class Report:

@@ -30,30 +30,21 @@ PANELS = (("loss", "loss", "linear"), ("gradient norm", "grad_norm", "log"),
 
 
 def _segments(report: Report) -> list[list]:
-    """The timeline's entries in runs of consecutive kept steps: the first steps and the last
-    ones of a long run are two runs, with its summarized middle between them."""
     summary = report.timeline_summary
-    if summary is None or not summary.buckets:
-        return [report.timeline]
-    gap = summary.buckets[0].first_step
-    return [[e for e in report.timeline if e.step < gap],
-            [e for e in report.timeline if e.step > gap]]
+    return summary.runs(report.timeline) if summary is not None else [report.timeline]
 
 
 def _bands(ax, report: Report, name: str, log: bool) -> bool:
     """The summarized middle of one series as min-max bands: whether any was drawn."""
     summary = report.timeline_summary
     xs, lows, highs, lasts = [], [], [], []
-    for b in summary.buckets if summary is not None else ():
-        r = getattr(b, name)
-        if r is None or r.min is None or r.max is None or (log and r.min <= 0):
-            continue
-        if not (math.isfinite(r.min) and math.isfinite(r.max)):
+    for b, low, high, last in summary.ranges(name) if summary is not None else ():
+        if log and low <= 0:
             continue
         xs += [b.first_step, b.last_step]
-        lows += [r.min, r.min]
-        highs += [r.max, r.max]
-        lasts.append((b.last_step, r.last))
+        lows += [low, low]
+        highs += [high, high]
+        lasts.append((b.last_step, last))
     if not xs:
         return False
     ax.fill_between(xs, lows, highs, color="tab:blue", alpha=0.25, linewidth=0,

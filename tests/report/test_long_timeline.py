@@ -105,3 +105,20 @@ def test_the_plot_draws_the_summary_as_bands(monkeypatch):
     # One band a panel with values (loss, gradient norm, update ratio; no activations), the
     # loss spike, in no kept entry, at the top of the first.
     assert len(tops) == 3 and tops[0] == 5.0 and tops[2] == 1e-3
+
+
+def test_the_html_page_draws_the_summarized_middle_as_bands_with_the_spike_in_them():
+    import re
+
+    from nanaudit.report.html import render_html
+    page = render_html(long_report())
+    # The summary line under the timeline's heading, and one band per bucket and series.
+    assert "steps 20..2959 summarized (2940 steps in" in page
+    bands = re.findall(r'<rect class="summary"[^>]*><title>steps (\d+)\.\.(\d+) '
+                       r'\((\d+) summarized\): min ([^,]+), max ([^,<]+)', page)
+    assert bands
+    spiked = [b for b in bands if int(b[0]) <= SPIKE <= int(b[1]) and b[4] == "5"]
+    assert len(spiked) == 1, "the loss spike at step 1234 is its bucket's max"
+    # The line does not cross the summarized middle: two polylines in the loss chart.
+    loss_chart = page.split("<figcaption>loss")[1].split("</figure>")[0]
+    assert loss_chart.count('<polyline class="series"') == 2
