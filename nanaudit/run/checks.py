@@ -231,7 +231,7 @@ class StepChecks:
         # The batch's leaves were moved to the device with the batch: only dtypes can differ.
         if self._fused and all(t.dtype in _FLOAT64_SAFE for t in batch_leaves):
             if self._pack is not None:
-                state, grads = self._pack.state(state), self._pack.grads(grads)
+                state, grads = self._pack.state(state), self._pack.pack(grads)
             norms = torch._foreach_norm(batch_leaves + state + grads, 2.0,
                                         dtype=torch.float32)
             return StepReadout(torch.stack([loss.detach(), *norms]), len(batch_leaves),
@@ -257,10 +257,11 @@ class StepChecks:
             torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
 
 
-class ParamPack:
-    """A CPU model's small contiguous parameters (below PACK_BELOW elements), handled as one
-    flat tensor: reduced once for a norm (a group's norm is the same whichever way its
-    elements are grouped) and copied once for a snapshot."""
+class PackLayout:
+    """Which of a CPU model's tensors are small (below PACK_BELOW elements, contiguous), and a
+    list of tensors in their places (the parameters, their gradients) with the small ones
+    flattened into one: a group's norm is the same whichever way its elements are grouped.
+    It keeps places, not the tensors, so it follows a parameter given new storage."""
 
     def __init__(self, params: list[torch.Tensor]):
         small = [i for i, p in enumerate(params) if p.numel() < PACK_BELOW and p.is_contiguous()]
@@ -268,6 +269,26 @@ class ParamPack:
         chosen = set(self.small)
         self.large = [i for i in range(len(params)) if i not in chosen]
         self.count = len(params)
+
+    def pack(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors`, one per parameter in order, with the small ones packed, when every
+        parameter has one (otherwise their places do not line up: one by one). The packing
+        walks the list in C (`flatten_dense_tensors`, as DDP's buckets do): a Python loop of
+        reshapes would cost what it saves."""
+        if not self.small or len(tensors) != self.count:
+            return tensors
+        if not self.large:                       # a small model: every tensor is packed
+            return [_flatten_dense_tensors(tensors)]
+        small = [tensors[i] for i in self.small]
+        return [_flatten_dense_tensors(small), *[tensors[i] for i in self.large]]
+
+
+class ParamPack(PackLayout):
+    """A CPU model's small contiguous parameters (below PACK_BELOW elements), handled as one
+    flat tensor: reduced once for a norm and copied once for a snapshot."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__(params)
         # Flat views, made once: in-place updates keep them current.
         self._small_views = [params[i].view(-1) for i in self.small]
         self.large_params = [params[i] for i in self.large]
@@ -280,18 +301,6 @@ class ParamPack:
     def state(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
         """The state's tensors to reduce (state is the parameters, then the buffers)."""
         return self.params() + state[self.count:] if self.small else state
-
-    def grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients' tensors to reduce, packed like their parameters when every parameter
-        has one (otherwise their places do not line up: one by one). The packing walks the
-        list in C (`flatten_dense_tensors`, as DDP's buckets do): a Python loop of reshapes
-        would cost what it saves."""
-        if not self.small or len(grads) != self.count:
-            return grads
-        if not self.large:                       # a small model: every gradient is packed
-            return [_flatten_dense_tensors(grads)]
-        small = [grads[i] for i in self.small]
-        return [_flatten_dense_tensors(small), *[grads[i] for i in self.large]]
 
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of the parameters, in `params()`'s layout."""

@@ -107,13 +107,13 @@ class DeferredStep:
         loop.outcome.host_syncs += 1
         batch_norm, norm, loss_value, gnorm = previous.readout.read(read)
         if math.isfinite(batch_norm + norm + loss_value + gnorm):
-            loop.outcome.steps_run = previous.step + 1
             fields = loop.watches.observe(previous.step, read[len(previous.readout):],
                                           loop.outcome.timeline,
                                           loss_value, gnorm, previous.extras)
             loop.outcome.timeline.append(timeline_entry(
                 previous.step, loss_value, gnorm, norm, loop.optimizer, previous.started,
                 ended=previous.ended, **fields))
+            loop.outcome.steps_run = previous.step + 1    # with its timeline entry
             return None, None
         self.pending = None
         self.skip.clear()

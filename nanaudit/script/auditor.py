@@ -38,7 +38,7 @@ from nanaudit.run.verdict import tripped_check
 from nanaudit.run.watch import TimelineWarnings
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
-from nanaudit.script.readout import StepInbox, WeightsScope, read_step
+from nanaudit.script.readout import StepInbox, StepRead, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_values import data_inputs, same_value
 from nanaudit.script.trip import (
@@ -281,22 +281,15 @@ class ScriptAuditor:
         self.ledger.stepped[id(optimizer)] = optimizer
         self.skipped += 1
         inbox, self._inbox = self._inbox, StepInbox()
-        if not inbox:
-            return
-        read = read_step(inbox)
-        self.host_reads += 1
-        loss_value = read.loss if read.loss is not None else 0.0
-        if read.inputs_ok and math.isfinite(loss_value):
+        read = self._bad_losses(inbox) if inbox else None
+        if read is None:
             return
         if self.window.step is not None and self.step == self.window.step:
             self.window.reached(optimizer)     # step N reached, but nothing was armed
             raise StepHalted()
         self._append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
-        if not read.inputs_ok:
-            trip = self._input_trip(inbox.inputs, loss_value, None)
-        else:
-            trip = self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value)
+        trip = self._loss_trip(inbox, read)
         trip.skipped = True
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip
@@ -364,15 +357,26 @@ class ScriptAuditor:
         inbox, self._inbox = self._inbox, StepInbox()
         if not inbox.losses or self.window.armed is not None:
             return
-        read = read_step(inbox)
-        self.host_reads += 1
-        loss_value = read.loss if read.loss is not None else 0.0
-        if read.inputs_ok and math.isfinite(loss_value):
+        if (read := self._bad_losses(inbox)) is None:
             return
         last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
-        self._append(self._entry(last, loss_value, None, None))
-        self.trip = (self._input_trip(inbox.inputs, loss_value, None) if not read.inputs_ok else
-                     self._trip(Check.LOSS, float_kind(loss_value), [], loss=loss_value))
+        self._append(self._entry(last, read.loss, None, None))
+        self.trip = self._loss_trip(inbox, read)
+
+    def _bad_losses(self, inbox: StepInbox) -> StepRead | None:
+        """One host read of the losses and inputs no optimizer check read; None: all finite."""
+        read = read_step(inbox)
+        self.host_reads += 1
+        if read.inputs_ok and (read.loss is None or math.isfinite(read.loss)):
+            return None
+        return read
+
+    def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
+        """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
+        loss = read.loss if read.loss is not None else 0.0
+        if not read.inputs_ok:
+            return self._input_trip(inbox.inputs, loss, None)
+        return self._trip(Check.LOSS, float_kind(loss), [], loss=loss)
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last

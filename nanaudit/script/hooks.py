@@ -84,7 +84,7 @@ class ScriptHooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._stop_waiting()
+        self.stop_waiting()
         self._compiled.remove()
         self._tap.remove()
         for restore in reversed(self._restore):
@@ -102,9 +102,6 @@ class ScriptHooks:
         return self._forward_handle is not None
 
     def stop_waiting(self) -> None:
-        self._stop_waiting()
-
-    def _stop_waiting(self) -> None:
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
@@ -113,7 +110,7 @@ class ScriptHooks:
         if not self._trains(module):
             return
         kwargs = caller_kwargs()
-        self._stop_waiting()
+        self.stop_waiting()
         self.entry = module
         self.listener.first_call(module, args, kwargs)
 

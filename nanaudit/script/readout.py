@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors
 
-from nanaudit.run.checks import PACK_BELOW, dense_values, finite_norms
+from nanaudit.run.checks import PackLayout, dense_values, finite_norms
 from nanaudit.run.sharded import local_shards
 from nanaudit.script.step_values import loss_factor, window_loss
 
@@ -85,20 +84,12 @@ class WeightsScope:
         self.sharded = any(s is not p for s, p in zip(local_shards(params), params))
         self.fused = not self.sharded and all(t.dtype in _SAFE and t.device == self.device
                                               for t in params)
-        small = ([i for i, p in enumerate(params) if p.numel() < PACK_BELOW]
-                 if self.fused and self.device.type == "cpu" else [])
-        self._small = small if len(small) > 1 else []    # packing one tensor saves nothing
-        self._large = [i for i in range(len(params)) if i not in set(self._small)]
+        # Small CPU tensors packed as the step loop packs them (the layout keeps places only).
+        self._layout = (PackLayout(params) if self.fused and self.device.type == "cpu"
+                        else None)
 
     def _packed(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`tensors` (one per parameter, in order) with the small ones flattened into one (in
-        C, as DDP's buckets are: a Python loop of reshapes would cost what it saves)."""
-        if not self._small:
-            return tensors
-        if not self._large:
-            return [_flatten_dense_tensors(tensors)]
-        return [_flatten_dense_tensors([tensors[i] for i in self._small]),
-                *[tensors[i] for i in self._large]]
+        return self._layout.pack(tensors) if self._layout is not None else tensors
 
     @staticmethod
     def params_of(optimizer: Any) -> list[torch.Tensor]:
@@ -134,9 +125,7 @@ class WeightsScope:
                 state_norm, grad_norm = finite_norms([self.local(self.params),
                                                       self.local(grads)], self.device)
                 return [state_norm], [grad_norm]
-            state = self._packed(self.params)
-            if len(grads) == len(self.params):
-                grads = self._packed(grads)
+            state, grads = self._packed(self.params), self._packed(grads)
             norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
         finally:
             torch._C._set_grad_enabled(enabled)

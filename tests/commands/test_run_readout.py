@@ -15,9 +15,9 @@ from nanaudit.script.readout import StepInbox, WeightsScope, input_peaks, read_s
 from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 
-def model_with_grads(dtype=torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
+def model_with_grads(dtype=torch.float32, width=8) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1)).to(dtype)
     loss = model(torch.randn(5, 4, dtype=dtype)).pow(2).mean()
     loss.backward()
     return model, loss
@@ -30,8 +30,9 @@ def expected_norms(model) -> tuple[float, float]:
 
 
 def test_the_read_gives_the_loss_and_the_norms_packed_or_not():
-    for dtype in (torch.float32, torch.float64):      # float64: the per-group fallback
-        model, loss = model_with_grads(dtype)
+    # float64: the per-group fallback; width 2048: a weight too large to pack beside small ones
+    for dtype, width in ((torch.float32, 8), (torch.float32, 2048), (torch.float64, 8)):
+        model, loss = model_with_grads(dtype, width)
         scope = WeightsScope(list(model.parameters()))
         assert scope.fused == (dtype == torch.float32)
         inbox = StepInbox()
