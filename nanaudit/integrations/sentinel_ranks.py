@@ -39,7 +39,7 @@ def with_rank_flags(checks: RankChecks, values: torch.Tensor, head: int,
     one = torch.ones((), dtype=torch.float64, device=values.device)
     summary = torch.stack([flags.min() if window else one, values[0],
                            losses.sum() if window else one - 1, values[1]])
-    return torch.cat([values, checks.with_table(summary)[4:]])
+    return torch.cat([values, checks.table(summary)])
 
 
 def rank_trip(checks: RankChecks, step: int, table: list, last_step: int | None,

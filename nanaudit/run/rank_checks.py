@@ -68,13 +68,13 @@ class RankChecks:
             self.flags.install(modules)
             self.sharded = True
 
-    def with_table(self, values: torch.Tensor) -> torch.Tensor:
-        """The step's values [inputs finite, weights' norm, loss, gradients' norm] followed by
-        every rank's row of flags, exchanged (no host read here)."""
+    def table(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's row of flags, exchanged, from this rank's step values [inputs finite,
+        weights' norm, loss, gradients' norm] (no host read here)."""
         bad = (~torch.isfinite(values[1:])).to(torch.float64)      # weights, loss, gradients
         row = torch.stack([1.0 - values[0], bad[0], bad[1], self.flags.take(values.device),
                            bad[2]])
-        return torch.cat([values, self.coord.exchange(row).reshape(-1)])
+        return self.coord.exchange(row).reshape(-1)
 
     def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
         """The check that tripped, from every rank's flags (`table`: the read's tail), with

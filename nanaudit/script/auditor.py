@@ -207,7 +207,7 @@ class ScriptAuditor:
         inbox, self._inbox = self._inbox, StepInbox()
         # Under torchrun every rank's flags join the read: the ranks decide together.
         read = read_step(inbox, scope, grads,
-                         self.ranks.with_table if self.ranks is not None else None)
+                         self.ranks.table if self.ranks is not None else None)
         self.host_reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None

@@ -159,7 +159,7 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
               grads: list[torch.Tensor] | None = None,
               exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepRead:
     """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms;
-    `exchange` (torchrun) appends every rank's flags to the step's summary before the read."""
+    `exchange` (torchrun): every rank's flags from the step's summary, read with the rest."""
     state, grad_parts = scope.norm_parts(grads or []) if scope is not None else ([], [])
     extra = inbox.losses + inbox.input_peaks
     device = scope.device if scope is not None else extra[0].device
@@ -168,8 +168,8 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
     start = n_loss + n_in
     if exchange is not None:
-        shared = exchange(step_summary(stacked, n_loss, n_in, len(state)))
-        values = torch.cat([stacked.to(torch.float64), shared[4:]]).tolist()
+        flags = exchange(step_summary(stacked, n_loss, n_in, len(state)))
+        values = torch.cat([stacked.to(torch.float64), flags]).tolist()
         table = tuple(values[len(stacked):])
         values = values[:len(stacked)]
     else:
