@@ -8,23 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-from helpers import LINEAR_CASE, run_cli
+from helpers import LINEAR_CASE, run_cli, wait_for
 
 
 def _nanaudit(*args, cwd, **popen):
     return subprocess.Popen([sys.executable, "-m", "nanaudit", *map(str, args)], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
-
-def _wait_for(path, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run never reached the point to signal"
-        time.sleep(0.02)
 
 # --- 1. user code that exits is the user's error, and every report is written -----------------
 
@@ -124,7 +116,7 @@ OWN_HANDLER = textwrap.dedent("""
 def test_sigterm_taken_by_the_scripts_own_handler_is_interrupted_143(tmp_path):
     (tmp_path / "train.py").write_text(OWN_HANDLER)
     proc = _nanaudit("run", "-q", "--json", "r.json", "train.py", cwd=tmp_path)
-    _wait_for(tmp_path / "marker", proc)
+    wait_for(tmp_path / "marker", proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     report = json.loads((tmp_path / "r.json").read_text())
@@ -363,7 +355,7 @@ def test_a_signal_before_the_command_line_is_imported_still_leaves_a_report(tmp_
     (tmp_path / "start.py").write_text(SLOW_IMPORT)
     proc = subprocess.Popen([sys.executable, "start.py", str(config)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(tmp_path / "importing", proc)
+    wait_for(tmp_path / "importing", proc)
     proc.send_signal(sig)
     proc.communicate(timeout=60)
     report = json.loads((tmp_path / "r.json").read_text())
@@ -379,7 +371,7 @@ def test_sighup_mid_scan_is_a_partial_report_and_leaves_no_temporary(tmp_path, c
                                  "        __import__('time').sleep(0.05)")
     config = case(marked)
     proc = _nanaudit("scan", config, "-q", "--json", "r.json", cwd=tmp_path)
-    _wait_for(tmp_path / "marker", proc)
+    wait_for(tmp_path / "marker", proc)
     proc.send_signal(signal.SIGHUP)
     proc.communicate(timeout=60)
     report = json.loads((tmp_path / "r.json").read_text())
