@@ -472,7 +472,7 @@ def test_replay_refuses_a_standard_library_entrypoint_an_edited_bundle_names(tmp
     trusted = run_cli("replay", bundle, "-q", "--trust-entrypoints")
     assert (tmp_path / "pwned").exists()                            # what the flag allows
     # It ran, then its result was checked: an int, not a model, is a config error.
-    assert trusted.code == 3 and "`os:system` returned" in trusted.stderr
+    assert trusted.code == 3 and "not a torch.nn.Module" in trusted.stderr
 
 
 def test_replay_refuses_a_module_from_a_folder_the_bundle_points_at(tmp_path, case, monkeypatch):
