@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import runpy
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.run.seeding import seed_everything
+from plain_script import run_plain
+
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.target import ScriptTarget, execute
 
@@ -106,16 +106,10 @@ def run_once(path: Path, argv: list[str], hooked: bool, out: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
     os.environ["BENCH_OUT"] = str(out)
-    saved = sys.argv[:]
-    try:
-        if hooked:
-            execute(ScriptTarget(path=str(path), args=tuple(argv)), ScriptAuditor(), 0)
-        else:
-            seed_everything(0)
-            sys.argv = [str(path), *argv]
-            runpy.run_path(str(path), run_name="__main__")
-    finally:
-        sys.argv = saved
+    if hooked:
+        execute(ScriptTarget(path=str(path), args=tuple(argv)), ScriptAuditor(), 0)
+    else:
+        run_plain(path, argv)
     return json.loads(out.read_text())
 
 

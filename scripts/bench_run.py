@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import runpy
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanaudit.run.seeding import seed_everything
+from plain_script import run_plain
+
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.target import ScriptTarget, execute
 
@@ -105,19 +105,13 @@ with tempfile.TemporaryDirectory() as out:
 
 def timed_run(path: Path, args: list, hooked: bool) -> tuple[float, int]:
     """One in-process run of the script; (seconds, host reads)."""
-    saved = sys.argv[:]
     started = time.perf_counter()
     if hooked:
         auditor = ScriptAuditor()
         execute(ScriptTarget(path=str(path), args=tuple(args)), auditor, 0)
         auditor.finish()
         return time.perf_counter() - started, auditor.host_reads
-    try:
-        seed_everything(0)
-        sys.argv = [str(path), *args]
-        runpy.run_path(str(path), run_name="__main__")
-    finally:
-        sys.argv = saved
+    run_plain(path, args)
     return time.perf_counter() - started, 0
 
 

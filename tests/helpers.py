@@ -72,7 +72,6 @@ INTERRUPTED_CASE = LINEAR_CASE + (
     "        yield b\n")
 
 
-
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
     """Start `python ARGV...` as `nproc` ranks with torchrun's environment
     variables (env:// rendezvous on a free port); return each rank's exit code and
@@ -102,3 +101,14 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
             if proc.poll() is None:
                 proc.kill()
     return [proc.returncode for proc in procs], outputs
+
+
+def wait_for(path, proc, timeout: float = 60) -> None:
+    """Wait until `proc` has made `path` (the point a test signals at); fail at once if the
+    process ended first, or past `timeout`: no test hangs."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached the point to signal"
+        time.sleep(0.02)

@@ -12,7 +12,7 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from helpers import LINEAR_CASE, ROOT, run_cli, scan
+from helpers import LINEAR_CASE, ROOT, run_cli, scan, wait_for
 
 EXAMPLES = ROOT / "configs" / "examples"
 
@@ -214,13 +214,6 @@ def _spawn(tmp_path, code, *extra):
                             text=True)
 
 
-def _wait_for(path, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run never reached the point to signal"
-        time.sleep(0.02)
-
 
 def _partial_reports(tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
@@ -233,7 +226,7 @@ def _partial_reports(tmp_path):
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_mid_scan_leaves_valid_partial_reports(tmp_path, sig, code):
     proc = _spawn(tmp_path, SLOW_CASE)
-    _wait_for(tmp_path / "marker", proc)
+    wait_for(tmp_path / "marker", proc)
     time.sleep(random.uniform(0.0, 0.2))              # somewhere inside a step
     proc.send_signal(sig)
     proc.communicate(timeout=60)
@@ -247,7 +240,7 @@ def test_signal_mid_scan_leaves_valid_partial_reports(tmp_path, sig, code):
 @pytest.mark.slow
 def test_sigterm_during_the_sample_search_keeps_the_localized_op(tmp_path):
     proc = _spawn(tmp_path, SEARCH_CASE)
-    _wait_for(tmp_path / "marker", proc)
+    wait_for(tmp_path / "marker", proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
     assert proc.returncode == 143
@@ -268,7 +261,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
     """), " " * 8))
     assert "swallows" in stubborn
     proc = _spawn(tmp_path, stubborn)
-    _wait_for(tmp_path / "marker", proc)
+    wait_for(tmp_path / "marker", proc)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -630,7 +623,7 @@ def test_a_signal_while_torch_is_still_importing_leaves_a_report(tmp_path, sig, 
         "cli.main(['scan', sys.argv[1], '-q', '--json', 'r.json'])\n"),
         str(ROOT / "configs" / "demo.yaml")], cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
-    _wait_for(tmp_path / "importing", proc)
+    wait_for(tmp_path / "importing", proc)
     proc.send_signal(sig)
     proc.communicate(timeout=60)
     assert proc.returncode == code

@@ -180,9 +180,14 @@ def test_a_clean_compiled_run_gets_no_graph_break_recompilation_or_warning_from_
         tmp_path):
     path = _write(tmp_path, CLEAN)
     plain = _counts(tmp_path, "plain", lambda: runpy.run_path(str(path), run_name="__main__"))
-    audited = _counts(tmp_path, "audited", lambda: run_script(ScriptTarget(path=str(path))))
+    reports = []
+    audited = _counts(tmp_path, "audited",
+                      lambda: reports.append(run_script(ScriptTarget(path=str(path)))))
     assert plain["graph_breaks"] == 0 and plain["stats"]["unique_graphs"] >= 2
     assert audited == plain
+    # ...and nanaudit did watch it: every step's loss, a clean verdict.
+    (report,) = reports
+    assert report.status == "clean" and [e.step for e in report.timeline] == list(range(5))
 
 
 def test_a_compiled_forward_value_is_named_in_the_users_modules_and_parameters(tmp_path):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, launch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 EXAMPLES = ROOT / "configs" / "examples"
@@ -32,23 +32,9 @@ def _env(**extra) -> dict:
 def launch(config, tmp_path, nproc=2, *extra):
     """Start `nproc` ranks with torchrun's environment variables (env:// rendezvous); return
     each rank's exit code and rank 0's JSON report. Kills every rank past the hard timeout."""
-    port, report = _free_port(), tmp_path / "report.json"
-    procs = []
-    for rank in range(nproc):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
-                   RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "nanaudit", "scan", str(config), "--json", str(report),
-             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=HARD_TIMEOUT_S))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    codes = [proc.returncode for proc in procs]
+    report = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", report, *extra],
+                                  nproc, HARD_TIMEOUT_S)
     body = json.loads(report.read_text()) if report.exists() else None
     return codes, body, outputs
 

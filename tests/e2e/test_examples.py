@@ -78,7 +78,7 @@ EXPECTED = {
 CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_clean",
          "batchnorm_log_silence_clean", "userdict_masked_mean_clean",
          "dataclass_string_ids_clean", "sparse_embedding_clean"}
-# Run under two ranks in test_distributed.py (and as one process there too).
+# Run under two ranks in test_distributed.py (and as one process there too), FSDP in test_fsdp.py.
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
                "ddp_dying_rank", "fsdp_backward_nan"}
@@ -91,6 +91,20 @@ def test_every_example_has_an_expectation():
     from test_setups import SETUPS, SETUPS_CLEAN  # the training-setup examples' own file
     names = {p.stem for p in (ROOT / "configs" / "examples").glob("*.yaml")}
     assert names == set(EXPECTED) | CLEAN | DISTRIBUTED | set(SETUPS) | SETUPS_CLEAN
+
+
+def test_every_distributed_example_and_example_script_is_run_by_a_test():
+    # The sets above only name the multi-process configs and the scripts for `nanaudit run`;
+    # the tests that launch them live in other files: each must be named in one.
+    here = ROOT / "tests"
+    launchers = (here / "e2e" / "test_distributed.py").read_text() + \
+        (here / "e2e" / "test_fsdp.py").read_text()
+    # Named as "name.yaml" or as a bare "name" in a parametrize list.
+    assert [n for n in sorted(DISTRIBUTED) if f"\"{n}" not in launchers] == []
+    sources = "".join(p.read_text() for p in here.rglob("test_*.py")
+                      if p.name != "test_examples.py")
+    scripts = sorted((ROOT / "configs" / "examples" / "scripts").glob("*.py"))
+    assert scripts and [p.name for p in scripts if p.name not in sources] == []
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
