@@ -88,6 +88,12 @@ class FindingInterrupted(KeyboardInterrupt):
 _DEMO_DIR = os.path.join(_PACKAGE_DIR, "demo") + os.sep
 
 
+def a_kind_of(value: object) -> str:
+    """What a user's code gave, for a message: "an int", "a dict"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def is_own_file(filename: str) -> bool:
     """Is this file nanaudit's own code? The bundled demo counts as the user's: it plays one.
     The one test of "user code or ours", for tracebacks and for the op tracer's source lines."""

@@ -121,7 +121,10 @@ def _recipe_class(recipe, what, resolve):
 
 def _module(model, target):
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"`{target}` returned a {type(model).__name__}, not a torch.nn.Module")
+        # repro.py imports no nanaudit (errors.a_kind_of): its own article for the type.
+        name = type(model).__name__
+        article = "an" if name[:1].lower() in "aeiou" else "a"
+        raise TypeError(f"`{target}` returned {article} {name}, not a torch.nn.Module")
     return model
 
 

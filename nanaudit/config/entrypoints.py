@@ -21,7 +21,7 @@ from typing import Any
 
 from nanaudit.config.schema import Entrypoint
 from nanaudit.config.values import did_you_mean
-from nanaudit.errors import USER_FAILURES, ConfigError, Problem, UserCodeError
+from nanaudit.errors import USER_FAILURES, ConfigError, Problem, UserCodeError, a_kind_of
 
 _GATES: list[Callable[[Entrypoint, Path], None]] = []
 
@@ -75,7 +75,7 @@ def resolve_callable(entry: Entrypoint, base_dir: Path) -> Callable:
     """resolve(), and ConfigError when what it names cannot be called."""
     obj = resolve(entry, base_dir)
     if not callable(obj):
-        raise ConfigError([Problem(entry.key, f"`{entry.target}` is a {type(obj).__name__}, "
+        raise ConfigError([Problem(entry.key, f"`{entry.target}` is {a_kind_of(obj)}, "
                                    f"not a callable")])
     return obj
 

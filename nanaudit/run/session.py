@@ -21,7 +21,7 @@ from nanaudit.config.validate import (
     data_accepts,
     device_problem,
 )
-from nanaudit.errors import ConfigError, Problem, UserCodeError, call_user
+from nanaudit.errors import ConfigError, Problem, UserCodeError, a_kind_of, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.names import parameter_names
 from nanaudit.run.seeding import seed_everything
@@ -118,8 +118,8 @@ def build_session(config: Config, coordinator=None) -> Session:
     model_fn, data_fn = _present(code.model), _present(code.data)
     model = call_user(f"model factory `{config.model.target}`", model_fn, **dict(config.model.args))
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError([Problem(config.model.key, f"`{config.model.target}` returned a "
-                                   f"{type(model).__name__}, not a torch.nn.Module")])
+        raise ConfigError([Problem(config.model.key, f"`{config.model.target}` returned "
+                                   f"{a_kind_of(model)}, not a torch.nn.Module")])
     checkpoint = load_checkpoint(config.checkpoint) if config.checkpoint else None
     if checkpoint is not None:
         apply_model_state(model, checkpoint, "checkpoint", str(config.checkpoint))

@@ -71,14 +71,14 @@ def test_attribute_not_found_with_suggestion(case, tmp_path):
 def test_not_callable(case, tmp_path):
     result = scan(case(LINEAR_CASE + "\nVALUE = 3\n", model="case:VALUE"), tmp_path=tmp_path)
     assert result.code == 3
-    assert "is a int, not a callable" in _error(result)["message"]
+    assert "is an int, not a callable" in _error(result)["message"]
 
 
 def test_model_factory_must_return_module(case, tmp_path):
     code = LINEAR_CASE + "\ndef not_a_model():\n    return 42\n"
     result = scan(case(code, model="case:not_a_model"), tmp_path=tmp_path)
     assert result.code == 3
-    assert "returned a int, not a torch.nn.Module" in _error(result)["message"]
+    assert "returned an int, not a torch.nn.Module" in _error(result)["message"]
 
 
 def test_data_not_iterable(case, tmp_path):
