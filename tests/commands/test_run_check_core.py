@@ -1,0 +1,111 @@
+"""`nanaudit run` reads what the step loop and `Sentinel` read, and decides as they do (the check
+core, run/check/): a float buffer that goes non-finite is a finding, and a GradScaler whose
+scale collapses is one, by the same rule and with the same cause and exit code as `scan`."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run import run_script
+from nanaudit.exitcodes import ExitCode
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+# After a public pattern: a running statistic kept in a buffer (an EMA of the batch's spread,
+# as normalizing layers keep), whose one-row batch gives std() of one element: NaN. The loss
+# does not read the buffer, so it stays finite; the model's state does not.
+EMA_BUFFER = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.register_buffer("spread", torch.ones(()))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.spread.mul_(0.9).add_(0.1 * x[:, 0].std())
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        x = torch.randn(1 if step == 3 else 8, 4)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+# After the `scan` example amp_scale_collapse: raw counts of 1000 under float16; the weight
+# gradient overflows float16 whatever the scale, so the GradScaler skips every step.
+SCALE_COLLAPSE = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    for step in range(STEPS):
+        x = torch.full((256, 64), 1000.0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().sum()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+"""
+
+
+def _run(tmp_path: Path, code: str, **options):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(code))
+    return path, run_script(ScriptTarget(path=str(path)), ScriptOptions(**options))
+
+
+def _line(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_a_buffer_made_nonfinite_by_the_forward_is_a_finding(tmp_path):
+    path, report = _run(tmp_path, EMA_BUFFER)
+    assert exit_code(report) == ExitCode.NONFINITE
+    f = report.finding
+    assert (f.step, f.where, f.tensor) == (3, "forward", "spread")
+    assert "buffer" in f.explanation and "spread" in f.explanation
+    # The re-run traces step 3's forward: the std of one element.
+    assert f.op == "aten.std.correction" and f.cause == "degenerate-reduction"
+    assert f.source.line == _line(path, "x[:, 0].std()")
+
+
+def test_a_buffer_finding_without_a_rerun_names_the_buffer_and_step(tmp_path):
+    _, report = _run(tmp_path, EMA_BUFFER, rerun=False)
+    assert exit_code(report) == ExitCode.NONFINITE
+    f = report.finding
+    assert (f.step, f.where, f.tensor, f.op) == (3, "forward", "spread", None)
+    assert f.source is None
+
+
+@pytest.mark.parametrize("steps", [12, 40])
+def test_a_scale_collapse_is_a_finding_even_when_every_step_is_skipped(tmp_path, steps):
+    _, report = _run(tmp_path, SCALE_COLLAPSE.replace("STEPS", str(steps)))
+    assert exit_code(report) == ExitCode.NONFINITE
+    f = report.finding
+    assert "skipped 10 steps in a row" in f.explanation
+    assert (f.where, f.op, f.cause) == ("backward", "aten.mm.default", "dtype-overflow")
+    assert report.steps_run == 0                 # no update ran: every step was skipped
+
+
+def test_a_scale_collapse_without_a_rerun_is_still_a_finding(tmp_path):
+    _, report = _run(tmp_path, SCALE_COLLAPSE.replace("STEPS", "12"), rerun=False)
+    assert exit_code(report) == ExitCode.NONFINITE
+    assert report.finding.where == "backward"
+    assert "skipped 10 steps in a row" in report.finding.explanation
