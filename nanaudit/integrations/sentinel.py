@@ -61,12 +61,13 @@ from nanaudit.integrations.sentinel_ranks import (
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.batch import float_leaves
+from nanaudit.run.check.scaler import ScalerWatch
+from nanaudit.run.check.scope import float_buffers
+from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
-from nanaudit.run.precision import backoff_scale, collapse_reason
 from nanaudit.run.sharded import local_shards
 from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, timeline_entry
 from nanaudit.run.timeline import Timeline, report_timeline
-from nanaudit.run.verdict import tripped_check
 
 
 class NonFiniteError(RuntimeError):
@@ -97,8 +98,7 @@ class _Scope:
 
     def __init__(self, model: torch.nn.Module, params: list):
         self.params = params
-        self.state = list(model.parameters()) + [b for b in model.buffers()
-                                                 if b.is_floating_point()]
+        self.state = list(model.parameters()) + float_buffers(model)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t.detach() for t in local_shards(self.state)]     # FSDP2: this rank's shards
@@ -140,8 +140,8 @@ class Sentinel:
         self._window: list[MicroBatch] = []
         self._last_window: list[MicroBatch] = []
         self._seen = 0                       # micro-batches recorded so far (default index)
-        self.skipped_in_row = 0
-        self.skipped = 0
+        # Skips and the collapse rule: the check core's, as the loop's and `nanaudit run`'s.
+        self.scaler_watch = ScalerWatch(scale_floor, max_skipped, options="")
         self.steps_checked = 0
         self.timeline = Timeline(tail=max(history, 1))
         self.report: Report | None = None    # the last trip's report
@@ -149,6 +149,11 @@ class Sentinel:
         self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
+
+    @property
+    def skipped(self) -> int:
+        """The steps the GradScaler skipped so far."""
+        return self.scaler_watch.skipped
 
     # --- recording --------------------------------------------------------------------------
 
@@ -239,8 +244,7 @@ class Sentinel:
                                 loss_finite=[math.isfinite(v) for v in losses],
                                 grads_finite=math.isfinite(gnorm))
         if verdict is None:
-            if self.scaler is not None:
-                self.skipped_in_row = 0
+            self.scaler_watch.applied()
             return None, None
         if verdict.part is not None:     # a micro-batch's own input or loss
             return Trip.found(verdict, losses[verdict.part], gnorm), verdict.part
@@ -249,11 +253,7 @@ class Sentinel:
             return Trip.found(verdict, last_loss, gnorm), None
         # The GradScaler will skip this update and back off its scale: AMP's normal course,
         # unless the scale collapsed, which means the gradients overflow whatever the scale.
-        self.skipped += 1
-        self.skipped_in_row += 1
-        next_scale = backoff_scale(self.scaler, scale) if scale is not None else None
-        collapsed = collapse_reason(next_scale, self.scale_floor, self.skipped_in_row,
-                                    self.max_skipped, options="")
+        collapsed = self.scaler_watch.skip_with(self.scaler, scale)
         if collapsed is None:
             return None, None
         return Trip(step, Check.GRADIENT, last_loss, gnorm, note=collapsed), None

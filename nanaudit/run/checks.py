@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from nanaudit.run.check.scope import float_buffers
 from nanaudit.run.sharded import local_shard, local_shards
 
 _FLOAT64_SAFE = (torch.float32, torch.float16, torch.bfloat16)
@@ -172,9 +173,10 @@ class StepChecks:
         self.device = torch.device(device)
         self.params = list(params) if params is not None else list(model.parameters())
         buffers = list(model.buffers())
-        # Which buffers the state check reads (floating ones), by their place in
-        # `model.buffers()`: a BufferKeeper's copies of them stand in for the live ones.
-        self.float_buffers = [i for i, b in enumerate(buffers) if b.is_floating_point()]
+        # Which buffers the state check reads (the check core's scope: the floating ones), by
+        # their place in `model.buffers()`: a BufferKeeper's copies stand in for the live ones.
+        floating = {id(b) for b in float_buffers(model)}
+        self.float_buffers = [i for i, b in enumerate(buffers) if id(b) in floating]
         self.state = self.params + [buffers[i] for i in self.float_buffers]
         # Detached once: aliases of the same storage, which in-place updates keep current
         # (FSDP2: this rank's shards, whose storage the optimizer updates in place).

@@ -7,11 +7,9 @@ the readout said the scaled gradients were finite, and `update()` moves the scal
 with torch's own backoff and growth rules. The host keeps a mirror of the scale (the same
 arithmetic, exact in binary) for the timeline and for replays, so the scale is never read back.
 
-A skipped step is normal AMP behaviour and only goes into the timeline. It becomes a finding when
-the scale collapses: it falls below `amp.scale_floor`, or `amp.max_skipped` steps in a row are
-skipped, which means the gradients overflow the low-precision dtype whatever the scale. That
-rule (`collapse_reason`, on the scale `backoff_scale` gives) is also `Sentinel`'s, whose
-GradScaler is the user's and may back off by another factor than torch's default.
+A skipped step is normal AMP behaviour and only goes into the timeline; when the skips become a
+finding (the scale collapsed) is the check core's rule (run/check/scaler.py), the same for
+`Sentinel` and `nanaudit run`.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanaudit.config.schema import RunOptions
+from nanaudit.run.check.scaler import ScalerWatch, backoff_scale
 
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -54,7 +53,7 @@ class Precision:
                                                growth_interval=self.amp.growth_interval)
             self.scale = float(self.amp.init_scale)
         self._growth = 0
-        self._skipped_in_row = 0
+        self.watch = ScalerWatch(self.amp.scale_floor, self.amp.max_skipped)
 
     def autocast(self):
         if self.dtype is None:
@@ -80,44 +79,18 @@ class Precision:
         before = self.scale
         for optimizer in optimizers:
             self.scaler.unscale_(optimizer)
+        collapsed = None
         if grads_finite:
-            self._skipped_in_row = 0
+            self.watch.applied()
             self._growth += 1
             if self._growth == self.amp.growth_interval:
                 self.scale, self._growth = self.scale * self.scaler.get_growth_factor(), 0
         else:
-            self._skipped_in_row += 1
             self.scale, self._growth = backoff_scale(self.scaler, self.scale), 0
-        record = ScaleStep(before, self.scale, not grads_finite)
-        if not grads_finite:
-            record.collapsed = collapse_reason(self.scale, self.amp.scale_floor,
-                                               self._skipped_in_row, self.amp.max_skipped)
-        return record
+            collapsed = self.watch.skip(self.scale)
+        return ScaleStep(before, self.scale, not grads_finite, collapsed)
 
     def finish_update(self, optimizers) -> None:
         """The scaler's own update, after the optimizer steps (or the skip)."""
         if self.scaler is not None and optimizers:
             self.scaler.update()
-
-
-def backoff_scale(scaler, scale: float) -> float:
-    """The scale a GradScaler moves to when it skips a step: times its own backoff factor
-    (torch's default 0.5 for an object without `get_backoff_factor`)."""
-    get_factor = getattr(scaler, "get_backoff_factor", None)
-    return scale * (get_factor() if get_factor is not None else 0.5)
-
-
-def collapse_reason(next_scale: float | None, floor: float, skipped_in_row: int,
-                    max_skipped: int, options: str = "amp.") -> str | None:
-    """Why a skipped step is a finding (None: it is AMP's normal course): the scale after
-    this skip (None: unknown) fell below `floor`, or `max_skipped` steps in a row were
-    skipped. `options`: what the messages call the settings (`amp.` in a config; "" for
-    Sentinel's arguments)."""
-    if next_scale is not None and next_scale < floor:
-        return (f"the loss scale fell to {next_scale:g}, below {options}scale_floor {floor:g}, "
-                f"after {skipped_in_row} skipped step(s) in a row")
-    if skipped_in_row >= max_skipped:
-        fell = f" and the scale fell to {next_scale:g}" if next_scale is not None else ""
-        return (f"the GradScaler skipped {skipped_in_row} steps in a row ({options}max_skipped)"
-                f"{fell}")
-    return None

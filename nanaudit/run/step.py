@@ -23,7 +23,7 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.deferred import ReadMode
 from nanaudit.run.timeline import Timeline
-from nanaudit.run.verdict import Tripped
+from nanaudit.run.check.verdict import Tripped
 
 
 @dataclass

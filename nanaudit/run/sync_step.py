@@ -25,7 +25,7 @@ from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
 from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.units import lr_problem
-from nanaudit.run.verdict import Flags, tripped_check
+from nanaudit.run.check.verdict import Flags, tripped_check
 
 if TYPE_CHECKING:
     from nanaudit.run.loop import StepLoop

@@ -34,7 +34,7 @@ from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.run.timeline import Timeline
-from nanaudit.run.verdict import tripped_check
+from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.watch import TimelineWarnings
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer

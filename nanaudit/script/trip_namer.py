@@ -12,7 +12,7 @@ from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import confirm_nonfinite, finite_norms, value_kind
 from nanaudit.run.optimizer_state import nonfinite_state
 from nanaudit.run.sharded import local_shards, nonfinite_shards
-from nanaudit.run.verdict import Tripped
+from nanaudit.run.check.verdict import Tripped
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.trip import ScriptTrip, float_kind, input_fields
 

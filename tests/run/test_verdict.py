@@ -3,7 +3,7 @@
 import pytest
 
 from nanaudit.report.vocabulary import Check
-from nanaudit.run.verdict import Tripped, tripped_check
+from nanaudit.run.check.verdict import Tripped, tripped_check
 
 FINE = dict(inputs_ok=True, weights_finite=True, updated_at=None, loss_finite=True,
             grads_finite=True)
