@@ -18,11 +18,11 @@ import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import move
+from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
 from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.units import lr_problem, step_schedulers
 from nanaudit.run.user_step import UpdatePoint, UserRun
-from nanaudit.run.check.verdict import tripped_check
 
 if TYPE_CHECKING:
     from nanaudit.run.loop import StepLoop

@@ -87,7 +87,7 @@ class Precision:
                 self.scale, self._growth = self.scale * self.scaler.get_growth_factor(), 0
         else:
             self.scale, self._growth = backoff_scale(self.scaler, self.scale), 0
-            collapsed = self.watch.skip(self.scale)
+            collapsed = self.watch.skip(before, self.scale)
         return ScaleStep(before, self.scale, not grads_finite, collapsed)
 
     def finish_update(self, optimizers) -> None:

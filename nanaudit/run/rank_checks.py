@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
+from nanaudit.run.check.verdict import Tripped, tripped_check
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules
-from nanaudit.run.check.verdict import Tripped, tripped_check
 
 INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS = range(5)    # a rank's row of flags
 

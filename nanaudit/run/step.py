@@ -21,9 +21,9 @@ import torch
 from nanaudit.errors import ConfigError, Problem
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.deferred import ReadMode
 from nanaudit.run.timeline import Timeline
-from nanaudit.run.check.verdict import Tripped
 
 
 @dataclass

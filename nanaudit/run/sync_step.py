@@ -19,13 +19,13 @@ import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
+from nanaudit.run.check.verdict import Flags, tripped_check
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
 from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.units import lr_problem
-from nanaudit.run.check.verdict import Flags, tripped_check
 
 if TYPE_CHECKING:
     from nanaudit.run.loop import StepLoop

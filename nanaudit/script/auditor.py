@@ -22,24 +22,25 @@ flags join the read, so the ranks stop together and the rank that made the value
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 
+from nanaudit.config.schema import AmpOptions
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.check.scaler import ScalerWatch
+from nanaudit.run.check.scope import BufferScope
+from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
-from nanaudit.run.timeline import Timeline
-from nanaudit.run.check.verdict import tripped_check
-from nanaudit.run.watch import TimelineWarnings
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.readout import StepInbox, StepRead, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
+from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import data_inputs, same_value
 from nanaudit.script.trip import (
     ERROR_CHECK,
@@ -50,31 +51,27 @@ from nanaudit.script.trip import (
 from nanaudit.script.trip_namer import TripNamer
 
 
-def _lr(optimizer: Any) -> float | None:
-    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-    return float(lr) if isinstance(lr, (int, float)) else None
-
-
 class ScriptAuditor:
     """The checks of one script run; its hooks are `hooks` (install() / remove())."""
 
     def __init__(self, rerun_step: int | None = None, rank: int | None = None,
                  expected_losses: dict[int, float | None] | None = None, tracer: Any = None,
-                 rerun_evaluation: int = 0):
+                 rerun_evaluation: int = 0, rerun_skips: int = 0):
         self.step = 0                    # optimizer steps completed
-        self.timeline = Timeline()       # bounded: a run's first and last steps, summarized between
-        # The early warnings, read off each entry once it is final (the next step began):
-        # the timeline does not keep every step to read them off at the end.
-        self._warnings = TimelineWarnings()
-        self._unwatched: TimelineEntry | None = None
+        self.log = StepLog()             # the timeline, and the early warnings read off it
+        self.timeline = self.log.timeline
         self.trip: ScriptTrip | None = None
         self.rank = rank
         self.host_reads = 0
         self.device = ""
-        self.skipped = 0                 # steps a GradScaler skipped (not steps)
+        # A GradScaler's skipped tries (not steps), and when they collapse: the check core's
+        # rule, as scan's and Sentinel's, at their defaults (a script has no amp: options).
+        amp = AmpOptions()
+        self.scaler_watch = ScalerWatch(amp.scale_floor, amp.max_skipped, options="")
+        self.buffers = BufferScope()     # the floating buffers of the modules it called
         # The re-run's traced window (the tracer class handed in: the cheap path never imports
         # the expensive one) and the first run's losses, to stop a re-run that left it.
-        self.window = RerunWindow(rerun_step, rerun_evaluation, tracer)
+        self.window = RerunWindow(rerun_step, rerun_evaluation, tracer, rerun_skips)
         self.expected_losses = expected_losses      # the first run's, by step
         self.hooks = ScriptHooks(self)
         self._inbox = StepInbox()
@@ -82,7 +79,6 @@ class ScriptAuditor:
         self.ledger = Ledger()
         self.namer = TripNamer(self.ledger, rank)
         self._scopes: dict[int, WeightsScope] = {}  # id(optimizer) -> its tensors, as read
-        self._last_check = time.perf_counter()
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         self._state_step: int | None = None      # id of an optimizer creating its state
 
@@ -101,6 +97,7 @@ class ScriptAuditor:
         traced window) take the finiteness of its data inputs, on the device."""
         self.window.leave_data_code()
         self.ledger.called(module)
+        self.buffers.add(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
             self.ranks = RankChecks.saw(self.ranks, module)
         if self.ledger.cleared_by_hand():
@@ -168,9 +165,15 @@ class ScriptAuditor:
             self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
             self._number_afresh()
         self.ledger.steps_taken += 1
+        self.scaler_watch.applied()
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
         self.window.enter_data_code(self.step)
+
+    @property
+    def skipped(self) -> int:
+        """The tries a GradScaler skipped (not steps)."""
+        return self.scaler_watch.skipped
 
     def stepped(self) -> int:
         return self.ledger.steps_taken
@@ -185,8 +188,7 @@ class ScriptAuditor:
     def _number_afresh(self) -> None:
         if self.step and self.trip is None and self.window.armed is None:
             self.step = 0
-            self.timeline.clear()
-            self._warnings, self._unwatched = TimelineWarnings(), None
+            self.log.clear()
             self.ledger.forget_manual_steps()
 
     # --- the check ---------------------------------------------------------------------------
@@ -205,9 +207,11 @@ class ScriptAuditor:
         self.device = scope.device_name
         grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
-        # Under torchrun every rank's flags join the read: the ranks decide together.
+        # Under torchrun every rank's flags join the read: the ranks decide together (the
+        # buffers' flags are not in the ranks' table yet: read on one process only).
         read = read_step(inbox, scope, grads,
-                         self.ranks.table if self.ranks is not None else None)
+                         self.ranks.table if self.ranks is not None else None,
+                         self.buffers.tensors() if self.buffers and self.ranks is None else None)
         self.host_reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None
@@ -217,21 +221,19 @@ class ScriptAuditor:
             norm = exact_norm(scope.local(scope.params))
         entry = self._entry(optimizer, loss, grad_norm, norm)
         if evaluation == 0:
-            self._append(entry)
+            self.log.append(entry)
             if self._left_first_run(loss):
                 raise StepHalted()             # a re-run that already differs: no use going on
-        if (self.ranks is None and read.inputs_ok and math.isfinite(norm)
+        if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
                 and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
             return                             # all finite: no check can trip
-        trip = self._classify(optimizer, read.inputs_ok, norm,
-                              loss if loss is not None else 0.0, grad_norm, scope.params,
-                              inbox.inputs, read.table)
+        trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
+                              grad_norm, scope.params, inbox.inputs)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
                 # The step shows the evaluation that went bad.
-                self.timeline.replace_last(entry)
-                self._unwatched = entry
+                self.log.replace_last(entry)
             self.trip = trip
             raise StepHalted()
 
@@ -247,29 +249,18 @@ class ScriptAuditor:
 
     def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
                norm: float | None, **fields: Any) -> TimelineEntry:
-        now = time.perf_counter()      # one clock read a step: the time since the last check
-        took, self._last_check = now - self._last_check, now
-        return TimelineEntry(step=self.step, loss=loss, grad_norm=grad_norm, param_norm=norm,
-                             lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
-
-    def _append(self, entry: TimelineEntry) -> None:
-        if self._unwatched is not None:
-            self._warnings.observe(self._unwatched)     # final now: the next step began
-        self._unwatched = entry
-        self.timeline.append(entry)
+        return self.log.entry(self.step, optimizer, loss, grad_norm, norm, **fields)
 
     def early_warnings(self) -> list:
         """The early warnings of the run so far (all of it: call at its end)."""
-        if self._unwatched is not None:
-            self._warnings.observe(self._unwatched)
-            self._unwatched = None
-        return self._warnings.warnings
+        return self.log.early_warnings()
 
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
         """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
         step and not a finding, unless the loss or the inputs were non-finite already (then
         the forward made the value, not the loss scale, and every later step would be skipped
         too). One host read, on skipped steps only; the step's losses and inputs are dropped."""
+        self.ledger.stepped[id(optimizer)] = optimizer   # skipped, not an update by hand
         if self.window.armed is not None:
             # The re-run inside step N's window: this try of step N is the bad one if its loss
             # is; a clean skip is traced again from the next forward.
@@ -278,21 +269,36 @@ class ScriptAuditor:
                 raise StepHalted()
             self.hooks.await_forward()
             return
-        self.ledger.stepped[id(optimizer)] = optimizer
-        self.skipped += 1
         inbox, self._inbox = self._inbox, StepInbox()
         read = self._bad_losses(inbox) if inbox else None
         if read is None:
+            self._skipped_clean(optimizer, scaler)
             return
         if self.window.step is not None and self.step == self.window.step:
             self.window.reached(optimizer)     # step N reached, but nothing was armed
             raise StepHalted()
-        self._append(self._entry(optimizer, read.loss, None, None,
+        self.scaler_watch.skip(None, None)
+        self.log.append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
         trip = self._loss_trip(inbox, read)
         trip.skipped = True
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip
+        raise StepHalted()
+
+    def _skipped_clean(self, optimizer: Any, scaler: Any) -> None:
+        """A skip with finite losses and inputs: AMP's normal course, unless the scale
+        collapsed (the check core's rule; one read of the scale, on skipped tries only)."""
+        scale = float(scaler.get_scale())
+        reason = self.scaler_watch.skip_with(scaler, scale)
+        if reason is None:
+            return
+        if self.window.step is not None:
+            return          # a re-run: its window, armed at the step, decides (skipped_try_was_bad)
+        self.log.append(self._entry(optimizer, None, None, None, skipped=True, scale=scale))
+        self.trip = self.namer.collapse_trip(self.step, optimizer,
+                                             WeightsScope.params_of(optimizer), reason,
+                                             self.scaler_watch.in_row)
         raise StepHalted()
 
     def _left_first_run(self, loss: float | None) -> bool:
@@ -301,33 +307,27 @@ class ScriptAuditor:
             return False
         return not same_value(expected[self.step], loss)
 
-    def _classify(self, optimizer: Any, inputs_ok: bool, norm: float, loss: float,
-                  grad_norm: float, params: list, inputs: list,
-                  table: tuple) -> ScriptTrip | None:
+    def _classify(self, optimizer: Any, read: StepRead, norm: float, loss: float,
+                  grad_norm: float, params: list, inputs: list) -> ScriptTrip | None:
         """The step's trip, by the one rule every checker names what tripped with (under
         torchrun from every rank's flags: the same trip on every rank, naming the rank whose
         own value went bad; the details are that rank's)."""
         updated_at = self.ledger.updated_at.get(id(optimizer))
         if self.ranks is not None:
-            verdict = self.ranks.verdict(self.step, table, updated_at)
+            verdict = self.ranks.verdict(self.step, read.table, updated_at)
         else:
-            verdict = tripped_check(self.step, inputs_ok=inputs_ok,
+            verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
                                     weights_finite=math.isfinite(norm), updated_at=updated_at,
                                     loss_finite=math.isfinite(loss),
-                                    grads_finite=math.isfinite(grad_norm))
+                                    grads_finite=math.isfinite(grad_norm),
+                                    buffers_finite=read.buffers_ok)
         if verdict is None:
             return None
         trip = self.namer.from_verdict(self.step, verdict, optimizer, loss, grad_norm, params,
-                                       inputs)
+                                       inputs, self.buffers)
         if self.ranks is not None:
             trip.rank = verdict.part
         return trip
-
-    def _input_trip(self, inputs: list, loss: float, grad_norm: float | None) -> ScriptTrip:
-        return self.namer.input_trip(self.step, inputs, loss, grad_norm)
-
-    def _trip(self, check: str, value: str, tensors: list, **fields: Any) -> ScriptTrip:
-        return self.namer.trip(self.step, check, value, tensors, **fields)
 
     def parameter_name(self, p: torch.Tensor) -> str:
         return self.ledger.name(p)
@@ -360,7 +360,7 @@ class ScriptAuditor:
         if (read := self._bad_losses(inbox)) is None:
             return
         last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
-        self._append(self._entry(last, read.loss, None, None))
+        self.log.append(self._entry(last, read.loss, None, None))
         self.trip = self._loss_trip(inbox, read)
 
     def _bad_losses(self, inbox: StepInbox) -> StepRead | None:
@@ -375,8 +375,8 @@ class ScriptAuditor:
         """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
         loss = read.loss if read.loss is not None else 0.0
         if not read.inputs_ok:
-            return self._input_trip(inbox.inputs, loss, None)
-        return self._trip(Check.LOSS, float_kind(loss), [], loss=loss)
+            return self.namer.input_trip(self.step, inbox.inputs, loss, None)
+        return self.namer.trip(self.step, Check.LOSS, float_kind(loss), [], loss=loss)
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last
@@ -393,7 +393,8 @@ class ScriptAuditor:
         bad = nonfinite_locals(exc)
         if not bad:
             return None
-        self.trip = self._trip(ERROR_CHECK, bad[0][1], [name for name, _ in bad],
-                               error=f"{type(exc).__name__}: {first}",
-                               where="backward" if self.hooks.raised_in_backward else "forward")
+        self.trip = self.namer.trip(
+            self.step, ERROR_CHECK, bad[0][1], [name for name, _ in bad],
+            error=f"{type(exc).__name__}: {first}",
+            where="backward" if self.hooks.raised_in_backward else "forward")
         return self.trip

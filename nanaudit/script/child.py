@@ -35,7 +35,14 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         return
     trace = armed.tracer.trace
     result.ops_traced = trace.ops_seen
-    if spec.check == Check.LOSS:
+    if spec.buffers:
+        # Buffers the forward made non-finite: walked back from the first bad one.
+        bad = auditor.buffers.nonfinite()
+        if bad:
+            names = [n for n, _ in bad]
+            _adopt(armed, walk_from_sink(trace, bad[0][1], "forward", auditor.timeline, names),
+                   spec.step, names, result, auditor.rank)
+    elif spec.check == Check.LOSS:
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if sinks:
             _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
@@ -101,7 +108,8 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
 
 def rerun(spec: RerunSpec) -> RerunResult:
     auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=dict(spec.losses),
-                            rerun_evaluation=spec.evaluation, tracer=OpTracer,
+                            rerun_evaluation=spec.evaluation, rerun_skips=spec.skips,
+                            tracer=OpTracer,
                             rank=script_rank())
     result = RerunResult()
     if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead

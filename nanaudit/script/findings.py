@@ -25,6 +25,8 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
     """The finding from the first run alone: the step, the check, the tensors, the rows."""
     if trip.check == Check.INPUT:
         return _input_finding(trip)
+    if trip.in_buffers:
+        return _buffer_finding(trip)
     if trip.check in (Check.OPTIMIZER, Check.PARAMETER):
         return _state_finding(trip)
     if trip.check == ERROR_CHECK:
@@ -59,6 +61,18 @@ def _input_finding(trip: ScriptTrip) -> Finding:
                    else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
 
 
+def _buffer_finding(trip: ScriptTrip) -> Finding:
+    """Floating buffers the step's forward made non-finite, the loss still finite (a running
+    statistic the loss does not read): the next steps' forwards would use them."""
+    explanation, *notes = trip_notes(trip)
+    finding = Finding(step=trip.step, where=Where.FORWARD, value=trip.value, cause=Cause.UNKNOWN,
+                      fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0] if trip.tensors
+                      else None, tensors=trip.tensors, rank=trip.rank, explanation=explanation)
+    for note in notes:
+        finding.explain(note)
+    return finding
+
+
 def _state_finding(trip: ScriptTrip) -> Finding:
     if trip.check == Check.OPTIMIZER and trip.manual:
         when = (f"after the script's own update of step {trip.step} (it builds no "
@@ -82,10 +96,18 @@ def _state_finding(trip: ScriptTrip) -> Finding:
 def trip_notes(trip: ScriptTrip) -> list[str]:
     """Where in the step the value appeared, when the step is not one forward and backward."""
     notes = []
+    if trip.in_buffers:
+        notes.append(f"the model's buffers {short(trip.tensors)} hold non-finite values after "
+                     f"the forward of optimizer step {trip.step} (the loss was "
+                     f"{number(trip.loss)}, the gradient norm {number(trip.grad_norm)}): the "
+                     f"next steps' forwards would read them")
     if trip.evaluation:
         notes.append(f"at call {trip.evaluation + 1} of the step's closure (the optimizer "
                      f"evaluates it several times a step, as LBFGS does; the earlier calls "
                      f"were finite)")
+    if trip.collapsed:
+        notes.append(f"the GradScaler's loss scale collapsed: {trip.collapsed}; the gradients "
+                     f"overflow whatever the scale, so no update would ever run")
     if trip.skipped:
         notes.append("the GradScaler skipped this step, but its loss was already non-finite "
                      "before any scaling: every later step would be skipped too")

@@ -27,6 +27,8 @@ class RerunSpec:
     check: str
     evaluation: int
     losses: tuple[tuple[int, float | None], ...]
+    skips: int = 0        # a scale collapse: the skipped try of the step that collapsed it
+    buffers: bool = False     # the step's forward made floating buffers non-finite
 
 
 @dataclass(frozen=True)

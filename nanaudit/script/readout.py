@@ -11,8 +11,10 @@ reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and th
 (step_values.window_loss). All of it is float32 in the common case, so the stack converts
 nothing (a stack of mixed dtypes costs it three times as much). Which tensors an optimizer
 holds is worked out once (`WeightsScope`) and reused while its param groups hold the same
-parameters. Under FSDP2 the norms are of this rank's own shards (an op on a DTensor would be a
-collective), and under torchrun every rank's flags join the same read (`exchange`).
+parameters. The model's floating buffers (the check core's scope, run/check/scope.py) join the
+read as their largest |values| (from one fused call). Under FSDP2 the norms are of this rank's
+own shards (an op on a DTensor would be a collective), and under torchrun every rank's flags
+join the same read (`exchange`).
 """
 
 from __future__ import annotations
@@ -142,33 +144,51 @@ class StepRead:
     norm: float | None = None
     grad_norm: float | None = None
     table: tuple = ()            # under torchrun: every rank's flags, read with the rest
+    buffers_ok: bool = True      # the model's floating buffers finite (as the forward left them)
 
 
-def step_summary(values: torch.Tensor, n_loss: int, n_in: int, n_state: int) -> torch.Tensor:
+def buffer_peaks(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim float32 tensors, one per buffer: its largest |value| (NaN propagates; never an
+    overflow), from one fused call when every buffer's dtype converts exactly."""
+    if all(b.dtype in _SAFE for b in buffers):
+        return list(torch._foreach_norm(buffers, math.inf, dtype=torch.float32))
+    return input_peaks(buffers)
+
+
+def step_summary(values: torch.Tensor, n_loss: int, n_in: int, n_state: int,
+                 n_grads: int) -> torch.Tensor:
     """[inputs finite, weights' norm, loss, gradients' norm] on the device from the stacked
     read, for the ranks' exchange (whose flags only ask which of them are finite): sums in
     float64, so no finite set of norms overflows."""
     v = values.to(torch.float64)
     start = n_loss + n_in
     inputs_ok = torch.isfinite(v[n_loss:start]).all().to(torch.float64)
-    return torch.stack([inputs_ok, v[start:start + n_state].sum(), v[:n_loss].sum(),
-                        v[start + n_state:].sum()])
+    grads = start + n_state
+    return torch.stack([inputs_ok, v[start:grads].sum(), v[:n_loss].sum(),
+                        v[grads:grads + n_grads].sum()])
 
 
 def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
               grads: list[torch.Tensor] | None = None,
-              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepRead:
-    """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms;
-    `exchange` (torchrun): every rank's flags from the step's summary, read with the rest."""
+              exchange: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              buffers: list[torch.Tensor] | None = None) -> StepRead:
+    """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms and of
+    the `buffers`' peaks; `exchange` (torchrun): every rank's flags from the step's summary,
+    read with the rest."""
     state, grad_parts = scope.norm_parts(grads or []) if scope is not None else ([], [])
+    n_buf = len(buffers) if buffers else 0
     extra = inbox.losses + inbox.input_peaks
     device = scope.device if scope is not None else extra[0].device
+    if buffers:
+        extra = extra + buffer_peaks(buffers)
     parts = [t if t.device == device else t.to(device) for t in extra]
-    stacked = torch.stack(parts + state + grad_parts)
+    # Buffers' peaks last: [losses, input peaks, weights, gradients, buffers].
+    ahead = len(parts) - n_buf
+    stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:])
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
     start = n_loss + n_in
     if exchange is not None:
-        flags = exchange(step_summary(stacked, n_loss, n_in, len(state)))
+        flags = exchange(step_summary(stacked, n_loss, n_in, len(state), len(grad_parts)))
         values = torch.cat([stacked.to(torch.float64), flags]).tolist()
         table = tuple(values[len(stacked):])
         values = values[:len(stacked)]
@@ -176,7 +196,9 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
         values, table = stacked.tolist(), ()
     loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
     inputs_ok = all(map(math.isfinite, values[n_loss:start]))
+    buffers_ok = all(map(math.isfinite, values[len(values) - n_buf:])) if n_buf else True
     if scope is None:
-        return StepRead(inputs_ok, loss, table=table)
+        return StepRead(inputs_ok, loss, table=table, buffers_ok=buffers_ok)
     return StepRead(inputs_ok, loss, math.hypot(*values[start:start + len(state)]),
-                    math.hypot(*values[start + len(state):]), table)
+                    math.hypot(*values[start + len(state):len(values) - n_buf]), table,
+                    buffers_ok)

@@ -120,7 +120,7 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     """Run `python -m nanaudit.script.child SPEC RESULT` in the same folder and environment;
     (its result or None, the tail of its output)."""
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
-                     evaluation=trip.evaluation,
+                     evaluation=trip.evaluation, skips=trip.skips, buffers=trip.in_buffers,
                      losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step))
     env = rerun_environment()          # torchrun: every rank re-runs, together
     timeout = options.rerun_timeout_s

@@ -32,8 +32,10 @@ class RerunWindow:
     """Where the re-run arms the tracer (step N, closure evaluation E), and what it saw there.
     Unused (`step` None) on the first run."""
 
-    def __init__(self, step: int | None, evaluation: int, tracer: Any):
+    def __init__(self, step: int | None, evaluation: int, tracer: Any, skips: int = 0):
         self.step, self.evaluation, self.tracer = step, evaluation, tracer
+        # A scale collapse: the skipped try of step N that collapsed it (its count of tries).
+        self.skips, self.tries = skips, 0
         self.armed: Armed | None = None
         self.localized: Any = None       # the optimizer whose step N was reached
 
@@ -63,10 +65,14 @@ class RerunWindow:
         self.localized = optimizer
 
     def skipped_try_was_bad(self) -> bool:
-        """A GradScaler skipped step N's update: this try is the bad one if its loss is;
-        otherwise the window starts again at the next forward."""
+        """A GradScaler skipped step N's update: this try is the bad one if its loss is, or if
+        it is the try whose skip collapsed the scale; otherwise the window starts again at the
+        next forward."""
         armed = self.armed
         self.close()
+        self.tries += 1
+        if armed is not None and self.skips and self.tries >= self.skips:
+            return True
         if armed is not None and any(not bool(torch.isfinite(s.detach()).all())
                                      for s in armed.sinks):
             return True

@@ -34,19 +34,29 @@ class ScriptTrip:
     manual: bool = False                # the script updates its weights itself (no optimizer)
     evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
     error: str = ""                     # the script's exception after the value, first line
-    where: str = ""                     # error trips: raised in forward or in backward
+    where: str = ""                     # error trips: raised in forward or in backward;
+    #                                     a PARAMETER trip in forward: buffers it made bad
+    collapsed: str = ""                 # the GradScaler's scale collapsed: why (scaler.py)
+    skips: int = 0                      # collapse trips: the skipped tries of the step, in all
     state: list = field(default_factory=list)      # optimizer-state entries holding the value
 
     @property
+    def in_buffers(self) -> bool:
+        """The step's forward made floating buffers of the model non-finite."""
+        return self.check == Check.PARAMETER and self.where == Where.FORWARD
+
+    @property
     def needs_rerun(self) -> bool:
-        """A loss, gradient or error trip names no op until the step is re-run traced; an input
-        trip, no op of the data code that made the batch."""
-        return self.check in (Check.INPUT, Check.LOSS, Check.GRADIENT, ERROR_CHECK)
+        """A loss, gradient, buffer or error trip names no op until the step is re-run traced;
+        an input trip, no op of the data code that made the batch."""
+        return self.check in (Check.INPUT, Check.LOSS, Check.GRADIENT, ERROR_CHECK) \
+            or self.in_buffers
 
     @property
     def phase(self) -> str:
-        """Where the value showed: the loss in forward, the gradients in backward."""
-        return Where.FORWARD if self.check == Check.LOSS else Where.BACKWARD
+        """Where the value showed: the loss and buffers in forward, the gradients in
+        backward."""
+        return Where.FORWARD if self.check == Check.LOSS or self.in_buffers else Where.BACKWARD
 
 
 def input_fields(inputs: list) -> dict:

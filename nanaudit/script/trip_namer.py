@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
+from nanaudit.run.check.scope import BufferScope
+from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.checks import confirm_nonfinite, finite_norms, value_kind
 from nanaudit.run.optimizer_state import nonfinite_state
 from nanaudit.run.sharded import local_shards, nonfinite_shards
-from nanaudit.run.check.verdict import Tripped
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.trip import ScriptTrip, float_kind, input_fields
 
@@ -36,12 +37,35 @@ class TripNamer:
         return self.trip(step, Check.INPUT, fields.pop("value"), fields.pop("tensors"),
                          loss=loss, grad_norm=grad_norm, **fields)
 
+    def buffer_trip(self, step: int, optimizer: Any, loss: float | None,
+                    grad_norm: float | None, buffers: BufferScope) -> ScriptTrip:
+        """The step's forward made floating buffers non-finite: which (by their user names)."""
+        bad = buffers.nonfinite()
+        trip = self.trip(step, Check.PARAMETER, value_kind(bad[0][1]) if bad else "nan",
+                         [name for name, _ in bad], loss=loss, grad_norm=grad_norm,
+                         where=Where.FORWARD)
+        trip.optimizer = describe_optimizer(optimizer)
+        return trip
+
+    def collapse_trip(self, step: int, optimizer: Any, params: list, reason: str,
+                      skips: int) -> ScriptTrip:
+        """The GradScaler's scale collapsed at this skipped try: the gradients it skipped."""
+        with_grad = [p for p in params if p.grad is not None]
+        bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
+        trip = self.trip(step, Check.GRADIENT, value_kind(bad[0][1]) if bad else "inf",
+                         [self.ledger.name(p) for p, _ in bad], collapsed=reason, skips=skips)
+        trip.optimizer = describe_optimizer(optimizer)
+        return trip
+
     def from_verdict(self, step: int, verdict: Tripped, optimizer: Any, loss: float,
-                     grad_norm: float, params: list, inputs: list) -> ScriptTrip:
+                     grad_norm: float, params: list, inputs: list,
+                     buffers: BufferScope) -> ScriptTrip:
         """The trip of a step the verdict tripped, naming what it found non-finite."""
         name = self.ledger.name
         if verdict.check == Check.INPUT:
             return self.input_trip(step, inputs, loss, grad_norm)
+        if verdict.in_forward:
+            return self.buffer_trip(step, optimizer, loss, grad_norm, buffers)
         if verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
             bad = nonfinite_shards(params)
             trip = self.trip(step, verdict.check, value_kind(bad[0][1]) if bad else "nan",

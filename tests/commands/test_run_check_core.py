@@ -101,7 +101,9 @@ def test_a_scale_collapse_is_a_finding_even_when_every_step_is_skipped(tmp_path,
     f = report.finding
     assert "skipped 10 steps in a row" in f.explanation
     assert (f.where, f.op, f.cause) == ("backward", "aten.mm.default", "dtype-overflow")
-    assert report.steps_run == 0                 # no update ran: every step was skipped
+    # No update ran: step 0 is the one step audited, every try of it skipped.
+    assert report.steps_run == 1 and f.step == 0 and report.timeline[-1].skipped
+    assert report.run.first_run.skipped == 10
 
 
 def test_a_scale_collapse_without_a_rerun_is_still_a_finding(tmp_path):

@@ -6,11 +6,19 @@ becomes a finding when the scale collapses: it falls below `scale_floor`, or `ma
 steps in a row are skipped, which means the gradients overflow the low-precision dtype
 whatever the scale. The scale is the one the scaler's own backoff gives (a user's scaler may
 back off by another factor than torch's default).
+
+Skips at a scale above torch's default initial scale (2**16, already past float16's largest
+value, 65504) do not join the row: there even a gradient of 1 overflows, so they say only that
+the scaler started too high and is backing off to a usable scale (a script that starts at
+2**40 skips some 25 steps before its first update, and then trains), not that the gradients
+overflow whatever the scale.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+SEARCH_ABOVE = 2.0 ** 16     # skips at a scale above this do not count toward max_skipped
 
 
 def backoff_scale(scaler: Any, scale: float) -> float:
@@ -48,14 +56,15 @@ class ScalerWatch:
         """An update ran: the row of skips ends."""
         self.in_row = 0
 
-    def skip(self, next_scale: float | None) -> str | None:
-        """A skipped step whose scale moves to `next_scale` (None: unknown): why the skips are
-        now a finding, or None (AMP's normal course)."""
+    def skip(self, scale: float | None, next_scale: float | None) -> str | None:
+        """A step skipped at `scale`, which moves to `next_scale` (None: unknown): why the skips
+        are now a finding, or None (AMP's normal course)."""
         self.skipped += 1
-        self.in_row += 1
+        if scale is None or scale <= SEARCH_ABOVE:
+            self.in_row += 1
         return collapse_reason(next_scale, self.scale_floor, self.in_row, self.max_skipped,
                                self.options)
 
     def skip_with(self, scaler: Any, scale: float | None) -> str | None:
         """`skip`, the next scale from `scaler`'s own backoff of `scale`."""
-        return self.skip(backoff_scale(scaler, scale) if scale is not None else None)
+        return self.skip(scale, backoff_scale(scaler, scale) if scale is not None else None)

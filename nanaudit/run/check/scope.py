@@ -42,13 +42,13 @@ class BufferScope:
                 self._slots.append((*owners[id(b)], name))
 
     def tensors(self) -> list[torch.Tensor]:
-        """The buffers as they are now (a rebound one's new tensor; none of them rebound to None)."""
+        """The buffers as they are now (a rebound one's new tensor; none rebound to None)."""
         return [t for t in (owner.get(key) for owner, key, _ in self._slots)
                 if t is not None and t.is_floating_point()]
 
-    def nonfinite_names(self) -> list[str]:
-        """The user names of the buffers holding a non-finite element (syncs: after a trip)."""
-        return [name for owner, key, name in self._slots
+    def nonfinite(self) -> list[tuple[str, torch.Tensor]]:
+        """(user name, buffer) of those holding a non-finite element (syncs: after a trip)."""
+        return [(name, t) for owner, key, name in self._slots
                 if (t := owner.get(key)) is not None and t.is_floating_point()
                 and not bool(torch.isfinite(t).all())]
 

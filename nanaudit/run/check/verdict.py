@@ -3,7 +3,8 @@
 The step loop (one process or a rank table under torchrun), `Sentinel` in the user's loop and
 the `nanaudit run` script auditor each read a step's flags their own way, but name what went
 bad by the same rule, in step order: the batch (input), the weights as the last update left
-them (optimizer, when an update ran since the last read, else parameter), the loss, then the
+them (optimizer, when an update ran since the last read, else parameter), the state the step's
+forward changed (a floating buffer, read live by `nanaudit run`), the loss, then the
 gradients. Where the step has parts (ranks, micro-batches) the first bad part is named.
 """
 
@@ -26,16 +27,18 @@ class Tripped:
     check: Check
     step: int
     part: int | None = None     # the first bad rank or micro-batch; None: the whole step's
+    in_forward: bool = False    # PARAMETER: a buffer this step's forward made non-finite
 
 
 def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: Flags,
                   updated_at: int | None, loss_finite: Flags,
-                  grads_finite: Flags) -> Tripped | None:
+                  grads_finite: Flags, buffers_finite: Flags = True) -> Tripped | None:
     """The first check that tripped at `step`, or None when all are finite.
 
     `updated_at`: the step whose update ran since the weights were last read finite (None:
     none ran). Bad weights then blame that update, and otherwise were bad before this step.
-    A flag given per part names the first part that is False."""
+    `buffers_finite`: the floating buffers as the step's forward left them (read after it;
+    finite at the read before). A flag given per part names the first part that is False."""
     tripped, part = _first_bad(inputs_ok)
     if tripped:
         return Tripped(Check.INPUT, step, part)
@@ -46,6 +49,9 @@ def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: Flags,
         if updated_at is not None:
             return Tripped(Check.OPTIMIZER, updated_at, part)
         return Tripped(Check.PARAMETER, step, part)
+    tripped, part = _first_bad(buffers_finite)
+    if tripped:
+        return Tripped(Check.PARAMETER, step, part, in_forward=True)
     for check, flags in ((Check.LOSS, loss_finite), (Check.GRADIENT, grads_finite)):
         tripped, part = _first_bad(flags)
         if tripped:

@@ -40,3 +40,11 @@ def test_per_part_flags_name_the_first_bad_part():
     assert _verdict(inputs_ok=[True, True], loss_finite=[True]) is None
     # The weights are every part's: no part is named.
     assert _verdict(inputs_ok=[True, True], weights_finite=False).part is None
+
+
+def test_a_buffer_the_forward_made_bad_comes_after_the_weights_and_before_the_loss():
+    assert _verdict(buffers_finite=False, loss_finite=False) == Tripped(
+        Check.PARAMETER, 5, in_forward=True)
+    assert _verdict(buffers_finite=False, weights_finite=False) == Tripped(Check.PARAMETER, 5)
+    assert _verdict(buffers_finite=[True, False]) == Tripped(Check.PARAMETER, 5, 1,
+                                                             in_forward=True)

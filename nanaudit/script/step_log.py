@@ -1,0 +1,57 @@
+"""The first run's step record of `nanaudit run`: its timeline entries (the time since the last
+check, read once a step) and the early warnings read off each entry once it is final (the next
+step began): the bounded timeline does not keep every step to read them off at the end."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nanaudit.report.model import TimelineEntry
+from nanaudit.run.timeline import Timeline
+from nanaudit.run.watch import TimelineWarnings
+
+
+def _lr(optimizer: Any) -> float | None:
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None
+
+
+class StepLog:
+    """The timeline of the steps checked so far and the warnings read off it."""
+
+    def __init__(self) -> None:
+        self.timeline = Timeline()   # bounded: a run's first and last steps, summarized between
+        self._warnings = TimelineWarnings()
+        self._unwatched: TimelineEntry | None = None
+        self._last_check = time.perf_counter()
+
+    def entry(self, step: int, optimizer: Any, loss: float | None, grad_norm: float | None,
+              norm: float | None, **fields: Any) -> TimelineEntry:
+        now = time.perf_counter()      # one clock read a step: the time since the last check
+        took, self._last_check = now - self._last_check, now
+        return TimelineEntry(step=step, loss=loss, grad_norm=grad_norm, param_norm=norm,
+                             lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
+
+    def append(self, entry: TimelineEntry) -> None:
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)     # final now: the next step began
+        self._unwatched = entry
+        self.timeline.append(entry)
+
+    def replace_last(self, entry: TimelineEntry) -> None:
+        """The step shows a later evaluation of its closure (the one that went bad)."""
+        self.timeline.replace_last(entry)
+        self._unwatched = entry
+
+    def clear(self) -> None:
+        """Steps numbered afresh: those logged were not an optimizer's training steps."""
+        self.timeline.clear()
+        self._warnings, self._unwatched = TimelineWarnings(), None
+
+    def early_warnings(self) -> list:
+        """The early warnings of the run so far (all of it: call at its end)."""
+        if self._unwatched is not None:
+            self._warnings.observe(self._unwatched)
+            self._unwatched = None
+        return self._warnings.warnings
