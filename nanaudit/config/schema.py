@@ -203,6 +203,18 @@ class RunOptions:
         return self.amp.grad_scaler
 
 
+# The run-time keys a config shares with RunOptions: each declared in Config with RunOptions'
+# own default (`_shared`), and copied over by `Config.run_options`: one default for each.
+RUN_FIELDS = ("grad_clip", "batch_dim", "localize", "precision", "amp", "watch",
+              "sentinel_read", "accumulate", "checkpoint")
+
+
+def _shared(name: str) -> Any:
+    """A Config field whose default is RunOptions' default for `name`."""
+    shared = RunOptions.__dataclass_fields__[name]
+    return field(default=shared.default, default_factory=shared.default_factory)
+
+
 @dataclass(frozen=True)
 class UserCode:
     """The keys that name the user's code, and the folder they resolve from: what validation
@@ -250,19 +262,19 @@ class Config:
     optimizer: OptimizerSpec | None = None
     steps: int | None = None
     seed: int | None = None
-    checkpoint: Path | None = None
+    checkpoint: Path | None = _shared("checkpoint")
     device: str = "auto"
-    grad_clip: float | None = None
-    batch_dim: Mapping[str, int] = field(default_factory=dict)
-    localize: LocalizeOptions = field(default_factory=LocalizeOptions)
-    precision: str = "fp32"
-    amp: AmpOptions = field(default_factory=AmpOptions)
-    watch: WatchOptions = field(default_factory=WatchOptions)
+    grad_clip: float | None = _shared("grad_clip")
+    batch_dim: Mapping[str, int] = _shared("batch_dim")
+    localize: LocalizeOptions = _shared("localize")
+    precision: str = _shared("precision")
+    amp: AmpOptions = _shared("amp")
+    watch: WatchOptions = _shared("watch")
     fail_on: str = "nonfinite"
     distributed: DistributedOptions = field(default_factory=DistributedOptions)
-    sentinel_read: str = "auto"
+    sentinel_read: str = _shared("sentinel_read")
     scheduler: SchedulerSpec | None = None
-    accumulate: int = 1
+    accumulate: int = _shared("accumulate")
     step: Entrypoint | None = None
     compile: CompileOptions | None = None
 
@@ -279,12 +291,9 @@ class Config:
 
     def run_options(self) -> RunOptions:
         code = self.own_code
-        return RunOptions(
-            grad_clip=self.grad_clip, batch_dim=self.batch_dim, localize=self.localize,
-            precision=self.precision, amp=self.amp, watch=self.watch,
-            sentinel_read=self.sentinel_read, accumulate=self.accumulate,
-            checkpoint=self.checkpoint, data_label=self.data.target, loss_label=code.target,
-            loss_key=code.key, loss_args=dict(code.args))
+        return RunOptions(**{name: getattr(self, name) for name in RUN_FIELDS},
+                          data_label=self.data.target, loss_label=code.target,
+                          loss_key=code.key, loss_args=dict(code.args))
 
     def user_code(self) -> UserCode:
         return UserCode(self.base_dir, self.model, self.data, self.loss, self.step,

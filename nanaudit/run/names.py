@@ -48,6 +48,14 @@ def unwrapped(module: Any) -> Any:
     return module
 
 
+def without_data_parallel(module: Any) -> Any:
+    """The module a DistributedDataParallel (or DataParallel) wrapper holds, else `module`
+    itself: a model of the user's with its own child called `module` stays whole."""
+    if wrapped_attribute(module) == "module":
+        return getattr(module, "_modules", {}).get("module", module)
+    return module
+
+
 def user_path(root: Any, name: str) -> str:
     """`name`, a path under `root` as PyTorch spells it, without the wrappers' components."""
     if not name:

@@ -23,7 +23,7 @@ from nanaudit.config.validate import (
 )
 from nanaudit.errors import ConfigError, Problem, UserCodeError, a_kind_of, call_user
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
-from nanaudit.run.names import parameter_names
+from nanaudit.run.names import parameter_names, without_data_parallel
 from nanaudit.run.seeding import seed_everything
 
 
@@ -73,8 +73,9 @@ class Session:
 
     @property
     def local_model(self):
-        """The user's module itself, without a DistributedDataParallel wrapper."""
-        return getattr(self.model, "module", self.model) if self.coordinator else self.model
+        """The user's module itself, without a DistributedDataParallel wrapper (names.py's
+        rule: a user's own child called `module` is no wrapper)."""
+        return without_data_parallel(self.model)
 
     def compute_loss(self, batch):
         return self.loss_fn(self.model, batch, **self.options.loss_args)
