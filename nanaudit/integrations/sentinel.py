@@ -61,6 +61,7 @@ from nanaudit.integrations.sentinel_ranks import (
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.batch import float_leaves
+from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import float_buffers
 from nanaudit.run.check.verdict import tripped_check
@@ -215,13 +216,16 @@ class Sentinel:
         self._record(step, mean_loss, gnorm, norm, started, scale)
         self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
                                      and (trip is None or trip.note is not None))
-        if trip is not None:
-            self.report = self._report(trip, window, where, scale)
-            if self.output_dir is not None:
-                from nanaudit.integrations._output import write_sentinel_outputs
-                write_sentinel_outputs(self, self.output_dir)
-            raise NonFiniteError(self.report)
-        self._last_step = step
+        match StepDecision.of(trip):
+            case StepDecision.STOP:
+                assert trip is not None
+                self.report = self._report(trip, window, where, scale)
+                if self.output_dir is not None:
+                    from nanaudit.integrations._output import write_sentinel_outputs
+                    write_sentinel_outputs(self, self.output_dir)
+                raise NonFiniteError(self.report)
+            case StepDecision.APPLY:
+                self._last_step = step
 
     def _scope(self, optimizer) -> _Scope:
         key = id(optimizer) if optimizer is not None else None

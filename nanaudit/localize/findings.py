@@ -3,7 +3,7 @@ checks; through a traced replay (localize) and a sample search for the loss and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -79,7 +79,7 @@ def input_finding(session: Session, state: StepState) -> Finding:
                        for (p, _), s in zip(bad, stats))
     if len(bad) > MAX_LEAVES_SHOWN:
         counts += f", and {len(bad) - MAX_LEAVES_SHOWN} more leaves"
-    row_text = f" in row(s) {_short(rows)}" if layout.size else ""
+    row_text = f" in row(s) {short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
     return Finding(step=state.step, where="input", value=value_kind(first),
@@ -114,7 +114,7 @@ def state_finding(session: Session, trip: Trip) -> Finding:
               else "the model's state")
     when = "before step 0" if trip.check == "parameter" else f"after step {trip.step}"
     explanation = (f"{origin} holds non-finite values {when}: "
-                   f"{_short(names)}" + (" (buffers changed by forward, not by the optimizer)"
+                   f"{short(names)}" + (" (buffers changed by forward, not by the optimizer)"
                                          if not params else ""))
     return Finding(step=trip.step, where="parameter", value=value,
                    cause=Cause.NONFINITE_PARAMETER, explanation=explanation,
@@ -153,7 +153,7 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
     hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "eps", "momentum", "weight_decay")
                       if k in group)
     text = (f"the gradients of step {step} were finite, but after "
-            f"{type(optimizer).__name__}.step() the parameters {_short(names)} hold non-finite "
+            f"{type(optimizer).__name__}.step() the parameters {short(names)} hold non-finite "
             f"values ({hyper})")
     dtypes = {p.dtype for p in session.model.parameters()}
     eps = group.get("eps")
@@ -391,7 +391,7 @@ def _int_leaves(batch):
             if not (t.is_floating_point() or t.is_complex())]
 
 
-def _short(items, limit: int = 10) -> str:
-    items = list(items)
-    text = ", ".join(str(i) for i in items[:limit])
-    return f"[{text}{', ...' if len(items) > limit else ''}]"
+def short(items: Iterable[object], limit: int = 10) -> str:
+    """`[a, b, ...]`: the first `limit` items of a list a finding names (every front end's)."""
+    shown = list(items)
+    return "[" + ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "") + "]"

@@ -29,6 +29,7 @@ import torch
 from nanaudit.config.schema import AmpOptions
 from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check
+from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import tripped_check
@@ -38,16 +39,11 @@ from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.ledger import Ledger, describe_optimizer
-from nanaudit.script.readout import StepInbox, StepRead, WeightsScope, read_step
+from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import data_inputs, same_value
-from nanaudit.script.trip import (
-    ERROR_CHECK,
-    ScriptTrip,
-    float_kind,
-    nonfinite_locals,
-)
+from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
 from nanaudit.script.trip_namer import TripNamer
 
 
@@ -78,7 +74,7 @@ class ScriptAuditor:
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
         self.namer = TripNamer(self.ledger, rank)
-        self._scopes: dict[int, WeightsScope] = {}  # id(optimizer) -> its tensors, as read
+        self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         self._state_step: int | None = None      # id of an optimizer creating its state
 
@@ -194,16 +190,25 @@ class ScriptAuditor:
     # --- the check ---------------------------------------------------------------------------
 
     def _check(self, optimizer: Any, evaluation: int = 0) -> None:
+        """The step's check, acted on: STOP unwinds the script to the runner before the
+        update (StepHalted), APPLY lets the script's update run."""
+        match self._decide(optimizer, evaluation):
+            case StepDecision.STOP:
+                raise StepHalted()
+            case StepDecision.APPLY:
+                return
+
+    def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
-        loss and the gradient norm. A closure's later evaluations in the same step add no
-        timeline entry."""
+        loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
+        evaluations in the same step add no timeline entry."""
         self.ledger.stepped[id(optimizer)] = optimizer
         if self.window.arms_at(self.step, self._evaluation):
             self.window.reached(optimizer)
-            raise StepHalted()
-        scope = self._scope(optimizer)
+            return StepDecision.STOP
+        scope = self._scopes.of(optimizer)
         if scope is None:
-            return
+            return StepDecision.APPLY
         self.device = scope.device_name
         grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
@@ -223,10 +228,10 @@ class ScriptAuditor:
         if evaluation == 0:
             self.log.append(entry)
             if self._left_first_run(loss):
-                raise StepHalted()             # a re-run that already differs: no use going on
+                return StepDecision.STOP       # a re-run that already differs: no use going on
         if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
                 and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
-            return                             # all finite: no check can trip
+            return StepDecision.APPLY          # all finite: no check can trip
         trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
                               grad_norm, scope.params, inbox.inputs)
         if trip is not None:
@@ -235,17 +240,7 @@ class ScriptAuditor:
                 # The step shows the evaluation that went bad.
                 self.log.replace_last(entry)
             self.trip = trip
-            raise StepHalted()
-
-    def _scope(self, optimizer: Any) -> WeightsScope | None:
-        """The optimizer's tensors as the check reads them (None: it holds none)."""
-        params = WeightsScope.params_of(optimizer)
-        scope = self._scopes.get(id(optimizer))
-        if scope is None or not scope.holds(params):
-            scope = WeightsScope(params) if params else None
-            if scope is not None:
-                self._scopes[id(optimizer)] = scope
-        return scope
+        return StepDecision.of(trip)
 
     def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
                norm: float | None, **fields: Any) -> TimelineEntry:

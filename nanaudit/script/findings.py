@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nanaudit.localize.causes import fix_for
+from nanaudit.localize.findings import short as short_list
 from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Cause, Check, Where
 from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
 
 
 def short(items: Iterable[object], limit: int = 8) -> str:
-    shown = list(items)
-    return "[" + ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "") + "]"
+    """localize's list shortener, at the eight items `nanaudit run`'s findings show."""
+    return short_list(items, limit)
 
 
 def number(x: float | None) -> str:

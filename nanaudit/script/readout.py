@@ -134,6 +134,23 @@ class WeightsScope:
         return list(norms[:len(state)]), list(norms[len(state):])
 
 
+class OptimizerScopes:
+    """Each optimizer's WeightsScope, made again only when its param groups change."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[int, WeightsScope] = {}     # id(optimizer) -> its scope
+
+    def of(self, optimizer: Any) -> WeightsScope | None:
+        """The optimizer's tensors as the check reads them (None: it holds none)."""
+        params = WeightsScope.params_of(optimizer)
+        scope = self._scopes.get(id(optimizer))
+        if scope is None or not scope.holds(params):
+            scope = WeightsScope(params) if params else None
+            if scope is not None:
+                self._scopes[id(optimizer)] = scope
+        return scope
+
+
 @dataclass(frozen=True, slots=True)
 class StepRead:
     """What the host read of a step says: its data inputs finite, its loss (None: no loss
