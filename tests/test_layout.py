@@ -81,9 +81,10 @@ def _module(path: Path) -> str:
     return ".".join(("nanaudit",) + tuple(p for p in parts if p != "__init__"))
 
 
-def test_no_import_cycle():
+def _cycles(runtime_only: bool) -> list[str]:
     modules = {_module(path): path for _, path in _files()}
-    edges = {name: {t for t in _imports(path, runtime_only=True) if t in modules and t != name}
+    edges = {name: {t for t in _imports(path, runtime_only=runtime_only)
+                    if t in modules and t != name}
              for name, path in modules.items()}
     cycles, state = [], {}
 
@@ -98,7 +99,23 @@ def test_no_import_cycle():
     for name in sorted(modules):
         if name not in state:
             visit(name, [name])
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycle():
+    assert _cycles(runtime_only=True) == []
+
+
+# Modules still in a type-only circle (`if TYPE_CHECKING:` imports): the step loop and its
+# strategies (issue 34: each strategy to take a context and return its result). The set only
+# shrinks: a module in any other circle fails here.
+TYPE_ONLY_CIRCLES_LEFT = {"nanaudit.run.loop", "nanaudit.run.sync_step",
+                          "nanaudit.run.gated_step", "nanaudit.run.deferred_step"}
+
+
+def test_no_import_cycle_not_even_under_type_checking():
+    in_circles = {m for cycle in _cycles(runtime_only=False) for m in cycle.split(" -> ")}
+    assert in_circles - TYPE_ONLY_CIRCLES_LEFT == set()
 
 
 def test_a_module_name_string_counts_as_an_import():

@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +56,11 @@ from nanaudit.integrations.sentinel_ranks import (
     join_ranks,
     rank_trip,
     with_rank_flags,
+)
+from nanaudit.integrations.sentinel_replay import (
+    RecordedBatch,
+    replay_session,
+    search_window,
 )
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import Check, Status
@@ -80,17 +84,6 @@ class NonFiniteError(RuntimeError):
         self.finding: Finding | None = report.finding
         detail = finding_message(report.finding) if report.finding else ""
         super().__init__(f"{headline(report)}\n{detail}".strip())
-
-
-@dataclass
-class MicroBatch:
-    """One forward/backward of an accumulation window, as recorded for the check and replay."""
-
-    index: int                  # the batch index the caller gave (default: a running count)
-    batch: Any
-    rng: RngState               # the RNG state before its forward
-    finite: torch.Tensor        # 0-dim float64 on the device: 1.0 when the batch is finite
-    loss: torch.Tensor          # 0-dim float64 on the device
 
 
 class _Scope:
@@ -138,8 +131,8 @@ class Sentinel:
         self._scopes: dict = {}
         self._last_step: int | None = None   # the step of the last check that passed
         self._rng = RngState.capture()
-        self._window: list[MicroBatch] = []
-        self._last_window: list[MicroBatch] = []
+        self._window: list[RecordedBatch] = []
+        self._last_window: list[RecordedBatch] = []
         self._seen = 0                       # micro-batches recorded so far (default index)
         # Skips and the collapse rule: the check core's, as the loop's and `nanaudit run`'s.
         self.scaler_watch = ScalerWatch(scale_floor, max_skipped, options="")
@@ -147,7 +140,7 @@ class Sentinel:
         self.timeline = Timeline(tail=max(history, 1))
         self.report: Report | None = None    # the last trip's report
         self.tripped: tuple[Trip, StepState] | None = None
-        self.replaying: MicroBatch | None = None   # the micro-batch a replay is running
+        self.replaying: RecordedBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
 
@@ -162,12 +155,13 @@ class Sentinel:
         """Take the RNG state for the next micro-batch now (call right before its forward)."""
         self._rng = RngState.capture()
 
-    def micro_batch(self, batch: Any, loss: torch.Tensor, index: int | None = None) -> MicroBatch:
+    def micro_batch(self, batch: Any, loss: torch.Tensor,
+                    index: int | None = None) -> RecordedBatch:
         """Record one micro-batch after its backward: its batch, loss and RNG state. No host
         read; `check_update` reads every recorded micro-batch at once. Returns the record."""
         finite = all_finite([t for _, t in float_leaves(batch)], self.device)
         value = loss.detach().reshape(()).to(torch.float64).to(self.device)
-        record = MicroBatch(self._seen if index is None else index, batch, self._rng, finite,
+        record = RecordedBatch(self._seen if index is None else index, batch, self._rng, finite,
                             value)
         self._window.append(record)
         self._seen += 1
@@ -266,19 +260,23 @@ class Sentinel:
         self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
                                             started, scale))
 
+    def _replaying(self, micro: RecordedBatch) -> None:
+        self.replaying = micro        # the integrations name the micro-batch being replayed
+
     # --- the report -------------------------------------------------------------------------
 
-    def _report(self, trip: Trip, window: list[MicroBatch], where: int | None,
+    def _report(self, trip: Trip, window: list[RecordedBatch], where: int | None,
                 scale: float | None) -> Report:
-        from nanaudit.integrations.sentinel_replay import replay_session, search_window
         from nanaudit.localize.findings import build_finding, unreplayed_finding
         from nanaudit.localize.producer import not_reached
         started = time.perf_counter()
-        session = replay_session(self)
+        session = replay_session(self.model, self.optimizer, self.loss_fn, self.device,
+                                 self.scaler)
         note = None
         if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None \
                 and self.ranks is None:
-            where, note = search_window(self, session, trip, window, scale)
+            where, note = search_window(self.model, self.loss_fn, session, trip, window, scale,
+                                        on_replay=self._replaying)
         if where is None:
             where = len(window) - 1 if window else None
         micro = window[where] if where is not None else None

@@ -1,5 +1,7 @@
-"""Replaying a step `Sentinel` stopped: the session over the user's own loop objects, and the
-search of an accumulation window for the micro-batch whose gradients went bad.
+"""Replaying a step `Sentinel` stopped: what it records of each micro-batch (`RecordedBatch`),
+the session over the user's own loop objects, and the search of an accumulation window for the
+micro-batch whose gradients went bad. Told what it needs (the model, the loss, a callback for
+the micro-batch being replayed), it reads nothing of the Sentinel.
 
 The user's loop has no config, so the replay builds its Session from what the Sentinel holds,
 with the precision of a loop nanaudit does not drive: autocast is the user's (inside `loss_fn`
@@ -9,17 +11,32 @@ or the model), and the loss is scaled by the step's recorded scale.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import confirm_nonfinite
-from nanaudit.run.step import StepState, Trip
+from nanaudit.run.step import RngState, StepState, Trip
 
 if TYPE_CHECKING:
-    from nanaudit.integrations.sentinel import MicroBatch, Sentinel
     from nanaudit.run.session import Session
+
+LossFn = Callable[[torch.nn.Module, Any], Any]
+
+
+@dataclass
+class RecordedBatch:
+    """One forward/backward of an accumulation window, as Sentinel records it for the check
+    and the replay."""
+
+    index: int                  # the batch index the caller gave (default: a running count)
+    batch: Any
+    rng: RngState               # the RNG state before its forward
+    finite: torch.Tensor        # 0-dim float64 on the device: 1.0 when the batch is finite
+    loss: torch.Tensor          # 0-dim float64 on the device
 
 
 class ReplayPrecision:
@@ -39,44 +56,46 @@ class ReplayPrecision:
         return loss * scale if scale is not None else loss
 
 
-def replay_session(sentinel: Sentinel) -> Session:
-    """The Session a replay of the sentinel's step runs in."""
+def replay_session(model: torch.nn.Module, optimizer: Any, loss_fn: LossFn | None,
+                   device: torch.device, scaler: Any) -> Session:
+    """The Session a replay of a Sentinel's step runs in."""
     from nanaudit.run.session import Session
-    return Session.for_loop(sentinel.model, sentinel.optimizer,
-                            sentinel.loss_fn or (lambda model, batch: None), sentinel.device,
-                            label="<Sentinel>", precision=ReplayPrecision(sentinel.scaler))
+    return Session.for_loop(model, optimizer, loss_fn or (lambda model, batch: None), device,
+                            label="<Sentinel>", precision=ReplayPrecision(scaler))
 
 
-def search_window(sentinel: Sentinel, session: Session, trip: Trip, window: list[MicroBatch],
-                  scale: float | None) -> tuple[int | None, str | None]:
+def search_window(model: torch.nn.Module, loss_fn: LossFn, session: Session, trip: Trip,
+                  window: list[RecordedBatch], scale: float | None,
+                  on_replay: Callable[[RecordedBatch], None]) -> tuple[int | None, str | None]:
     """The first micro-batch whose own gradients reproduce the non-finite accumulated ones
-    (untraced replays, one per micro-batch until found). Returns (index, note); `replaying`
-    names the micro-batch being replayed, for the integrations."""
+    (untraced replays, one per micro-batch until found). Returns (index, note); `on_replay` is
+    told each micro-batch as it is replayed, for the integrations."""
     from nanaudit.localize.replay import preserved_buffers, replay_reproduces
-    with preserved_buffers(sentinel.model):
+    with preserved_buffers(model):
         for i, micro in enumerate(window):
-            sentinel.replaying = micro
+            on_replay(micro)
             state = StepState(trip.step, micro.batch, micro.rng, scale)
             if replay_reproduces(session, state, micro.batch, Check.GRADIENT):
                 return i, None
-        if len(window) > 1 and _accumulated_reproduces(sentinel, window, scale):
+        if len(window) > 1 and _accumulated_reproduces(model, loss_fn, window, scale,
+                                                       on_replay):
             return None, (f"each of the {len(window)} micro-batches alone gives finite "
                           f"gradients, their accumulated sum does not: it overflowed")
     return None, None
 
 
-def _accumulated_reproduces(sentinel: Sentinel, window: list[MicroBatch],
-                            scale: float | None) -> bool:
+def _accumulated_reproduces(model: torch.nn.Module, loss_fn: LossFn,
+                            window: list[RecordedBatch], scale: float | None,
+                            on_replay: Callable[[RecordedBatch], None]) -> bool:
     """Do the window's gradients, accumulated again, come out non-finite?"""
     from nanaudit.errors import call_user
     from nanaudit.run.step import scalar_loss
-    model = sentinel.model
     model.zero_grad(set_to_none=True)
     for micro in window:        # the user's loss raising here is their error, not a verdict
-        sentinel.replaying = micro
+        on_replay(micro)
         micro.rng.restore()
         loss = scalar_loss(call_user("loss_fn (replaying the accumulation window)",
-                                     sentinel.loss_fn, model, micro.batch))
+                                     loss_fn, model, micro.batch))
         call_user("backward of the loss", (loss * scale if scale is not None else loss)
                   .backward)
     return confirm_nonfinite([p.grad.detach() for p in model.parameters() if p.grad is not None])
