@@ -21,6 +21,7 @@ flags join the read, so the ranks stop together and the rank that made the value
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -214,9 +215,11 @@ class ScriptAuditor:
         inbox, self._inbox = self._inbox, StepInbox()
         # Under torchrun every rank's flags join the read: the ranks decide together (the
         # buffers' flags are not in the ranks' table yet: read on one process only).
+        buffers = self.buffers.tensors() if self.buffers and self.ranks is None else None
         read = read_step(inbox, scope, grads,
-                         self.ranks.table if self.ranks is not None else None,
-                         self.buffers.tensors() if self.buffers and self.ranks is None else None)
+                         self.ranks.table if self.ranks is not None else None, buffers)
+        if not read.buffers_ok and not confirm_nonfinite(buffers or []):
+            read = dataclasses.replace(read, buffers_ok=True)   # an L2 norm overflowed
         self.host_reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None

@@ -12,7 +12,7 @@ reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and th
 nothing (a stack of mixed dtypes costs it three times as much). Which tensors an optimizer
 holds is worked out once (`WeightsScope`) and reused while its param groups hold the same
 parameters. The model's floating buffers (the check core's scope, run/check/scope.py) join the
-read as their largest |values| (from one fused call). Under FSDP2 the norms are of this rank's
+read, in the weights' fused call when their dtypes allow. Under FSDP2 the norms are of this rank's
 own shards (an op on a DTensor would be a collective), and under torchrun every rank's flags
 join the same read (`exchange`).
 """
@@ -113,11 +113,14 @@ class WeightsScope:
             return grads
         return [dense_values(g) for g in grads]
 
-    def norm_parts(self, grads: list[torch.Tensor]) -> tuple[list, list]:
-        """(the weights' norms, the gradients' norms) on the device, whose hypot is each
-        group's norm: per tensor from one fused call, or one per group when dtypes or devices
-        are mixed. Gradients are packed like their parameters when every one has a gradient
-        (otherwise their places do not line up)."""
+    def norm_parts(self, grads: list[torch.Tensor],
+                   buffers: list[torch.Tensor]) -> tuple[list, list, list]:
+        """(the weights' norms, the gradients' norms, the buffers' norms) on the device, whose
+        hypot is each group's norm: per tensor from one fused call, or one per group when
+        dtypes or devices are mixed. Gradients are packed like their parameters when every one
+        has a gradient (otherwise their places do not line up). The buffers join the fused
+        call when they can (their L2 norms: a non-finite one is confirmed element-wise, as a
+        weight's is); otherwise their peaks are read apart."""
         # Live parameters, so no graph of our norms: grad mode off, set directly (the
         # `no_grad` context manager costs four times as much, on every step).
         enabled = torch.is_grad_enabled()
@@ -126,12 +129,16 @@ class WeightsScope:
             if not self.fused:
                 state_norm, grad_norm = finite_norms([self.local(self.params),
                                                       self.local(grads)], self.device)
-                return [state_norm], [grad_norm]
+                return [state_norm], [grad_norm], buffer_peaks(buffers) if buffers else []
+            joined = all(b.dtype in _SAFE and b.device == self.device for b in buffers)
             state, grads = self._packed(self.params), self._packed(grads)
-            norms = torch._foreach_norm(state + grads, 2.0, dtype=torch.float32)
+            norms = torch._foreach_norm(state + grads + (buffers if joined else []), 2.0,
+                                        dtype=torch.float32)
+            apart = [] if joined or not buffers else buffer_peaks(buffers)
         finally:
             torch._C._set_grad_enabled(enabled)
-        return list(norms[:len(state)]), list(norms[len(state):])
+        end = len(state) + len(grads)
+        return list(norms[:len(state)]), list(norms[len(state):end]), list(norms[end:]) + apart
 
 
 class OptimizerScopes:
@@ -189,17 +196,17 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
               grads: list[torch.Tensor] | None = None,
               exchange: Callable[[torch.Tensor], torch.Tensor] | None = None,
               buffers: list[torch.Tensor] | None = None) -> StepRead:
-    """ONE host read of the inbox and, with `scope`, of its weights' and `grads`' norms and of
-    the `buffers`' peaks; `exchange` (torchrun): every rank's flags from the step's summary,
+    """ONE host read of the inbox and, with `scope`, of its weights', `grads`' and `buffers`'
+    norms; `exchange` (torchrun): every rank's flags from the step's summary,
     read with the rest."""
-    state, grad_parts = scope.norm_parts(grads or []) if scope is not None else ([], [])
-    n_buf = len(buffers) if buffers else 0
+    buffers = buffers or []
+    state, grad_parts, buffer_parts = (scope.norm_parts(grads or [], buffers)
+                                       if scope is not None else ([], [], []))
+    n_buf = len(buffer_parts)
     extra = inbox.losses + inbox.input_peaks
     device = scope.device if scope is not None else extra[0].device
-    if buffers:
-        extra = extra + buffer_peaks(buffers)
-    parts = [t if t.device == device else t.to(device) for t in extra]
-    # Buffers' peaks last: [losses, input peaks, weights, gradients, buffers].
+    parts = [t if t.device == device else t.to(device) for t in extra + buffer_parts]
+    # The buffers' last: [losses, input peaks, weights, gradients, buffers].
     ahead = len(parts) - n_buf
     stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:])
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)

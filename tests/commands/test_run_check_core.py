@@ -111,3 +111,21 @@ def test_a_scale_collapse_without_a_rerun_is_still_a_finding(tmp_path):
     assert exit_code(report) == ExitCode.NONFINITE
     assert report.finding.where == "backward"
     assert "skipped 10 steps in a row" in report.finding.explanation
+
+
+def test_a_large_finite_buffer_is_no_finding(tmp_path):
+    # Its float32 sum of squares overflows (1e30 squared): the element-wise check confirms.
+    _, report = _run(tmp_path, """
+        import torch
+        from torch import nn
+
+        model = nn.Linear(4, 1)
+        model.register_buffer("scale", torch.full((8,), 1e30))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    """)
+    assert exit_code(report) == ExitCode.CLEAN and report.steps_run == 3
