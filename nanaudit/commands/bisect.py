@@ -35,7 +35,7 @@ from nanaudit.localize.data_replay import reread, trace_inputs
 from nanaudit.localize.findings import build_finding
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import CheckpointBisect, CheckpointRef, DataBisect, SkipEntry
-from nanaudit.report.vocabulary import Status, Where
+from nanaudit.report.vocabulary import Check, Status, Where
 from nanaudit.run.batch import batch_fingerprint, infer_layout, sample_ids, select_rows
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
@@ -119,7 +119,7 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
             bad = section.first_bad
             apply_model_state(session.model, load_checkpoint(Path(bad.path)), "--checkpoints",
                               bad.path)
-            report.finding = state_finding(session, Trip(bad.step, "parameter"))
+            report.finding = state_finding(session, Trip(bad.step, Check.PARAMETER))
             report.finding.qualify(
                 f"{bad.path}; the replay from the last good checkpoint did not reach a "
                 f"non-finite value" + ("" if section.optimizer_state else

@@ -40,18 +40,19 @@ def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = N
     else:
         session = _recorded_session(bundle, model, loss)
     from nanaudit.report.vocabulary import Check
-    from nanaudit.run.step import SCHEDULE, ScanOutcome, StepState, Trip
+    from nanaudit.run.step import ScanOutcome, StepState, Trip
     meta = bundle.meta
     batch, notes = _batch(bundle, session.device)
     state = StepState(meta["step"], batch, rng_state(bundle.rng), meta.get("scale"),
                       batch_index=meta.get("batch_index"), micro_batch=meta.get("micro_batch"),
                       window=meta.get("window") or 1, halt_at=meta.get("halt_at"))
-    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"), note=meta.get("note"),
+    # A scan's bundle holds a sentinel's check or the schedule's; an error trip is the script's.
+    if meta["check"] not in tuple(Check) or meta["check"] == Check.ERROR:
+        raise ConfigError([Problem("meta.json", f"unknown check {meta['check']!r}")])
+    trip = Trip(meta["step"], Check(meta["check"]), rank=meta.get("rank"), note=meta.get("note"),
                 optimizer=meta.get("optimizer"), loss_name=meta.get("loss_name"),
                 micro_batch=meta.get("micro_batch"))
-    if trip.check not in (*Check, SCHEDULE):
-        raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
-    if trip.check == "optimizer" and not bundle.from_scan:
+    if trip.check == Check.OPTIMIZER and not bundle.from_scan:
         raise UsageError(f"the bundle's finding is an optimizer update (step {trip.step}): "
                          f"the weights went non-finite in `optimizer.step()`, which replay does "
                          f"not re-run (it replays forward and backward); report.json holds the "

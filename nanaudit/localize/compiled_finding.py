@@ -15,9 +15,11 @@ from nanaudit.localize.compiled_graph import BadNode
 from nanaudit.localize.replay import preserved_buffers, replay_reproduces
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.report.sections import CompiledReplay
-from nanaudit.report.vocabulary import Cause, CompiledOutcome, CompileStage
+from nanaudit.report.vocabulary import Cause, Check, CompiledOutcome, CompileStage, Where
 from nanaudit.run.compiled import CompiledModel
 from nanaudit.run.names import user_named
+from nanaudit.run.session import Session
+from nanaudit.run.step import StepState, Trip
 
 GRAPHS = {"graph": "dynamo's graph", "forward": "AOTAutograd's forward graph",
           "backward": "AOTAutograd's backward graph"}
@@ -27,7 +29,7 @@ MINIFY = ("make a minimal repro with torch's minifier (`TORCHDYNAMO_REPRO_AFTER=
           "./torch_compile_debug) and report it at https://github.com/pytorch/pytorch/issues")
 
 
-def replayed_compiled(session, state, trip, compiled: CompiledModel,
+def replayed_compiled(session: Session, state: StepState, trip: Trip, compiled: CompiledModel,
                       not_reproduced: Finding) -> Finding:
     """A scan, Sentinel or callback step whose eager replay came out finite, replayed compiled
     from the same state: the compiled-only finding, or the finding that it did not reproduce
@@ -44,7 +46,7 @@ def replayed_compiled(session, state, trip, compiled: CompiledModel,
     if narrowed.replay.outcome != CompiledOutcome.COMPILED_ONLY:
         not_reproduced.compiled = narrowed.replay
         return not_reproduced
-    gradient = trip.check == "gradient"
+    gradient = trip.check == Check.GRADIENT
     finding = compiled_only_finding(narrowed, trip.step, not_reproduced.value,
                                     step_phase(trip.check),
                                     (bad[0] if bad else None) if gradient else "loss",
@@ -55,7 +57,7 @@ def replayed_compiled(session, state, trip, compiled: CompiledModel,
     return finding
 
 
-def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
+def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: Where,
                           tensor: str | None, tensors: list) -> Finding:
     """The finding of a step the compiled program makes non-finite and eager does not."""
     section, node = narrowed.replay, narrowed.node
@@ -153,7 +155,7 @@ def _fix(narrowed: Narrowed) -> str:
 
 
 def _link(node: BadNode) -> ChainLink:
-    return ChainLink(op=node.op, where="backward" if node.graph == "backward" else "forward",
-                     module=node.module,
+    where = Where.BACKWARD if node.graph == "backward" else Where.FORWARD
+    return ChainLink(op=node.op, where=where, module=node.module,
                      value=sorted(node.out_kinds),
                      line=node.source.line if node.source else None)

@@ -37,7 +37,7 @@ def carries(kinds: frozenset, kind: str) -> bool:
     return "nan" in kinds if kind == "nan" else bool(kinds & {"inf", "-inf"})
 
 
-def signed(kinds) -> str:
+def signed(kinds: set | frozenset) -> str:
     """'-inf', '+inf', '+-inf' or 'NaN' for a set of kinds, for explanations."""
     kinds = set(kinds)
     if "nan" in kinds:

@@ -26,7 +26,7 @@ from nanaudit.localize.findings import made_by, traced_finding
 from nanaudit.localize.loader_tap import LoaderBatch, remake
 from nanaudit.localize.ops import named_tensors, op_base
 from nanaudit.localize.walk import Localization, walk_from_sink
-from nanaudit.report.model import Finding, InputProducer
+from nanaudit.report.model import Finding, InputProducer, SourceLine
 from nanaudit.report.vocabulary import Cause, ProducerKind
 from nanaudit.run.batch import nonfinite_rows, sample_ids, tensor_leaves
 
@@ -174,7 +174,7 @@ def _dataset_rows(batches: list, tensors: tuple) -> tuple[list | None, list | No
     return None, None
 
 
-def _at(source) -> str:
+def _at(source: SourceLine | None) -> str:
     return f"{os.path.basename(source.file)}:{source.line}" if source is not None else ""
 
 

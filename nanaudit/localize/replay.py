@@ -17,6 +17,7 @@ import torch
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import StepChecks
 from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
@@ -47,14 +48,14 @@ def traced_replay(session: Session, state: StepState) -> tuple[OpTracer, torch.T
     return tracer, loss
 
 
-def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
+def replay_reproduces(session: Session, state: StepState, batch, check: Check) -> bool:
     """An untraced replay on `batch`: does the same check trip again? (for sample isolation)
 
     An exception of the user's code is raised as their UserCodeError, never read as "does not
     reproduce": the sample search keeps sub-batches to sizes the model takes (samples.Feeding),
     so what is left is the user's to see."""
     loss = session.unit.replay(state, batch)
-    if check == "loss":
+    if check == Check.LOSS:
         return not bool(torch.isfinite(loss.detach()))
     return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))
 
@@ -78,7 +79,7 @@ def localize(session: Session, state: StepState, trip: Trip, timeline) -> Locali
     with preserved_buffers(session.model):
         tracer, loss = traced_replay(session, state)
     trace = tracer.trace
-    if trip.check == "loss":
+    if trip.check == Check.LOSS:
         return walk_from_sink(trace, loss, "forward", timeline, None)
     model = session.model
     bad = [(name, p) for name, p in user_named(model, model.named_parameters())

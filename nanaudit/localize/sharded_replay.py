@@ -15,6 +15,7 @@ creating op's output (findings.created_rows).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ def made_here(loc: Localization) -> bool:
 def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
     """localize() for one rank of an FSDP2 run (see the module docstring)."""
     def localize_rank(session: Session, state: StepState, trip: Trip,
-                      timeline) -> Localization:
+                      timeline: Any) -> Localization:
         flags.tracing, flags.sinks = True, []
         try:
             with preserved_buffers(session.model):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ def _last_event(trace: Trace, phase: str) -> int | None:
     return trace.events[-1].index if trace.events else None
 
 
-def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) -> Localization:
+def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline: Any,
+                   names: list[str] | None) -> Localization:
     """Localize the bad value `sink` (made in `phase`); `names`: the parameters whose gradients
     are bad, for a gradient sink."""
     kinds = kinds_of(sink)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from nanaudit.report.interface import Renderer
-from nanaudit.report.model import Report
+from nanaudit.report.model import Finding, Report
 from nanaudit.report.text import finding_facts, finding_message, headline, warning_line
 
 # The sentinel checks, in step order, and the finding `where` each one covers.
@@ -66,7 +66,7 @@ class JunitRenderer(Renderer):
         return '<?xml version="1.0" encoding="utf-8"?>\n' + body + "\n"
 
     @staticmethod
-    def _details(f) -> str:
+    def _details(f: Finding) -> str:
         facts = finding_facts(f)
         lines = [finding_message(f)] + [f"{label}: {value}" for label, value in facts[:-1]]
         if f.source:

@@ -15,7 +15,7 @@ from nanaudit.report.text import (
 )
 
 
-def _cell(text) -> str:
+def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 

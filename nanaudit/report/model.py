@@ -36,7 +36,7 @@ from nanaudit.report.sections import (
     ScriptRun,
     SentinelRead,
 )
-from nanaudit.report.vocabulary import Status
+from nanaudit.report.vocabulary import Cause, Status, Where
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -95,7 +95,7 @@ class ChainLink:
     """One hop from the op that created the value to the one that reached the sentinel."""
 
     op: str
-    where: str
+    where: Where
     module: str | None
     value: list                # the non-finite kinds the op's output held
     line: int | None
@@ -143,9 +143,9 @@ class Finding:
     replay made the value again (None: none was needed)."""
 
     step: int
-    where: str
+    where: Where
     value: str                    # "nan" | "inf" | "-inf"
-    cause: str
+    cause: Cause
     explanation: str
     fix: str
     tensor: str | None = None

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import math
 
-from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats, TimelineSummary
+from nanaudit.report.model import (
+    EarlyWarning,
+    Finding,
+    Report,
+    SampleSearch,
+    TensorStats,
+    TimelineSummary,
+)
 from nanaudit.report.vocabulary import CompiledOutcome, ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values, log: bool = False) -> str:
+def sparkline(values: list, log: bool = False) -> str:
     """Bars for finite values, ✗ for non-finite ones; log scale for norms spanning decades."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -123,7 +130,7 @@ def finding_message(f: Finding) -> str:
             f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")
 
 
-def step_marks(timeline, warnings, finding) -> str:
+def step_marks(timeline: list, warnings: list, finding: Finding | None) -> str:
     """One character per timeline step, aligned under the sparklines: ▲ the first step of a
     warning, s a step the GradScaler skipped, ✗ the finding's step."""
     warned = {w.step for w in warnings}
@@ -154,7 +161,7 @@ def summary_line(summary: TimelineSummary) -> str:
     return ", ".join(parts)
 
 
-def warning_line(w) -> str:
+def warning_line(w: EarlyWarning) -> str:
     began = f", growing since step {w.began}" if w.began < w.step else ""
     module = f" in {w.module}" if w.module else ""
     return f"step {w.step}{began}: {w.kind}{module}: {w.message}"
@@ -174,7 +181,7 @@ def describe(stats: TensorStats) -> str:
     return " ".join(parts)
 
 
-def sample_value(value, limit: int = 80) -> str:
+def sample_value(value: object, limit: int = 80) -> str:
     """A per-sample non-tensor entry (an id, a file name) as the user's code would write it
     (strings in double quotes, as batch paths are)."""
     import json

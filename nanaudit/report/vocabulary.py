@@ -28,13 +28,17 @@ class Status(Word):
 
 
 class Check(Word):
-    """The sentinel that tripped, in step order."""
+    """What tripped: a sentinel, in step order, or one of the two trips that are not sentinels
+    (SCHEDULE: the learning rate, read before an update; ERROR: the script raised with
+    non-finite values in its frames)."""
 
     INPUT = "input"
     PARAMETER = "parameter"
     LOSS = "loss"
     GRADIENT = "gradient"
     OPTIMIZER = "optimizer"
+    SCHEDULE = "schedule"
+    ERROR = "error"
 
 
 class Where(Word):

@@ -24,7 +24,7 @@ from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
-from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.units import lr_problem
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class SyncStep:
         problem = lr_problem(loop.session) if (loop.session.schedulers
                                                or not loop.updated) else None
         if problem:
-            return Trip(step, SCHEDULE, loss_value, gnorm, note=problem), None
+            return Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem), None
         scaler_step = None
         if precision.scaler is not None:
             scaler_step = precision.after_readout(loop.optimizers, grads_finite=True)

@@ -24,7 +24,6 @@ from nanaudit.script.data_window import DataWindow
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
 from nanaudit.script.target import execute, script_rank
-from nanaudit.script.trip import ERROR_CHECK
 
 
 def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
@@ -121,7 +120,7 @@ def rerun(spec: RerunSpec) -> RerunResult:
         except UserCodeError:
             # The first run's script raised in step N after a non-finite value: so does this
             # one, inside the traced window (earlier, it left the first run: not reached).
-            if spec.check != ERROR_CHECK or auditor.step != spec.step:
+            if spec.check != Check.ERROR or auditor.step != spec.step:
                 raise
             auditor.window.close()
             result.reached = True
