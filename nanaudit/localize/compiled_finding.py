@@ -71,9 +71,8 @@ def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: Wher
     finding.explain(_stages_clause(section))
     if section.random_ops:
         # The op where the value shows depends on which numbers were drawn: never named as
-        # the op that made it. The line is the random op's.
-        lines = narrowed.random_lines or []
-        finding.source = lines[0] if lines else None
+        # the op that made it, and so no line either (a finding's line is its op's). The
+        # random ops' lines are in the explanation.
         finding.explain(_random_clause(narrowed))
     elif node is not None:
         finding.op, finding.source, finding.inputs = node.op, node.source, node.inputs
