@@ -31,6 +31,7 @@ from nanaudit.cli.process import (
     leave_early_if_failed,
     leave_process_group,
 )
+from nanaudit.cli.script_command import ScriptCommand
 from nanaudit.cli.signals import (
     Stop,
     finish_despite_sigterm,
@@ -238,8 +239,9 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
     _finish(report, outputs, terminal)
 
 
-@main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
-                                                      "allow_interspersed_args": False})
+@main.command(cls=ScriptCommand, epilog=EXIT_CODE_HELP,
+              context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed Python, NumPy and torch before the script (its own seeds win).")
 @click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
