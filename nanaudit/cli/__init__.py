@@ -175,11 +175,8 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
 
 
 def _write_skip_list(path: str, skip_list: Any) -> list[str]:
-    import json
-
-    from nanaudit.report.model import jsonable
-    text = json.dumps({"skip": jsonable(skip_list)}, indent=2) + "\n"
-    problem = write("the skip list", path, text.encode("utf-8"))
+    from nanaudit.report.skip_list import skip_list_text
+    problem = write("the skip list", path, skip_list_text(skip_list).encode("utf-8"))
     return [problem] if problem else []
 
 
