@@ -19,9 +19,9 @@ non-finite input, a replay that did not reproduce) never make a cause persistent
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from nanaudit.report.model import Finding, Report
+from nanaudit.report.model import BadStepEntry, Finding, Report, TimelineEntry
 from nanaudit.report.sections import BadStepGroup, BadSteps, SkipEntry, StepSpans
 from nanaudit.report.skip_list import skip_entry
 from nanaudit.report.vocabulary import BadStepAction, Cause, StopReason
@@ -131,8 +131,23 @@ class BadStepLog:
                         for (cause, op, file, line), g in groups])
 
     def apply(self, report: Report) -> None:
-        """The report's `finding` (the first bad step's), `findings` and `bad_steps`."""
+        """The report's `finding` (the first bad step's), `findings` and `bad_steps`, and the
+        mark of each bad step the timeline keeps (its `bad`)."""
         if not self.whole:
             return
         report.finding, report.findings = self.whole[0], list(self.whole)
         report.bad_steps = self.section()
+        report.timeline = [self._marked(entry) for entry in report.timeline]
+
+    def _marked(self, entry: TimelineEntry) -> TimelineEntry:
+        if not self.contains(entry.step):
+            return entry
+        stopped = self.stopped is not None and entry.step == self._steps.last
+        action = BadStepAction.STOPPED if stopped else BadStepAction.SKIPPED
+        return BadStepEntry(**{f.name: getattr(entry, f.name) for f in fields(TimelineEntry)},
+                            bad=action)
+
+    def contains(self, step: int) -> bool:
+        """Whether `step` was a bad step, as far as the bounded spans still list it."""
+        return any(start <= step <= end for start, end in self._steps.spans) or \
+            step == self._steps.last

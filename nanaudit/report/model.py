@@ -211,6 +211,14 @@ class TimelineEntry:
     act_ratio: float | None = None        # ... as a fraction of its dtype's largest value
 
 
+@dataclass
+class BadStepEntry(TimelineEntry):
+    """--keep-going: the timeline entry of a bad step, marked with what became of its update
+    (one more key, `bad`, after the others; added within schema version 1)."""
+
+    bad: BadStepAction = BadStepAction.SKIPPED
+
+
 @dataclass(frozen=True)
 class SeriesRange:
     """One series of a TimelineBucket (`loss`, `grad_norm`, ...): its smallest, largest and last

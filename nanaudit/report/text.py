@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from nanaudit.report.model import (
+    BadStepEntry,
     EarlyWarning,
     Finding,
     Report,
@@ -132,12 +133,14 @@ def finding_message(f: Finding) -> str:
 
 def step_marks(timeline: list, warnings: list, finding: Finding | None) -> str:
     """One character per timeline step, aligned under the sparklines: ▲ the first step of a
-    warning, s a step the GradScaler skipped, ✗ the finding's step."""
+    warning, s a step the GradScaler skipped, ✗ the finding's step (--keep-going: every bad
+    step's)."""
     warned = {w.step for w in warnings}
     bad = finding.step if finding is not None else None
     marks = []
     for e in timeline:
-        marks.append("✗" if e.step == bad else "▲" if e.step in warned else
+        finding = e.step == bad or isinstance(e, BadStepEntry)
+        marks.append("✗" if finding else "▲" if e.step in warned else
                      "s" if e.skipped else " ")
     return "".join(marks).rstrip()
 
