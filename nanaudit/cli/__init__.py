@@ -41,6 +41,7 @@ from nanaudit.cli.signals import (
 from nanaudit.cli.terminal import Terminal, progress_hooks
 from nanaudit.config.schema import FAIL_ON
 from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -82,6 +83,28 @@ def report_options(fn: Callable) -> Callable:
     return fn
 
 
+def keep_going_options(fn: Callable) -> Callable:
+    """--keep-going and --max-bad-steps, for the commands that step a training run."""
+    fn = click.option("--max-bad-steps", type=click.IntRange(min=1), metavar="N",
+                      help=f"With --keep-going: skip at most N bad steps (default "
+                           f"{MAX_BAD_STEPS}); the next one stops the run.")(fn)
+    return click.option("--keep-going", is_flag=True,
+                        help="Skip a bad step's update and go on, recording each bad step as "
+                             "a finding, until --max-bad-steps.")(fn)
+
+
+def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal) -> int:
+    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2)."""
+    if max_bad_steps is not None and not keep_going:
+        raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
+                               "step stops the run)")
+    if keep_going:
+        # Said, not hidden: the options are recorded, the skipping is not built yet.
+        terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
+                         "the first bad step stops the run")
+    return MAX_BAD_STEPS if max_bad_steps is None else max_bad_steps
+
+
 def _ran(run: Callable[[], Report], stop: Stop, progress: Progress | None = None) -> Report:
     """The command's report; from its end on a signal is noted, not raised, and marks it."""
     try:
@@ -108,11 +131,13 @@ def _finish(report: Report, outputs: Requested, terminal: Terminal) -> NoReturn:
               help="Write the repro bundle of a finding to DIR (default: repro-step<N> beside "
                    "the first report file, else under ./nanaudit-reports).")
 @click.option("--no-repro", is_flag=True, help="Do not write a repro bundle.")
+@keep_going_options
 @report_options
 @stoppable("scan")
 def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
-         no_samples: bool, repro_dir: str | None, no_repro: bool, fail_on: str | None,
-         quiet: bool, stop: Stop, **formats: Any) -> None:
+         no_samples: bool, repro_dir: str | None, no_repro: bool, keep_going: bool,
+         max_bad_steps: int | None, fail_on: str | None, quiet: bool, stop: Stop,
+         **formats: Any) -> None:
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
     from nanaudit.commands.bundle import default_folder
@@ -120,6 +145,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
     outputs.check(terminal, folder=None if no_repro else repro_dir)
     progress, on_start, on_step = progress_hooks(terminal)
     repro = (None if no_repro else Path(absolute(repro_dir or str(
@@ -127,7 +153,8 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir,
-                          on_start=on_start, on_step=on_step)
+                          on_start=on_start, on_step=on_step, keep_going=keep_going,
+                          max_bad_steps=limit)
     report = _ran(lambda: run_scan(config, options), stop, progress)
     leave_early_if_failed(code_of(report))
     failed = []
@@ -244,11 +271,13 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
 @click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
 @click.option("--max-rerun-steps", type=click.IntRange(min=1),
               help="Do not re-run when localizing would repeat more than this many steps.")
+@keep_going_options
 @report_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @stoppable("run")
-def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | None,
-        quiet: bool, script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
+def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool,
+        max_bad_steps: int | None, fail_on: str | None, quiet: bool,
+        script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
@@ -257,6 +286,7 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
     outputs.check(terminal)
     if script_args[:1] == ("-m",) and len(script_args) > 1:
         target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
@@ -267,7 +297,8 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
                        "a module (`nanaudit run -m pkg.train ARGS...`)")
         exit_with(ExitCode.USAGE)
     options = ScriptOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
-                         fail_on=fail_on, on_rerun=lambda step: terminal.info(
+                         fail_on=fail_on, keep_going=keep_going, max_bad_steps=limit,
+                         on_rerun=lambda step: terminal.info(
                              f"non-finite at optimizer step {step}: re-running the script from "
                              f"the start to localize it (--no-rerun skips this)"))
     report = _ran(lambda: run_script(target, options), stop)

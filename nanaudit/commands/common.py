@@ -16,6 +16,7 @@ from nanaudit._version import __version__
 from nanaudit.config.schema import Config
 from nanaudit.errors import USER_FAILURES, NanauditError, UserCodeError
 from nanaudit.exitcodes import ExitCode, stopped_by
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.report.model import Report
 from nanaudit.report.sections import ErrorInfo, InternalFailure, Interruption
 from nanaudit.report.vocabulary import Status
@@ -32,6 +33,8 @@ class ScanOptions:
     repro_per_step: bool = False      # ... into repro_dir/repro-step<N> rather than repro_dir
     on_step: Callable[[int], None] | None = None
     on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
+    keep_going: bool = False          # skip a bad step's update and go on (--keep-going) ...
+    max_bad_steps: int = MAX_BAD_STEPS   # ... at most this many; the next one stops the run
 
 
 def exit_code(report: Report) -> ExitCode:

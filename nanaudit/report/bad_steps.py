@@ -26,6 +26,7 @@ from nanaudit.report.sections import BadStepGroup, BadSteps, SkipEntry, StepSpan
 from nanaudit.report.skip_list import skip_entry
 from nanaudit.report.vocabulary import BadStepAction, Cause, StopReason
 
+MAX_BAD_STEPS = 10   # --max-bad-steps' default: bad steps skipped before the next one stops
 KEEP_WHOLE = 20
 MAX_SPANS = 32
 PERSISTENT_MIN_STEPS = 3
