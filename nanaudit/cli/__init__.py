@@ -84,13 +84,26 @@ def report_options(fn: Callable) -> Callable:
 
 
 def keep_going_options(fn: Callable) -> Callable:
-    """--keep-going and --max-bad-steps, for the commands that step a training run."""
+    """--keep-going, --max-bad-steps and --skip-list, for the commands that step a training
+    run."""
+    fn = click.option("--skip-list", "skip_list_path", metavar="PATH",
+                      help="Write each bad step's batch and rows as JSON (bisect's format), "
+                           "for a training loop to filter from its data.")(fn)
     fn = click.option("--max-bad-steps", type=click.IntRange(min=1), metavar="N",
                       help=f"With --keep-going: skip at most N bad steps (default "
                            f"{MAX_BAD_STEPS}); the next one stops the run.")(fn)
     return click.option("--keep-going", is_flag=True,
                         help="Skip a bad step's update and go on, recording each bad step as "
                              "a finding, until --max-bad-steps.")(fn)
+
+
+def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
+    """--skip-list for scan and run: the bad steps of the report (none when clean)."""
+    if not path:
+        return []
+    from nanaudit.report.skip_list import skip_entries
+    findings = report.findings or ([report.finding] if report.finding is not None else [])
+    return _write_skip_list(path, skip_entries(findings))
 
 
 def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal) -> int:
@@ -136,8 +149,8 @@ def _finish(report: Report, outputs: Requested, terminal: Terminal) -> NoReturn:
 @stoppable("scan")
 def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
          no_samples: bool, repro_dir: str | None, no_repro: bool, keep_going: bool,
-         max_bad_steps: int | None, fail_on: str | None, quiet: bool, stop: Stop,
-         **formats: Any) -> None:
+         max_bad_steps: int | None, skip_list_path: str | None, fail_on: str | None,
+         quiet: bool, stop: Stop, **formats: Any) -> None:
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
     from nanaudit.commands.bundle import default_folder
@@ -146,7 +159,9 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
     limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
-    outputs.check(terminal, folder=None if no_repro else repro_dir)
+    outputs.check(terminal, also={"--skip-list": skip_list_path},
+                  folder=None if no_repro else repro_dir)
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     progress, on_start, on_step = progress_hooks(terminal)
     repro = (None if no_repro else Path(absolute(repro_dir or str(
         default_folder(outputs.without("plot").files(), 0).parent))))
@@ -160,6 +175,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     failed = []
     if is_rank_zero():
         failed = outputs.emit(report, terminal)
+        failed += _write_bad_steps_skip_list(skip_list_path, report)
         if repro_dir and report.repro_error:
             failed.append(report.repro_error)
     code = final_code(report, failed, terminal)
@@ -276,8 +292,8 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @stoppable("run")
 def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool,
-        max_bad_steps: int | None, fail_on: str | None, quiet: bool,
-        script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
+        max_bad_steps: int | None, skip_list_path: str | None, fail_on: str | None,
+        quiet: bool, script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then re-run it from the start to that step with full instruments to
@@ -287,7 +303,8 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
     limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
-    outputs.check(terminal)
+    outputs.check(terminal, also={"--skip-list": skip_list_path})
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     if script_args[:1] == ("-m",) and len(script_args) > 1:
         target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
     elif script_args and script_args[0] != "-m":
@@ -308,7 +325,10 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool
         outputs = outputs.relocated(lambda path: rank_path(path, rank))
     if rank is not None:
         finish_despite_sigterm()
-    code = final_code(report, outputs.emit(report, terminal), terminal)
+    if rank and skip_list_path:
+        skip_list_path = rank_path(skip_list_path, rank)
+    failed = outputs.emit(report, terminal) + _write_bad_steps_skip_list(skip_list_path, report)
+    code = final_code(report, failed, terminal)
     leave_process_group(code)      # a script's process group: the ranks leave together
     exit_with(code)
 

@@ -27,6 +27,13 @@ def skip_entry(finding: Finding) -> SkipEntry:
                      cause=finding.cause, step=finding.step, rank=finding.rank)
 
 
+def skip_entries(findings: list[Finding]) -> list[SkipEntry]:
+    """The entries of a run's bad steps, one per finding, in step order. A run that kept going
+    past more bad steps than its report keeps whole writes its BadStepLog's `skip` instead
+    (report/bad_steps.py), which has every bad step's."""
+    return [skip_entry(f) for f in findings]
+
+
 def skip_list_text(entries: list[SkipEntry]) -> str:
     """The file's text."""
     return json.dumps({"skip": jsonable(entries)}, indent=2, allow_nan=False) + "\n"

@@ -76,3 +76,22 @@ def test_keep_going_does_not_yet_change_a_scan(tmp_path):
     body = json.loads(out.read_text())
     assert result.code == 1 and body["finding"]["step"] == 6
     assert "findings" not in body and "bad_steps" not in body
+
+
+def test_scan_writes_the_skip_list_of_its_bad_step(tmp_path):
+    path = tmp_path / "skip.json"
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet", "--no-repro",
+                     "--skip-list", path)
+    import json
+    assert result.code == 1
+    assert json.loads(path.read_text()) == {"skip": [
+        {"batch": 6, "rows": [5], "sample_ids": None, "cause": "sqrt-domain", "step": 6}]}
+
+
+def test_an_unwritable_skip_list_is_exit_9_before_anything_runs(received, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for command, target in (("scan", "config.yaml"), ("run", "train.py")):
+        result = run_cli(command, "--skip-list", blocker / "skip.json", tmp_path / target)
+        assert result.code == 9 and "cannot write" in result.stderr
+    assert received == {}
