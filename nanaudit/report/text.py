@@ -139,8 +139,8 @@ def step_marks(timeline: list, warnings: list, finding: Finding | None) -> str:
     bad = finding.step if finding is not None else None
     marks = []
     for e in timeline:
-        finding = e.step == bad or isinstance(e, BadStepEntry)
-        marks.append("✗" if finding else "▲" if e.step in warned else
+        marked = e.step == bad or isinstance(e, BadStepEntry)
+        marks.append("✗" if marked else "▲" if e.step in warned else
                      "s" if e.skipped else " ")
     return "".join(marks).rstrip()
 
