@@ -12,6 +12,7 @@ received or made and that was masked away: pytorch issue 4132); a value no trace
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class Blame:
 class Blamer:
     """Blames the op that created a bad value, or the op upstream that explains it."""
 
-    def __init__(self, trace: Trace, timeline):
+    def __init__(self, trace: Trace, timeline: Any) -> None:
         self.trace, self.timeline = trace, timeline
         self.sources = InfinitySources(trace, timeline)
         self.by_source = SourceBlame(trace)
@@ -158,7 +159,7 @@ class SourceBlame:
     def __init__(self, trace: Trace):
         self.trace = trace
 
-    def first_of(self, sources: list, downstream: list, nan_maker) -> Blame | None:
+    def first_of(self, sources: list, downstream: list, nan_maker: Any) -> Blame | None:
         """The blame of the first source that explains itself, sources with a cause first."""
         for source in sorted(sources, key=lambda s: not s.specific):
             found = self.of(source, downstream, nan_maker)
@@ -166,7 +167,7 @@ class SourceBlame:
                 return found
         return None
 
-    def of(self, source: Source, downstream: list, nan_maker) -> Blame | None:
+    def of(self, source: Source, downstream: list, nan_maker: Any) -> Blame | None:
         """`downstream` leads from the source's chain to the sink; `nan_maker` is the op that
         turned the infinity into NaN (None when the sink holds the infinity itself)."""
         if source.specific and source.reason is not None:
@@ -190,7 +191,7 @@ class SourceBlame:
         return reason.text + origin_note(self.trace, reason)
 
 
-def _onward(source: Source, downstream: list, nan_maker) -> str:
+def _onward(source: Source, downstream: list, nan_maker: Any) -> str:
     """How the infinity went on from its maker: to the op that made NaN of it, or to the sink."""
     if nan_maker is not None:
         return how_nan(nan_maker)
@@ -238,7 +239,7 @@ def plain_rng(diagnosis: Diagnosis) -> Diagnosis:
     return Diagnosis(diagnosis.cause, diagnosis.explanation, diagnosis.fix)
 
 
-def origin_note(trace: Trace, diagnosis) -> str:
+def origin_note(trace: Trace, diagnosis: Any) -> str:
     """Where the value that hit an edge came from (`the 0 came from softplus ...`)."""
     operand, mask = diagnosis.operand, diagnosis.mask
     if operand is None or mask is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from nanaudit.localize.diagnose import infinity_reason
 from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, signed
@@ -54,7 +55,7 @@ class Source:
 class InfinitySources:
     """Finds and classifies the makers of the infinities an op received."""
 
-    def __init__(self, trace: Trace, timeline):
+    def __init__(self, trace: Trace, timeline: Any) -> None:
         self.trace, self.timeline = trace, timeline
 
     def classify(self, event: OpEvent, chain: list) -> Source:
@@ -102,7 +103,7 @@ class InfinitySources:
 
 # --- words ---------------------------------------------------------------------------------------
 
-def line_of(event) -> str:
+def line_of(event: OpEvent | ForwardRecord) -> str:
     """` in model.norm (modeling_llama.py:65)`: where an op ran, for explanations."""
     src = event.source
     module = f" in {event.module}" if event.module else ""

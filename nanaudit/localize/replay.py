@@ -11,6 +11,7 @@ finding says `reproduced: false` and names no op: a guess is never presented as 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from nanaudit.run.step import ReplayHooks, StepState, Trip
 
 
 @contextlib.contextmanager
-def preserved_buffers(model: torch.nn.Module):
+def preserved_buffers(model: torch.nn.Module) -> Any:
     """Restore buffers (BatchNorm running stats) on exit, so replays stay comparable; yields
     the restore, for a caller that runs several replays from the same buffers."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
@@ -48,7 +49,7 @@ def traced_replay(session: Session, state: StepState) -> tuple[OpTracer, torch.T
     return tracer, loss
 
 
-def replay_reproduces(session: Session, state: StepState, batch, check: Check) -> bool:
+def replay_reproduces(session: Session, state: StepState, batch: Any, check: Check) -> bool:
     """An untraced replay on `batch`: does the same check trip again? (for sample isolation)
 
     An exception of the user's code is raised as their UserCodeError, never read as "does not
@@ -73,7 +74,7 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
     return 1, ""
 
 
-def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:
+def localize(session: Session, state: StepState, trip: Trip, timeline: Any) -> Localization:
     """Replay the tripping step traced and walk back from what tripped: the loss, or the first
     parameter whose gradient is non-finite."""
     with preserved_buffers(session.model):

@@ -8,6 +8,7 @@ from a fixed threshold.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ LOG_BOUNDS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 
 
 @domain_rule("log", "log2", "log10", "log1p", "xlogy")
-def log_rule(base, args, kwargs, phase):
+def log_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     if base == "xlogy":
         y = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if y is not None and count(y < 0):
@@ -46,7 +47,7 @@ NEGATIVE_BASE_FIX = ("a fractional power of a negative base is NaN: for a signed
 
 
 @domain_rule("sqrt", "rsqrt")
-def sqrt_rule(base, args, kwargs, phase):
+def sqrt_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0].detach()
     if count(x < 0):
         return Reason(Cause.SQRT_DOMAIN, f"{base} received {count(x < 0)} negative value(s)"
@@ -66,12 +67,12 @@ def sqrt_rule(base, args, kwargs, phase):
     return None
 
 
-def _exponent(args, kwargs):
+def _exponent(args: tuple, kwargs: dict) -> Any:
     return args[1] if len(args) > 1 else kwargs.get("exponent")
 
 
 @domain_rule("pow", "float_power")
-def pow_rule(base, args, kwargs, phase):
+def pow_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x, exponent = args[0], _exponent(args, kwargs)
     if not isinstance(x, torch.Tensor):                # pow.Scalar: number ** tensor, like exp
         return _scalar_base_rule(x, exponent)
@@ -113,7 +114,7 @@ def pow_rule(base, args, kwargs, phase):
     return None
 
 
-def _scalar_base_rule(base_value, exponent):
+def _scalar_base_rule(base_value: Any, exponent: Any) -> Any:
     if not isinstance(exponent, torch.Tensor) or not isinstance(base_value, (int, float)) \
             or abs(base_value) <= 1:
         return None
@@ -134,7 +135,7 @@ def exp_limit(dtype: torch.dtype) -> float:
 
 @domain_rule("exp", "exp2", "expm1", "cosh", "sinh", "special_i0", "i0", "special_i1",
              "special_erfcx")
-def exp_rule(base, args, kwargs, phase):
+def exp_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0].detach()
     limit = exp_limit(x.dtype)
     if base == "exp2":
