@@ -32,7 +32,7 @@ from nanaudit.localize.infinities import (
 )
 from nanaudit.localize.ops import dtype_name, op_base
 from nanaudit.localize.rules.registry import Reason, domain_reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 OUTSIDE_FIX = ("check the code that produced this tensor outside torch (the autograd.Function's "
                "forward, the numpy or C code): guard its result with `torch.isfinite`, or compute "
@@ -65,7 +65,7 @@ class Blamer:
                             origin=creator.untracked.get(untracked[0]))
             return self.by_source.of(source, chain[1:], None) or \
                 blame_outside(source, chain, signed(set().union(*creator.in_kinds)))
-        if creator.phase == "backward" and creator.function is None:
+        if creator.phase == Where.BACKWARD and creator.function is None:
             # a built-in gradient: explained by its forward op and that op's inputs. The ops of
             # a custom Function's backward are the user's own code, judged like forward ops.
             return self.gradient(creator, chain, kind)
@@ -129,7 +129,7 @@ class Blamer:
         if found is not None:
             return found
         reason = domain_reason(forward.func or forward.op, forward.args, forward.kwargs,
-                               "forward")
+                               Where.FORWARD)
         if sources and reason is not None and reason.cause == Cause.SOFTMAX_ALL_MASKED:
             text = (reason.text + f"; the -inf came from {describe(sources[0])}, and "
                     f"the backward of {op_base(forward.op)} computed {op_base(creator.op)} "
@@ -148,7 +148,7 @@ class Blamer:
         if kind != "nan" or not (creator.infinite_inputs() or creator.scalar_infinities()):
             return None
         sources = [s for s in self.sources.of_nan(creator)
-                   if s.event.phase == "backward" and s.specific]
+                   if s.event.phase == Where.BACKWARD and s.specific]
         return self.by_source.first_of(sources, chain, creator)
 
 
@@ -206,9 +206,9 @@ def masked_consumer(events: list) -> tuple[int, OpEvent, Reason] | None:
     """The last softmax / log_softmax / logsumexp on the path whose row was all -inf."""
     found = None
     for index, event in enumerate(events):
-        if event.phase != "forward":
+        if event.phase != Where.FORWARD:
             break
-        reason = domain_reason(event.func or event.op, event.args, event.kwargs, "forward")
+        reason = domain_reason(event.func or event.op, event.args, event.kwargs, Where.FORWARD)
         if reason is not None and reason.cause == Cause.SOFTMAX_ALL_MASKED:
             found = (index, event, reason)
     return found

@@ -21,7 +21,7 @@ from nanaudit.localize.events import signed
 from nanaudit.localize.ops import dtype_name, op_base, scalar_infinities
 from nanaudit.localize.overflow import amax, overflow_bound
 from nanaudit.localize.rules.registry import Reason, domain_reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -67,7 +67,7 @@ def growth_before(timeline: Any, min_steps: int = 3, min_factor: float = 10.0) -
 def infinity_reason(event: Any, timeline: Any) -> Reason | None:
     """Why an op made +-inf from finite inputs: a domain rule, else a real overflow (only when
     the result can exceed the range given the inputs), else None."""
-    subject = event.forward if event.phase == "backward" and event.forward is not None \
+    subject = event.forward if event.phase == Where.BACKWARD and event.forward is not None \
         and event.forward.args is not None else None
     if subject is not None:
         reason = domain_reason(subject.func or subject.op, subject.args, subject.kwargs,
@@ -137,13 +137,13 @@ def diagnose(event: Any, kind: str, timeline: Any) -> Diagnosis:
     (the localizer has already followed any infinity it received back to its maker)."""
     forward = event.forward
     subject = (forward.func or forward.op, forward.args, forward.kwargs) \
-        if event.phase == "backward" and forward is not None else None
+        if event.phase == Where.BACKWARD and forward is not None else None
     reason = domain_reason(*subject, event.phase) if subject else None
     if reason is None:
         reason = domain_reason(event.func or event.op, event.args, event.kwargs, event.phase)
     if reason is not None:
         text = reason.text
-        if event.phase == "backward" and subject:
+        if event.phase == Where.BACKWARD and subject:
             text += f" (backward of {op_base(forward.op)} computed {op_base(event.op)})"
         return as_diagnosis(reason, text)
     infinite = any(k & {"inf", "-inf"} for k in event.in_kinds) or \

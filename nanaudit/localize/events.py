@@ -15,6 +15,7 @@ import torch
 
 from nanaudit.localize.ops import op_base, scalar_infinities, scalar_overflows
 from nanaudit.report.model import SourceLine
+from nanaudit.report.vocabulary import Where
 from nanaudit.run.checks import dense_values
 
 
@@ -74,7 +75,7 @@ class OpEvent:
 
     index: int
     op: str
-    phase: str                     # "forward" | "backward"
+    phase: Where                   # forward or backward
     module: str | None
     source: SourceLine | None
     out_kinds: frozenset
@@ -92,7 +93,7 @@ class OpEvent:
     @property
     def function(self) -> str | None:
         """The custom autograd.Function whose hand-written backward ran this op, if any."""
-        if self.phase == "backward" and self.forward is not None:
+        if self.phase == Where.BACKWARD and self.forward is not None:
             return self.forward.function
         return None
 

@@ -202,9 +202,9 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
     return Finding(
         step=step, where=Where(event.phase), value=loc.kind, cause=loc.diagnosis.cause,
         explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
-        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        forward_op=event.forward.op if event.phase == Where.BACKWARD and event.forward else None,
         module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
-        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        forward_inputs=forward_input_stats(event) if event.phase == Where.BACKWARD else [],
         reproduced=True, tensors=tensors, tensor=tensor,
         chain=[_chain_link(e, loss_name) for e in loc.chain or []])
 
@@ -213,7 +213,7 @@ def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
     """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
     backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
     per-row norm; one of a matmul with a weight sums over the rows)."""
-    if not batch_size or (event.phase != "forward" and (
+    if not batch_size or (event.phase != Where.FORWARD and (
             event.forward is None or event.forward.reads_weights)):
         return None
     rows: set[int] = set()
@@ -275,7 +275,7 @@ def module_name(event, loss_name: str | None) -> str | None:
     named as the config names it (`train:compute_loss`), not as the root module."""
     if event.module is not None:
         return event.module
-    if event.phase == "forward" or event.forward is not None:
+    if event.phase == Where.FORWARD or event.forward is not None:
         return loss_name
     return None
 

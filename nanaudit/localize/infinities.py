@@ -24,7 +24,7 @@ from nanaudit.localize.diagnose import infinity_reason
 from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, signed
 from nanaudit.localize.ops import dtype_name, named_tensors, op_base
 from nanaudit.localize.rules.registry import Reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 # Causes that name no source: the walk looks further for one that does.
 SPECIFIC_EXCLUDED = (Cause.UNKNOWN, Cause.INF_ARITHMETIC)
@@ -63,7 +63,7 @@ class InfinitySources:
         untracked = [i for i, p in event.infinite_inputs() if p is None]
         if untracked:
             return Source("outside", event, chain, origin=event.untracked.get(untracked[0]))
-        users_code = event.phase == "forward" or event.function is not None
+        users_code = event.phase == Where.FORWARD or event.function is not None
         if users_code and event.scalar_infinities():
             return Source("written", event, chain)
         if users_code and event.scalar_overflows():

@@ -18,7 +18,7 @@ import torch
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import StepChecks
 from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
@@ -81,10 +81,10 @@ def localize(session: Session, state: StepState, trip: Trip, timeline: Any) -> L
         tracer, loss = traced_replay(session, state)
     trace = tracer.trace
     if trip.check == Check.LOSS:
-        return walk_from_sink(trace, loss, "forward", timeline, None)
+        return walk_from_sink(trace, loss, Where.FORWARD, timeline, None)
     model = session.model
     bad = [(name, p) for name, p in user_named(model, model.named_parameters())
            if p.grad is not None and kinds_of(p.grad)]
     if not bad:
         return Localization(False, ops_traced=trace.ops_seen)
-    return walk_from_sink(trace, bad[0][1].grad, "backward", timeline, [n for n, _ in bad])
+    return walk_from_sink(trace, bad[0][1].grad, Where.BACKWARD, timeline, [n for n, _ in bad])

@@ -30,7 +30,7 @@ from nanaudit.localize.ops import is_collective
 from nanaudit.localize.replay import preserved_buffers, traced_replay
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
@@ -60,11 +60,11 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
         trace = tracer.trace
         sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
-            phase, names = "forward", None
+            phase, names = Where.FORWARD, None
         else:
             own = [s for s in flags.sinks if kinds_of(s)]
             names = nonfinite_names((n, p.grad) for n, p in session.model.named_parameters())
-            sink, phase = (own[0] if own else None), "backward"
+            sink, phase = (own[0] if own else None), Where.BACKWARD
         if sink is None or not kinds_of(sink):
             return Localization(False, ops_traced=trace.ops_seen)
         loc = walk_from_sink(trace, sink, phase, timeline, names)

@@ -37,6 +37,7 @@ from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
+from nanaudit.report.vocabulary import Where
 from nanaudit.run.compiled import replay_eagerly
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -144,7 +145,7 @@ class OpTracer:
     def __init__(self, model: torch.nn.Module):
         self.trace = Trace()
         self.modules = ModuleStack(model)
-        self.phase = "forward"
+        self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
         self._exit = contextlib.ExitStack()
         self._pending: list = []        # forward outputs waiting for their grad_fn
@@ -172,11 +173,11 @@ class OpTracer:
 
     def start_backward(self) -> None:
         self._tag_pending()
-        self.phase = "backward"
+        self.phase = Where.BACKWARD
 
     def end_backward(self) -> None:
         """Back to forward ops: a user's step runs several forwards and backwards."""
-        self.phase = "forward"
+        self.phase = Where.FORWARD
 
     def _tag_pending(self) -> None:
         for tensor, record in self._pending:
@@ -188,7 +189,7 @@ class OpTracer:
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run one aten op and record it (the dispatch mode's handler)."""
         node = torch._C._current_autograd_node()
-        backward = node is not None or self.phase == "backward"
+        backward = node is not None or self.phase == Where.BACKWARD
         if not backward:
             self._tag_pending()
         out = func(*args, **kwargs)
@@ -278,7 +279,7 @@ class OpTracer:
             source = user_source()
         event = OpEvent(
             index=len(self.trace.events), op=str(func),
-            phase="backward" if backward else "forward",
+            phase=Where.BACKWARD if backward else Where.FORWARD,
             module=(forward.module if forward else None) if backward else record.module,
             source=source,
             out_kinds=out_kinds, in_kinds=in_kinds, in_producers=in_producers,

@@ -14,7 +14,7 @@ import torch
 
 from nanaudit.localize.ops import dtype_name
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at, number
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 LOG_BOUNDS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 
@@ -56,11 +56,11 @@ def sqrt_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     if count(x == 0):
         zeros = f"{base} received exact zeros at {count(x == 0)} of {x.numel()} position(s)" \
                 f"{first_at(x == 0)}"
-        if base == "rsqrt" and phase == "forward":
+        if base == "rsqrt" and phase == Where.FORWARD:
             return Reason(Cause.SQRT_DOMAIN, f"{zeros}; rsqrt(0) = 1/sqrt(0) is inf",
                           operand=args[0], mask=x == 0)
         deriv = "1/(2*sqrt(x))" if base == "sqrt" else "-1/(2*x^1.5)"
-        when = "its backward" if phase == "backward" else base
+        when = "its backward" if phase == Where.BACKWARD else base
         return Reason(Cause.SQRT_DOMAIN, f"{zeros}; {base}(0) is finite but the derivative "
                                          f"{deriv} is infinite at 0, so {when} made a "
                                          f"non-finite value", operand=args[0], mask=x == 0)
@@ -106,7 +106,7 @@ def pow_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
                                   f"{shown}: x ** {shown} has a pole at 0 (0 ** {shown} = inf)",
                       operand=args[0], mask=zero)
     small = isinstance(exponent, (int, float)) and 0 < float(exponent) < 1
-    if phase == "backward" and small and count(zero):
+    if phase == Where.BACKWARD and small and count(zero):
         return Reason(Cause.SQRT_DOMAIN, f"pow(x, {exponent}) received exact zeros at "
                                          f"{count(zero)} position(s){first_at(zero)}; its "
                                          f"derivative {exponent} * x^{float(exponent) - 1:g} is "
