@@ -27,7 +27,7 @@ import torch
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, tripped_check
 from nanaudit.run.distributed import Coordinator, DistributedError
-from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules
+from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
 INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS = range(5)    # a rank's row of flags
 
@@ -64,7 +64,6 @@ class RankChecks:
         self._seen.add(id(module))
         modules = fsdp_modules(module)
         if modules:
-            check_supported(modules)
             self.flags.install(modules)
             self.sharded = True
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from nanaudit.errors import UsageError
 
 
 def _dtensor_class() -> Any:
@@ -105,21 +104,6 @@ def shard_model(model: torch.nn.Module, device: torch.device, world_size: int,
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-
-
-def check_supported(modules: Sequence) -> None:
-    """HSDP (a 2-D mesh: replicate x shard) reduces gradients in two collectives whose second
-    one no flag here sees: refuse it rather than name a wrong rank."""
-    for module in modules:
-        for param in module.parameters():
-            mesh = getattr(param, "device_mesh", None)
-            if mesh is not None and mesh.ndim > 1:
-                raise UsageError(
-                    f"`{type(module).__name__}` is sharded over a {mesh.ndim}-D device mesh "
-                    f"{tuple(mesh.shape)} (HSDP): nanaudit audits FSDP2 over a 1-D mesh and DDP; "
-                    f"run the audit with `fully_shard(..., mesh=init_device_mesh(device, "
-                    f"(world_size,)))`")
-            break
 
 
 class PreReduceFlags:
