@@ -27,6 +27,7 @@ import torch
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, tripped_check
 from nanaudit.run.distributed import Coordinator, DistributedError
+from nanaudit.run.mesh import MeshView
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
 INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS = range(5)    # a rank's row of flags
@@ -41,6 +42,7 @@ class RankChecks:
         self.flags = PreReduceFlags()
         self.sharded = False              # FSDP2: each rank holds its own shard of the weights
         self._seen: set[int] = set()      # the outermost modules looked into
+        self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -58,10 +60,11 @@ class RankChecks:
         return checks
 
     def saw_model(self, module: torch.nn.Module) -> None:
-        """The step's outermost module: flag its FSDP modules' own gradients (HSDP refused)."""
+        """The step's outermost module: flag its FSDP modules' own gradients; note its mesh."""
         if id(module) in self._seen:
             return
         self._seen.add(id(module))
+        self.mesh = MeshView.of(module) or self.mesh
         modules = fsdp_modules(module)
         if modules:
             self.flags.install(modules)

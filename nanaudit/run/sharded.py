@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 
-
 def _dtensor_class() -> Any:
     """DTensor when torch.distributed.tensor is loaded (none can exist before it is)."""
     module = sys.modules.get("torch.distributed.tensor")
