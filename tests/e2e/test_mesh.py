@@ -115,3 +115,16 @@ def test_a_dead_rank_on_a_mesh_is_exit_8_on_its_peers(tmp_path):
     codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "die")
     assert codes[3] == -9 and codes[:3] == [8, 8, 8], outputs
     assert rank0["error"]["type"] == "DistributedError"
+
+
+def test_sentinel_in_an_fsdp_tp_loop_names_the_origin_and_its_coordinate_on_every_rank():
+    script = ROOT / "configs" / "examples" / "scripts" / "mesh_sentinel.py"
+    codes, outputs = launch_ranks([script, "--layout", "fsdp-tp", "--fault", "forward"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [0] * RANKS, outputs
+    for rank, (stdout, _) in enumerate(outputs):
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        assert (seen["rank"], seen["step"], seen["finding_rank"], seen["mesh"], seen["where"],
+                seen["op"], seen["module"], seen["cause"], seen["samples"]) == (
+            rank, 3, 3, {"dp": 1, "tp": 1}, "forward", "aten.pow.Tensor_Scalar", "blocks.0",
+            "dtype-overflow", [2])
