@@ -215,8 +215,9 @@ class Coordinator:
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
         here (`distributed.fsdp`), its reduce-scatters flagged."""
-        if self.options.fsdp and not fsdp_modules(model):
-            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype)
+        if (self.options.fsdp or self.options.mesh) and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype,
+                        self.options.mesh)
         modules = fsdp_modules(model)
         if modules:
             self.pre_reduce = PreReduceFlags()

@@ -18,11 +18,14 @@ back from.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+
+from nanaudit.errors import ConfigError, Problem
 
 
 def _dtensor_class() -> Any:
@@ -89,15 +92,23 @@ def fsdp_modules(module: torch.nn.Module) -> list:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, world_size: int,
-                param_dtype: str) -> None:
+                param_dtype: str, dims: dict | None = None) -> None:
     """`distributed.fsdp`: shard the user's model with FSDP2 as torchtitan does, each block on
     its own (every module of every ModuleList), then the root; `param_dtype` bf16 or fp16 runs
-    forward and backward in it and reduces the gradients in float32."""
+    forward and backward in it and reduces the gradients in float32. `dims` (HSDP's
+    `distributed.mesh`, {name: size}): over that 2-D mesh, replicated over its first dimension,
+    sharded over its second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    mesh = init_device_mesh(device.type, (world_size,))
+    dims = dims or {}
+    if dims and math.prod(dims.values()) != world_size:
+        sizes = " x ".join(f"{name} {size}" for name, size in dims.items())
+        raise ConfigError([Problem("distributed.mesh", f"{sizes} is {math.prod(dims.values())}"
+                                   f" ranks, but torchrun started {world_size}")])
+    mesh = init_device_mesh(device.type, tuple(dims.values()) or (world_size,),
+                            mesh_dim_names=tuple(dims) or None)
     blocks = [block for module in model.modules() if isinstance(module, torch.nn.ModuleList)
               for block in module]
     for block in blocks:

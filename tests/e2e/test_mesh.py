@@ -128,3 +128,16 @@ def test_sentinel_in_an_fsdp_tp_loop_names_the_origin_and_its_coordinate_on_ever
                 seen["op"], seen["module"], seen["cause"], seen["samples"]) == (
             rank, 3, 3, {"dp": 1, "tp": 1}, "forward", "aten.pow.Tensor_Scalar", "blocks.0",
             "dtype-overflow", [2])
+
+
+def test_scan_with_an_hsdp_mesh_names_the_rank_of_a_backward_value(tmp_path):
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "hsdp_backward_nan.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["cause"],
+            f["samples"], f["placements"]) == (
+        3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward", "aten.sqrt.default",
+        "sqrt-domain", [6], {"gain": "dp_replicate=Replicate(), dp_shard=Shard(dim=0)"})
