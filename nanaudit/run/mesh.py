@@ -83,3 +83,56 @@ def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
         return
     finding.mesh = view.coordinate(finding.rank)
     finding.placements = view.placements_of(finding.tensors)
+
+
+class PartialFlags:
+    """Notes, on the device and with no host read, how early in the step this rank's own
+    partial outputs first held a non-finite value before tensor parallel's all-reduce made
+    them every tp peer's: a forward hook, run before TP's own output hook (`prepend`), on each
+    module that holds DTensor parameters, reads the output a row-wise layer leaves `Partial`
+    (this rank's partial sum). Every rank of a tp group runs the same all-reduces in the same
+    order, and a value that arrived from a peer shows only in later ones: the rank whose bad
+    partial came first made it. While a replay traces the hook computes nothing."""
+
+    def __init__(self) -> None:
+        self.hooked: set[int] = set()
+        self._extremes: list[torch.Tensor] = []   # each partial output's least and greatest
+        self.tracing = False
+
+    def install(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if id(module) in self.hooked or not any(
+                    is_sharded(p) for p in module.parameters(recurse=False)):
+                continue
+            self.hooked.add(id(module))
+            module.register_forward_hook(self._note, prepend=True)
+
+    def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.tracing or not is_sharded(output):
+            return
+        if any(p.is_partial() for p in output.placements):
+            local = output._local_tensor.detach()
+            # least and greatest are finite iff every element is (NaN propagates)
+            self._extremes.append(torch.stack(torch.aminmax(local)) if local.numel()
+                                  else torch.zeros(2, dtype=local.dtype, device=local.device))
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """How early this step's first non-finite partial output came (float64, on the
+        device): n - i for the i-th of n, 0.0 when none was."""
+        extremes, self._extremes = self._extremes, []
+        if not extremes:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        bad = ~torch.isfinite(torch.stack([e.to(device) for e in extremes])).all(dim=1)
+        earliness = torch.arange(len(extremes), 0, -1, device=device, dtype=torch.float64)
+        return (bad.to(torch.float64) * earliness).max()
+
+
+def own_losses(loss_ok: list[bool], earliness: list[float]) -> list[bool]:
+    """Per rank, is its loss free of a value its own computation made? When ranks with a bad
+    loss had bad partial outputs, the makers are those whose bad partial came first
+    (`earliness`: PartialFlags.take of each rank); the others received it through TP's
+    all-reduce. Otherwise a bad loss is the rank's own."""
+    first = max((e for ok, e in zip(loss_ok, earliness) if not ok), default=0.0)
+    if first <= 0:
+        return loss_ok
+    return [ok or e < first for ok, e in zip(loss_ok, earliness)]

@@ -79,6 +79,18 @@ def test_fsdp_tp_value_made_in_one_tp_rank_column_slice_is_not_blamed_on_its_pee
     assert statuses(reports[0]) == [(r, "nonfinite", 4) for r in range(RANKS)]
 
 
+def test_fsdp_tp_step_flags_alone_name_the_rank_whose_partial_sum_went_bad_first(tmp_path):
+    # No re-run: the first run's one read per step (each rank's partial sums before the
+    # row-wise all-reduce) names rank 3, not rank 2, whose loss went bad just the same.
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--no-rerun", "--json", out,
+                                   SCRIPT, "--layout", "fsdp-tp", "--fault", "forward"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"]) == (3, {"dp": 1, "tp": 1}, 3, "forward")
+
+
 def test_fsdp_tp_backward_only_value_names_a_rank_of_the_dp_group_that_made_it(tmp_path):
     # Both tp ranks of dp group 1 compute `length` on the replicated activations: both made it.
     codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "backward")
