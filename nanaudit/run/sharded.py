@@ -11,7 +11,9 @@ After the reduce-scatter, a NaN made in one rank's backward sits in whichever ra
 elements, and that rank is not the one that made it. `PreReduceFlags` wraps each FSDP module's
 reduce-scatter (FSDP's own `set_custom_reduce_scatter`, delegating to the one in place) to note
 on the device, with no host read, whether this rank's unsharded gradients were finite before
-they were reduced: what DDP's communication hook tells for DDP. While a replay traces the step
+they were reduced: what DDP's communication hook tells for DDP. Under HSDP (a 2-D mesh) the
+reduce-scatter over dp_shard runs before the all-reduce over dp_replicate, so its input is still
+this rank's own; the mesh itself is named by run/mesh.py. While a replay traces the step
 it computes nothing (no op of ours in the trace) and keeps the inputs as the values to walk
 back from.
 """
