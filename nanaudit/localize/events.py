@@ -143,7 +143,11 @@ class Trace:
         value into (a view made below autograd, as FSDP's flat reduce-scatter buffer is
         filled, is not the tensor the op returned)."""
         found = self.producer.get(id(t))
-        return found if found is not None else self.written.get(_storage(t))
+        local = getattr(t, "_local_tensor", None)    # a DTensor: the op made its local tensor
+        if found is None and local is not None:
+            found = self.producer.get(id(local))
+        return found if found is not None else self.written.get(_storage(local if local
+                                                                         is not None else t))
 
     def wrote_into(self, t: torch.Tensor, event: int) -> None:
         """An in-place or `out=` op wrote a bad value into `t`'s memory."""

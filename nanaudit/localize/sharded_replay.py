@@ -34,6 +34,7 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
+from nanaudit.run.mesh import MeshView, name_on_mesh
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
@@ -99,4 +100,6 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
         finding.rank = coord.rank
     gathered = gather_by_store(coord, "finding", (finding, made))
     chosen = origin_entry([f for f, _ in gathered], [m for _, m in gathered], trip.rank)
-    return chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
+    chosen = chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
+    name_on_mesh(MeshView.of(session.model), chosen)
+    return chosen

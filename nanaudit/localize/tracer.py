@@ -294,6 +294,11 @@ class OpTracer:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+                local = getattr(t, "_local_tensor", None)
+                if local is not None:
+                    # A DTensor op: the local ops that follow (a collective, to_local()) read
+                    # its local tensor, which this op made.
+                    self.trace.producer[id(local)] = event.index
                 if written:
                     # The memory holds the value now, whatever tensor is read from it later
                     # (a flat buffer filled below autograd, as FSDP's reduce-scatter's is).

@@ -192,6 +192,9 @@ class RankStatus:
     device: str
     host: str
     warnings: int                   # how many early warnings it saw
+    mesh: dict | None = None        # its coordinate on the model's device mesh {"dp": 0, ...}
+
+    OMIT_WHEN_NONE = ("mesh",)
 
 
 @dataclass

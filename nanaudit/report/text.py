@@ -63,13 +63,20 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
     if f.batch_index is not None:   # under gradient accumulation: which batch of the data
         micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
         batch = f"{f.batch_index}{micro}"
-    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("where", f.where),
+    mesh = describe_coordinate(f.mesh) if f.mesh else None
+    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("mesh", mesh),
+             ("where", f.where),
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
              ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
              ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def describe_coordinate(coordinate: dict) -> str:
+    """`dp_replicate=1, dp_shard=0`: how every renderer writes a rank's mesh coordinate."""
+    return ", ".join(f"{name}={index}" for name, index in coordinate.items())
 
 
 def module_label(module: str | None) -> str | None:
@@ -126,6 +133,8 @@ def finding_message(f: Finding) -> str:
     samples = f" Samples: {f.samples}." if f.samples else ""
     if f.rank is not None:
         module += f" on rank {f.rank}"
+    if f.mesh:
+        module += f" ({describe_coordinate(f.mesh)})"
     tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
     return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
             f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")
