@@ -169,9 +169,10 @@ class Finding:
     loss_name: str | None = None      # `step:` returning named losses: the one that tripped
     producer: InputProducer | None = None  # input findings: where the batch's value was made
     compiled: CompiledReplay | None = None   # a torch.compile'd model: what its replays came to
+    localized_by: str | None = None   # `nanaudit run`: "in-process" | "re-run", which named the op
 
     # Added within schema version 1: absent wherever a finding is, while unset.
-    OMIT_WHEN_NONE = ("producer", "compiled")
+    OMIT_WHEN_NONE = ("producer", "compiled", "localized_by")
     # Added within schema version 1: left out of the report's own `finding` while unset, so
     # reports of runs that do not use them keep their exact shape. bisect's `bad_batches`
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).

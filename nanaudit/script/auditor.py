@@ -70,7 +70,7 @@ class ScriptAuditor:
         # the expensive one) and the first run's losses, to stop a re-run that left it.
         self.window = RerunWindow(rerun_step, rerun_evaluation, tracer, rerun_skips)
         self.expected_losses = expected_losses      # the first run's, by step
-        self.hooks = ScriptHooks(self)
+        self.hooks = ScriptHooks(self, record=rerun_step is None)
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
@@ -163,6 +163,7 @@ class ScriptAuditor:
             self._number_afresh()
         self.ledger.steps_taken += 1
         self.scaler_watch.applied()
+        self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
         self.window.enter_data_code(self.step)
@@ -341,6 +342,8 @@ class ScriptAuditor:
         """After the script returned: a loss that reached backward with no step after it (a
         script that skips its update or exits on seeing a NaN loss), then the parameters the
         last updates left (one read each)."""
+        if (skipped := self.hooks.tap.skipped_loss()) is not None:
+            self.loss(skipped)             # the script's last forward skipped its backward
         self._unstepped_losses()
         if self.trip is None:
             self._last_updates()

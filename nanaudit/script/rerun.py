@@ -22,6 +22,7 @@ from nanaudit.run.distributed import current
 from nanaudit.script import protocol
 from nanaudit.script.data_window import same_inputs
 from nanaudit.script.findings import not_deterministic, number, trip_notes
+from nanaudit.script.inprocess import RE_RUN
 from nanaudit.script.protocol import RerunResult, RerunSpec
 from nanaudit.script.ranks import rerun_environment
 from nanaudit.script.step_values import same_value
@@ -69,6 +70,7 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         finding.explain(note)
         return ran(status, note=note), finding
     localized = result.finding
+    localized.localized_by = RE_RUN
     localized.tensors = localized.tensors or finding.tensors
     localized.tensor = localized.tensor or finding.tensor
     if localized.rank is None:           # torchrun: the re-run names the rank that made it

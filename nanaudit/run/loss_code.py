@@ -1,0 +1,139 @@
+"""The script's own code between its model's return and `backward` (the loss), recorded so that
+an in-process replay can run it again on the replayed model's output.
+
+A `TorchFunctionMode` is pushed when the model's outermost call returns and popped at the next
+model call, optimizer step or end of the script: the few torch calls of the loss code (a
+`cross_entropy`, a division for accumulation, `GradScaler.scale`'s multiplication) each pass
+through it once, recorded as references (the function, its arguments, its output and the
+user's line). The model's forward itself never meets the mode, so its cost does not grow with
+the model. The first `backward` ends the recording (its tensor is the root the replay
+differentiates); what the script does after it is not loss code. A loss computed and then
+skipped before `backward` (`if not torch.isfinite(loss): continue`) is in the record too: its
+last differentiable scalar is that loss."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from nanaudit.errors import is_own_file
+
+MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+@dataclass(frozen=True)
+class RecordedOp:
+    """One torch call of the loss code; `where`: the user's (file, line, function)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+    where: tuple[str, int, str] | None
+
+
+@dataclass
+class LossCode:
+    """The recorded loss code of one model call."""
+
+    ops: list[RecordedOp] = field(default_factory=list)
+    roots: list = field(default_factory=list)      # (func, args, kwargs) of each backward
+    overflowed: bool = False
+
+    def skipped_loss(self) -> torch.Tensor | None:
+        """The last differentiable floating scalar the code made, when no backward ran."""
+        if self.roots:
+            return None
+        for op in reversed(self.ops):
+            for t in tree_flatten(op.out)[0]:
+                if (isinstance(t, torch.Tensor) and t.numel() == 1 and t.requires_grad
+                        and t.is_floating_point()):
+                    return t
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_user_file(name: str) -> bool:
+    path = os.path.abspath(name)
+    return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
+
+
+def _caller() -> tuple[str, int, str] | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if _is_user_file(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+class LossCodeRecorder(TorchFunctionMode):
+    """Records into one LossCode at a time while pushed (`start` / `stop`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.code: LossCode | None = None
+        self.pushed = False
+
+    def start(self, code: LossCode) -> None:
+        self.stop()
+        self.code = code
+        torch._C._push_on_torch_function_stack(self)
+        self.pushed = True
+
+    def stop(self) -> None:
+        """Pop the mode, when it is the innermost one (the script's own modes stay)."""
+        self.code = None
+        if not self.pushed:
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is self:
+            torch._C._pop_torch_function_stack()
+            self.pushed = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        code = self.code
+        if code is None:
+            return func(*args, **kwargs)
+        if func in _BACKWARD:
+            self.code = None           # the loss reached backward: the loss code ends here
+            code.roots.append((func, args, kwargs))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if len(code.ops) < MAX_OPS:
+            code.ops.append(RecordedOp(func, args, kwargs, out, _caller()))
+        else:
+            code.overflowed = True
+        return out
+
+
+def replay(code: LossCode, env: dict[int, torch.Tensor],
+           on_op: Any = None) -> dict[int, torch.Tensor]:
+    """Run the recorded ops again, each tensor the run made replaced by the replay's (`env`:
+    id of the first run's tensor -> the replay's, the model's outputs to start with); the
+    tensors the script passed in (targets, masks) are used as they are. `on_op(where)` is told
+    the user's line before each op. Returns `env`, grown by every op's outputs."""
+    def swap(value: Any) -> Any:
+        return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
+    for op in code.ops:
+        outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            continue                   # `.item()`, `__bool__`: nothing a later op takes
+        if on_op is not None:
+            on_op(op.where)
+        new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        for old, made in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):
+            if isinstance(old, torch.Tensor) and isinstance(made, torch.Tensor):
+                env[id(old)] = made
+    return env
