@@ -52,7 +52,10 @@ class ScriptHooks:
 
     def __init__(self, listener: Listener, record: bool = True):
         self.listener = listener
-        self.tap = StepTap(enabled=record)      # the step, kept to replay it in-process
+        # The step, kept to replay it in-process; a training call after the model's return and
+        # before any backward is heard (the loss code skipped its backward, `continue`).
+        self.tap = StepTap(enabled=record, on_return=self._model_returned)
+        self._after_return = False
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
@@ -96,6 +99,7 @@ class ScriptHooks:
 
     def await_forward(self) -> None:
         """Listen for the next outermost module call (after a step or a backward)."""
+        self._after_return = False
         if self._forward_handle is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
             self._forward_handle = register_module_forward_pre_hook(self._first_call)
@@ -109,9 +113,27 @@ class ScriptHooks:
             self._forward_handle.remove()
             self._forward_handle = None
 
+    def _model_returned(self) -> None:
+        if self._forward_handle is None:
+            self.await_forward()
+            self._after_return = True
+
+    def hear_skipped_loss(self) -> bool:
+        """A non-finite loss the last forward's code skipped before backward is a loss of the
+        step (the check reads it); True when there was one."""
+        skipped = self.tap.skipped_loss()
+        if skipped is not None:
+            self.listener.loss(skipped)
+        return skipped is not None
+
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         if not self._trains(module):
             return
+        if self._after_return:
+            self._after_return = False
+            if not self.hear_skipped_loss():
+                self.stop_waiting()     # a second model call of the micro-batch: unheard
+                return
         kwargs = caller_kwargs()
         self.stop_waiting()
         self.entry = module
@@ -131,11 +153,7 @@ class ScriptHooks:
         return True
 
     def _next_call(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
-        """The step record's next micro-batch; a loss the last one's code made and skipped
-        before backward is heard as a loss of the step first."""
-        skipped = self.tap.skipped_loss()
-        if skipped is not None:
-            self.listener.loss(skipped)
+        """The step record's next micro-batch."""
         self.tap.called(module, entry, args, kwargs)
 
     def _trains(self, module: torch.nn.Module) -> bool:

@@ -166,7 +166,8 @@ def _mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
         a, b = float(first.detach()), float(again.detach())
         if not same_value(a, b):
             return (f"the in-process replay of the step made loss {b:.6g} where the run saw "
-                    f"{a:.6g} (micro-batch {i}): a non-deterministic op in the step")
+                    f"{a:.6g} (micro-batch {i}): a non-deterministic op, or state the step "
+                    f"reads outside the model's parameters and buffers")
     return None
 
 

@@ -19,8 +19,9 @@ from nanaudit.run.step_record import ModelCall, StepRecord
 class StepTap:
     """Feeds the step record; `enabled` False (a re-run) keeps nothing."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, on_return: Any = None):
         self.enabled = enabled
+        self.on_return = on_return        # told when the model's outermost call returned
         self.record = StepRecord()
         self._recorder = LossCodeRecorder()
         self._handle: Any = None
@@ -39,6 +40,8 @@ class StepTap:
         self._unhook()
         call.output = output
         self._recorder.start(call.code)
+        if self.on_return is not None:
+            self.on_return()
 
     def loss(self, loss: torch.Tensor) -> None:
         """An unscaled loss reaching backward: the current micro-batch's."""
@@ -47,15 +50,18 @@ class StepTap:
             last.losses.append(loss)
 
     def skipped_loss(self) -> torch.Tensor | None:
-        """The loss the last micro-batch's code made and never differentiated (None: it
-        reached backward, or the code made no differentiable scalar): it joins the
-        micro-batch's losses (the step's check reads it, the replay verifies it)."""
+        """The loss the last micro-batch's code made, non-finite, and never differentiated
+        (None: it reached backward, or was finite, or the code made no differentiable scalar).
+        One host read, only after a forward that had no backward. A bad one joins the
+        micro-batch's losses: the step's check reads it, the replay verifies it."""
         last = self.record.last
         if not self.enabled or last is None or last.losses or last.output is None:
             return None
         loss = last.code.skipped_loss()
-        if loss is not None:
-            last.skipped = True
+        if loss is None or bool(torch.isfinite(loss.detach())):
+            return None
+        last.skipped = True
+        last.losses.append(loss)
         return loss
 
     def stop(self) -> None:
