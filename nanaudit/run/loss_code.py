@@ -16,8 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -30,9 +29,16 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 
-@dataclass(frozen=True)
-class RecordedOp:
-    """One torch call of the loss code; `where`: the user's (file, line, function)."""
+@functools.lru_cache(maxsize=4096)
+def _computes(func: Any) -> bool:
+    """False for what makes no value to replay: a tensor's attribute read or write
+    (`p.grad`, `.shape`), which an optimizer's `zero_grad` does for every parameter."""
+    return getattr(func, "__name__", "") not in ("__get__", "__set__", "__delete__")
+
+
+class RecordedOp(NamedTuple):
+    """One torch call of the loss code; `where`: the user's (file, line, function). A tuple:
+    made on every step, a frozen dataclass's `__init__` would cost more than the rest."""
 
     func: Any
     args: tuple
@@ -41,13 +47,16 @@ class RecordedOp:
     where: tuple[str, int, str] | None
 
 
-@dataclass
 class LossCode:
-    """The recorded loss code of one model call."""
+    """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
+    backward it reached, and whether it ran past MAX_OPS."""
 
-    ops: list[RecordedOp] = field(default_factory=list)
-    roots: list = field(default_factory=list)      # (func, args, kwargs) of each backward
-    overflowed: bool = False
+    __slots__ = ("ops", "roots", "overflowed")
+
+    def __init__(self) -> None:
+        self.ops: list[RecordedOp] = []
+        self.roots: list[tuple[Any, tuple, dict]] = []
+        self.overflowed = False
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The last differentiable floating scalar the code made, when no backward ran."""
@@ -90,13 +99,34 @@ class LossCodeRecorder(TorchFunctionMode):
         torch._C._push_on_torch_function_stack(self)
         self.pushed = True
 
+    def reached_backward(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """`Tensor.backward` (wrapped: a call through the mode costs more than the rest): the
+        loss code ends, with its root, and the mode is popped before backward runs."""
+        if self.code is not None:
+            self.code.roots.append((func, args, kwargs))
+        self.stop()
+
+    def paused(self, call: Any) -> Any:
+        """`call()` with the mode popped (an optimizer's `zero_grad` between the loss and
+        backward: nothing of the loss, and a torch call per parameter)."""
+        if not self.pushed or not self._innermost():
+            return call()
+        torch._C._pop_torch_function_stack()
+        try:
+            return call()
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def _innermost(self) -> bool:
+        depth = torch._C._len_torch_function_stack()
+        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self
+
     def stop(self) -> None:
         """Pop the mode, when it is the innermost one (the script's own modes stay)."""
         self.code = None
         if not self.pushed:
             return
-        depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is self:
+        if self._innermost():
             torch._C._pop_torch_function_stack()
             self.pushed = False
 
@@ -111,6 +141,8 @@ class LossCodeRecorder(TorchFunctionMode):
             code.roots.append((func, args, kwargs))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if not _computes(func):
+            return out
         if len(code.ops) < MAX_OPS:
             code.ops.append(RecordedOp(func, args, kwargs, out, _caller()))
         else:

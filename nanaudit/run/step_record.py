@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,19 +24,23 @@ import torch
 from nanaudit.run.loss_code import LossCode
 
 
-@dataclass
 class ModelCall:
-    """One micro-batch: the model call the script made and its loss code."""
+    """One micro-batch: the model call the script made (`entry`: what it called, a compile
+    wrapper of `module`), its output (None until it returned), its loss code, the unscaled
+    losses that reached backward, the RNG states as it began, and whether its loss was
+    skipped before backward (the script's guard). Slotted: one is made a micro-batch."""
 
-    module: torch.nn.Module
-    entry: Any                          # what the script called (a compile wrapper of module)
-    args: tuple
-    kwargs: dict
-    output: Any = None                  # the model's return (None until it returned)
-    code: LossCode = field(default_factory=LossCode)
-    losses: list = field(default_factory=list)     # the unscaled losses that reached backward
-    rng: tuple = ()                     # the RNG states as the call began
-    skipped: bool = False               # its loss never reached backward (the script's guard)
+    __slots__ = ("module", "entry", "args", "kwargs", "output", "code", "losses", "rng",
+                 "skipped")
+
+    def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
+                 rng: tuple) -> None:
+        self.module, self.entry, self.args, self.kwargs = module, entry, args, kwargs
+        self.output: Any = None
+        self.code = LossCode()
+        self.losses: list[torch.Tensor] = []
+        self.rng = rng
+        self.skipped = False
 
     def seed_replay(self) -> None:
         """The RNG streams as this call began (the data code between calls drew on them)."""
@@ -45,15 +48,13 @@ class ModelCall:
 
 
 class _Buffers:
-    """A module's floating buffers and the copies they are saved into (allocated once)."""
+    """A module's floating buffers and the copies they are saved into (allocated once per
+    module: walking a large model's buffers each step would cost more than the rest)."""
 
     def __init__(self, module: torch.nn.Module):
+        self.module = module
         self.tensors = [b for b in module.buffers() if b.is_floating_point()]
         self.saved = [b.detach().clone() for b in self.tensors]
-
-    def holds(self, module: torch.nn.Module) -> bool:
-        now = [b for b in module.buffers() if b.is_floating_point()]
-        return len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors))
 
     def save(self) -> None:
         if self.tensors:
@@ -68,7 +69,7 @@ class _Buffers:
 
 def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-    return torch.get_rng_state(), cuda
+    return torch.default_generator.get_state(), cuda
 
 
 def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
@@ -95,7 +96,7 @@ class StepRecord:
         rng = _rng_states()
         if not self.calls:
             self._rng = rng
-            if self._buffers is None or not self._buffers.holds(module):
+            if self._buffers is None or self._buffers.module is not module:
                 self._buffers = _Buffers(module)
             self._buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)

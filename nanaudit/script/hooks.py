@@ -79,6 +79,7 @@ class ScriptHooks:
         self._handles = [register_optimizer_step_pre_hook(self._pre_step),
                          register_optimizer_step_post_hook(self._post_step)]
         self._tap.install()
+        self.tap.install()
         self._wrap_scaler_step()
         self._wrap_optimizer_init()
         self._compiled.install()
@@ -91,7 +92,7 @@ class ScriptHooks:
         self._handles = []
         self.stop_waiting()
         self._compiled.remove()
-        self.tap.stop()
+        self.tap.remove()
         self._tap.remove()
         for restore in reversed(self._restore):
             restore()
