@@ -6,6 +6,7 @@ error); it never prints or exits."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
@@ -18,6 +19,7 @@ from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.inprocess import adopt, localize_in_process
 from nanaudit.script.rerun import localize_by_rerun
+from nanaudit.script.scratch import FolderState
 from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
 
@@ -29,6 +31,8 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     report); the script raising for another reason is raised, as its UserCodeError."""
     started = time.perf_counter()
     check_target(target)
+    # The folder before the first run: the re-run, if one is needed, runs in a copy of it.
+    before = FolderState.take(os.getcwd()) if options.rerun else None
     script_error, forks = None, 0
     try:
         forks = execute(target, auditor, options.seed)
@@ -75,7 +79,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
             report.finding = adopt(localized, trip)
         else:
             report.run.rerun, report.finding = localize_by_rerun(
-                target, options, trip, auditor.timeline, report.finding)
+                target, options, trip, auditor.timeline, report.finding, before)
     attach_timeline_warnings(report, trip, auditor)
     return script_error
 

@@ -218,3 +218,62 @@ def test_no_rerun_names_no_op_either_way(tmp_path, flag):
     assert run_cli("run", "-q", flag, "--json", out, SCRIPTS / "plain_log_counts.py").code == 1
     finding = json.loads(out.read_text())["finding"]
     assert finding["op"] is None and "localized_by" not in finding
+
+
+LOGS_AND_CHECKPOINTS = """
+    import json, os
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    if os.path.exists("ckpt.pt"):           # resume, as long runs do
+        state = torch.load("ckpt.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        start = state["step"] + 1
+    for step in range(start, 60):
+        x = torch.rand(8, 4) + 0.5
+        if step == 40:
+            x[3, 2] = 0.0
+        loss = (model(x) * torch.log(x).sum(1, keepdim=True)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with open("train_log.jsonl", "a") as log:
+            log.write(json.dumps({"step": step, "loss": loss.item()}) + "\\n")
+        if step % 10 == 0:
+            torch.save({"model": model.state_dict(), "step": step}, "ckpt.pt")
+"""
+
+
+@pytest.mark.parametrize("force_rerun", [False, True])
+def test_the_users_log_and_checkpoint_are_as_the_first_run_left_them(tmp_path, monkeypatch,
+                                                                     force_rerun):
+    # Before: the re-run from the start appended the log's 40 lines again, rewrote the
+    # checkpoints, and resumed from the checkpoint the first run left (not deterministic).
+    import torch
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, LOGS_AND_CHECKPOINTS)
+    report = audit(path, force_rerun=force_rerun)
+    f = report.finding
+    assert (f.step, f.op, f.cause, f.samples) == (40, "aten.log.default", "log-domain", [3])
+    assert f.localized_by == ("re-run" if force_rerun else "in-process")
+    assert f.reproduced is True and "not deterministic" not in f.explanation
+    lines = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(40))
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "train.py", "train_log.jsonl"]
+
+
+def test_a_file_the_first_run_changed_is_named_when_the_rerun_reads_it(tmp_path, monkeypatch):
+    import torch
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, LOGS_AND_CHECKPOINTS)
+    torch.manual_seed(0)
+    torch.save({"model": torch.nn.Linear(4, 1).state_dict(), "step": 5}, tmp_path / "ckpt.pt")
+    report = audit(path, force_rerun=True)
+    # The first run resumed from step 6 and overwrote ckpt.pt; the re-run resumes from what
+    # it left, and the report says so rather than pretending it ran as the first run did.
+    assert "the first run had changed ckpt.pt" in report.finding.explanation
