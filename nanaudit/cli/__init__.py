@@ -252,12 +252,14 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
 @report_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @stoppable("run")
-def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | None, fail_on: str | None,
-        quiet: bool, script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
+def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | None,
+        fail_on: str | None, quiet: bool, script_args: tuple[str, ...], stop: Stop,
+        **formats: Any) -> None:
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
     before the update, then replay that step in-process with full instruments to name the op
-    (or re-run the script from the start where only that can). nanaudit's options go before the script; everything after it is the script's."""
+    (or re-run the script from the start where only that can). nanaudit's options go before
+    the script; everything after it is the script's."""
     from nanaudit.commands.run import run_script
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)

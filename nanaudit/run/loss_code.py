@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -51,7 +52,7 @@ class LossCode:
     """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
     backward it reached, and whether it ran past MAX_OPS."""
 
-    __slots__ = ("ops", "roots", "overflowed")
+    __slots__ = ("ops", "overflowed", "roots")
 
     def __init__(self) -> None:
         self.ops: list[RecordedOp] = []
@@ -77,7 +78,7 @@ def _is_user_file(name: str) -> bool:
 
 
 def _caller() -> tuple[str, int, str] | None:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if _is_user_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name

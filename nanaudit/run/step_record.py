@@ -30,8 +30,17 @@ class ModelCall:
     losses that reached backward, the RNG states as it began, and whether its loss was
     skipped before backward (the script's guard). Slotted: one is made a micro-batch."""
 
-    __slots__ = ("module", "entry", "args", "kwargs", "output", "code", "losses", "rng",
-                 "skipped")
+    __slots__ = (
+        "args",
+        "code",
+        "entry",
+        "kwargs",
+        "losses",
+        "module",
+        "output",
+        "rng",
+        "skipped",
+    )
 
     def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
                  rng: tuple) -> None:

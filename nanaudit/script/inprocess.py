@@ -29,9 +29,9 @@ from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Check, RerunStatus
 from nanaudit.run.loss_code import replay
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.findings import trip_notes
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions, script_rank
-from nanaudit.script.findings import trip_notes
 from nanaudit.script.trip import ScriptTrip
 
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`

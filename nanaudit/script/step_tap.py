@@ -4,7 +4,10 @@ from the model's return to `backward` (run/loss_code.py).
 
 The model's return is heard by a forward hook put on the step's outermost module at its first
 call, removed when the script ends (one hook call a micro-batch; the forward's inner modules
-keep PyTorch's hook-free path). Only the first run records: a re-run traces instead."""
+keep PyTorch's hook-free path). `Tensor.backward` is wrapped to end the recording before it
+runs, and the optimizers' and modules' `zero_grad` to run outside the recorder's mode: through
+it, each would cost a Python call per parameter. Only the first run records: a re-run traces
+instead."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class StepTap:
         # gradient: with the recorder paused, those are not calls through its mode.
         for owner in (torch.optim.Optimizer, torch.nn.Module):
             original = owner.__dict__["zero_grad"]
-            setattr(owner, "zero_grad", self._paused(original))
+            owner.zero_grad = self._paused(original)  # type: ignore[method-assign]
             self._restore.append(lambda owner=owner, original=original:
                                  setattr(owner, "zero_grad", original))
         # `loss.backward()` ends the loss code before it would pass through the mode.
@@ -47,7 +50,7 @@ class StepTap:
         def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             recorder.reached_backward(backward, (tensor, *args), kwargs)
             return backward(tensor, *args, **kwargs)
-        torch.Tensor.backward = reaching  # type: ignore[method-assign]
+        torch.Tensor.backward = reaching  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(torch.Tensor, "backward", backward))
 
     def _paused(self, original: Any) -> Any:
