@@ -4,9 +4,9 @@ At a check the update has not been applied: the parameters and the optimizer sta
 step's own. What a replay needs besides is held here, for the current window only (the
 micro-batches since the last check): each model call's arguments and output (references), the
 script's loss code after it (loss_code.py), the RNG states at the window's first call (the CPU
-generator and every initialized CUDA one) and the model's floating buffers as they were before
-that call (running statistics: a copy of the buffers into tensors kept from step to step, one
-`_foreach_copy_`, never a copy of the weights).
+generator and every initialized CUDA one) and the model's buffers as they were before
+that call (running statistics and batch counts: a copy of the buffers into tensors kept from
+step to step, one `_foreach_copy_`, never a copy of the weights).
 
 `replaying()` puts the window's start back (RNG streams, buffers, no gradients) for a replay and
 afterwards the state the trip left (the RNG streams, the buffers and the gradients as the
@@ -57,12 +57,12 @@ class ModelCall:
 
 
 class _Buffers:
-    """A module's floating buffers and the copies they are saved into (allocated once per
+    """A module's buffers (running statistics, and batch norm's count of batches) and the copies they are saved into (allocated once per
     module: walking a large model's buffers each step would cost more than the rest)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.tensors = [b for b in module.buffers() if b.is_floating_point()]
+        self.tensors = list(module.buffers())
         self.saved = [b.detach().clone() for b in self.tensors]
 
     def save(self) -> None:
