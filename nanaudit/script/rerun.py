@@ -26,7 +26,7 @@ from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.inprocess import RE_RUN
 from nanaudit.script.protocol import RerunResult, RerunSpec
 from nanaudit.script.ranks import rerun_environment
-from nanaudit.script.scratch import FolderState, inside, prepare
+from nanaudit.script.scratch import FolderState, inside, prepare, relocated
 from nanaudit.script.step_values import same_value
 from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 from nanaudit.script.trip import ScriptTrip
@@ -135,6 +135,8 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
         if target.path is not None:
             target = replace(target, path=inside(target.path, before, scratch))
         result, tail = _child(target, options, trip, timeline, Path(folder), scratch.folder)
+        if result is not None and result.finding is not None:
+            result.finding = relocated(result.finding, scratch, os.getcwd())
         return result, tail, scratch.note
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 MAX_FILES = 20_000
 MAX_BYTES = 1 << 30          # a folder larger than this (a dataset) is not copied
@@ -104,3 +106,23 @@ def inside(path: str, state: FolderState | None, scratch: Scratch) -> str:
     if full.startswith(root + os.sep) and os.path.relpath(full, root) in state.files:
         return os.path.join(scratch.folder, os.path.relpath(full, root))
     return path
+
+
+def relocated(value: Any, scratch: Scratch, root: str) -> Any:
+    """`value` (the re-run's finding) with the scratch folder's paths named as the user's
+    folder's: the lines it names are the user's files, not their copies."""
+    if scratch.folder == root:
+        return value
+    if isinstance(value, Enum):
+        return value
+    if isinstance(value, str):
+        return value.replace(scratch.folder, root)
+    if isinstance(value, (list, tuple)):
+        return type(value)(relocated(v, scratch, root) for v in value)
+    if isinstance(value, dict):
+        return {k: relocated(v, scratch, root) for k, v in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: relocated(getattr(value, f.name), scratch, root)
+                   for f in fields(value) if f.init}
+        return replace(value, **changes)
+    return value
