@@ -277,3 +277,28 @@ def test_a_file_the_first_run_changed_is_named_when_the_rerun_reads_it(tmp_path,
     # The first run resumed from step 6 and overwrote ckpt.pt; the re-run resumes from what
     # it left, and the report says so rather than pretending it ran as the first run did.
     assert "the first run had changed ckpt.pt" in report.finding.explanation
+
+
+def test_a_hand_written_update_without_an_optimizer_is_replayed_in_process(tmp_path):
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        for step in range(6):
+            x = torch.rand(4, 3) + 0.1
+            if step == 4:
+                x[1, 0] = 0.0
+            loss = torch.sqrt(model(x).pow(2) * x[:, :1]).mean()
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+    """)
+    report = audit(path)
+    f = report.finding
+    assert (f.step, f.where, f.forward_op, f.cause, f.samples) == (
+        4, "backward", "aten.sqrt.default", "sqrt-domain", [1])
+    in_process(report)
