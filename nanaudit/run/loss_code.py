@@ -13,6 +13,7 @@ last differentiable scalar is that loss."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -46,6 +47,7 @@ class RecordedOp(NamedTuple):
     kwargs: dict
     out: Any
     where: tuple[str, int, str] | None
+    autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
 
 
 class LossCode:
@@ -84,6 +86,22 @@ def _caller() -> tuple[str, int, str] | None:
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
     return None
+
+
+def autocast_state() -> tuple:
+    """((device, dtype), ...) of the autocast regions enabled now (CPU, and CUDA once it is
+    initialized): a replay runs each call in the same ones."""
+    devices = ("cpu", "cuda") if torch.cuda.is_initialized() else ("cpu",)
+    return tuple((d, torch.get_autocast_dtype(d)) for d in devices
+                 if torch.is_autocast_enabled(d))
+
+
+def autocast(state: tuple) -> contextlib.ExitStack:
+    """The autocast regions of `state`, entered."""
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
 
 
 class LossCodeRecorder(TorchFunctionMode):
@@ -145,7 +163,7 @@ class LossCodeRecorder(TorchFunctionMode):
         if not _computes(func):
             return out
         if len(code.ops) < MAX_OPS:
-            code.ops.append(RecordedOp(func, args, kwargs, out, _caller()))
+            code.ops.append(RecordedOp(func, args, kwargs, out, _caller(), autocast_state()))
         else:
             code.overflowed = True
         return out
@@ -165,7 +183,8 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
             continue                   # `.item()`, `__bool__`: nothing a later op takes
         if on_op is not None:
             on_op(op.where)
-        new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        with autocast(op.autocast):
+            new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
         for old, made in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):
             if isinstance(old, torch.Tensor) and isinstance(made, torch.Tensor):
                 env[id(old)] = made

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.loss_code import LossCode
+from nanaudit.run.loss_code import LossCode, autocast_state
 
 
 class ModelCall:
@@ -32,6 +32,7 @@ class ModelCall:
 
     __slots__ = (
         "args",
+        "autocast",
         "code",
         "entry",
         "kwargs",
@@ -50,6 +51,7 @@ class ModelCall:
         self.losses: list[torch.Tensor] = []
         self.rng = rng
         self.skipped = False
+        self.autocast = autocast_state()     # the autocast regions the call ran in
 
     def seed_replay(self) -> None:
         """The RNG streams as this call began (the data code between calls drew on them)."""

@@ -27,7 +27,7 @@ from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Check, RerunStatus
-from nanaudit.run.loss_code import replay
+from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import trip_notes
 from nanaudit.script.step_values import leading_size, same_value
@@ -126,7 +126,8 @@ def _replay_call(tracer: OpTracer, call: ModelCall,
                  skipped: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Replay one micro-batch; [(the first run's loss, the replay's)]."""
     call.seed_replay()
-    output = call.module(*call.args, **call.kwargs)
+    with autocast(call.autocast):
+        output = call.module(*call.args, **call.kwargs)
     env = {id(a): b for a, b in zip(tree_flatten(call.output)[0], tree_flatten(output)[0])
            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)}
 

@@ -112,14 +112,15 @@ def test_grad_scaler_and_autocast_loss_trip_is_replayed_with_the_scaled_backward
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         for step in range(6):
-            x = torch.rand(4, 4) + 0.1
-            if step == 2:
-                x[1] = -1.0
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(x)
-            loss = torch.sqrt(x.mean(1)).mean() + out.float().pow(2).mean()
             optimizer.zero_grad()
-            scaler.scale(loss).backward()
+            for micro in range(2):          # the first micro-batch's bf16 loss must match too
+                x = torch.rand(4, 4) + 0.1
+                if step == 2 and micro == 1:
+                    x[1] = -1.0
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                    loss = torch.sqrt(x.mean(1)).mean() + out.pow(2).mean()
+                scaler.scale(loss / 2).backward()
             scaler.step(optimizer)
             scaler.update()
     """)
