@@ -59,8 +59,9 @@ class ModelCall:
 
 
 class _Buffers:
-    """A module's buffers (running statistics, and batch norm's count of batches) and the copies they are saved into (allocated once per
-    module: walking a large model's buffers each step would cost more than the rest)."""
+    """A module's buffers (running statistics, batch norm's count of batches) and the copies
+    they are saved into (allocated once per module: walking a large model's buffers each step
+    would cost more than the rest)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
