@@ -342,7 +342,6 @@ class ScriptAuditor:
         """After the script returned: a loss that reached backward with no step after it (a
         script that skips its update or exits on seeing a NaN loss), then the parameters the
         last updates left (one read each)."""
-        self.hooks.hear_skipped_loss()     # the script's last forward skipped its backward
         self._unstepped_losses()
         if self.trip is None:
             self._last_updates()

@@ -43,6 +43,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
             raise
         script_error = error
     if auditor.trip is None:
+        auditor.hooks.hear_skipped_loss()   # the script's last forward skipped its backward
         auditor.finish()
     record(report, auditor)
     assert report.run is not None
