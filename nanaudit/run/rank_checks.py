@@ -28,6 +28,7 @@ import torch
 
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, tripped_check
+from nanaudit.run.deepspeed_zero import flag_own_gradients, is_engine, zero_optimizer
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
@@ -69,6 +70,11 @@ class RankChecks:
         self._seen.add(id(module))
         self.mesh = MeshView.of(module) or self.mesh
         self.partials.install(module)
+        if is_engine(module) and zero_optimizer(module) is not None:
+            # DeepSpeed ZeRO: each rank's gradients before DeepSpeed reduces them, its own
+            # partition of the weights (run/deepspeed_zero.py)
+            flag_own_gradients(module, self.flags)
+            self.sharded = True
         modules = fsdp_modules(module)
         if modules:
             self.flags.install(modules)

@@ -285,6 +285,15 @@ class ScriptAuditor:
         self.trip = trip
         raise StepHalted()
 
+    def deepspeed_skipped(self, optimizer: Any) -> None:
+        """DeepSpeed skipped this step's update: its overflow check found inf or NaN in some
+        rank's gradients, and no torch optimizer ran. Checked as the step it was (every rank
+        skips together, so every rank checks together): what made the value is a finding, never
+        a clean run. A skip the check finds nothing in (fp16 loss scaling calibrating, whose
+        scaled gradients only overflowed) is not a step, as a GradScaler's is not."""
+        self.before_update(optimizer, None)
+        self.ledger.stepped[id(optimizer)] = optimizer
+
     def _skipped_clean(self, optimizer: Any, scaler: Any) -> None:
         """A skip with finite losses and inputs: AMP's normal course, unless the scale
         collapsed (the check core's rule; one read of the scale, on skipped tries only)."""

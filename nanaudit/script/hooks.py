@@ -14,6 +14,9 @@ Nothing in the script changes. What is installed, and what each tells the audito
 * the loss tap (intercept.py): the scalar reaching `backward`, unscaled, kept on the device
   until the step's read;
 * `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
+* a DeepSpeed engine's ZeRO optimizer's `step` wrapped (on the instance, when the engine is
+  first called): a step DeepSpeed skips for an overflow calls no torch optimizer, so it is told
+  as such and checked (run/deepspeed_zero.py);
 * `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
   none updates its weights by hand, and each backward is then its step.
 """
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nanaudit.run.deepspeed_zero import is_engine, wrap_zero_step, zero_optimizer
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_tap import StepTap
@@ -43,6 +47,7 @@ class Listener(Protocol):
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
     def after_update(self, optimizer: Any) -> None: ...
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None: ...
+    def deepspeed_skipped(self, optimizer: Any) -> None: ...
     def optimizer_built(self) -> None: ...
     def stepped(self) -> int: ...
 
@@ -66,6 +71,7 @@ class ScriptHooks:
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
         self.entry: Any = None        # what the script called for the step's first call
+        self._zero_wrapped: set[int] = set()     # DeepSpeed ZeRO optimizers wrapped
 
     @property
     def raised_in_backward(self) -> bool:
@@ -137,6 +143,8 @@ class ScriptHooks:
                 return
         kwargs = caller_kwargs()
         self.stop_waiting()
+        if is_engine(module):
+            self._wrap_deepspeed(module)
         self.entry = module
         self._next_call(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
@@ -212,6 +220,21 @@ class ScriptHooks:
             return result
         GradScaler.step = step  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(GradScaler, "step", original))
+
+    def _wrap_deepspeed(self, engine: Any) -> None:
+        """The engine's ZeRO optimizer, once: a step it skips is checked (deepspeed_zero.py)."""
+        zero = zero_optimizer(engine)
+        if zero is None or id(zero) in self._zero_wrapped:
+            return
+        self._zero_wrapped.add(id(zero))
+        self._restore.append(wrap_zero_step(zero, self.listener.stepped, self._zero_skipped))
+
+    def _zero_skipped(self, optimizer: Any) -> None:
+        self.tap.stop()
+        self.listener.update_starting()
+        self.listener.deepspeed_skipped(optimizer)      # a finding raises StepHalted
+        self.tap.close()
+        self.await_forward()
 
     def _wrap_optimizer_init(self) -> None:
         from torch.optim import Optimizer

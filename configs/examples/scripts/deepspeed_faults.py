@@ -1,0 +1,48 @@
+"""A DeepSpeed ZeRO loop for torchrun (2 ranks, gloo on CPU), with the model of fsdp_faults.py
+and one fault planted on rank 1 (--fault none: a clean run).
+
+    torchrun --nproc-per-node 2 -m nanaudit run deepspeed_faults.py --stage 2 --fault backward
+
+  forward   row 2 of rank 1's batch at step 3 holds a 0: `log` makes -inf in forward
+  backward  row 5 of rank 1's batch at step 2 is masked to zero before `length`: sqrt(0) is
+            finite, its gradient is not (every loss finite; DeepSpeed's overflow check
+            all-reduces the flag, and its reduction spreads the NaN into every rank's gradients)
+"""
+
+import argparse
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from fsdp_faults import Model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default="backward", choices=["none", "forward", "backward"])
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args.stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=Model(), config=config)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.rand(8, 8, generator=g) + 0.5
+        mask = torch.ones(8, 1)
+        if rank == 1 and step == 3 and args.fault == "forward":
+            x[2, 0] = 0.0
+        if rank == 1 and step == 2 and args.fault == "backward":
+            mask[5] = 0.0
+        loss = engine(x, mask).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

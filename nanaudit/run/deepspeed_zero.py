@@ -1,0 +1,91 @@
+"""DeepSpeed ZeRO (stages 1, 2 and 3) as the checks of `nanaudit run` see it.
+
+A DeepSpeed engine (`deepspeed.initialize`, or the HF Trainer's `deepspeed=` config) owns the
+step: `engine.backward(loss)` reduces the gradients into each rank's partition as they are
+made (ZeRO-2/3 from hooks inside backward, ZeRO-1 right after it), and `engine.step()` asks the
+ZeRO optimizer to step, which all-reduces one overflow flag and, when any rank's gradients held
+inf or NaN, prints "OVERFLOW! Skipping step" and never calls the torch optimizer that the
+checks hook. Two things follow, and both are here:
+
+* whose value it was: once reduced, a NaN made in one rank's backward sits in every rank's
+  partition (and the overflow flag is one bit for the world), so each trained parameter's
+  gradient is noted on the device as autograd makes it, before DeepSpeed's own hooks reduce it
+  (`flag_own_gradients`, into the same flags as FSDP's reduce-scatter inputs: one more entry in
+  the step's one read, no host read here). Under ZeRO-3 the gradient autograd makes is this
+  rank's own, full-sized, while the parameter itself is gathered only for its module's forward
+  and backward: the hook reads the gradient, never the parameter (`ds_tensor`, the local
+  partition, is what the optimizer's flat groups hold and what the step's read sees).
+* the skipped step: DeepSpeed returns from `step()` without an update, so no optimizer hook ran.
+  `wrap_zero_step` wraps the engine's ZeRO optimizer (on the instance, undone on exit) so that a
+  step which took no update is told to the listener, which checks it: a finding, never a
+  clean run, in fp32 as under fp16 loss scaling when the values themselves were non-finite.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanaudit.run.sharded import PreReduceFlags
+
+
+def is_engine(module: Any) -> bool:
+    """A DeepSpeed engine (once deepspeed is imported; no engine exists before)."""
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    return cls is not None and isinstance(module, cls)
+
+
+def zero_optimizer(engine: Any) -> Any | None:
+    """The engine's ZeRO optimizer (stages 1-3), or None: without ZeRO the engine steps a torch
+    optimizer itself, which the optimizer hooks already hear."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return None
+    return optimizer if hasattr(getattr(optimizer, "optimizer", None), "param_groups") else None
+
+
+def zero_stage(engine: Any) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
+
+
+def flag_own_gradients(engine: Any, flags: PreReduceFlags) -> list:
+    """Note each trained parameter's gradient in `flags` as autograd makes it on this rank,
+    before DeepSpeed reduces it (see the module docstring). Returns the hooks' handles."""
+    def note(grad: torch.Tensor) -> None:
+        flags.note(grad.detach())
+    return [p.register_hook(note) for p in engine.module.parameters() if p.requires_grad]
+
+
+def wrap_zero_step(zero: Any, stepped: Callable[[], int],
+                   skipped: Callable[[Any], None]) -> Callable[[], None]:
+    """Wrap `zero.step` on the instance: when it returns with no optimizer step counted
+    (`stepped()` unchanged: DeepSpeed skipped the update), `skipped(torch optimizer)` is
+    called. Returns what undoes the wrap."""
+    original = zero.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        before = stepped()
+        result = original(*args, **kwargs)
+        if stepped() == before:
+            skipped(zero.optimizer)
+        return result
+    zero.step = step
+
+    def undo() -> None:
+        if zero.__dict__.get("step") is step:
+            del zero.step
+    return undo
+
+
+def skipped_loss_scale(zero: Any) -> float | None:
+    """The loss scale of a ZeRO optimizer that scales losses dynamically (fp16), whose skips
+    while it calibrates are its normal course; None for a fixed scale or none (fp32, bf16)."""
+    if not getattr(zero, "dynamic_loss_scale", False):
+        return None
+    scale = getattr(zero, "loss_scale", None)
+    return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else None
