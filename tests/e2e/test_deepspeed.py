@@ -1,0 +1,61 @@
+"""DeepSpeed ZeRO under torchrun, two ranks on gloo (CPU): `nanaudit run` on an unmodified
+DeepSpeed loop (`deepspeed.initialize`, `engine.backward`, `engine.step`) with a backward-only
+value planted on rank 1. DeepSpeed all-reduces one overflow flag and skips the step ("OVERFLOW!
+Skipping step", in fp32 too) without calling the torch optimizer: the step is a finding, and
+the rank whose own backward made the value is named with the op, module, line and row.
+
+Needs deepspeed (`pip install deepspeed --no-deps` and its small dependencies: einops hjson
+msgpack ninja psutil py-cpuinfo pydantic tqdm; never a torch). Its first run on a machine
+builds DeepSpeed's shared-memory comm op (minutes; cached under ~/.cache/torch_extensions).
+"""
+
+import json
+
+import pytest
+from helpers import ROOT, launch_ranks
+
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (see the module docstring)")
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+SCRIPTS = ROOT / "configs" / "examples" / "scripts"
+SCRIPT = SCRIPTS / "deepspeed_faults.py"
+MODEL = SCRIPTS / "fsdp_faults.py"
+
+
+def run(tmp_path, *script_args):
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+                                   *script_args], timeout_s=420)
+    text = "".join(o + e for o, e in outputs)
+    if "deepspeed_shm_comm" in text and "Error building extension" in text:
+        pytest.skip("DeepSpeed could not build its shared-memory comm op on this machine")
+    reports = [json.loads(path.read_text()) if path.exists() else None
+               for path in (out, tmp_path / "report.rank1.json")]
+    return codes, reports, outputs
+
+
+def line_of(text: str) -> int:
+    return next(i for i, line in enumerate(MODEL.read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_backward_only_value_under_zero_is_named_on_its_rank(tmp_path, stage):
+    # Every loss is finite; DeepSpeed reduces the NaN into both ranks' partitions, finds the
+    # overflow and skips step 2: before this, nanaudit reported a clean run with exit 0.
+    codes, (rank0, rank1), outputs = run(tmp_path, "--stage", str(stage), "--fault", "backward")
+    assert codes == [1, 1], outputs
+    for report in (rank0, rank1):
+        f = report["finding"]
+        assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
+            1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [5])
+        assert f["module"].endswith("length")
+        assert f["source"]["line"] == line_of("return torch.sqrt(")
+        assert [(r["rank"], r["status"]) for r in report["distributed"]["ranks"]] == [
+            (0, "nonfinite"), (1, "nonfinite")]
+
+
+def test_clean_zero1_run_stays_clean(tmp_path):
+    codes, (rank0, rank1), outputs = run(tmp_path, "--stage", "1", "--fault", "none")
+    assert codes == [0, 0], outputs
+    assert [(r["status"], r["steps_run"]) for r in rank0["distributed"]["ranks"]] == [
+        ("clean", 5), ("clean", 5)]
+    assert rank1["status"] == "clean"
