@@ -13,8 +13,11 @@ checks hook. Two things follow, and both are here:
   (`flag_own_gradients`, into the same flags as FSDP's reduce-scatter inputs: one more entry in
   the step's one read, no host read here). Under ZeRO-3 the gradient autograd makes is this
   rank's own, full-sized, while the parameter itself is gathered only for its module's forward
-  and backward: the hook reads the gradient, never the parameter (`ds_tensor`, the local
-  partition, is what the optimizer's flat groups hold and what the step's read sees).
+  and backward: the hook reads the gradient, never the parameter.
+* what is valid under ZeRO-3: each rank's partition of a parameter (`ds_tensor`) is padded to
+  an equal size, and the padding of the last rank's is `torch.empty`, never written: whatever
+  memory held (a NaN at times). The optimizer's flat fp32 groups are those partitions end to
+  end, so the step's read takes only their valid parts (`valid_parts`), never the padding.
 * the skipped step: DeepSpeed returns from `step()` without an update, so no optimizer hook ran.
   `wrap_zero_step` wraps the engine's ZeRO optimizer (on the instance, undone on exit) so that a
   step which took no update is told to the listener, which checks it: a finding, never a
@@ -89,3 +92,38 @@ def skipped_loss_scale(zero: Any) -> float | None:
         return None
     scale = getattr(zero, "loss_scale", None)
     return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else None
+
+
+def valid_parts(optimizer: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`params` (an optimizer's, in order), each flat ZeRO-3 fp32 group replaced by views of
+    its valid parts (each parameter's partition without its padding); `params` itself for
+    any other optimizer. Views of the group's own storage, which DeepSpeed updates in place."""
+    zero = _ZERO3_OF.get(id(optimizer))
+    if zero is None:
+        return params
+    flats = getattr(zero, "fp32_partitioned_groups_flat", [])
+    paddings = getattr(zero, "groups_padding", [])
+    partitions = getattr(zero, "fp16_partitioned_groups", [])
+    parts: list[torch.Tensor] = []
+    for p in params:
+        group = next((i for i, flat in enumerate(flats) if flat is p), None)
+        if group is None:
+            parts.append(p)
+            continue
+        offset = 0
+        for partition, pad in zip(partitions[group], paddings[group]):
+            size = partition.numel()
+            if size - pad > 0:
+                parts.append(p.detach().narrow(0, offset, size - pad))
+            offset += size
+    return parts
+
+
+_ZERO3_OF: dict[int, Any] = {}     # id(torch optimizer) -> its ZeRO-3 optimizer
+
+
+def note_zero3(engine: Any) -> None:
+    """Remember the engine's ZeRO-3 optimizer by its torch optimizer (for `valid_parts`)."""
+    zero = zero_optimizer(engine)
+    if zero is not None and zero_stage(engine) == 3:
+        _ZERO3_OF[id(zero.optimizer)] = zero

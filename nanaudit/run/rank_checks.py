@@ -28,7 +28,12 @@ import torch
 
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, tripped_check
-from nanaudit.run.deepspeed_zero import flag_own_gradients, is_engine, zero_optimizer
+from nanaudit.run.deepspeed_zero import (
+    flag_own_gradients,
+    is_engine,
+    note_zero3,
+    zero_optimizer,
+)
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
@@ -74,6 +79,7 @@ class RankChecks:
             # DeepSpeed ZeRO: each rank's gradients before DeepSpeed reduces them, its own
             # partition of the weights (run/deepspeed_zero.py)
             flag_own_gradients(module, self.flags)
+            note_zero3(module)
             self.sharded = True
         modules = fsdp_modules(module)
         if modules:

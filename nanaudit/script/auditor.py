@@ -286,11 +286,8 @@ class ScriptAuditor:
         raise StepHalted()
 
     def deepspeed_skipped(self, optimizer: Any) -> None:
-        """DeepSpeed skipped this step's update: its overflow check found inf or NaN in some
-        rank's gradients, and no torch optimizer ran. Checked as the step it was (every rank
-        skips together, so every rank checks together): what made the value is a finding, never
-        a clean run. A skip the check finds nothing in (fp16 loss scaling calibrating, whose
-        scaled gradients only overflowed) is not a step, as a GradScaler's is not."""
+        """DeepSpeed skipped the update for an overflow (no torch optimizer ran): checked as
+        the step it was, every rank together; a finding raises (run/deepspeed_zero.py)."""
         self.before_update(optimizer, None)
         self.ledger.stepped[id(optimizer)] = optimizer
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from nanaudit.run.checks import PackLayout, dense_values, finite_norms
+from nanaudit.run.deepspeed_zero import valid_parts
 from nanaudit.run.sharded import local_shards
 from nanaudit.script.step_values import loss_factor, window_loss
 
@@ -79,8 +80,11 @@ class WeightsScope:
     read live each step, never through aliases made once: a script may give one new storage
     (`p.data = p.data * mask`), which an alias would not follow."""
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], source: list[torch.Tensor] | None = None):
         self.params = params
+        # what the optimizer's groups hold: `params` unless only parts of them are valid
+        # (DeepSpeed ZeRO-3's padded partitions, run/deepspeed_zero.valid_parts)
+        self.source = source if source is not None else params
         self.device = params[0].device
         self.device_name = str(self.device)
         self.sharded = any(s is not p for s, p in zip(local_shards(params), params))
@@ -103,7 +107,7 @@ class WeightsScope:
         return local_shards(tensors) if self.sharded else tensors
 
     def holds(self, params: list[torch.Tensor]) -> bool:
-        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+        return len(params) == len(self.source) and all(map(operator.is_, params, self.source))
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients that are set, each as a dense tensor of its values (a sparse one's
@@ -152,7 +156,7 @@ class OptimizerScopes:
         params = WeightsScope.params_of(optimizer)
         scope = self._scopes.get(id(optimizer))
         if scope is None or not scope.holds(params):
-            scope = WeightsScope(params) if params else None
+            scope = WeightsScope(valid_parts(optimizer, params), params) if params else None
             if scope is not None:
                 self._scopes[id(optimizer)] = scope
         return scope

@@ -59,3 +59,22 @@ def test_clean_zero1_run_stays_clean(tmp_path):
     assert [(r["status"], r["steps_run"]) for r in rank0["distributed"]["ranks"]] == [
         ("clean", 5), ("clean", 5)]
     assert rank1["status"] == "clean"
+
+
+TRAINER = SCRIPTS / "trainer_deepspeed.py"
+
+
+def test_trainer_with_a_deepspeed_config_names_the_rank(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, TRAINER,
+                                   "--fault", "backward"], timeout_s=420)
+    assert codes == [1, 1], outputs
+    assert "deepspeed_shm_comm_op" in "".join(e for _, e in outputs) + "".join(
+        o for o, _ in outputs)                       # DeepSpeed's engine ran, not plain DDP
+    f = json.loads(out.read_text())["finding"]
+    lines = TRAINER.read_text().splitlines()
+    assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
+        1, 0, "backward", "aten.sqrt.default", "sqrt-domain", [1])
+    assert lines[f["source"]["line"] - 1].strip().startswith("length = torch.sqrt(")

@@ -11,7 +11,7 @@ and one fault planted on rank 1 (--fault none: a clean run).
 
 import argparse
 
-import deepspeed  # noqa: I001
+import deepspeed
 import torch
 import torch.distributed as dist
 from fsdp_faults import Model

@@ -1,9 +1,10 @@
 """A Hugging Face `transformers.Trainer` script with a DeepSpeed ZeRO config (`deepspeed=`),
 on CPU (`use_cpu=True`) under torchrun: the way a user moves a Trainer run to ZeRO.
 
-Planted bug (--fault backward): one row of rank 1's batch at its third step has features that
-sum to zero before a `sqrt` (a norm of an all-zero row): sqrt(0) is finite, its gradient is not,
-so every loss is finite and only the backward makes the NaN. --fault none is the clean run.
+Planted bug (--fault backward): one row of the data set (row 21: the Trainer's seeded sampler
+gives it to rank 1 at its first step, as row 1 of 4) is masked to zero before a `sqrt` (a
+norm of an all-zero row): sqrt(0) is finite, its gradient is not, so every loss is finite
+and only the backward makes the NaN. --fault none is the clean run.
 """
 
 import argparse
@@ -60,7 +61,6 @@ def main():
             learning_rate=1e-2, report_to=[], save_strategy="no", logging_strategy="no",
             use_cpu=True, disable_tqdm=True, seed=0, deepspeed=config,
             ddp_backend="gloo", dataloader_drop_last=True)
-        # 2 ranks x 4 rows a step, not shuffled by rank: row 21 is rank 1's row 1 at step 2
         trainer = Trainer(model=Scorer(), args=training_args,
                           train_dataset=Rows(64, 21 if args.fault == "backward" else -1))
         trainer.train()
