@@ -285,12 +285,6 @@ class ScriptAuditor:
         self.trip = trip
         raise StepHalted()
 
-    def deepspeed_skipped(self, optimizer: Any) -> None:
-        """DeepSpeed skipped the update for an overflow (no torch optimizer ran): checked as
-        the step it was, every rank together; a finding raises (run/deepspeed_zero.py)."""
-        self.before_update(optimizer, None)
-        self.ledger.stepped[id(optimizer)] = optimizer
-
     def _skipped_clean(self, optimizer: Any, scaler: Any) -> None:
         """A skip with finite losses and inputs: AMP's normal course, unless the scale
         collapsed (the check core's rule; one read of the scale, on skipped tries only)."""
