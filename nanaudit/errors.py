@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import (
@@ -80,7 +81,7 @@ class FindingInterrupted(KeyboardInterrupt):
     """A signal arrived while a finding was being completed (its sample search): the finding
     so far travels with the interruption, so the partial report still names the op."""
 
-    def __init__(self, finding):
+    def __init__(self, finding: Any) -> None:
         super().__init__("interrupted during the sample search")
         self.finding = finding
 
@@ -116,7 +117,7 @@ class UserCodeError(NanauditError):
 
     exit_code = ExitCode.USER_CODE
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.frames = user_frames(self.exception)
         Exception.__init__(self, str(self))
 
@@ -145,7 +146,7 @@ exits) and GeneratorExit. Neither is nanaudit's (commands return, only the CLI e
 either is the user's error, exit 4, with every report written; KeyboardInterrupt is a stop."""
 
 
-def call_user(what: str, fn, *args, **kwargs):
+def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
     try:
         return fn(*args, **kwargs)

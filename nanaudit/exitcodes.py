@@ -10,7 +10,7 @@ class ExitCode(IntEnum):
 
     doc: str
 
-    def __new__(cls, value: int, doc: str = ""):
+    def __new__(cls, value: int, doc: str = "") -> "ExitCode":
         member = int.__new__(cls, value)
         member._value_ = value
         member.doc = doc

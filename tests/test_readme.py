@@ -205,3 +205,37 @@ def test_importing_the_face_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- the demo's panel ---------------------------------------------------------------------
+
+def demo_panel(width: int = 90) -> str:
+    """What `nanaudit scan configs/demo.yaml` prints in a `width`-column terminal, from its
+    headline to its timeline (the header's timing and the next steps' paths vary by run), with
+    the checkout's root left out of the source file's path."""
+    import io
+
+    from rich.console import Console
+
+    from nanaudit.commands.scan import scan
+    from nanaudit.report.console import print_report
+    out = io.StringIO()
+    print_report(scan(ROOT / "configs" / "demo.yaml"),
+                 Console(file=out, width=width, force_terminal=True, color_system=None,
+                         highlight=False, legacy_windows=False))
+    root = f"{ROOT.resolve()}/"
+    lines = []
+    for line in out.getvalue().splitlines():
+        if root in line and line.endswith("│"):    # keep the box's right edge where it was
+            line = line.replace(root, "")[:-1] + " " * len(root) + "│"
+        lines.append(line.rstrip())
+    start = next(i for i, line in enumerate(lines) if line.startswith("✗ "))
+    end = next(i for i, line in enumerate(lines) if line.startswith("next: "))
+    return "\n".join(lines[start:end])
+
+
+@pytest.mark.slow
+def test_the_demo_panel_is_the_demos_output():
+    block = re.search(r"in a 90-column terminal.*?\n```\n(.*?)\n```", _section("What the demo "
+                                                                             "prints"), re.S)
+    assert block is not None and block.group(1) == demo_panel(90)

@@ -31,6 +31,7 @@ from nanaudit.cli.process import (
     leave_early_if_failed,
     leave_process_group,
 )
+from nanaudit.cli.script_command import ScriptCommand
 from nanaudit.cli.signals import (
     Stop,
     finish_despite_sigterm,
@@ -40,6 +41,7 @@ from nanaudit.cli.signals import (
 from nanaudit.cli.terminal import Terminal, progress_hooks
 from nanaudit.config.schema import FAIL_ON
 from nanaudit.exitcodes import EXIT_CODE_HELP, ExitCode
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -81,6 +83,41 @@ def report_options(fn: Callable) -> Callable:
     return fn
 
 
+def keep_going_options(fn: Callable) -> Callable:
+    """--keep-going, --max-bad-steps and --skip-list, for the commands that step a training
+    run."""
+    fn = click.option("--skip-list", "skip_list_path", metavar="PATH",
+                      help="Write each bad step's batch and rows as JSON (bisect's format), "
+                           "for a training loop to filter from its data.")(fn)
+    fn = click.option("--max-bad-steps", type=click.IntRange(min=1), metavar="N",
+                      help=f"With --keep-going: skip at most N bad steps (default "
+                           f"{MAX_BAD_STEPS}); the next one stops the run.")(fn)
+    return click.option("--keep-going", is_flag=True,
+                        help="Skip a bad step's update and go on, recording each bad step as "
+                             "a finding, until --max-bad-steps.")(fn)
+
+
+def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
+    """--skip-list for scan and run: the bad steps of the report (none when clean)."""
+    if not path:
+        return []
+    from nanaudit.report.skip_list import skip_entries
+    findings = report.findings or ([report.finding] if report.finding is not None else [])
+    return _write_skip_list(path, skip_entries(findings))
+
+
+def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal) -> int:
+    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2)."""
+    if max_bad_steps is not None and not keep_going:
+        raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
+                               "step stops the run)")
+    if keep_going:
+        # Said, not hidden: the options are recorded, the skipping is not built yet.
+        terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
+                         "the first bad step stops the run")
+    return MAX_BAD_STEPS if max_bad_steps is None else max_bad_steps
+
+
 def _ran(run: Callable[[], Report], stop: Stop, progress: Progress | None = None) -> Report:
     """The command's report; from its end on a signal is noted, not raised, and marks it."""
     try:
@@ -107,10 +144,12 @@ def _finish(report: Report, outputs: Requested, terminal: Terminal) -> NoReturn:
               help="Write the repro bundle of a finding to DIR (default: repro-step<N> beside "
                    "the first report file, else under ./nanaudit-reports).")
 @click.option("--no-repro", is_flag=True, help="Do not write a repro bundle.")
+@keep_going_options
 @report_options
 @stoppable("scan")
 def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
-         no_samples: bool, repro_dir: str | None, no_repro: bool, fail_on: str | None,
+         no_samples: bool, repro_dir: str | None, no_repro: bool, keep_going: bool,
+         max_bad_steps: int | None, skip_list_path: str | None, fail_on: str | None,
          quiet: bool, stop: Stop, **formats: Any) -> None:
     """Run training steps from CONFIG under cheap sentinels; on the first non-finite value,
     replay that step with full instruments and report where the value was created."""
@@ -119,19 +158,24 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    outputs.check(terminal, folder=None if no_repro else repro_dir)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    outputs.check(terminal, also={"--skip-list": skip_list_path},
+                  folder=None if no_repro else repro_dir)
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     progress, on_start, on_step = progress_hooks(terminal)
     repro = (None if no_repro else Path(absolute(repro_dir or str(
         default_folder(outputs.without("plot").files(), 0).parent))))
     options = ScanOptions(steps=steps, device=device, seed=seed, fail_on=fail_on,
                           samples=False if no_samples else None, repro_dir=repro,
                           repro_per_step=repro is not None and not repro_dir,
-                          on_start=on_start, on_step=on_step)
+                          on_start=on_start, on_step=on_step, keep_going=keep_going,
+                          max_bad_steps=limit)
     report = _ran(lambda: run_scan(config, options), stop, progress)
     leave_early_if_failed(code_of(report))
     failed = []
     if is_rank_zero():
         failed = outputs.emit(report, terminal)
+        failed += _write_bad_steps_skip_list(skip_list_path, report)
         if repro_dir and report.repro_error:
             failed.append(report.repro_error)
     code = final_code(report, failed, terminal)
@@ -174,11 +218,8 @@ def bisect(config: Path, checkpoints: Path | None, pattern: str | None, steps: i
 
 
 def _write_skip_list(path: str, skip_list: Any) -> list[str]:
-    import json
-
-    from nanaudit.report.model import jsonable
-    text = json.dumps({"skip": jsonable(skip_list)}, indent=2) + "\n"
-    problem = write("the skip list", path, text.encode("utf-8"))
+    from nanaudit.report.skip_list import skip_list_text
+    problem = write("the skip list", path, skip_list_text(skip_list).encode("utf-8"))
     return [problem] if problem else []
 
 
@@ -238,17 +279,20 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
     _finish(report, outputs, terminal)
 
 
-@main.command(epilog=EXIT_CODE_HELP, context_settings={"ignore_unknown_options": True,
-                                                      "allow_interspersed_args": False})
+@main.command(cls=ScriptCommand, epilog=EXIT_CODE_HELP,
+              context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed Python, NumPy and torch before the script (its own seeds win).")
 @click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
 @click.option("--max-rerun-steps", type=click.IntRange(min=1),
               help="Do not re-run when localizing would repeat more than this many steps.")
+@keep_going_options
 @report_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @stoppable("run")
-def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | None,
+def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool,
+        max_bad_steps: int | None, skip_list_path: str | None, fail_on: str | None,
         quiet: bool, script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
@@ -258,7 +302,9 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
-    outputs.check(terminal)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    outputs.check(terminal, also={"--skip-list": skip_list_path})
+    skip_list_path = absolute(skip_list_path) if skip_list_path else None
     if script_args[:1] == ("-m",) and len(script_args) > 1:
         target = ScriptTarget(module=script_args[1], args=tuple(script_args[2:]))
     elif script_args and script_args[0] != "-m":
@@ -268,7 +314,8 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
                        "a module (`nanaudit run -m pkg.train ARGS...`)")
         exit_with(ExitCode.USAGE)
     options = ScriptOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
-                         fail_on=fail_on, on_rerun=lambda step: terminal.info(
+                         fail_on=fail_on, keep_going=keep_going, max_bad_steps=limit,
+                         on_rerun=lambda step: terminal.info(
                              f"non-finite at optimizer step {step}: re-running the script from "
                              f"the start to localize it (--no-rerun skips this)"))
     report = _ran(lambda: run_script(target, options), stop)
@@ -278,7 +325,10 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, fail_on: str | N
         outputs = outputs.relocated(lambda path: rank_path(path, rank))
     if rank is not None:
         finish_despite_sigterm()
-    code = final_code(report, outputs.emit(report, terminal), terminal)
+    if rank and skip_list_path:
+        skip_list_path = rank_path(skip_list_path, rank)
+    failed = outputs.emit(report, terminal) + _write_bad_steps_skip_list(skip_list_path, report)
+    code = final_code(report, failed, terminal)
     leave_process_group(code)      # a script's process group: the ranks leave together
     exit_with(code)
 

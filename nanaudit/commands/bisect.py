@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from nanaudit.localize.data_replay import reread, trace_inputs
 from nanaudit.localize.findings import build_finding
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import CheckpointBisect, CheckpointRef, DataBisect, SkipEntry
-from nanaudit.report.vocabulary import Status, Where
+from nanaudit.report.vocabulary import Check, Status, Where
 from nanaudit.run.batch import batch_fingerprint, infer_layout, sample_ids, select_rows
 from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.loop import run_steps
@@ -51,7 +52,7 @@ def bisect(config_path: str | Path, options: ScanOptions | None = None,
     report = base_report(config_path, None)
     report.command = "bisect"
 
-    def body():
+    def body() -> None:
         from nanaudit.run.distributed import launched_by_torchrun
         if launched_by_torchrun():
             raise UsageError("bisect runs in one process: run it without torchrun (it replays "
@@ -87,7 +88,8 @@ def _bisect_data(config: Config, options: ScanOptions, report: Report) -> None:
                                skip_list=result["skip_list"])
 
 
-def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
+def _bisect_checkpoints(config: Any, options: Any, report: Report, folder: Path,
+                        pattern: Any) -> None:
     from nanaudit.config.entrypoints import user_import_path
     from nanaudit.localize.findings import build_finding, state_finding
     from nanaudit.run.session import build_session
@@ -119,7 +121,7 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
             bad = section.first_bad
             apply_model_state(session.model, load_checkpoint(Path(bad.path)), "--checkpoints",
                               bad.path)
-            report.finding = state_finding(session, Trip(bad.step, "parameter"))
+            report.finding = state_finding(session, Trip(bad.step, Check.PARAMETER))
             report.finding.qualify(
                 f"{bad.path}; the replay from the last good checkpoint did not reach a "
                 f"non-finite value" + ("" if section.optimizer_state else
@@ -131,7 +133,7 @@ def _bisect_checkpoints(config, options, report, folder, pattern) -> None:
 DEFAULT_PATTERN = r"(\d+)\D*\.(?:pt|pth|ckpt|bin)$"
 
 
-def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
+def bisect_data(session: Session, max_steps: int | None, on_step: Any = None) -> dict:
     """Audit every batch against the starting weights; localize each one that trips.
 
     A batch can hold bad rows of several kinds (a NaN input in one row, a log(0) in another):
@@ -140,7 +142,7 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     bad: list[tuple[Finding, list | None]] = []
     seen: dict[int, list] = {}   # data index -> the batch's fingerprint
 
-    def on_trip(trip, state):
+    def on_trip(trip: Any, state: Any) -> None:
         outcome = ScanOutcome(trip=trip, state=state, steps_run=state.step + 1)
         seen.setdefault(state.batch_index, batch_fingerprint(state.batch))
         for finding in _every_finding(session, outcome):
@@ -173,7 +175,7 @@ def bisect_data(session: Session, max_steps: int | None, on_step=None) -> dict:
     return {"outcome": outcome, "findings": [f for f, _ in bad], "skip_list": skip}
 
 
-def mark_unconfirmed(finding) -> None:
+def mark_unconfirmed(finding: Finding) -> None:
     finding.explain(
         f"the rows could not be confirmed: read a second time, the data gave a different batch "
         f"{finding.batch_index} (shuffling or random augmentation outside the seeded RNG), so "
@@ -210,7 +212,7 @@ def _every_finding(session: Session, outcome: ScanOutcome) -> list:
     return findings
 
 
-def _renumber(finding, remaining: list[int], size: int) -> None:
+def _renumber(finding: Finding, remaining: list[int], size: int) -> None:
     """Rows of the reduced batch back to the full batch's numbering."""
     local = finding.samples or []
     finding.samples = [remaining[r] for r in local if r < len(remaining)] or None
@@ -260,16 +262,16 @@ def list_checkpoints(folder: Path, pattern: str | None = None) -> list[Checkpoin
     return sorted(found, key=lambda c: c.step)
 
 
-def _state_is_finite(checkpoint) -> bool:
+def _state_is_finite(checkpoint: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in checkpoint.model_state.values()
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
-def first_bad_checkpoint(files: list[CheckpointFile]):
+def first_bad_checkpoint(files: list[CheckpointFile]) -> Any:
     """Binary search, assuming once non-finite always non-finite. Returns (index, loads)."""
     loads = []
 
-    def bad(i):
+    def bad(i: Any) -> Any:
         loads.append(files[i].step)
         return not _state_is_finite(load_checkpoint(files[i].path, key="--checkpoints"))
 

@@ -105,7 +105,8 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_bundle(folder: Path, session, state, trip, finding, report_json: str) -> Path:
+def write_bundle(folder: Path, session: Any, state: Any, trip: Any, finding: Any,
+                 report_json: str) -> Path:
     """Write the bundle for `state` (the failing step) into `folder` (from `bundle_folder`)."""
     return publish_bundle(folder, lambda tmp: _fill(tmp, session, state, trip, finding,
                                                     report_json))
@@ -169,7 +170,7 @@ def _write_manifest(folder: Path) -> None:
         honour_umask(path)
 
 
-def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
+def _fill(tmp: Path, session: Any, state: Any, trip: Any, finding: Any, report_json: str) -> None:
     config = session.config
     save_step(tmp, session.local_model, session.optimizers, state, finding, config.batch_dim,
               schedulers=session.schedulers)
@@ -193,7 +194,8 @@ def _fill(tmp: Path, session, state, trip, finding, report_json: str) -> None:
     shutil.copyfile(BUNDLE_SCRIPT, tmp / "repro.py")
 
 
-def save_step(tmp: Path, model, optimizers, state, finding, batch_dim=None,
+def save_step(tmp: Path, model: torch.nn.Module, optimizers: Any, state: Any, finding: Any,
+              batch_dim: Any = None,
               schedulers: dict | None = None) -> None:
     """state.pt, rng.pt, batch.pt and rows.pt of the failing step (every bundle has them).
     `optimizers`: one optimizer, or a dict name -> optimizer (each one's state is kept), and
@@ -222,7 +224,7 @@ def save_step(tmp: Path, model, optimizers, state, finding, batch_dim=None,
                    tmp / "rows.pt")
 
 
-def rng_payload(rng) -> dict:
+def rng_payload(rng: Any) -> dict:
     """The step's RNG states as weights_only loads them: NumPy's key array as a tensor."""
     payload = {"torch_cpu": rng.torch_cpu, "cuda": rng.cuda, "python": plain_rng(rng.python)}
     state = getattr(rng, "numpy", None)

@@ -70,7 +70,7 @@ class Importer:
             module = sys.modules.get(name)
             if module is None:
                 spec = importlib.util.spec_from_file_location(name, path)
-                if spec is None:
+                if spec is None or spec.loader is None:
                     raise ImportError(f"cannot import {path}")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[name] = module          # dataclasses look their module up here
@@ -181,7 +181,7 @@ def rebuild_batch(plain, node, resolve, roots=()):
     """The batch with the user's container types back (BatchEncoding, dataclasses,
     namedtuples), from its plain form and the structure recorded in meta.json. A type that
     cannot be imported stays a plain container. Returns (batch, notes saying which)."""
-    notes = []
+    notes: list[str] = []
     return _rebuild(plain, node, resolve, [Path(r) for r in roots], notes), notes
 
 
@@ -232,7 +232,7 @@ def _inside(path, roots):
 
 def _construct(cls, kind, plain):
     if kind == "mapping" and isinstance(cls, type) and issubclass(cls, Mapping):
-        return cls(plain)
+        return cls(plain)  # type: ignore[call-arg]  # a Mapping subclass, built from a dict
     if kind == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
         fields = dataclasses.fields(cls)
         obj = cls(**{f.name: plain[f.name] for f in fields if f.init and f.name in plain})

@@ -26,7 +26,7 @@ from nanaudit.errors import (
 )
 
 
-def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = None):
+def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = None) -> Any:
     """Rebuild the session and set up the bundle's step again: from its config for a `scan`
     bundle, from the recorded recipes (or `model` / `loss` entrypoints) for one written by
     Sentinel or a callback. Returns (session, ScanOutcome, notes) ready for `build_finding`;
@@ -40,18 +40,19 @@ def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = N
     else:
         session = _recorded_session(bundle, model, loss)
     from nanaudit.report.vocabulary import Check
-    from nanaudit.run.step import SCHEDULE, ScanOutcome, StepState, Trip
+    from nanaudit.run.step import ScanOutcome, StepState, Trip
     meta = bundle.meta
     batch, notes = _batch(bundle, session.device)
     state = StepState(meta["step"], batch, rng_state(bundle.rng), meta.get("scale"),
                       batch_index=meta.get("batch_index"), micro_batch=meta.get("micro_batch"),
                       window=meta.get("window") or 1, halt_at=meta.get("halt_at"))
-    trip = Trip(meta["step"], meta["check"], rank=meta.get("rank"), note=meta.get("note"),
+    # A scan's bundle holds a sentinel's check or the schedule's; an error trip is the script's.
+    if meta["check"] not in tuple(Check) or meta["check"] == Check.ERROR:
+        raise ConfigError([Problem("meta.json", f"unknown check {meta['check']!r}")])
+    trip = Trip(meta["step"], Check(meta["check"]), rank=meta.get("rank"), note=meta.get("note"),
                 optimizer=meta.get("optimizer"), loss_name=meta.get("loss_name"),
                 micro_batch=meta.get("micro_batch"))
-    if trip.check not in (*Check, SCHEDULE):
-        raise ConfigError([Problem("meta.json", f"unknown check {trip.check!r}")])
-    if trip.check == "optimizer" and not bundle.from_scan:
+    if trip.check == Check.OPTIMIZER and not bundle.from_scan:
         raise UsageError(f"the bundle's finding is an optimizer update (step {trip.step}): "
                          f"the weights went non-finite in `optimizer.step()`, which replay does "
                          f"not re-run (it replays forward and backward); report.json holds the "
@@ -61,7 +62,7 @@ def replay_bundle(bundle: Bundle, model: str | None = None, loss: str | None = N
 
 
 @contextlib.contextmanager
-def bundle_import_path(bundle: Bundle, with_cwd: bool = False):
+def bundle_import_path(bundle: Bundle, with_cwd: bool = False) -> Any:
     """The folders the run imported the user's code from are importable during the replay
     (and the working folder for `--model` / `--loss`), then removed again."""
     from nanaudit.config.entrypoints import user_import_path
@@ -72,7 +73,7 @@ def bundle_import_path(bundle: Bundle, with_cwd: bool = False):
         yield
 
 
-def _scan_session(bundle: Bundle):
+def _scan_session(bundle: Bundle) -> Any:
     from nanaudit.config.parse import parse_config
     from nanaudit.config.reader import read_yaml
     from nanaudit.run.checkpoint import Checkpoint, apply_model_state
@@ -96,17 +97,17 @@ class _RecordedLoss:
     """The loss a recorded bundle replays, named in findings as the training code named it
     (`Regressor.training_step`, `Trainer.compute_loss`, your loss_fn)."""
 
-    def __init__(self, fn, label: str):
+    def __init__(self, fn: Any, label: str) -> None:
         self.fn, self.loss_label = fn, label
 
-    def __call__(self, model, batch):
+    def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
         return self.fn(model, batch)
 
 
 class BundlePrecision:
     """The recorded run's autocast (`precision` in meta.json) and its loss scale."""
 
-    def __init__(self, name: str | None, device):
+    def __init__(self, name: str | None, device: Any) -> None:
         from nanaudit.run.precision import DTYPES
         self.name = name if name in DTYPES else "fp32"
         self.dtype = DTYPES[self.name]
@@ -114,7 +115,7 @@ class BundlePrecision:
         self.scaler = None
         self.scale = 1.0
 
-    def autocast(self):
+    def autocast(self) -> Any:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -123,7 +124,7 @@ class BundlePrecision:
         return loss * scale if scale is not None else loss
 
 
-def _recorded_session(bundle: Bundle, model_target: str | None, loss_target: str | None):
+def _recorded_session(bundle: Bundle, model_target: str | None, loss_target: str | None) -> Any:
     """A session over the model and loss a Sentinel or callback bundle records: built as its
     repro.py builds them (the same functions), with the saved weights loaded."""
     from nanaudit.commands import bundle_script as recipes
@@ -145,7 +146,7 @@ def _recorded_session(bundle: Bundle, model_target: str | None, loss_target: str
                             precision=BundlePrecision(meta.get("precision"), device))
 
 
-def _build(what: str, build, meta: dict, resolve, override):
+def _build(what: str, build: Any, meta: dict, resolve: Any, override: Any) -> Any:
     from nanaudit.commands.bundle_script import Missing
     try:
         return build(meta, resolve, override)
@@ -167,7 +168,7 @@ def bundle_resolver(bundle: Bundle) -> Callable[[str], Any]:
     return lambda target: resolve(Entrypoint(target, "meta.json"), base)
 
 
-def _batch(bundle: Bundle, device) -> tuple[Any, list]:
+def _batch(bundle: Bundle, device: Any) -> tuple[Any, list]:
     """The saved batch on the device, with the user's container types rebuilt."""
     from nanaudit.commands.bundle_script import rebuild_batch
     from nanaudit.run.batch import to_device
@@ -176,7 +177,7 @@ def _batch(bundle: Bundle, device) -> tuple[Any, list]:
                          bundle.import_roots())
 
 
-def rng_state(payload: dict):
+def rng_state(payload: dict) -> Any:
     """The RngState a replay restores, from rng.pt (NumPy's state when it was saved)."""
     import dataclasses as dc
 

@@ -11,11 +11,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nanaudit._version import __version__
 from nanaudit.config.schema import Config
 from nanaudit.errors import USER_FAILURES, NanauditError, UserCodeError
 from nanaudit.exitcodes import ExitCode, stopped_by
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.report.model import Report
 from nanaudit.report.sections import ErrorInfo, InternalFailure, Interruption
 from nanaudit.report.vocabulary import Status
@@ -32,6 +34,8 @@ class ScanOptions:
     repro_per_step: bool = False      # ... into repro_dir/repro-step<N> rather than repro_dir
     on_step: Callable[[int], None] | None = None
     on_start: Callable[[int | None], None] | None = None   # told the number of steps, if known
+    keep_going: bool = False          # skip a bad step's update and go on (--keep-going) ...
+    max_bad_steps: int = MAX_BAD_STEPS   # ... at most this many; the next one stops the run
 
 
 def exit_code(report: Report) -> ExitCode:
@@ -46,7 +50,7 @@ def exit_code(report: Report) -> ExitCode:
     return ExitCode.INTERRUPTED if report.status == "interrupted" else ExitCode.INTERNAL
 
 
-def early_report(target, command: str, signal_name: str) -> Report:
+def early_report(target: Any, command: str, signal_name: str) -> Report:
     """The report of a command stopped before it built its own (torch still importing)."""
     import sys
     torch = sys.modules.get("torch")
@@ -66,7 +70,7 @@ def mark_interrupted(report: Report, signal_name: str) -> None:
                                         f"step(s); this report is partial")
 
 
-def base_report(config_path, config: Config | None) -> Report:
+def base_report(config_path: Any, config: Config | None) -> Report:
     import torch
     return Report(tool_version=__version__, config=config.summary() if config else
                   {"path": str(config_path)}, torch_version=torch.__version__, device="",
@@ -109,7 +113,7 @@ def guarded(report: Report, body: Callable[[], None],
     return report
 
 
-def configured(config_path, options: ScanOptions) -> Config:
+def configured(config_path: Any, options: ScanOptions) -> Config:
     """The config with the command-line overrides, each validated like the key it replaces;
     a file with problems raises them all, those of the code it names included."""
     from nanaudit.config.validate import load_with_all_problems
@@ -128,7 +132,7 @@ def nothing_audited(config: Config) -> str:
     return f"the data from `{config.data.target}` yielded no batches: nothing was audited"
 
 
-def rank_failed(coordinator, exc: BaseException, report: Report, patience: str) -> None:
+def rank_failed(coordinator: Any, exc: BaseException, report: Report, patience: str) -> None:
     """Under torchrun: adopt the error of the peer that failed first, or announce our own (a
     collective that failed without one: a peer died, or stopped answering `patience`)."""
     from nanaudit.run.distributed import DistributedError, is_collective_failure

@@ -5,6 +5,7 @@ repro bundle), with the rank coordination of a torchrun job.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nanaudit.commands.common import (
     ScanOptions,
@@ -29,14 +30,14 @@ def scan(config_path: str | Path, options: ScanOptions | None = None,
     report = base_report(config_path, config)
     coordinator = None
 
-    def body():
+    def body() -> None:
         nonlocal coordinator
         loaded = config or configured(config_path, chosen)
         report.config = loaded.summary()
         coordinator = _join(loaded)
         _run(loaded, chosen, report, coordinator)
 
-    def on_error(exc):
+    def on_error(exc: Any) -> None:
         if coordinator is not None:
             rank_failed(coordinator, exc, report, f"within distributed.timeout_s "
                         f"({coordinator.options.timeout_s:g}s)")
@@ -46,13 +47,13 @@ def scan(config_path: str | Path, options: ScanOptions | None = None,
     return report
 
 
-def _join(config: Config):
+def _join(config: Config) -> Any:
     """The torchrun coordinator when launched with WORLD_SIZE > 1, else None."""
     from nanaudit.run.distributed import Coordinator, launched_by_torchrun
     return Coordinator.start(config, config.device) if launched_by_torchrun() else None
 
 
-def _run(config: Config, options: ScanOptions, report: Report, coordinator=None) -> None:
+def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any = None) -> None:
     from nanaudit.config.entrypoints import user_import_path
     from nanaudit.localize.data_replay import trace_input
     from nanaudit.localize.early_warnings import attach_warnings
@@ -109,7 +110,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator=None)
             _merge_ranks(coordinator, report)
 
 
-def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None:
+def _write_repro(session: Any, outcome: Any, report: Report, options: ScanOptions) -> None:
     """The repro bundle of the finding, in a folder that holds nothing of the user's (see
     bundle.bundle_folder); a failure is recorded for the CLI (exit 9 when --repro asked)."""
     if options.repro_dir is None or outcome.state is None:
@@ -131,13 +132,13 @@ def _write_repro(session, outcome, report: Report, options: ScanOptions) -> None
         report.repro_error = f"cannot write the repro bundle to {folder}: {reason}"
 
 
-def _localizes_here(coordinator, trip) -> bool:
+def _localizes_here(coordinator: Any, trip: Any) -> bool:
     if coordinator is None:
         return True
     return coordinator.rank == (trip.rank if trip.rank is not None else 0)
 
 
-def _merge_ranks(coordinator, report: Report) -> None:
+def _merge_ranks(coordinator: Any, report: Report) -> None:
     """Every rank learns every rank's status and the one finding (the others wait here while
     the finding's rank localizes, bounded by distributed.timeout_s)."""
     section = coordinator.describe()
@@ -153,7 +154,7 @@ def _merge_ranks(coordinator, report: Report) -> None:
     report.distributed = section
 
 
-def audit(config_or_path, **overrides) -> Report:
+def audit(config_or_path: Any, **overrides: Any) -> Report:
     """Library entry: a config path (or a loaded Config) plus ScanOptions fields as keywords."""
     options = ScanOptions(**overrides)
     if isinstance(config_or_path, Config):

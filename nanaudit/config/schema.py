@@ -30,6 +30,7 @@ FAIL_ON = ("nonfinite", "warning")
 
 BACKENDS = ("auto", "gloo", "nccl")
 FSDP_PARAM_DTYPES = ("fp32", "bf16", "fp16")
+MESH_DIMS = ("dp_replicate", "dp_shard")    # `distributed.mesh`: HSDP's dimensions, outer first
 
 
 SENTINEL_READS = ("auto", *(mode.value for mode in SentinelReadMode))
@@ -135,6 +136,7 @@ class DistributedOptions:
     find_unused_parameters: bool = False
     fsdp: bool = False                # shard with FSDP2 (fully_shard per block) instead of DDP
     fsdp_param_dtype: str = "fp32"    # FSDP2's MixedPrecisionPolicy param_dtype (fp32: none)
+    mesh: dict | None = None          # HSDP: {dp_replicate: R, dp_shard: S}, R x S = world size
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

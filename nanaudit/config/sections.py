@@ -21,6 +21,7 @@ from nanaudit.config.schema import (
     ENTRYPOINT_KEYS,
     FSDP_PARAM_DTYPES,
     LOCALIZE_KEYS,
+    MESH_DIMS,
     WATCH_KEYS,
     AmpOptions,
     BuilderSpec,
@@ -221,7 +222,25 @@ def distributed(value: Any, problems: Problems) -> DistributedOptions:
         fsdp=bool(values.boolean(raw.get("fsdp", d.fsdp), "distributed.fsdp", problems)),
         fsdp_param_dtype=values.choice(raw.get("fsdp_param_dtype", d.fsdp_param_dtype),
                                        "distributed.fsdp_param_dtype", FSDP_PARAM_DTYPES,
-                                       problems))
+                                       problems),
+        mesh=mesh_dims(raw.get("mesh"), problems))
+
+
+def mesh_dims(value: Any, problems: Problems) -> dict | None:
+    """`distributed.mesh: {dp_replicate: 2, dp_shard: 2}`: HSDP's mesh, both sizes positive
+    integers, in MESH_DIMS order (absent: FSDP2 over one dimension)."""
+    if value is None:
+        return None
+    raw = values.mapping(value, "distributed.mesh", MESH_DIMS, problems)
+    sizes = {name: values.positive_int(raw[name], f"distributed.mesh.{name}", problems)
+             for name in MESH_DIMS if name in raw}
+    if isinstance(value, dict) and set(raw) != set(MESH_DIMS):
+        missing = ", ".join(name for name in MESH_DIMS if name not in raw)
+        problems.append(Problem("distributed.mesh", f"expected both {' and '.join(MESH_DIMS)}; "
+                                f"missing {missing}"))
+    if len(sizes) != len(MESH_DIMS) or None in sizes.values():
+        return None
+    return sizes
 
 
 def compile_options(value: Any, problems: Problems) -> CompileOptions | None:

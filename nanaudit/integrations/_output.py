@@ -9,6 +9,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ def write_reports(report: Report, folder: str | Path, echo: bool = True) -> dict
     return paths
 
 
-def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer, trip, state,
-                      finding, report_json: str, meta: dict) -> Path:
+def write_step_bundle(folder: str | Path, model: torch.nn.Module, optimizer: Any, trip: Any,
+                      state: Any, finding: Any, report_json: str, meta: dict) -> Path:
     """The failing step as a repro bundle, written atomically: state.pt (model and optimizer
     state before the update), rng.pt, batch.pt, rows.pt (the offending rows), meta.json,
     report.json and repro.py. Everything loads with torch.load(weights_only=True).
@@ -121,7 +122,7 @@ def model_recipe(model: torch.nn.Module) -> dict:
     return recipe
 
 
-def callable_target(fn) -> tuple[str | None, str | None]:
+def callable_target(fn: Any) -> tuple[str | None, str | None]:
     """(`module:qualname`, None) for a function another process can import, else (None, why)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or not qualname:
@@ -148,7 +149,7 @@ def precision_name(mixed: str | None) -> str:
     return "fp16" if text.startswith("16") else "fp32"
 
 
-def _constructor_arguments(cls) -> list[str] | None:
+def _constructor_arguments(cls: Any) -> list[str] | None:
     import inspect
     try:
         parameters = inspect.signature(cls.__init__).parameters.values()
@@ -159,14 +160,14 @@ def _constructor_arguments(cls) -> list[str] | None:
             + p.name for p in list(parameters)[1:]]
 
 
-def _json_or_none(value):
+def _json_or_none(value: Any) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError):
         return None
 
 
-def _roots(targets: list, structure) -> list[str]:
+def _roots(targets: list, structure: Any) -> list[str]:
     """The folders the user's modules named in the bundle were imported from (the folder above
     each top-level package), leaving out the interpreter's own library folders."""
     import sysconfig
@@ -193,7 +194,7 @@ def _roots(targets: list, structure) -> list[str]:
     return roots
 
 
-def write_sentinel_outputs(sentinel, folder: str | Path) -> Path:
+def write_sentinel_outputs(sentinel: Any, folder: str | Path) -> Path:
     """A Sentinel's trip: the repro bundle `repro-step<N>/` and the reports, into `folder`."""
     from nanaudit.report.formats import renderer_for
     report = sentinel.report

@@ -74,6 +74,7 @@ class NanauditCallback(Callback):
         """The replay's loss: the module's own training_step, under the precision plugin's
         autocast; under manual optimization the k-th manual_backward's loss, nothing stepped."""
         trainer = self._trainer
+        assert self.sentinel is not None, "a replay runs after on_fit_start"
         micro = self.sentinel.replaying
         batch_idx = micro.index if micro is not None else self._batch_idx
         with trainer.precision_plugin.train_step_context():

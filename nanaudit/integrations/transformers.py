@@ -81,6 +81,7 @@ class NanauditCallback(TrainerCallback):
         # compiled too (the Trainer's own names are the user's either way).
         wrapped = getattr(trainer, "model_wrapped", None)
         model = wrapped if find_compiled(wrapped) is not None else trainer.model
+        assert model is not None, "a Trainer that calls on_train_begin holds its model"
         self.sentinel = Sentinel(model, trainer.optimizer, loss_fn=self._replay_loss,
                                  scaler=getattr(trainer.accelerator, "scaler", None),
                                  isolate_samples=self.isolate_samples,
@@ -104,10 +105,12 @@ class NanauditCallback(TrainerCallback):
             batch = dict(inputs)                 # BatchEncoding -> dict; compute_loss pops labels
             callback._num_items = kwargs.get("num_items_in_batch")
             callback._loss_model = model
-            callback.sentinel.capture_rng()
+            sentinel = callback.sentinel
+            assert sentinel is not None, "compute_loss is wrapped in on_train_begin"
+            sentinel.capture_rng()
             out = original(model, inputs, *args, **kwargs)
             loss = out[0] if isinstance(out, tuple) else out
-            callback.sentinel.micro_batch(batch, loss, index=callback._batches_seen)
+            sentinel.micro_batch(batch, loss, index=callback._batches_seen)
             callback._batches_seen += 1
             return out
         # An instance attribute shadows the class's method: the wrap `_unwrap` deletes.
@@ -116,6 +119,8 @@ class NanauditCallback(TrainerCallback):
     def _replay_loss(self, model, batch):
         """The Trainer's own compute_loss on the recorded inputs, under its autocast."""
         trainer = self.trainer
+        assert trainer is not None and self._original is not None, \
+            "a replay runs after on_train_begin"
         kwargs = {}
         if self._num_items is not None:
             kwargs["num_items_in_batch"] = self._num_items
@@ -142,6 +147,7 @@ class NanauditCallback(TrainerCallback):
             if self.on_finding == "raise":
                 self._unwrap()                   # on_train_end does not run after a raise
                 raise
+            assert self.trainer is not None and self.trainer.model is not None
             for p in self.trainer.model.parameters():
                 p.grad = None                   # the optimizer step updates nothing
             control.should_training_stop = True

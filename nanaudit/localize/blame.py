@@ -12,6 +12,7 @@ received or made and that was masked away: pytorch issue 4132); a value no trace
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from nanaudit.localize.infinities import (
 )
 from nanaudit.localize.ops import dtype_name, op_base
 from nanaudit.localize.rules.registry import Reason, domain_reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 OUTSIDE_FIX = ("check the code that produced this tensor outside torch (the autograd.Function's "
                "forward, the numpy or C code): guard its result with `torch.isfinite`, or compute "
@@ -50,7 +51,7 @@ class Blame:
 class Blamer:
     """Blames the op that created a bad value, or the op upstream that explains it."""
 
-    def __init__(self, trace: Trace, timeline):
+    def __init__(self, trace: Trace, timeline: Any) -> None:
         self.trace, self.timeline = trace, timeline
         self.sources = InfinitySources(trace, timeline)
         self.by_source = SourceBlame(trace)
@@ -64,7 +65,7 @@ class Blamer:
                             origin=creator.untracked.get(untracked[0]))
             return self.by_source.of(source, chain[1:], None) or \
                 blame_outside(source, chain, signed(set().union(*creator.in_kinds)))
-        if creator.phase == "backward" and creator.function is None:
+        if creator.phase == Where.BACKWARD and creator.function is None:
             # a built-in gradient: explained by its forward op and that op's inputs. The ops of
             # a custom Function's backward are the user's own code, judged like forward ops.
             return self.gradient(creator, chain, kind)
@@ -128,7 +129,7 @@ class Blamer:
         if found is not None:
             return found
         reason = domain_reason(forward.func or forward.op, forward.args, forward.kwargs,
-                               "forward")
+                               Where.FORWARD)
         if sources and reason is not None and reason.cause == Cause.SOFTMAX_ALL_MASKED:
             text = (reason.text + f"; the -inf came from {describe(sources[0])}, and "
                     f"the backward of {op_base(forward.op)} computed {op_base(creator.op)} "
@@ -147,7 +148,7 @@ class Blamer:
         if kind != "nan" or not (creator.infinite_inputs() or creator.scalar_infinities()):
             return None
         sources = [s for s in self.sources.of_nan(creator)
-                   if s.event.phase == "backward" and s.specific]
+                   if s.event.phase == Where.BACKWARD and s.specific]
         return self.by_source.first_of(sources, chain, creator)
 
 
@@ -158,7 +159,7 @@ class SourceBlame:
     def __init__(self, trace: Trace):
         self.trace = trace
 
-    def first_of(self, sources: list, downstream: list, nan_maker) -> Blame | None:
+    def first_of(self, sources: list, downstream: list, nan_maker: Any) -> Blame | None:
         """The blame of the first source that explains itself, sources with a cause first."""
         for source in sorted(sources, key=lambda s: not s.specific):
             found = self.of(source, downstream, nan_maker)
@@ -166,7 +167,7 @@ class SourceBlame:
                 return found
         return None
 
-    def of(self, source: Source, downstream: list, nan_maker) -> Blame | None:
+    def of(self, source: Source, downstream: list, nan_maker: Any) -> Blame | None:
         """`downstream` leads from the source's chain to the sink; `nan_maker` is the op that
         turned the infinity into NaN (None when the sink holds the infinity itself)."""
         if source.specific and source.reason is not None:
@@ -190,7 +191,7 @@ class SourceBlame:
         return reason.text + origin_note(self.trace, reason)
 
 
-def _onward(source: Source, downstream: list, nan_maker) -> str:
+def _onward(source: Source, downstream: list, nan_maker: Any) -> str:
     """How the infinity went on from its maker: to the op that made NaN of it, or to the sink."""
     if nan_maker is not None:
         return how_nan(nan_maker)
@@ -205,9 +206,9 @@ def masked_consumer(events: list) -> tuple[int, OpEvent, Reason] | None:
     """The last softmax / log_softmax / logsumexp on the path whose row was all -inf."""
     found = None
     for index, event in enumerate(events):
-        if event.phase != "forward":
+        if event.phase != Where.FORWARD:
             break
-        reason = domain_reason(event.func or event.op, event.args, event.kwargs, "forward")
+        reason = domain_reason(event.func or event.op, event.args, event.kwargs, Where.FORWARD)
         if reason is not None and reason.cause == Cause.SOFTMAX_ALL_MASKED:
             found = (index, event, reason)
     return found
@@ -238,7 +239,7 @@ def plain_rng(diagnosis: Diagnosis) -> Diagnosis:
     return Diagnosis(diagnosis.cause, diagnosis.explanation, diagnosis.fix)
 
 
-def origin_note(trace: Trace, diagnosis) -> str:
+def origin_note(trace: Trace, diagnosis: Any) -> str:
     """Where the value that hit an edge came from (`the 0 came from softplus ...`)."""
     operand, mask = diagnosis.operand, diagnosis.mask
     if operand is None or mask is None:

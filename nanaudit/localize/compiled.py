@@ -34,7 +34,7 @@ from typing import Any
 
 from nanaudit.localize.compiled_graph import BadNode, NodeWatch
 from nanaudit.report.sections import CompiledReplay, StageReplay
-from nanaudit.report.vocabulary import CompiledOutcome, CompileStage
+from nanaudit.report.vocabulary import Check, CompiledOutcome, CompileStage, Where
 from nanaudit.run.compiled import CompiledModel, stance
 
 Replay = Callable[[], bool]       # the step again from its saved state: is the value back?
@@ -194,9 +194,9 @@ def _random_draws(replay: Replay, narrowed: Narrowed, lines: list | None) -> Non
     narrowed.random_lines = list(dict.fromkeys(lines))
 
 
-def step_phase(check: str) -> str:
+def step_phase(check: Check) -> Where:
     """The phase a sentinel's check saw the value in."""
-    return "forward" if check == "loss" else "backward"
+    return Where.FORWARD if check == Check.LOSS else Where.BACKWARD
 
 
 def sink_kind(value: str | None) -> str:

@@ -15,9 +15,11 @@ from nanaudit.localize.compiled_graph import BadNode
 from nanaudit.localize.replay import preserved_buffers, replay_reproduces
 from nanaudit.report.model import ChainLink, Finding, SampleSearch
 from nanaudit.report.sections import CompiledReplay
-from nanaudit.report.vocabulary import Cause, CompiledOutcome, CompileStage
+from nanaudit.report.vocabulary import Cause, Check, CompiledOutcome, CompileStage, Where
 from nanaudit.run.compiled import CompiledModel
 from nanaudit.run.names import user_named
+from nanaudit.run.session import Session
+from nanaudit.run.step import StepState, Trip
 
 GRAPHS = {"graph": "dynamo's graph", "forward": "AOTAutograd's forward graph",
           "backward": "AOTAutograd's backward graph"}
@@ -27,7 +29,7 @@ MINIFY = ("make a minimal repro with torch's minifier (`TORCHDYNAMO_REPRO_AFTER=
           "./torch_compile_debug) and report it at https://github.com/pytorch/pytorch/issues")
 
 
-def replayed_compiled(session, state, trip, compiled: CompiledModel,
+def replayed_compiled(session: Session, state: StepState, trip: Trip, compiled: CompiledModel,
                       not_reproduced: Finding) -> Finding:
     """A scan, Sentinel or callback step whose eager replay came out finite, replayed compiled
     from the same state: the compiled-only finding, or the finding that it did not reproduce
@@ -44,7 +46,7 @@ def replayed_compiled(session, state, trip, compiled: CompiledModel,
     if narrowed.replay.outcome != CompiledOutcome.COMPILED_ONLY:
         not_reproduced.compiled = narrowed.replay
         return not_reproduced
-    gradient = trip.check == "gradient"
+    gradient = trip.check == Check.GRADIENT
     finding = compiled_only_finding(narrowed, trip.step, not_reproduced.value,
                                     step_phase(trip.check),
                                     (bad[0] if bad else None) if gradient else "loss",
@@ -55,7 +57,7 @@ def replayed_compiled(session, state, trip, compiled: CompiledModel,
     return finding
 
 
-def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
+def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: Where,
                           tensor: str | None, tensors: list) -> Finding:
     """The finding of a step the compiled program makes non-finite and eager does not."""
     section, node = narrowed.replay, narrowed.node
@@ -69,9 +71,8 @@ def compiled_only_finding(narrowed: Narrowed, step: int, value: str, phase: str,
     finding.explain(_stages_clause(section))
     if section.random_ops:
         # The op where the value shows depends on which numbers were drawn: never named as
-        # the op that made it. The line is the random op's.
-        lines = narrowed.random_lines or []
-        finding.source = lines[0] if lines else None
+        # the op that made it, and so no line either (a finding's line is its op's). The
+        # random ops' lines are in the explanation.
         finding.explain(_random_clause(narrowed))
     elif node is not None:
         finding.op, finding.source, finding.inputs = node.op, node.source, node.inputs
@@ -153,7 +154,7 @@ def _fix(narrowed: Narrowed) -> str:
 
 
 def _link(node: BadNode) -> ChainLink:
-    return ChainLink(op=node.op, where="backward" if node.graph == "backward" else "forward",
-                     module=node.module,
+    where = Where.BACKWARD if node.graph == "backward" else Where.FORWARD
+    return ChainLink(op=node.op, where=where, module=node.module,
                      value=sorted(node.out_kinds),
                      line=node.source.line if node.source else None)

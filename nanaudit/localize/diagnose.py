@@ -21,7 +21,7 @@ from nanaudit.localize.events import signed
 from nanaudit.localize.ops import dtype_name, op_base, scalar_infinities
 from nanaudit.localize.overflow import amax, overflow_bound
 from nanaudit.localize.rules.registry import Reason, domain_reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -42,7 +42,7 @@ def as_diagnosis(reason: Reason, text: str | None = None) -> Diagnosis:
 
 # --- growth on the timeline --------------------------------------------------------------------
 
-def growth_before(timeline, min_steps: int = 3, min_factor: float = 10.0):
+def growth_before(timeline: Any, min_steps: int = 3, min_factor: float = 10.0) -> Any:
     """(metric, first step of the growth, factor) when loss or grad norm grew geometrically."""
     for metric in ("grad_norm", "loss"):
         values = [(e.step, getattr(e, metric)) for e in timeline
@@ -64,10 +64,10 @@ def growth_before(timeline, min_steps: int = 3, min_factor: float = 10.0):
 
 # --- an infinity made from finite inputs ---------------------------------------------------------
 
-def infinity_reason(event, timeline) -> Reason | None:
+def infinity_reason(event: Any, timeline: Any) -> Reason | None:
     """Why an op made +-inf from finite inputs: a domain rule, else a real overflow (only when
     the result can exceed the range given the inputs), else None."""
-    subject = event.forward if event.phase == "backward" and event.forward is not None \
+    subject = event.forward if event.phase == Where.BACKWARD and event.forward is not None \
         and event.forward.args is not None else None
     if subject is not None:
         reason = domain_reason(subject.func or subject.op, subject.args, subject.kwargs,
@@ -80,7 +80,7 @@ def infinity_reason(event, timeline) -> Reason | None:
     return overflow_reason(event, timeline)
 
 
-def _dst_dtype(event) -> torch.dtype | None:
+def _dst_dtype(event: Any) -> torch.dtype | None:
     """The dtype an op wrote: the cast's target (`dtype=`, or copy's destination), else None."""
     dtype = (event.kwargs or {}).get("dtype") if event.args is not None else None
     if isinstance(dtype, torch.dtype):
@@ -91,7 +91,7 @@ def _dst_dtype(event) -> torch.dtype | None:
     return None
 
 
-def overflow_reason(event, timeline) -> Reason:
+def overflow_reason(event: Any, timeline: Any) -> Reason:
     base = op_base(event.op)
     bound = overflow_bound(event.op, event.args, event.kwargs, _dst_dtype(event))
     made = signed(event.out_kinds - {"nan"}) if event.out_kinds - {"nan"} else "NaN"
@@ -116,7 +116,7 @@ def overflow_reason(event, timeline) -> Reason:
                                         f"holds at most {bound.limit:.6g}")
 
 
-def _no_bound(event, base, made) -> Reason:
+def _no_bound(event: Any, base: str, made: Any) -> Reason:
     tensors = [a for a in list(event.args or ()) + list((event.kwargs or {}).values())
                if isinstance(a, torch.Tensor) and a.is_floating_point()]
     largest = max((amax(t) for t in tensors), default=0.0)
@@ -132,18 +132,18 @@ def _no_bound(event, base, made) -> Reason:
 
 # --- the diagnosis of one creating op ---------------------------------------------------------
 
-def diagnose(event, kind: str, timeline) -> Diagnosis:
+def diagnose(event: Any, kind: str, timeline: Any) -> Diagnosis:
     """The cause of a value of `kind` ('nan' or 'inf') created by `event` from its own inputs
     (the localizer has already followed any infinity it received back to its maker)."""
     forward = event.forward
     subject = (forward.func or forward.op, forward.args, forward.kwargs) \
-        if event.phase == "backward" and forward is not None else None
+        if event.phase == Where.BACKWARD and forward is not None else None
     reason = domain_reason(*subject, event.phase) if subject else None
     if reason is None:
         reason = domain_reason(event.func or event.op, event.args, event.kwargs, event.phase)
     if reason is not None:
         text = reason.text
-        if event.phase == "backward" and subject:
+        if event.phase == Where.BACKWARD and subject:
             text += f" (backward of {op_base(forward.op)} computed {op_base(event.op)})"
         return as_diagnosis(reason, text)
     infinite = any(k & {"inf", "-inf"} for k in event.in_kinds) or \
@@ -168,7 +168,7 @@ def diagnose(event, kind: str, timeline) -> Diagnosis:
     return Diagnosis(Cause.UNKNOWN, text, fix_for(Cause.UNKNOWN))
 
 
-def masked_gradient(event, forward, reason: Reason | None, origin_text: str | None = None
+def masked_gradient(event: Any, forward: Any, reason: Reason | None, origin_text: str | None = None
                     ) -> Diagnosis:
     """A forward value made non-finite by `forward` and masked away; backward made NaN of it."""
     kinds = "/".join(sorted(forward.out_kinds))

@@ -15,6 +15,7 @@ import torch
 
 from nanaudit.localize.ops import op_base, scalar_infinities, scalar_overflows
 from nanaudit.report.model import SourceLine
+from nanaudit.report.vocabulary import Where
 from nanaudit.run.checks import dense_values
 
 
@@ -37,7 +38,7 @@ def carries(kinds: frozenset, kind: str) -> bool:
     return "nan" in kinds if kind == "nan" else bool(kinds & {"inf", "-inf"})
 
 
-def signed(kinds) -> str:
+def signed(kinds: set | frozenset) -> str:
     """'-inf', '+inf', '+-inf' or 'NaN' for a set of kinds, for explanations."""
     kinds = set(kinds)
     if "nan" in kinds:
@@ -74,7 +75,7 @@ class OpEvent:
 
     index: int
     op: str
-    phase: str                     # "forward" | "backward"
+    phase: Where                   # forward or backward
     module: str | None
     source: SourceLine | None
     out_kinds: frozenset
@@ -92,7 +93,7 @@ class OpEvent:
     @property
     def function(self) -> str | None:
         """The custom autograd.Function whose hand-written backward ran this op, if any."""
-        if self.phase == "backward" and self.forward is not None:
+        if self.phase == Where.BACKWARD and self.forward is not None:
             return self.forward.function
         return None
 
@@ -142,7 +143,11 @@ class Trace:
         value into (a view made below autograd, as FSDP's flat reduce-scatter buffer is
         filled, is not the tensor the op returned)."""
         found = self.producer.get(id(t))
-        return found if found is not None else self.written.get(_storage(t))
+        local = getattr(t, "_local_tensor", None)    # a DTensor: the op made its local tensor
+        if found is None and local is not None:
+            found = self.producer.get(id(local))
+        return found if found is not None else self.written.get(_storage(local if local
+                                                                         is not None else t))
 
     def wrote_into(self, t: torch.Tensor, event: int) -> None:
         """An in-place or `out=` op wrote a bad value into `t`'s memory."""

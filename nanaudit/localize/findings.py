@@ -24,7 +24,7 @@ from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_sta
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.report.sections import CompiledReplay
-from nanaudit.report.vocabulary import Cause, CompiledOutcome
+from nanaudit.report.vocabulary import Cause, Check, CompiledOutcome, Where
 from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
 from nanaudit.run.checks import nonfinite_names, value_kind
 from nanaudit.run.compiled import find_compiled, replay_eagerly
@@ -40,11 +40,11 @@ def build_finding(session: Session, outcome: ScanOutcome, isolate_samples: bool 
     trip, state = outcome.trip, outcome.state
     if trip is None or state is None:
         raise ValueError("build_finding needs a tripped outcome (a trip and its step's state)")
-    if trip.check == "input":
+    if trip.check == Check.INPUT:
         finding = input_finding(session, state)
-    elif trip.check in ("parameter", "optimizer"):
+    elif trip.check in (Check.PARAMETER, Check.OPTIMIZER):
         finding = state_finding(session, trip)
-    elif trip.check == "schedule":
+    elif trip.check == Check.SCHEDULE:
         finding = schedule_finding(session, trip)
     else:
         finding = localized_finding(session, state, trip, outcome.timeline, isolate_samples,
@@ -82,7 +82,7 @@ def input_finding(session: Session, state: StepState) -> Finding:
     row_text = f" in row(s) {short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
-    return Finding(step=state.step, where="input", value=value_kind(first),
+    return Finding(step=state.step, where=Where.INPUT, value=value_kind(first),
                    cause=Cause.NONFINITE_INPUT, explanation=explanation,
                    fix=fix_for(Cause.NONFINITE_INPUT),
                    tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
@@ -100,8 +100,8 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     tensors = dict(named_params) | dict(named_buffers)
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
-    if trip.check == "optimizer" and params:
-        finding = Finding(step=trip.step, where="optimizer", value=value,
+    if trip.check == Check.OPTIMIZER and params:
+        finding = Finding(step=trip.step, where=Where.OPTIMIZER, value=value,
                           cause=Cause.OPTIMIZER_UPDATE,
                           explanation=_optimizer_text(session, trip.step, params),
                           fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
@@ -110,13 +110,13 @@ def state_finding(session: Session, trip: Trip) -> Finding:
                       session.param_names, trip.rank)
         return finding
     ckpt = session.options.checkpoint
-    origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == "parameter"
+    origin = (f"the checkpoint {ckpt}" if ckpt and trip.step == 0 and trip.check == Check.PARAMETER
               else "the model's state")
-    when = "before step 0" if trip.check == "parameter" else f"after step {trip.step}"
+    when = "before step 0" if trip.check == Check.PARAMETER else f"after step {trip.step}"
     explanation = (f"{origin} holds non-finite values {when}: "
                    f"{short(names)}" + (" (buffers changed by forward, not by the optimizer)"
                                          if not params else ""))
-    return Finding(step=trip.step, where="parameter", value=value,
+    return Finding(step=trip.step, where=Where.PARAMETER, value=value,
                    cause=Cause.NONFINITE_PARAMETER, explanation=explanation,
                    fix=fix_for(Cause.NONFINITE_PARAMETER),
                    tensor=names[0] if names else None, inputs=stats, tensors=names)
@@ -126,7 +126,7 @@ def schedule_finding(session: Session, trip: Trip) -> Finding:
     """A learning rate no update may run with, caught before the update was applied."""
     names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
              for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
-    return Finding(step=trip.step, where="optimizer", value=_lr_kind(trip.note or ""),
+    return Finding(step=trip.step, where=Where.OPTIMIZER, value=_lr_kind(trip.note or ""),
                    cause=Cause.OPTIMIZER_UPDATE,
                    explanation=f"before the update of step {trip.step}: {trip.note}",
                    fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=names[0] if names else None,
@@ -174,8 +174,8 @@ def localized_finding(session, state, trip, timeline, isolate_samples,
             return finding
         return replayed_compiled(session, state, trip, compiled, finding)
     bad = loc.bad_tensors or []
-    finding = traced_finding(loc, trip.step, tensor=bad[0] if trip.check == "gradient" and bad
-                             else (None if trip.check == "gradient" else "loss"),
+    finding = traced_finding(loc, trip.step, tensor=bad[0] if trip.check == Check.GRADIENT and bad
+                             else (None if trip.check == Check.GRADIENT else "loss"),
                              tensors=bad, loss_name=_loss_name(session))
     if compiled is not None:
         finding.compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
@@ -200,11 +200,11 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
     assert event is not None and loc.diagnosis is not None and loc.kind is not None, \
         "a reproduced localization"
     return Finding(
-        step=step, where=event.phase, value=loc.kind, cause=loc.diagnosis.cause,
+        step=step, where=Where(event.phase), value=loc.kind, cause=loc.diagnosis.cause,
         explanation=loc.diagnosis.explanation, fix=loc.diagnosis.fix, op=event.op,
-        forward_op=event.forward.op if event.phase == "backward" and event.forward else None,
+        forward_op=event.forward.op if event.phase == Where.BACKWARD and event.forward else None,
         module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
-        forward_inputs=forward_input_stats(event) if event.phase == "backward" else [],
+        forward_inputs=forward_input_stats(event) if event.phase == Where.BACKWARD else [],
         reproduced=True, tensors=tensors, tensor=tensor,
         chain=[_chain_link(e, loss_name) for e in loc.chain or []])
 
@@ -213,7 +213,7 @@ def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
     """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
     backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
     per-row norm; one of a matmul with a weight sums over the rows)."""
-    if not batch_size or (event.phase != "forward" and (
+    if not batch_size or (event.phase != Where.FORWARD and (
             event.forward is None or event.forward.reads_weights)):
         return None
     rows: set[int] = set()
@@ -275,7 +275,7 @@ def module_name(event, loss_name: str | None) -> str | None:
     named as the config names it (`train:compute_loss`), not as the root module."""
     if event.module is not None:
         return event.module
-    if event.phase == "forward" or event.forward is not None:
+    if event.phase == Where.FORWARD or event.forward is not None:
         return loss_name
     return None
 
@@ -297,10 +297,10 @@ def received_kinds(event) -> list[str]:
             for name, kinds in zip(names, event.in_kinds)]
 
 
-def _tripped(trip: Trip) -> tuple[str, str, str]:
+def _tripped(trip: Trip) -> tuple[str, str, Where]:
     """(what tripped, the kind of value it read, where) for a loss or gradient trip."""
-    what = "loss" if trip.check == "loss" else "gradients"
-    value = trip.loss if trip.check == "loss" else trip.grad_norm
+    what = "loss" if trip.check == Check.LOSS else "gradients"
+    value = trip.loss if trip.check == Check.LOSS else trip.grad_norm
     kind = "nan" if value != value else ("inf" if value and value > 0 else "-inf")
     return what, kind, step_phase(trip.check)
 
@@ -310,7 +310,7 @@ def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
     outside the model (a call counter deciding which optimizer steps, a cache) is the likelier
     reason: nanaudit restores the model, buffers, optimizers, schedulers and RNGs, not that."""
     what, kind, where = _tripped(trip)
-    named = f" `{trip.loss_name}`" if trip.check == "loss" and trip.loss_name else ""
+    named = f" `{trip.loss_name}`" if trip.check == Check.LOSS and trip.loss_name else ""
     outside = ("state your step function keeps outside the model, which the replay does not "
                "restore (a call counter choosing which optimizers step, a cache, a generator "
                "of its own), or " if own_step else "")

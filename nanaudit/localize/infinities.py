@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from nanaudit.localize.diagnose import infinity_reason
 from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, signed
 from nanaudit.localize.ops import dtype_name, named_tensors, op_base
 from nanaudit.localize.rules.registry import Reason
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 # Causes that name no source: the walk looks further for one that does.
 SPECIFIC_EXCLUDED = (Cause.UNKNOWN, Cause.INF_ARITHMETIC)
@@ -54,7 +55,7 @@ class Source:
 class InfinitySources:
     """Finds and classifies the makers of the infinities an op received."""
 
-    def __init__(self, trace: Trace, timeline):
+    def __init__(self, trace: Trace, timeline: Any) -> None:
         self.trace, self.timeline = trace, timeline
 
     def classify(self, event: OpEvent, chain: list) -> Source:
@@ -62,7 +63,7 @@ class InfinitySources:
         untracked = [i for i, p in event.infinite_inputs() if p is None]
         if untracked:
             return Source("outside", event, chain, origin=event.untracked.get(untracked[0]))
-        users_code = event.phase == "forward" or event.function is not None
+        users_code = event.phase == Where.FORWARD or event.function is not None
         if users_code and event.scalar_infinities():
             return Source("written", event, chain)
         if users_code and event.scalar_overflows():
@@ -102,7 +103,7 @@ class InfinitySources:
 
 # --- words ---------------------------------------------------------------------------------------
 
-def line_of(event) -> str:
+def line_of(event: OpEvent | ForwardRecord) -> str:
     """` in model.norm (modeling_llama.py:65)`: where an op ran, for explanations."""
     src = event.source
     module = f" in {event.module}" if event.module else ""

@@ -32,15 +32,15 @@ class ModuleStack:
                         register_module_forward_hook(self._pop, always_call=True)]
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
 
-    def _push(self, module, args) -> None:
+    def _push(self, module: torch.nn.Module, args: tuple) -> None:
         self.stack.append(self.names.get(id(module), f"<{type(module).__name__}>"))
 
-    def _pop(self, module, args, output) -> None:
+    def _pop(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.stack:
             self.stack.pop()
 

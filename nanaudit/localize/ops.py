@@ -30,7 +30,7 @@ def is_collective(op_name: str) -> bool:
     return op_name.startswith(("c10d.", "_c10d_functional.", "c10d_functional."))
 
 
-def packet_of(func) -> Any:
+def packet_of(func: Any) -> Any:
     """The overload packet of an aten op (`aten.log` for `aten.log.default`); None for a name."""
     return getattr(func, "overloadpacket", None)
 
@@ -40,14 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def schema_names(func) -> tuple:
+def schema_names(func: Any) -> tuple:
     """The op's argument names from its schema (`self`, `other`); () when it has none (read
     once per op: the tracer asks it of every op it sees)."""
     schema = getattr(func, "_schema", None)
     return tuple(a.name for a in schema.arguments) if schema is not None else ()
 
 
-def named_tensors(arg_names, args, kwargs) -> list:
+def named_tensors(arg_names: Any, args: tuple, kwargs: dict) -> list:
     """(name, tensor) for each tensor argument, named by the op's schema (`self`, `other`)."""
     named = []
     for i, arg in enumerate(args or ()):
@@ -71,7 +71,7 @@ VALUE_SCALAR_OPS = frozenset({
 })
 
 
-def scalar_infinities(args, kwargs, op: str | None = None) -> list:
+def scalar_infinities(args: tuple, kwargs: dict, op: str | None = None) -> list:
     """Non-finite Python numbers among an op's value arguments (`float('-inf')` given to
     masked_fill); parameters such as `norm(p=inf)` are not values."""
     if op is not None and op_base(op) not in VALUE_SCALAR_OPS:
@@ -83,7 +83,7 @@ def scalar_infinities(args, kwargs, op: str | None = None) -> list:
     return found
 
 
-def scalar_overflows(args, kwargs, op: str | None = None) -> list:
+def scalar_overflows(args: tuple, kwargs: dict, op: str | None = None) -> list:
     """Finite Python numbers among an op's value arguments that the op's floating dtype cannot
     hold (a statistic computed on the host through `.item()`): inf once the op casts them."""
     if op is not None and op_base(op) not in VALUE_SCALAR_OPS:

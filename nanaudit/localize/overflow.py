@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class Bound:
     how: str                     # the formula, for the explanation
 
 
-def amax(t) -> float:
+def amax(t: Any) -> float:
     """The largest finite |value| of a tensor or number (0 for anything else)."""
     if isinstance(t, (int, float)):
         return abs(float(t))
@@ -38,7 +39,7 @@ def amax(t) -> float:
     return float(t.detach().abs().double().nan_to_num(0, 0, 0).max())
 
 
-def _amin(t) -> float:
+def _amin(t: torch.Tensor) -> float:
     if not isinstance(t, torch.Tensor) or not t.numel():
         return 0.0
     return float(t.detach().abs().double().nan_to_num(0, 0, 0).min())
@@ -55,7 +56,7 @@ class _Operands:
     dtype: torch.dtype
     largest: float               # the largest |input| over the floating inputs
 
-    def arg(self, i: int, name: str, default=None):
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
         return self.args[i] if len(self.args) > i else self.kwargs.get(name, default)
 
 
@@ -100,12 +101,12 @@ BOUNDED = {"relu", "gelu", "silu", "tanh", "sigmoid", "hardtanh", "abs", "neg", 
            "embedding", "native_dropout", "dropout"}
 
 
-def _product_bound(a, b, k):
+def _product_bound(a: Any, b: Any, k: Any) -> Any:
     return amax(a) * amax(b) * k
 
 
 @_bound_of(*MATMULS)
-def _matmul(o: _Operands):
+def _matmul(o: _Operands) -> Any:
     i, j = MATMULS[o.base]
     a, b = o.args[i], o.args[j]
     k = a.shape[-1] if a.dim() else 1
@@ -120,7 +121,7 @@ def _matmul(o: _Operands):
 
 
 @_bound_of(*CONVOLUTIONS)
-def _convolution(o: _Operands):
+def _convolution(o: _Operands) -> Any:
     x, w = o.args[0], o.args[1]
     k = w[0].numel() if w.dim() else 1
     bias = o.args[2] if len(o.args) > 2 and isinstance(o.args[2], torch.Tensor) else None
@@ -129,27 +130,27 @@ def _convolution(o: _Operands):
 
 
 @_bound_of("mul")
-def _mul(o: _Operands):
+def _mul(o: _Operands) -> Any:
     other = amax(o.arg(1, "other", 1.0))
     return amax(o.args[0]) * other, f"{amax(o.args[0]):.4g} x {other:.4g}"
 
 
 @_bound_of("addcmul")
-def _addcmul(o: _Operands):
+def _addcmul(o: _Operands) -> Any:
     value = abs(float(o.kwargs.get("value", 1)))
     return amax(o.args[0]) + value * amax(o.args[1]) * amax(o.args[2]), \
         "|input| + |value| x |t1| x |t2|"
 
 
 @_bound_of("add", "sub", "rsub")
-def _add(o: _Operands):
+def _add(o: _Operands) -> Any:
     alpha = abs(float(o.kwargs.get("alpha", 1)))
     a, b = amax(o.args[0]), amax(o.arg(1, "other", 0.0))
     return a + alpha * b, f"{a:.4g} + {alpha * b:.4g}"
 
 
 @_bound_of(*SUMS)
-def _sum(o: _Operands):
+def _sum(o: _Operands) -> Any:
     x = o.args[0]
     dims = o.arg(1, "dim", None)
     if isinstance(dims, int):
@@ -162,7 +163,7 @@ def _sum(o: _Operands):
 
 
 @_bound_of("pow", "square")
-def _power(o: _Operands):
+def _power(o: _Operands) -> Any:
     x = o.args[0]
     e = 2.0 if o.base == "square" else o.arg(1, "exponent", None)
     if not isinstance(x, torch.Tensor):
@@ -179,20 +180,20 @@ def _power(o: _Operands):
 
 
 @_bound_of("prod", "cumprod")
-def _product(o: _Operands):
+def _product(o: _Operands) -> Any:
     x = o.args[0]
     bound = amax(x) ** max(x.numel(), 1) if amax(x) > 1 else amax(x)
     return bound, f"|x| {amax(x):.4g} ** {x.numel()}"
 
 
 @_bound_of("reciprocal")
-def _reciprocal(o: _Operands):
+def _reciprocal(o: _Operands) -> Any:
     small = _amin(o.args[0])
     return (1 / small if small > 0 else math.inf), f"1 / the smallest |x| {small:.4g}"
 
 
 @_bound_of("div", "true_divide")
-def _division(o: _Operands):
+def _division(o: _Operands) -> Any:
     den = o.arg(1, "other", 1.0)
     small = abs(float(den)) if isinstance(den, (int, float)) else (
         float(den.detach().abs().double().min()) if den.numel() else 1.0)
@@ -202,7 +203,7 @@ def _division(o: _Operands):
 
 
 @_bound_of(*SQUARES)
-def _squares(o: _Operands):
+def _squares(o: _Operands) -> Any:
     x = o.args[0]
     other = o.args[1] if o.base == "mse_loss" else None
     m = amax(x) + amax(other)
@@ -210,25 +211,26 @@ def _squares(o: _Operands):
 
 
 @_bound_of(*CASTS)
-def _cast(o: _Operands):
+def _cast(o: _Operands) -> Any:
     source = dtype_name(o.floats[0].dtype) if o.floats else "value"
     return o.largest, f"a {source} of {o.largest:.4g} cast to {dtype_name(o.dtype)}"
 
 
 @_bound_of(*ATTENTIONS)
-def _attention(o: _Operands):
+def _attention(o: _Operands) -> Any:
     q, k = o.args[0], o.args[1]
     d = q.shape[-1]
     return amax(q) * amax(k) * d, f"q·k: |q| {amax(q):.4g} x |k| {amax(k):.4g} x {d} terms"
 
 
 @_bound_of(*BOUNDED)
-def _bounded(o: _Operands):
+def _bounded(o: _Operands) -> Any:
     scale = 2.0 if o.base in ("native_dropout", "dropout") else 1.0
     return o.largest * scale, f"|input| {o.largest:.4g}"
 
 
-def overflow_bound(op: str, args, kwargs, out_dtype: torch.dtype | None) -> Bound | None:
+def overflow_bound(op: str, args: tuple, kwargs: dict,
+                   out_dtype: torch.dtype | None) -> Bound | None:
     """The op's largest possible |result| given its inputs' magnitudes; None if unknown."""
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]

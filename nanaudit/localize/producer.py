@@ -26,8 +26,8 @@ from nanaudit.localize.findings import made_by, traced_finding
 from nanaudit.localize.loader_tap import LoaderBatch, remake
 from nanaudit.localize.ops import named_tensors, op_base
 from nanaudit.localize.walk import Localization, walk_from_sink
-from nanaudit.report.model import Finding, InputProducer
-from nanaudit.report.vocabulary import Cause, ProducerKind
+from nanaudit.report.model import Finding, InputProducer, SourceLine
+from nanaudit.report.vocabulary import Cause, ProducerKind, Where
 from nanaudit.run.batch import nonfinite_rows, sample_ids, tensor_leaves
 
 # Ops that adopt memory filled elsewhere (a worker's shared memory, a mapped file): the values
@@ -72,7 +72,7 @@ def origin_of(tracer: Any, leaf: torch.Tensor, timeline: list | None = None) -> 
     arrival = arrival_at(tracer, creator, kind)
     if arrival is not None:
         return LeafOrigin(arrival=arrival, chain_tensors=on_the_way + tuple(arrival.carriers))
-    loc = walk_from_sink(trace, leaf, "forward", timeline or [], None)
+    loc = walk_from_sink(trace, leaf, Where.FORWARD, timeline or [], None)
     outside = [e for e in loc.chain or [] if e.untracked]
     if loc.diagnosis is not None and loc.diagnosis.cause == Cause.UNKNOWN and outside:
         # an infinity that came from outside torch, turned into NaN on the way
@@ -174,7 +174,7 @@ def _dataset_rows(batches: list, tensors: tuple) -> tuple[list | None, list | No
     return None, None
 
 
-def _at(source) -> str:
+def _at(source: SourceLine | None) -> str:
     return f"{os.path.basename(source.file)}:{source.line}" if source is not None else ""
 
 

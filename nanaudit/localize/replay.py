@@ -11,12 +11,14 @@ finding says `reproduced: false` and names no op: a guess is never presented as 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import StepChecks
 from nanaudit.run.names import user_named
 from nanaudit.run.session import Session
@@ -24,7 +26,7 @@ from nanaudit.run.step import ReplayHooks, StepState, Trip
 
 
 @contextlib.contextmanager
-def preserved_buffers(model: torch.nn.Module):
+def preserved_buffers(model: torch.nn.Module) -> Any:
     """Restore buffers (BatchNorm running stats) on exit, so replays stay comparable; yields
     the restore, for a caller that runs several replays from the same buffers."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
@@ -47,14 +49,14 @@ def traced_replay(session: Session, state: StepState) -> tuple[OpTracer, torch.T
     return tracer, loss
 
 
-def replay_reproduces(session: Session, state: StepState, batch, check: str) -> bool:
+def replay_reproduces(session: Session, state: StepState, batch: Any, check: Check) -> bool:
     """An untraced replay on `batch`: does the same check trip again? (for sample isolation)
 
     An exception of the user's code is raised as their UserCodeError, never read as "does not
     reproduce": the sample search keeps sub-batches to sizes the model takes (samples.Feeding),
     so what is left is the user's to see."""
     loss = session.unit.replay(state, batch)
-    if check == "loss":
+    if check == Check.LOSS:
         return not bool(torch.isfinite(loss.detach()))
     return not bool(torch.isfinite(StepChecks(session.model, session.device).grad_norm()))
 
@@ -72,17 +74,17 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
     return 1, ""
 
 
-def localize(session: Session, state: StepState, trip: Trip, timeline) -> Localization:
+def localize(session: Session, state: StepState, trip: Trip, timeline: Any) -> Localization:
     """Replay the tripping step traced and walk back from what tripped: the loss, or the first
     parameter whose gradient is non-finite."""
     with preserved_buffers(session.model):
         tracer, loss = traced_replay(session, state)
     trace = tracer.trace
-    if trip.check == "loss":
-        return walk_from_sink(trace, loss, "forward", timeline, None)
+    if trip.check == Check.LOSS:
+        return walk_from_sink(trace, loss, Where.FORWARD, timeline, None)
     model = session.model
     bad = [(name, p) for name, p in user_named(model, model.named_parameters())
            if p.grad is not None and kinds_of(p.grad)]
     if not bad:
         return Localization(False, ops_traced=trace.ops_seen)
-    return walk_from_sink(trace, bad[0][1].grad, "backward", timeline, [n for n, _ in bad])
+    return walk_from_sink(trace, bad[0][1].grad, Where.BACKWARD, timeline, [n for n, _ in bad])

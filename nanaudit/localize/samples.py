@@ -266,7 +266,7 @@ def batch_level_probe(test: Callable[[list[int]], bool], size: int) -> str | Non
 
 def _during_search(error: UserCodeError, group: list[int], fed: list[int]) -> UserCodeError:
     """The user's error, saying it was raised replaying rows for the sample search."""
-    def shown(rows):
+    def shown(rows: list[int]) -> str:
         return "[" + ", ".join(str(r) for r in rows[:12]) + (", ...]" if len(rows) > 12 else "]")
     padded = f" (fed as {shown(fed)}, {len(fed)} rows)" if fed != group else ""
     return UserCodeError(f"{error.what}, replaying batch rows {shown(group)}{padded} for the "

@@ -15,6 +15,7 @@ creating op's output (findings.created_rows).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,10 +30,11 @@ from nanaudit.localize.ops import is_collective
 from nanaudit.localize.replay import preserved_buffers, traced_replay
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
+from nanaudit.run.mesh import MeshView, name_on_mesh
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
@@ -49,7 +51,7 @@ def made_here(loc: Localization) -> bool:
 def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
     """localize() for one rank of an FSDP2 run (see the module docstring)."""
     def localize_rank(session: Session, state: StepState, trip: Trip,
-                      timeline) -> Localization:
+                      timeline: Any) -> Localization:
         flags.tracing, flags.sinks = True, []
         try:
             with preserved_buffers(session.model):
@@ -59,11 +61,11 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
         trace = tracer.trace
         sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
-            phase, names = "forward", None
+            phase, names = Where.FORWARD, None
         else:
             own = [s for s in flags.sinks if kinds_of(s)]
             names = nonfinite_names((n, p.grad) for n, p in session.model.named_parameters())
-            sink, phase = (own[0] if own else None), "backward"
+            sink, phase = (own[0] if own else None), Where.BACKWARD
         if sink is None or not kinds_of(sink):
             return Localization(False, ops_traced=trace.ops_seen)
         loc = walk_from_sink(trace, sink, phase, timeline, names)
@@ -98,4 +100,6 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
         finding.rank = coord.rank
     gathered = gather_by_store(coord, "finding", (finding, made))
     chosen = origin_entry([f for f, _ in gathered], [m for _, m in gathered], trip.rank)
-    return chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
+    chosen = chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
+    name_on_mesh(MeshView.of(session.model), chosen)
+    return chosen

@@ -25,6 +25,7 @@ import os
 import sys
 import weakref
 from types import FrameType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,6 +37,7 @@ from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
 from nanaudit.report.model import SourceLine
+from nanaudit.report.vocabulary import Where
 from nanaudit.run.compiled import replay_eagerly
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -68,7 +70,7 @@ def _file_kind(name: str) -> str:
 
 
 @functools.cache
-def written_arguments(func) -> frozenset:
+def written_arguments(func: Any) -> frozenset:
     """Positions of the tensor arguments an op writes to (`self` of `masked_fill_`, `out=`)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -82,7 +84,7 @@ def written_arguments(func) -> frozenset:
     return frozenset(positions)
 
 
-def written_tensors(func, args, kwargs) -> list:
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list:
     """The tensors an op writes to, by its schema (`Tensor(a!)`, `Tensor(a!)[]`)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
@@ -100,7 +102,7 @@ def written_tensors(func, args, kwargs) -> list:
 RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
-def updated_statistics(func, args, kwargs) -> set:
+def updated_statistics(func: Any, args: tuple, kwargs: dict) -> set:
     """Positions of the running statistics a batch norm in train mode updates in place even
     where its schema does not say so (`native_batch_norm`, `cudnn_batch_norm`): they are read
     after the op wrote them, so the NaN it wrote there is not an input it received."""
@@ -129,7 +131,8 @@ class _TracingMode(TorchDispatchMode):
         super().__init__()
         self.tracer = tracer
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         return self.tracer.run_op(func, args, kwargs or {})
 
 
@@ -142,7 +145,7 @@ class OpTracer:
     def __init__(self, model: torch.nn.Module):
         self.trace = Trace()
         self.modules = ModuleStack(model)
-        self.phase = "forward"
+        self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
         self._exit = contextlib.ExitStack()
         self._pending: list = []        # forward outputs waiting for their grad_fn
@@ -160,7 +163,7 @@ class OpTracer:
             self._exit = entering.pop_all()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._exit.__exit__(*exc)
 
     def kept_tensors(self) -> list[torch.Tensor]:
@@ -170,11 +173,11 @@ class OpTracer:
 
     def start_backward(self) -> None:
         self._tag_pending()
-        self.phase = "backward"
+        self.phase = Where.BACKWARD
 
     def end_backward(self) -> None:
         """Back to forward ops: a user's step runs several forwards and backwards."""
-        self.phase = "forward"
+        self.phase = Where.FORWARD
 
     def _tag_pending(self) -> None:
         for tensor, record in self._pending:
@@ -183,10 +186,10 @@ class OpTracer:
                 node.metadata["nanaudit"] = record
         self._pending = []
 
-    def run_op(self, func, args, kwargs):
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run one aten op and record it (the dispatch mode's handler)."""
         node = torch._C._current_autograd_node()
-        backward = node is not None or self.phase == "backward"
+        backward = node is not None or self.phase == Where.BACKWARD
         if not backward:
             self._tag_pending()
         out = func(*args, **kwargs)
@@ -219,7 +222,7 @@ class OpTracer:
             self._note_function_outputs(node, outputs)
         return out
 
-    def _forget_overwritten(self, func, args, kwargs) -> None:
+    def _forget_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A write into a view (`x[5, 2] = 0`) changes its base: the op that made the base no
         longer made all its values, so where they came from is not said at all."""
         written = written_arguments(func)
@@ -231,7 +234,7 @@ class OpTracer:
             if base is not None:
                 self.trace.makers.pop(id(base), None)
 
-    def _note_function_outputs(self, node, outputs) -> None:
+    def _note_function_outputs(self, node: Any, outputs: Any) -> None:
         """Remember tensors a custom Function's backward made, so a value written into one
         later outside torch ops (numpy, C code writing its memory) is traced to that backward."""
         where = f"a tensor made in the backward of the autograd.Function " \
@@ -242,7 +245,7 @@ class OpTracer:
         for t in outputs:
             self._function_made[id(t)] = (weakref.ref(t), where)
 
-    def _forward_record(self, func, name, args, kwargs) -> ForwardRecord:
+    def _forward_record(self, func: Any, name: str, args: tuple, kwargs: dict) -> ForwardRecord:
         keep = keeps_inputs(func)
         inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
         record = ForwardRecord(len(self.trace.forward_records), name, self.modules.current,
@@ -255,7 +258,8 @@ class OpTracer:
         self.trace.forward_records.append(record)
         return record
 
-    def _record_event(self, func, backward, node, record, args, kwargs, outputs, out_kinds):
+    def _record_event(self, func: Any, backward: Any, node: Any, record: Any, args: tuple,
+                      kwargs: dict, outputs: Any, out_kinds: Any) -> None:
         inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
         in_kinds = [kinds_of(t) for t in inputs]
         in_producers = [self.trace.producer_of(t) if k else None
@@ -275,7 +279,7 @@ class OpTracer:
             source = user_source()
         event = OpEvent(
             index=len(self.trace.events), op=str(func),
-            phase="backward" if backward else "forward",
+            phase=Where.BACKWARD if backward else Where.FORWARD,
             module=(forward.module if forward else None) if backward else record.module,
             source=source,
             out_kinds=out_kinds, in_kinds=in_kinds, in_producers=in_producers,
@@ -290,6 +294,11 @@ class OpTracer:
             if kinds_of(t):
                 self.trace.producer[id(t)] = event.index
                 self._keep.append(t)
+                local = getattr(t, "_local_tensor", None)
+                if local is not None:
+                    # A DTensor op: the local ops that follow (a collective, to_local()) read
+                    # its local tensor, which this op made.
+                    self.trace.producer[id(local)] = event.index
                 if written:
                     # The memory holds the value now, whatever tensor is read from it later
                     # (a flat buffer filled below autograd, as FSDP's reduce-scatter's is).
@@ -300,7 +309,7 @@ class OpTracer:
                     self.trace.producer[id(t._base)] = event.index
                     self._keep.append(t._base)
 
-    def _untracked_origin(self, t: torch.Tensor, node) -> str:
+    def _untracked_origin(self, t: torch.Tensor, node: Any) -> str:
         made = self._function_made.get(id(t))
         if made is not None and made[0]() is t:
             return f"{made[1]} and written outside torch ops (numpy or C code on its memory)"
@@ -315,7 +324,7 @@ def _trainable_leaf(t: torch.Tensor) -> bool:
     return root.is_leaf and root.requires_grad
 
 
-def function_record(node, inner: ForwardRecord | None) -> ForwardRecord:
+def function_record(node: Any, inner: ForwardRecord | None) -> ForwardRecord:
     """The forward record standing for a whole custom autograd.Function (one per node): named
     by its class, in the module and at the line where its forward ran."""
     record = node.metadata.get("nanaudit_function")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nanaudit.localize.blame import Blamer, origin_note
 from nanaudit.localize.diagnose import Diagnosis
 from nanaudit.localize.events import OpEvent, Trace, kinds_of
+from nanaudit.report.vocabulary import Where
 from nanaudit.run.checks import value_kind
 
 
@@ -35,14 +37,15 @@ class Localization:
     sample_search: object = None          # (FSDP2's replays: no sample search, see findings)
 
 
-def _last_event(trace: Trace, phase: str) -> int | None:
+def _last_event(trace: Trace, phase: Where) -> int | None:
     for event in reversed(trace.events):
         if event.phase == phase:
             return event.index
     return trace.events[-1].index if trace.events else None
 
 
-def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: str, timeline, names) -> Localization:
+def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: Where, timeline: Any,
+                   names: list[str] | None) -> Localization:
     """Localize the bad value `sink` (made in `phase`); `names`: the parameters whose gradients
     are bad, for a gradient sink."""
     kinds = kinds_of(sink)

@@ -11,6 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from nanaudit.report.bad_steps_text import bad_step_rows, bad_steps_line, persistent_line
 from nanaudit.report.model import Finding, Report, SourceLine, TensorStats
 from nanaudit.report.sections import (
     CheckpointBisect,
@@ -42,6 +43,8 @@ def print_report(report: Report, console: Console) -> None:
         # A terminal gets a boxed panel; a CI log the same sections unboxed, so that no line
         # is wrapped or padded to the width of the longest one.
         console.print(_finding_panel(report.finding, boxed=console.is_terminal))
+    if report.bad_steps is not None:
+        console.print(_bad_steps(report))
     if report.bisect:
         console.print(_bisect_summary(report.bisect))
     if report.distributed is not None and report.distributed.ranks:
@@ -190,6 +193,20 @@ def _samples(f: Finding) -> Table:
                      else describe(stats))
             table.add_row(str(row.index), Text(path), Text(shown))
     return table
+
+
+def _bad_steps(report: Report) -> RenderableType:
+    """--keep-going: every bad step, one row each (the first finding is the panel above)."""
+    assert report.bad_steps is not None
+    table = Table(title=bad_steps_line(report.bad_steps), title_justify="left",
+                  show_edge=False)
+    for col in ("step", "update", "cause", "op", "line"):
+        table.add_column(col, justify="right" if col == "step" else "left")
+    for row in bad_step_rows(report):
+        table.add_row(Text(row.steps), Text(row.action), Text(row.cause), Text(row.op),
+                      Text(row.at))
+    persistent = persistent_line(report.bad_steps, report.finding)
+    return Group(table, Text(persistent, style="bold")) if persistent else table
 
 
 def _warnings(report: Report) -> Text:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from nanaudit.report.html_finding import finding_sections
 from nanaudit.report.html_sections import (
+    bad_steps_section,
     bisect_section,
     environment_section,
     error_section,
@@ -48,7 +49,7 @@ def render_html(report: Report) -> str:
     sections = [_timeline(report)]
     if report.finding is not None:
         sections += finding_sections(report.finding)
-    sections += [bisect_section(report.bisect),
+    sections += [bad_steps_section(report), bisect_section(report.bisect),
                  ranks_section(report.distributed,
                                report.finding.rank if report.finding is not None else None),
                  script_section(report.run), warnings_section(report), error_section(report),
@@ -124,6 +125,7 @@ def _json_section(report: Report) -> str:
 
 
 NAV_TITLES = {"timeline": "timeline", "finding": "finding", "chain": "chain", "rows": "rows",
+              "bad-steps": "bad steps",
               "bisect": "bisect", "ranks": "ranks", "script": "script", "warnings": "warnings",
               "error": "error", "environment": "environment", "json": "JSON"}
 

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 
+from nanaudit.report.bad_steps_text import bad_step_rows, bad_steps_line, persistent_line
 from nanaudit.report.html_finding import finding_details
 from nanaudit.report.html_text import esc, facts_table, table
 from nanaudit.report.model import Report
@@ -57,6 +58,26 @@ def _data_bisect(section: DataBisect) -> str:
                   numeric=(0,)) + "".join(details)) if rows else (
         "<p>every batch was finite against the starting weights.</p>")
     return _section("bisect", title, body)
+
+
+def bad_steps_section(report: Report) -> str:
+    """--keep-going: a table of every bad step; each whole finding expandable below it."""
+    section = report.bad_steps
+    if section is None:
+        return ""
+    rows, details = [], []
+    for row in bad_step_rows(report):
+        rows.append([esc(row.steps), esc(row.action), f"<code>{esc(row.cause)}</code>",
+                     f'<span class="mono">{esc(row.op or "—")}</span>',
+                     f'<span class="mono">{esc(row.at or "—")}</span>'])
+        if row.finding is not None:
+            details.append(f"<details><summary>step {esc(row.steps)} ({esc(row.action)}): "
+                           f"{esc(row.cause)}</summary>{finding_details(row.finding)}</details>")
+    persistent = persistent_line(section, report.finding)
+    body = (f"<p>{esc(bad_steps_line(section))}</p>"
+            + (f'<p class="warn"><b>{esc(persistent)}</b></p>' if persistent else "")
+            + table(("step", "update", "cause", "op", "line"), rows) + "".join(details))
+    return _section("bad-steps", f"Bad steps: {section.count}", body)
 
 
 def _checkpoint_bisect(section: CheckpointBisect) -> str:

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nanaudit.report.html_text import esc, number
-from nanaudit.report.model import Report
+from nanaudit.report.model import BadStepEntry, Report
 from nanaudit.report.sections import DataBisect
 from nanaudit.report.text import warning_line
+from nanaudit.report.vocabulary import BadStepAction
 
 WIDTH, HEIGHT = 760.0, 120.0
 LEFT, RIGHT, TOP, BOTTOM = 64.0, 12.0, 8.0, 22.0
@@ -196,6 +197,7 @@ def _marks(report: Report, x: _XScale, field: str, entries: list) -> list[str]:
     findings = [report.finding] if report.finding is not None else []
     if isinstance(report.bisect, DataBisect):      # bisect: every bad batch is a finding
         findings += [f for f in report.bisect.bad_batches if f is not report.finding]
+    findings += [f for f in report.findings if f is not report.finding]   # --keep-going
     for f in findings:
         at = x(f.step)
         out.append(f'<g><line class="mark-finding" x1="{at:.1f}" y1="{TOP}" x2="{at:.1f}" '
@@ -204,7 +206,12 @@ def _marks(report: Report, x: _XScale, field: str, entries: list) -> list[str]:
                    f'{esc(f.cause)}</title></g>')
     if field in ("grad_norm", "scale"):
         for e in entries:
-            if e.skipped:
+            if isinstance(e, BadStepEntry) and e.bad == BadStepAction.SKIPPED:  # --keep-going
+                at = x(e.step)
+                out.append(f'<line class="skip bad-step" x1="{at:.1f}" y1="{bottom - 10}" '
+                           f'x2="{at:.1f}" y2="{bottom}"><title>step {e.step}: a bad step, its '
+                           f'update skipped (--keep-going)</title></line>')
+            elif e.skipped:
                 at = x(e.step)
                 out.append(f'<line class="skip" x1="{at:.1f}" y1="{bottom - 6}" x2="{at:.1f}" '
                            f'y2="{bottom}"><title>step {e.step}: skipped by the GradScaler'

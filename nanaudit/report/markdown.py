@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nanaudit.report.bad_steps_text import bad_step_rows, bad_steps_line, persistent_line
 from nanaudit.report.interface import Renderer
 from nanaudit.report.model import Report
 from nanaudit.report.text import (
@@ -15,8 +16,25 @@ from nanaudit.report.text import (
 )
 
 
-def _cell(text) -> str:
+def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _bad_steps(report: Report) -> list[str]:
+    """--keep-going: a table of every bad step (whole findings, then summarized groups)."""
+    if report.bad_steps is None:
+        return []
+    out = [f"**Bad steps:** {_cell(bad_steps_line(report.bad_steps))}", "",
+           "| step | update | cause | op | line |", "|---:|---|---|---|---|"]
+    out += [f"| {_cell(r.steps)} | {_cell(r.action)} | `{_cell(r.cause)}` | {_code(r.op)} | "
+            f"{_code(r.at)} |" for r in bad_step_rows(report)]
+    persistent = persistent_line(report.bad_steps, report.finding)
+    return out + ([""] + [f"**{_cell(persistent)}**"] if persistent else []) + [""]
+
+
+def _code(text: str) -> str:
+    """A user-named string as inline code (backticks inside cannot close it early)."""
+    return f"`{_cell(text).replace('`', chr(0x2018))}`" if text else ""
 
 
 class MarkdownRenderer(Renderer):
@@ -39,6 +57,7 @@ class MarkdownRenderer(Renderer):
                 out += [f"| {_cell(s.name)} | `{_cell(describe(s))}` |" for s in f.inputs]
                 out.append("")
             out += [f"**Why:** {_cell(f.explanation)}", "", f"**Fix:** {_cell(f.fix)}", ""]
+        out += _bad_steps(report)
         if report.error:
             out += ["```", report.error.message, "```", ""]
         if report.warnings:

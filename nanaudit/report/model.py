@@ -18,6 +18,11 @@ modes) is one class per shape, so that each keeps the keys and key order schema 
 gave it; the shapes of one section share the fields their readers use. Closed vocabularies
 are `str` enums (vocabulary.py); names that come from the user's code or the system
 (exception classes, files, hosts, backends, precisions) are plain text.
+
+A run that keeps going past bad steps (--keep-going) adds, within schema version 1, `findings`
+(after `finding`, which stays its first) and the `bad_steps` section; each of its findings
+says what became of its step (`action`, `stop_reason`). A run without --keep-going has neither:
+its report keeps exactly the shape it had.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from enum import Enum
 from typing import Any
 
 from nanaudit.report.sections import (
+    BadSteps,
     CheckpointBisect,
     CompiledReplay,
     DataBisect,
@@ -36,7 +42,7 @@ from nanaudit.report.sections import (
     ScriptRun,
     SentinelRead,
 )
-from nanaudit.report.vocabulary import Status
+from nanaudit.report.vocabulary import BadStepAction, Cause, Status, StopReason, Where
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -95,7 +101,7 @@ class ChainLink:
     """One hop from the op that created the value to the one that reached the sentinel."""
 
     op: str
-    where: str
+    where: Where
     module: str | None
     value: list                # the non-finite kinds the op's output held
     line: int | None
@@ -143,9 +149,9 @@ class Finding:
     replay made the value again (None: none was needed)."""
 
     step: int
-    where: str
+    where: Where
     value: str                    # "nan" | "inf" | "-inf"
-    cause: str
+    cause: Cause
     explanation: str
     fix: str
     tensor: str | None = None
@@ -169,9 +175,13 @@ class Finding:
     loss_name: str | None = None      # `step:` returning named losses: the one that tripped
     producer: InputProducer | None = None  # input findings: where the batch's value was made
     compiled: CompiledReplay | None = None   # a torch.compile'd model: what its replays came to
+    mesh: dict | None = None          # a device mesh: the origin rank's coordinate {"dp": 1, ...}
+    placements: dict | None = None    # ... and the DTensor placement of each sharded `tensors`
+    action: BadStepAction | None = None      # --keep-going: the step's update skipped or not
+    stop_reason: StopReason | None = None    # ... and why the run stopped at it
 
     # Added within schema version 1: absent wherever a finding is, while unset.
-    OMIT_WHEN_NONE = ("producer", "compiled")
+    OMIT_WHEN_NONE = ("producer", "compiled", "mesh", "placements", "action", "stop_reason")
     # Added within schema version 1: left out of the report's own `finding` while unset, so
     # reports of runs that do not use them keep their exact shape. bisect's `bad_batches`
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).
@@ -201,6 +211,14 @@ class TimelineEntry:
     update_ratio: float | None = None     # |update| / |weights|, on sampled steps
     act_max: float | None = None          # the largest |module output|, on sampled steps
     act_ratio: float | None = None        # ... as a fraction of its dtype's largest value
+
+
+@dataclass
+class BadStepEntry(TimelineEntry):
+    """--keep-going: the timeline entry of a bad step, marked with what became of its update
+    (one more key, `bad`, after the others; added within schema version 1)."""
+
+    bad: BadStepAction = BadStepAction.SKIPPED
 
 
 @dataclass(frozen=True)
@@ -299,8 +317,13 @@ class Report:
     run: ScriptRun | None = None          # `nanaudit run`: the first run and the re-run
     # A long run: `timeline` holds its first and last steps, this summarizes the steps between.
     timeline_summary: TimelineSummary | None = None
+    # --keep-going: every bad step's finding in step order (the first `bad_steps.whole`;
+    # `finding` is the first of them) and the section that counts and summarizes them all.
+    findings: list = field(default_factory=list)      # [Finding]
+    bad_steps: BadSteps | None = None
 
-    SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run", "timeline_summary")
+    SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run", "timeline_summary",
+                "bad_steps")
 
 
 def json_number(x: Any) -> Any:
@@ -348,16 +371,18 @@ def report_to_dict(report: Report) -> dict:
         "status": report.status,
         "steps_run": report.steps_run,
         "finding": report.finding,
+        # Only a run that kept going has `findings` (schema version 1 gave `finding` alone).
+        **({"findings": report.findings} if report.bad_steps is not None else {}),
         "timeline": report.timeline,
         "warnings": report.warnings,
         "error": report.error,
         "duration_s": round(report.duration_s, 3),
     }
     body = jsonable(body)
-    finding = body.get("finding")
-    for key in Finding.OMIT_WHEN_NONE_AS_FINDING if finding else ():
-        if finding.get(key) is None:
-            finding.pop(key, None)
+    for finding in [body.get("finding"), *body.get("findings", [])]:
+        for key in Finding.OMIT_WHEN_NONE_AS_FINDING if finding else ():
+            if finding.get(key) is None:
+                finding.pop(key, None)
     for name in Report.SECTIONS:
         value = getattr(report, name)
         if name == "repro" and report.repro_error is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 from nanaudit.report.model import Report
 
@@ -19,7 +20,7 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def _finite(xs, ys):
+def _finite(xs: list, ys: list) -> tuple[list, list]:
     pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -34,7 +35,7 @@ def _segments(report: Report) -> list[list]:
     return summary.runs(report.timeline) if summary is not None else [report.timeline]
 
 
-def _bands(ax, report: Report, name: str, log: bool) -> bool:
+def _bands(ax: Any, report: Report, name: str, log: bool) -> bool:
     """The summarized middle of one series as min-max bands: whether any was drawn."""
     summary = report.timeline_summary
     xs, lows, highs, lasts = [], [], [], []
@@ -76,8 +77,8 @@ def render_png(report: Report) -> bytes:
         for segment in _segments(report):
             fx, fy = _finite([e.step for e in segment], [getattr(e, name) for e in segment])
             if scale == "log":
-                fx, fy = zip(*[(x, y) for x, y in zip(fx, fy) if y > 0]) if any(
-                    y > 0 for y in fy) else ((), ())
+                kept = [(x, y) for x, y in zip(fx, fy) if y > 0]
+                fx, fy = [x for x, _ in kept], [y for _, y in kept]
             if fx:
                 ax.plot(fx, fy, marker="." if len(report.timeline) < 80 else None,
                         linewidth=1.2, color="tab:blue")

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.vocabulary import (
     BisectMode,
+    Cause,
     CompiledOutcome,
     CompileStage,
     RerunStatus,
     SentinelReadMode,
     Status,
+    StopReason,
 )
 
 # --- error: what stopped the run ----------------------------------------------------------------
@@ -137,8 +139,11 @@ class SkipEntry:
     sample_ids: list | None         # the data set's own ids of those rows, when the batch has them
     cause: str
     confirmed: bool | None = None   # False: read again, the data gave a different batch
+    # --keep-going's bad steps (run, scan): the optimizer step and the rank whose batch it was.
+    step: int | None = None
+    rank: int | None = None
 
-    OMIT_WHEN_NONE = ("confirmed",)
+    OMIT_WHEN_NONE = ("confirmed", "step", "rank")
 
 
 @dataclass(kw_only=True)
@@ -187,6 +192,9 @@ class RankStatus:
     device: str
     host: str
     warnings: int                   # how many early warnings it saw
+    mesh: dict | None = None        # its coordinate on the model's device mesh {"dp": 0, ...}
+
+    OMIT_WHEN_NONE = ("mesh",)
 
 
 @dataclass
@@ -272,3 +280,46 @@ class CompiledReplay:
 
     OMIT_WHEN_NONE = ("stage", "node", "graph", "decomposed_from", "random_ops")
     OMIT_EMPTY = ("replays",)
+
+
+@dataclass(frozen=True)
+class StepSpans:
+    """A set of steps, bounded: the `first` and `last`, and the runs of consecutive steps from
+    the first as [start, end] pairs (a lone step is [n, n]); past the first MAX_SPANS runs
+    (report/bad_steps.py) the rest are counted in `spans_left_out`, not listed."""
+
+    first: int
+    last: int
+    spans: list                     # [[start, end], ...], in step order
+    spans_left_out: int = 0
+
+
+@dataclass(frozen=True)
+class BadStepGroup:
+    """The bad steps past the report's whole findings that share a cause, an op and a line:
+    how many, and which steps."""
+
+    cause: Cause
+    op: str | None
+    file: str | None
+    line: int | None
+    count: int
+    steps: StepSpans
+
+
+@dataclass(frozen=True)
+class BadSteps:
+    """--keep-going (the `bad_steps` section): every bad step of the run. The first `whole`
+    are the report's `findings`, in full; the rest are `summarized` by cause, op and line.
+    `skipped` of the `count` bad steps had their update skipped; a run that stopped at a bad
+    step says why (`stopped`). `persistent`: every bad step names the same op at the same line
+    (at least PERSISTENT_MIN_STEPS of them): one cause that skipping will not outrun."""
+
+    max_bad_steps: int
+    count: int
+    skipped: int
+    whole: int
+    stopped: StopReason | None
+    persistent: bool
+    steps: StepSpans                # every bad step
+    summarized: list = field(default_factory=list)   # [BadStepGroup], by their first step

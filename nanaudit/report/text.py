@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import math
 
-from nanaudit.report.model import Finding, Report, SampleSearch, TensorStats, TimelineSummary
+from nanaudit.report.model import (
+    BadStepEntry,
+    EarlyWarning,
+    Finding,
+    Report,
+    SampleSearch,
+    TensorStats,
+    TimelineSummary,
+)
 from nanaudit.report.vocabulary import CompiledOutcome, ProducerKind
 
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values, log: bool = False) -> str:
+def sparkline(values: list, log: bool = False) -> str:
     """Bars for finite values, ✗ for non-finite ones; log scale for norms spanning decades."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -55,13 +63,20 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
     if f.batch_index is not None:   # under gradient accumulation: which batch of the data
         micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
         batch = f"{f.batch_index}{micro}"
-    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("where", f.where),
+    mesh = describe_coordinate(f.mesh) if f.mesh else None
+    facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("mesh", mesh),
+             ("where", f.where),
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
              ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
              ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def describe_coordinate(coordinate: dict) -> str:
+    """`dp_replicate=1, dp_shard=0`: how every renderer writes a rank's mesh coordinate."""
+    return ", ".join(f"{name}={index}" for name, index in coordinate.items())
 
 
 def module_label(module: str | None) -> str | None:
@@ -118,19 +133,23 @@ def finding_message(f: Finding) -> str:
     samples = f" Samples: {f.samples}." if f.samples else ""
     if f.rank is not None:
         module += f" on rank {f.rank}"
+    if f.mesh:
+        module += f" ({describe_coordinate(f.mesh)})"
     tensor = f" Tensor: {f.tensor}." if f.tensor and not f.op else ""
     return (f"{f.value} created at step {f.step} by {where}{module}.{tensor}{samples} "
             f"Cause {f.cause}: {f.explanation}. Fix: {f.fix}")
 
 
-def step_marks(timeline, warnings, finding) -> str:
+def step_marks(timeline: list, warnings: list, finding: Finding | None) -> str:
     """One character per timeline step, aligned under the sparklines: ▲ the first step of a
-    warning, s a step the GradScaler skipped, ✗ the finding's step."""
+    warning, s a step the GradScaler skipped, ✗ the finding's step (--keep-going: every bad
+    step's)."""
     warned = {w.step for w in warnings}
     bad = finding.step if finding is not None else None
     marks = []
     for e in timeline:
-        marks.append("✗" if e.step == bad else "▲" if e.step in warned else
+        marked = e.step == bad or isinstance(e, BadStepEntry)
+        marks.append("✗" if marked else "▲" if e.step in warned else
                      "s" if e.skipped else " ")
     return "".join(marks).rstrip()
 
@@ -154,7 +173,7 @@ def summary_line(summary: TimelineSummary) -> str:
     return ", ".join(parts)
 
 
-def warning_line(w) -> str:
+def warning_line(w: EarlyWarning) -> str:
     began = f", growing since step {w.began}" if w.began < w.step else ""
     module = f" in {w.module}" if w.module else ""
     return f"step {w.step}{began}: {w.kind}{module}: {w.message}"
@@ -174,7 +193,7 @@ def describe(stats: TensorStats) -> str:
     return " ".join(parts)
 
 
-def sample_value(value, limit: int = 80) -> str:
+def sample_value(value: object, limit: int = 80) -> str:
     """A per-sample non-tensor entry (an id, a file name) as the user's code would write it
     (strings in double quotes, as batch paths are)."""
     import json

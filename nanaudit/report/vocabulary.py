@@ -28,13 +28,17 @@ class Status(Word):
 
 
 class Check(Word):
-    """The sentinel that tripped, in step order."""
+    """What tripped: a sentinel, in step order, or one of the two trips that are not sentinels
+    (SCHEDULE: the learning rate, read before an update; ERROR: the script raised with
+    non-finite values in its frames)."""
 
     INPUT = "input"
     PARAMETER = "parameter"
     LOSS = "loss"
     GRADIENT = "gradient"
     OPTIMIZER = "optimizer"
+    SCHEDULE = "schedule"
+    ERROR = "error"
 
 
 class Where(Word):
@@ -130,3 +134,18 @@ class Cause(Word):
     INF_ARITHMETIC = "inf-arithmetic"
     COMPILED_ONLY = "compiled-only"
     UNKNOWN = "unknown"
+
+
+class BadStepAction(Word):
+    """What became of a bad step's update under --keep-going (a finding's `action`)."""
+
+    SKIPPED = "skipped"       # the update was not applied; the run went on
+    STOPPED = "stopped"       # the run stopped at this step (see the finding's `stop_reason`)
+
+
+class StopReason(Word):
+    """Why a run that kept going stopped at a bad step (a finding's `stop_reason`)."""
+
+    MAX_BAD_STEPS = "max-bad-steps"       # --max-bad-steps steps were skipped already
+    NONFINITE_STATE = "nonfinite-state"   # the weights, buffers or optimizer state were
+                                          # non-finite before the step: skipping changes nothing

@@ -76,7 +76,7 @@ def _holds_tensor(tree: Any) -> bool:
 def select_rows(batch: Any, layout: BatchLayout, rows: list[int]) -> Any:
     """The batch restricted to `rows`, keeping its structure and each leaf's batch dimension;
     per-sample lists of non-tensors (ids, file names) are sliced with the rows."""
-    def walk(tree, path):
+    def walk(tree: Any, path: Any) -> Any:
         if isinstance(tree, torch.Tensor):
             dim = layout.dims.get(path)
             if dim is None:
@@ -96,7 +96,7 @@ def row_values(batch: Any, layout: BatchLayout, row: int) -> list[tuple[str, Any
     """The entries of the per-sample non-tensor leaves for one row: [(path, value)]."""
     found = []
 
-    def walk(tree, path):
+    def walk(tree: Any, path: Any) -> None:
         if path in layout.per_sample:
             if row < len(tree):
                 found.append((path, tree[row]))
@@ -251,11 +251,11 @@ def to_plain(tree: Any, leaf: Callable[[Any], Any] = lambda x: x) -> Any:
     return values if isinstance(tree, list) else tuple(values)
 
 
-def to_device(tree: Any, device) -> Any:
+def to_device(tree: Any, device: Any) -> Any:
     return move(tree, device, [])
 
 
-def move(tree: Any, device, leaves: list) -> Any:
+def move(tree: Any, device: Any, leaves: list) -> Any:
     """The batch on `device`, collecting its floating-point tensors in `leaves` in the same
     walk (the step's batch check reads them). A leaf object with its own `.to(device)` (a
     custom batch class) is moved by it. non_blocking lets host-to-device copies overlap with

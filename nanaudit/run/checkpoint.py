@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nanaudit.errors import ConfigError, Problem
 from nanaudit.run.names import unwrapped, user_path
@@ -58,7 +59,7 @@ def _looks_like_torch_save(path: Path) -> bool:
     return zipfile.is_zipfile(path) or head[:1] == b"\x80"
 
 
-def apply_model_state(model, checkpoint: Checkpoint, key: str, label: str) -> None:
+def apply_model_state(model: Any, checkpoint: Checkpoint, key: str, label: str) -> None:
     """load_state_dict strictly, turning mismatches into one error that lists the keys. A
     model a wrapper holds (`torch.compile(model)`) takes the user's module's state, its keys
     with or without the wrapper's prefix (as nanoGPT strips `_orig_mod.`)."""

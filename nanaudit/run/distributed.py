@@ -37,7 +37,7 @@ from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import DistributedRun, ErrorInfo
 from nanaudit.report.vocabulary import Check
-from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules, shard_model
+from nanaudit.run.sharded import PreReduceFlags, fsdp_modules, shard_model
 
 EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
 WEIGHTS, REDUCED = "weights", "reduced"    # its own weights (FSDP2: its shards), its gradients
@@ -215,11 +215,11 @@ class Coordinator:
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
         here (`distributed.fsdp`), its reduce-scatters flagged."""
-        if self.options.fsdp and not fsdp_modules(model):
-            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype)
+        if (self.options.fsdp or self.options.mesh) and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype,
+                        self.options.mesh)
         modules = fsdp_modules(model)
         if modules:
-            check_supported(modules)
             self.pre_reduce = PreReduceFlags()
             self.pre_reduce.install(modules)
             return model

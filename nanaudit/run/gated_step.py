@@ -19,7 +19,7 @@ from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import move
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
-from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem, step_schedulers
 from nanaudit.run.user_step import UpdatePoint, UserRun
@@ -112,7 +112,7 @@ class GatedStep:
         trip = Trip.found(verdict, loss_value, gnorm) if verdict is not None else None
         if trip is None:
             problem = lr_problem(ctx.session, only=point.optimizer)
-            trip = Trip(step, SCHEDULE, loss_value, gnorm, note=problem) if problem else None
+            trip = Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem) if problem else None
         if trip is None:
             self.stepped.add(id(point.optimizer))
             return True

@@ -3,8 +3,10 @@ alike at the same step and the rank whose own value went bad is named: for a pro
 joined a process group itself (`nanaudit run`'s script, `Sentinel` in the user's FSDP2 loop).
 
 Each rank's row: its batch, its weights (its own shards under FSDP), its loss, its own
-gradients before the reduce-scatter mixed them (FSDP: sharded.PreReduceFlags) and its
-gradients as reduced, exchanged in one small all-reduce (distributed.py) and read with the
+gradients before the reduce-scatter mixed them (FSDP: sharded.PreReduceFlags), its
+gradients as reduced and its own partial sums before tensor parallel's all-reduce
+(mesh.PartialFlags: a rank whose bad partial came after a tp peer's received it from it),
+exchanged in one small all-reduce (distributed.py) and read with the
 step's values. Every rank gets the same table, so every rank stops at the same step before the
 update, and the verdict (verdict.py, the rule every checker uses) names the first rank whose own
 value went bad. The table names no rank for gradients that are only bad after the reduction
@@ -27,9 +29,10 @@ import torch
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, tripped_check
 from nanaudit.run.distributed import Coordinator, DistributedError
-from nanaudit.run.sharded import PreReduceFlags, check_supported, fsdp_modules
+from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
+from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
-INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS = range(5)    # a rank's row of flags
+INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS, PARTIALS = range(6)    # a rank's row of flags
 
 
 class RankChecks:
@@ -41,6 +44,8 @@ class RankChecks:
         self.flags = PreReduceFlags()
         self.sharded = False              # FSDP2: each rank holds its own shard of the weights
         self._seen: set[int] = set()      # the outermost modules looked into
+        self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
+        self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -58,13 +63,14 @@ class RankChecks:
         return checks
 
     def saw_model(self, module: torch.nn.Module) -> None:
-        """The step's outermost module: flag its FSDP modules' own gradients (HSDP refused)."""
+        """The step's outermost module: flag its FSDP modules' own gradients; note its mesh."""
         if id(module) in self._seen:
             return
         self._seen.add(id(module))
+        self.mesh = MeshView.of(module) or self.mesh
+        self.partials.install(module)
         modules = fsdp_modules(module)
         if modules:
-            check_supported(modules)
             self.flags.install(modules)
             self.sharded = True
 
@@ -73,7 +79,7 @@ class RankChecks:
         weights' norm, loss, gradients' norm] (no host read here)."""
         bad = (~torch.isfinite(values[1:])).to(torch.float64)      # weights, loss, gradients
         row = torch.stack([1.0 - values[0], bad[0], bad[1], self.flags.take(values.device),
-                           bad[2]])
+                           bad[2], self.partials.take(values.device)])
         return self.coord.exchange(row).reshape(-1)
 
     def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
@@ -87,12 +93,13 @@ class RankChecks:
         own = ok(OWN_GRADIENTS)
         return tripped_check(step, inputs_ok=ok(INPUT),
                              weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
-                             updated_at=updated_at, loss_finite=ok(LOSS),
+                             updated_at=updated_at,
+                             loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
                              grads_finite=own if not all(own) else all(ok(GRADIENTS)))
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""
-        self.flags.tracing = on
+        self.flags.tracing = self.partials.tracing = on
 
 
 def origin_entry(entries: Sequence, made_here: Sequence[bool], origin: int | None) -> Any:

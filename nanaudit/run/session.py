@@ -77,7 +77,8 @@ class Session:
         rule: a user's own child called `module` is no wrapper)."""
         return without_data_parallel(self.model)
 
-    def compute_loss(self, batch):
+    def compute_loss(self, batch: Any) -> Any:
+        assert self.loss_fn is not None, "a session with `step:` has no loss function"
         return self.loss_fn(self.model, batch, **self.options.loss_args)
 
     @functools.cached_property

@@ -11,20 +11,23 @@ After the reduce-scatter, a NaN made in one rank's backward sits in whichever ra
 elements, and that rank is not the one that made it. `PreReduceFlags` wraps each FSDP module's
 reduce-scatter (FSDP's own `set_custom_reduce_scatter`, delegating to the one in place) to note
 on the device, with no host read, whether this rank's unsharded gradients were finite before
-they were reduced: what DDP's communication hook tells for DDP. While a replay traces the step
+they were reduced: what DDP's communication hook tells for DDP. Under HSDP (a 2-D mesh) the
+reduce-scatter over dp_shard runs before the all-reduce over dp_replicate, so its input is still
+this rank's own; the mesh itself is named by run/mesh.py. While a replay traces the step
 it computes nothing (no op of ours in the trace) and keeps the inputs as the values to walk
 back from.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from nanaudit.errors import UsageError
+from nanaudit.errors import ConfigError, Problem
 
 
 def _dtensor_class() -> Any:
@@ -91,35 +94,28 @@ def fsdp_modules(module: torch.nn.Module) -> list:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, world_size: int,
-                param_dtype: str) -> None:
+                param_dtype: str, dims: dict | None = None) -> None:
     """`distributed.fsdp`: shard the user's model with FSDP2 as torchtitan does, each block on
     its own (every module of every ModuleList), then the root; `param_dtype` bf16 or fp16 runs
-    forward and backward in it and reduces the gradients in float32."""
+    forward and backward in it and reduces the gradients in float32. `dims` (HSDP's
+    `distributed.mesh`, {name: size}): over that 2-D mesh, replicated over its first dimension,
+    sharded over its second."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    mesh = init_device_mesh(device.type, (world_size,))
+    dims = dims or {}
+    if dims and math.prod(dims.values()) != world_size:
+        sizes = " x ".join(f"{name} {size}" for name, size in dims.items())
+        raise ConfigError([Problem("distributed.mesh", f"{sizes} is {math.prod(dims.values())}"
+                                   f" ranks, but torchrun started {world_size}")])
+    mesh = init_device_mesh(device.type, tuple(dims.values()) or (world_size,),
+                            mesh_dim_names=tuple(dims) or None)
     blocks = [block for module in model.modules() if isinstance(module, torch.nn.ModuleList)
               for block in module]
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-
-
-def check_supported(modules: Sequence) -> None:
-    """HSDP (a 2-D mesh: replicate x shard) reduces gradients in two collectives whose second
-    one no flag here sees: refuse it rather than name a wrong rank."""
-    for module in modules:
-        for param in module.parameters():
-            mesh = getattr(param, "device_mesh", None)
-            if mesh is not None and mesh.ndim > 1:
-                raise UsageError(
-                    f"`{type(module).__name__}` is sharded over a {mesh.ndim}-D device mesh "
-                    f"{tuple(mesh.shape)} (HSDP): nanaudit audits FSDP2 over a 1-D mesh and DDP; "
-                    f"run the audit with `fully_shard(..., mesh=init_device_mesh(device, "
-                    f"(world_size,)))`")
-            break
 
 
 class PreReduceFlags:

@@ -131,16 +131,12 @@ _PYTHON = _ReusedState(random.getstate, functools.partial(getattr, random, "_ins
 _NUMPY = _ReusedState(_numpy_full_state, _numpy_generator, _numpy_fingerprint)
 
 
-# A trip's check besides the sentinels' (Check): the learning rate, read before an update.
-SCHEDULE = "schedule"
-
-
 @dataclass
 class Trip:
-    """What tripped a sentinel: the step and the check (a Check, or SCHEDULE)."""
+    """What tripped a sentinel: the step and the check (a sentinel's, or Check.SCHEDULE)."""
 
     step: int
-    check: str
+    check: Check
     loss: float | None = None
     grad_norm: float | None = None
     note: str | None = None       # why a GradScaler's skipped steps became a finding

@@ -24,7 +24,7 @@ from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
-from nanaudit.run.step import SCHEDULE, RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem
 
@@ -182,7 +182,7 @@ class SyncStep:
         problem = lr_problem(ctx.session) if (ctx.session.schedulers
                                               or not updated) else None
         if problem:
-            return Trip(step, SCHEDULE, loss_value, gnorm, note=problem), None, False
+            return Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem), None, False
         scaler_step = None
         if precision.scaler is not None:
             scaler_step = precision.after_readout(ctx.optimizers, grads_finite=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ class ActivationWatch:
         if self.active or self.maxima:
             self.maxima, self.labels, self._seen = [], [], set()
 
-    def _hook(self, name, module, args, output) -> None:
+    def _hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not self.active:
             return
         outputs = output if isinstance(output, (tuple, list)) else (output,)
@@ -98,7 +99,7 @@ class ActivationWatch:
 class UpdateWatch:
     """The update-to-weight ratio on sampled steps, from a snapshot freed within the step."""
 
-    def __init__(self, params: list[torch.Tensor], every: int, device):
+    def __init__(self, params: list[torch.Tensor], every: int, device: Any) -> None:
         self.params = [p.detach() for p in params if p.is_floating_point()]
         self.every, self.device = (every if self.params else 0), device
         # CUDA copies a tensor list in a few fused kernels; on the CPU, where a kernel per
@@ -111,7 +112,7 @@ class UpdateWatch:
         self.pending_base = 0.0
         self.pending_norm: torch.Tensor | None = None
 
-    def measure(self, step: int, apply, weight_norm) -> None:
+    def measure(self, step: int, apply: Any, weight_norm: Any) -> None:
         """Run the update (`apply()`); on a sampled step, between a snapshot of the weights
         and its difference. `weight_norm()`: their norm before it (computed only then)."""
         if not (self.every and step % self.every == 0):
@@ -121,7 +122,7 @@ class UpdateWatch:
         apply()
         self.after_update()
 
-    def before_update(self, step: int, weight_norm) -> None:
+    def before_update(self, step: int, weight_norm: Any) -> None:
         # The parameters are detached aliases: no autograd bookkeeping to switch off.
         self._base = weight_norm
         self._snapshot = (self._pack.snapshot() if self._pack is not None
@@ -151,11 +152,11 @@ SPIKE_SIGMAS = 6.0     # a jump inside the loss's own noise is not a spike
 SPIKE_FLOOR = 1e-3     # ... nor one below this fraction of the loss's starting magnitude
 
 
-def _mean(values) -> float:
+def _mean(values: Any) -> float:
     return math.fsum(values) / len(values)
 
 
-def _noise(values) -> float:
+def _noise(values: Any) -> float:
     """The standard deviation of the values' noise, from successive differences (von Neumann),
     so that a steady trend (a loss still falling, or growing geometrically) is not noise."""
     diffs = [b - a for a, b in zip(values, list(values)[1:])]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ _NO_EXTRAS = ReadoutExtras()            # shared, never written: a step with not
 class WatchReadout:
     """The early-warning detectors of one run, and where their readout values go."""
 
-    def __init__(self, session, params: list[torch.Tensor], updating: bool):
+    def __init__(self, session: Any, params: list[torch.Tensor], updating: bool) -> None:
         options = session.options.watch
         every = options.activation_every(session.precision.name)
         self.activations = ActivationWatch(session.local_model, every, options.near_overflow)
@@ -60,7 +61,7 @@ class WatchReadout:
             parts.append(act.to(torch.float64))
         return parts, extras
 
-    def observe(self, step: int, extra: list[float], timeline: Sequence, loss, gnorm,
+    def observe(self, step: int, extra: list[float], timeline: Sequence, loss: Any, gnorm: Any,
                 extras: ReadoutExtras) -> dict:
         """Turn the readout's extra values into timeline fields and warnings."""
         fields: dict = {}

@@ -29,7 +29,7 @@ import torch
 
 from nanaudit.config.schema import AmpOptions
 from nanaudit.report.model import TimelineEntry
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
@@ -44,7 +44,7 @@ from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, Weight
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import data_inputs, same_value
-from nanaudit.script.trip import ERROR_CHECK, ScriptTrip, float_kind, nonfinite_locals
+from nanaudit.script.trip import ScriptTrip, float_kind, nonfinite_locals
 from nanaudit.script.trip_namer import TripNamer
 
 
@@ -392,7 +392,7 @@ class ScriptAuditor:
         if not bad:
             return None
         self.trip = self.namer.trip(
-            self.step, ERROR_CHECK, bad[0][1], [name for name, _ in bad],
+            self.step, Check.ERROR, bad[0][1], [name for name, _ in bad],
             error=f"{type(exc).__name__}: {first}",
-            where="backward" if self.hooks.raised_in_backward else "forward")
+            where=Where.BACKWARD if self.hooks.raised_in_backward else Where.FORWARD)
         return self.trip

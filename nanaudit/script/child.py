@@ -15,7 +15,7 @@ from nanaudit.localize.findings import created_rows, event_precision, rows_searc
 from nanaudit.localize.sharded_replay import made_here
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.sharded import local_shards
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
@@ -24,7 +24,6 @@ from nanaudit.script.data_window import DataWindow
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
 from nanaudit.script.target import execute, script_rank
-from nanaudit.script.trip import ERROR_CHECK
 
 
 def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
@@ -40,12 +39,12 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         bad = auditor.buffers.nonfinite()
         if bad:
             names = [n for n, _ in bad]
-            _adopt(armed, walk_from_sink(trace, bad[0][1], "forward", auditor.timeline, names),
+            _adopt(armed, walk_from_sink(trace, bad[0][1], Where.FORWARD, auditor.timeline, names),
                    spec.step, names, result, auditor.rank)
     elif spec.check == Check.LOSS:
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if sinks:
-            _adopt(armed, walk_from_sink(trace, sinks[0], "forward", auditor.timeline, None),
+            _adopt(armed, walk_from_sink(trace, sinks[0], Where.FORWARD, auditor.timeline, None),
                    spec.step, None, result, auditor.rank)
     else:
         params = [p for group in optimizer.param_groups for p in group["params"]
@@ -58,7 +57,7 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         if bad or own:
             names = [n for n, _ in bad]
             sink = own[0] if own else bad[0][1]
-            loc = walk_from_sink(trace, sink, "backward", auditor.timeline, names)
+            loc = walk_from_sink(trace, sink, Where.BACKWARD, auditor.timeline, names)
             _adopt(armed, loc, spec.step, names, result, auditor.rank)
     if armed.compiled is not None:
         # A compiled model: the trace ran it eagerly; finite there, the compiled call decides.
@@ -121,7 +120,7 @@ def rerun(spec: RerunSpec) -> RerunResult:
         except UserCodeError:
             # The first run's script raised in step N after a non-finite value: so does this
             # one, inside the traced window (earlier, it left the first run: not reached).
-            if spec.check != ERROR_CHECK or auditor.step != spec.step:
+            if spec.check != Check.ERROR or auditor.step != spec.step:
                 raise
             auditor.window.close()
             result.reached = True

@@ -23,7 +23,7 @@ from nanaudit.localize.compiled import narrow, step_phase
 from nanaudit.localize.compiled_finding import compiled_only_finding
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import CompiledReplay
-from nanaudit.report.vocabulary import Cause, CompiledOutcome
+from nanaudit.report.vocabulary import Cause, Check, CompiledOutcome, Where
 from nanaudit.run.checks import value_kind
 from nanaudit.run.compiled import CompiledModel, find_compiled
 from nanaudit.run.step import RngState
@@ -103,11 +103,11 @@ def compiled_step(module: torch.nn.Module, entry: Any, args: tuple,
     return CompiledStep(compiled, module, entry, args, kwargs)
 
 
-def compiled_rerun_finding(kept: CompiledStep, step: int, check: str) -> Finding:
+def compiled_rerun_finding(kept: CompiledStep, step: int, check: Check) -> Finding:
     """Step N's finding when its eager trace was finite (see the module docstring)."""
     kept.close()
     phase = step_phase(check)
-    tensor = "loss" if phase == "forward" else None
+    tensor = "loss" if phase == Where.FORWARD else None
     narrowed = narrow(kept.compiled, kept.replay, None, phase, kept.module)
     value = kept.seen or "nan"
     if narrowed.replay.outcome == CompiledOutcome.COMPILED_ONLY:

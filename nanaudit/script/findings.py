@@ -10,7 +10,7 @@ from nanaudit.localize.causes import fix_for
 from nanaudit.localize.findings import short as short_list
 from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Cause, Check, Where
-from nanaudit.script.trip import ERROR_CHECK, ScriptTrip
+from nanaudit.script.trip import ScriptTrip
 
 
 def short(items: Iterable[object], limit: int = 8) -> str:
@@ -30,10 +30,10 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
         return _buffer_finding(trip)
     if trip.check in (Check.OPTIMIZER, Check.PARAMETER):
         return _state_finding(trip)
-    if trip.check == ERROR_CHECK:
-        return Finding(step=trip.step, where=trip.where, value=trip.value, cause=Cause.UNKNOWN,
-                       fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0], tensors=trip.tensors,
-                       rank=trip.rank,
+    if trip.check == Check.ERROR:
+        return Finding(step=trip.step, where=trip.where or trip.phase, value=trip.value,
+                       cause=Cause.UNKNOWN, fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0],
+                       tensors=trip.tensors, rank=trip.rank,
                        explanation=(f"the script raised {trip.error} during optimizer step "
                                     f"{trip.step}, with non-finite values in its frames: "
                                     f"{short(trip.tensors, 4)}"))
@@ -84,7 +84,8 @@ def _state_finding(trip: ScriptTrip) -> Finding:
         when = f"before step {trip.step}'s update"
     cause = Cause.OPTIMIZER_UPDATE if trip.check == Check.OPTIMIZER else Cause.NONFINITE_PARAMETER
     error = f"; the script then raised {trip.error}" if trip.error else ""
-    finding = Finding(step=trip.step, where=trip.check, value=trip.value, cause=cause,
+    where = Where.OPTIMIZER if trip.check == Check.OPTIMIZER else Where.PARAMETER
+    finding = Finding(step=trip.step, where=where, value=trip.value, cause=cause,
                       explanation=f"the parameters {short(trip.tensors)} hold non-finite values "
                                   f"{when}{error}", fix=fix_for(cause),
                       tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,

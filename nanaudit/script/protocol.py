@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nanaudit.errors import NanauditError
 from nanaudit.report.model import Finding
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.timeline import Timeline
 from nanaudit.script.target import ScriptTarget
 from nanaudit.script.trip import ScriptTrip
@@ -24,7 +25,7 @@ class RerunSpec:
     target: ScriptTarget
     seed: int
     step: int
-    check: str
+    check: Check
     evaluation: int
     losses: tuple[tuple[int, float | None], ...]
     skips: int = 0        # a scale collapse: the skipped try of the step that collapsed it

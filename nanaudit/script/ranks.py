@@ -12,6 +12,7 @@ from nanaudit.report.model import Report
 from nanaudit.report.sections import RankStatus
 from nanaudit.report.vocabulary import RerunStatus, Status
 from nanaudit.run.distributed import current
+from nanaudit.run.mesh import name_on_mesh
 from nanaudit.run.rank_checks import RankChecks, gather_by_store, origin_entry
 
 
@@ -21,7 +22,8 @@ def merge_ranks(checks: RankChecks, report: Report, origin: int | None) -> None:
     child.py), else `origin` (the rank the first run's flags named)."""
     mine = RankStatus(rank=checks.rank, status=report.status, steps_run=report.steps_run,
                       device=report.device, host=socket.gethostname(),
-                      warnings=len(report.warnings))
+                      warnings=len(report.warnings),
+                      mesh=checks.mesh.coordinate(checks.rank) if checks.mesh else None)
     rerun = report.run.rerun if report.run is not None else None
     gathered = gather_by_store(checks.coord, "merge", (mine, report.finding, rerun))
     made = [finding is not None and rerun is not None and rerun.status == RerunStatus.REPRODUCED
@@ -30,6 +32,7 @@ def merge_ranks(checks: RankChecks, report: Report, origin: int | None) -> None:
                           made, origin)
     if chosen is not None:
         report.finding = chosen[1]
+        name_on_mesh(checks.mesh, report.finding)
         report.status = Status.NONFINITE     # every rank stops on the value, and says so
         if report.run is not None and chosen[2] is not None:
             report.run.rerun = chosen[2]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from nanaudit.errors import USER_FAILURES, ConfigError, NanauditError, UserCodeError
 from nanaudit.exitcodes import STOP_SIGNALS
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.seeding import seed_everything
 from nanaudit.script.concurrency import ScriptThreads
@@ -51,6 +52,8 @@ class ScriptOptions:
     fail_on: str | None = None
     rerun_timeout_s: float | None = None
     on_rerun: Callable[[int], None] | None = None   # told the step the re-run goes to
+    keep_going: bool = False          # skip a bad step's update and go on (--keep-going) ...
+    max_bad_steps: int = MAX_BAD_STEPS   # ... at most this many; the next one stops the run
 
 
 class Hooks(Protocol):

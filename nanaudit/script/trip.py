@@ -12,15 +12,13 @@ import torch
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import value_kind
 
-ERROR_CHECK = "error"     # not a sentinel: the script raised with non-finite values in its frames
-
 
 @dataclass
 class ScriptTrip:
     """What the first run saw at the step that tripped (sync allowed: it happens once)."""
 
     step: int
-    check: str                          # a Check, or "error": the script raised after the value
+    check: Check                        # a sentinel, or Check.ERROR: the script raised after it
     loss: float | None = None
     grad_norm: float | None = None
     value: str = "nan"
@@ -34,7 +32,7 @@ class ScriptTrip:
     manual: bool = False                # the script updates its weights itself (no optimizer)
     evaluation: int = 0                 # which call of the step's closure (LBFGS: several)
     error: str = ""                     # the script's exception after the value, first line
-    where: str = ""                     # error trips: raised in forward or in backward;
+    where: Where | None = None          # error trips: raised in forward or in backward;
     #                                     a PARAMETER trip in forward: buffers it made bad
     collapsed: str = ""                 # the GradScaler's scale collapsed: why (scaler.py)
     skips: int = 0                      # collapse trips: the skipped tries of the step, in all
@@ -49,11 +47,11 @@ class ScriptTrip:
     def needs_rerun(self) -> bool:
         """A loss, gradient, buffer or error trip names no op until the step is re-run traced;
         an input trip, no op of the data code that made the batch."""
-        return self.check in (Check.INPUT, Check.LOSS, Check.GRADIENT, ERROR_CHECK) \
+        return self.check in (Check.INPUT, Check.LOSS, Check.GRADIENT, Check.ERROR) \
             or self.in_buffers
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Where:
         """Where the value showed: the loss and buffers in forward, the gradients in
         backward."""
         return Where.FORWARD if self.check == Check.LOSS or self.in_buffers else Where.BACKWARD

@@ -24,7 +24,7 @@ class TripNamer:
     def __init__(self, ledger: Ledger, rank: int | None):
         self.ledger, self.rank = ledger, rank
 
-    def trip(self, step: int, check: str, value: str, tensors: list,
+    def trip(self, step: int, check: Check, value: str, tensors: list,
              **fields: Any) -> ScriptTrip:
         return ScriptTrip(step=step, check=check, value=value, tensors=tensors,
                           rank=self.rank, optimizers=len(self.ledger.stepped),

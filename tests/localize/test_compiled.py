@@ -226,7 +226,10 @@ def test_a_value_that_needs_inductors_random_draws_names_no_op():
     f = report.finding
     assert f.cause == "compiled-only" and f.compiled.backend == "inductor"
     assert f.compiled.random_ops is True and f.compiled.stage in ("decompositions", "inductor")
-    assert f.op is None and f.source.line == _line("# DROPOUT")
+    # No op is named, so no line either (a finding's line is its op's); the random op's line
+    # is in the explanation.
+    assert f.op is None and f.source is None
+    assert f"test_compiled.py:{_line('# DROPOUT')}" in f.explanation
     assert ("inductor, fallback_random=True", False) in [(r.backend, r.nonfinite)
                                                         for r in f.compiled.replays]
     assert "fallback_random = True" in f.fix
@@ -283,3 +286,19 @@ def test_a_factory_returning_a_compiled_model_takes_a_checkpoint_of_the_plain_on
     assert (f["where"], f["op"], f["module"], f["tensors"]) == (
         "backward", "aten.div.Tensor", "features", ["features.gain"])
     assert f["compiled"]["outcome"] == "eager"
+
+
+def test_a_compiled_only_finding_that_names_no_op_names_no_line():
+    from nanaudit.localize.compiled import Narrowed
+    from nanaudit.localize.compiled_finding import compiled_only_finding
+    from nanaudit.report.model import SourceLine
+    from nanaudit.report.sections import CompiledReplay
+    from nanaudit.report.vocabulary import CompiledOutcome, CompileStage, Where
+
+    dropout = SourceLine("train.py", 16, "h = self.drop(self.fc(x).abs() + 0.1)", "forward")
+    section = CompiledReplay("inductor", CompiledOutcome.COMPILED_ONLY, CompileStage.INDUCTOR,
+                             random_ops=True)
+    f = compiled_only_finding(Narrowed(section, random_lines=[dropout]), 7, "nan",
+                              Where.FORWARD, "loss", [])
+    assert (f.op, f.source, f.module) == (None, None, None)
+    assert "(at train.py:16)" in f.explanation and f.cause == "compiled-only"

@@ -1,14 +1,12 @@
 """FSDP2 as the checks see it, in one process (world of 1): local shards, the shard a rank
-holds, the reduce-scatter flag, and HSDP refused with a message rather than a wrong rank."""
+holds, the reduce-scatter flag, and HSDP's reduce-scatter flagged like FSDP's (issue 37)."""
 
 import pytest
 import torch
 from torch import nn
 
-from nanaudit.errors import UsageError
 from nanaudit.run.sharded import (
     PreReduceFlags,
-    check_supported,
     describe_shard,
     fsdp_modules,
     local_shards,
@@ -46,10 +44,15 @@ def test_a_sharded_model_is_read_by_its_local_shards(world_of_one):
     assert float(flags.take(torch.device("cpu"))) == 0.0     # taken: reset
 
 
-def test_hsdp_is_refused_with_a_clear_message(world_of_one):
+def test_hsdp_reduce_scatter_is_flagged_not_refused(world_of_one):
+    # A 2-D (replicate x shard) mesh: the reduce-scatter over dp_shard runs first, so its input
+    # is still this rank's own gradients.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model = nn.Linear(4, 2)
     fully_shard(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "shard")))
-    with pytest.raises(UsageError, match=r"2-D device mesh .* \(HSDP\)"):
-        check_supported(fsdp_modules(model))
+    flags = PreReduceFlags()
+    flags.install(fsdp_modules(model))
+    groups = model._get_fsdp_state()._fsdp_param_groups
+    assert type(groups[0]._reduce_scatter_comm).__name__ == "FlaggingReduceScatter"
+    # the e2e tests (tests/e2e/test_mesh.py) see it flag a rank's own gradients on 4 ranks

@@ -8,6 +8,7 @@ see exp_log); an average over too few elements is `degenerate-reduction`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ DIV_OPS = ("div", "true_divide", "reciprocal", "remainder", "fmod", "floor_divid
 
 
 @domain_rule(*DIV_OPS)
-def div_rule(base, args, kwargs, phase):
+def div_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     if base == "reciprocal":
         num, den = None, args[0]
     else:
@@ -45,7 +46,7 @@ def div_rule(base, args, kwargs, phase):
 
 
 @domain_rule("std", "var", "std_mean", "var_mean")
-def var_rule(base, args, kwargs, phase):
+def var_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0].detach()
     dims = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], bool) else None)
     if dims is None:
@@ -63,7 +64,7 @@ def var_rule(base, args, kwargs, phase):
 
 
 @domain_rule("mean")
-def mean_rule(base, args, kwargs, phase):
+def mean_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0]
     if isinstance(x, torch.Tensor) and x.numel() == 0:
         return Reason(Cause.DEGENERATE_REDUCTION, f"{base} of an empty tensor of shape "

@@ -8,18 +8,19 @@ from a fixed threshold.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from nanaudit.localize.ops import dtype_name
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at, number
-from nanaudit.report.vocabulary import Cause
+from nanaudit.report.vocabulary import Cause, Where
 
 LOG_BOUNDS = {"log": 0.0, "log2": 0.0, "log10": 0.0, "log1p": -1.0}
 
 
 @domain_rule("log", "log2", "log10", "log1p", "xlogy")
-def log_rule(base, args, kwargs, phase):
+def log_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     if base == "xlogy":
         y = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if y is not None and count(y < 0):
@@ -46,7 +47,7 @@ NEGATIVE_BASE_FIX = ("a fractional power of a negative base is NaN: for a signed
 
 
 @domain_rule("sqrt", "rsqrt")
-def sqrt_rule(base, args, kwargs, phase):
+def sqrt_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0].detach()
     if count(x < 0):
         return Reason(Cause.SQRT_DOMAIN, f"{base} received {count(x < 0)} negative value(s)"
@@ -55,23 +56,23 @@ def sqrt_rule(base, args, kwargs, phase):
     if count(x == 0):
         zeros = f"{base} received exact zeros at {count(x == 0)} of {x.numel()} position(s)" \
                 f"{first_at(x == 0)}"
-        if base == "rsqrt" and phase == "forward":
+        if base == "rsqrt" and phase == Where.FORWARD:
             return Reason(Cause.SQRT_DOMAIN, f"{zeros}; rsqrt(0) = 1/sqrt(0) is inf",
                           operand=args[0], mask=x == 0)
         deriv = "1/(2*sqrt(x))" if base == "sqrt" else "-1/(2*x^1.5)"
-        when = "its backward" if phase == "backward" else base
+        when = "its backward" if phase == Where.BACKWARD else base
         return Reason(Cause.SQRT_DOMAIN, f"{zeros}; {base}(0) is finite but the derivative "
                                          f"{deriv} is infinite at 0, so {when} made a "
                                          f"non-finite value", operand=args[0], mask=x == 0)
     return None
 
 
-def _exponent(args, kwargs):
+def _exponent(args: tuple, kwargs: dict) -> Any:
     return args[1] if len(args) > 1 else kwargs.get("exponent")
 
 
 @domain_rule("pow", "float_power")
-def pow_rule(base, args, kwargs, phase):
+def pow_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x, exponent = args[0], _exponent(args, kwargs)
     if not isinstance(x, torch.Tensor):                # pow.Scalar: number ** tensor, like exp
         return _scalar_base_rule(x, exponent)
@@ -105,7 +106,7 @@ def pow_rule(base, args, kwargs, phase):
                                   f"{shown}: x ** {shown} has a pole at 0 (0 ** {shown} = inf)",
                       operand=args[0], mask=zero)
     small = isinstance(exponent, (int, float)) and 0 < float(exponent) < 1
-    if phase == "backward" and small and count(zero):
+    if phase == Where.BACKWARD and small and count(zero):
         return Reason(Cause.SQRT_DOMAIN, f"pow(x, {exponent}) received exact zeros at "
                                          f"{count(zero)} position(s){first_at(zero)}; its "
                                          f"derivative {exponent} * x^{float(exponent) - 1:g} is "
@@ -113,7 +114,7 @@ def pow_rule(base, args, kwargs, phase):
     return None
 
 
-def _scalar_base_rule(base_value, exponent):
+def _scalar_base_rule(base_value: Any, exponent: Any) -> Any:
     if not isinstance(exponent, torch.Tensor) or not isinstance(base_value, (int, float)) \
             or abs(base_value) <= 1:
         return None
@@ -134,7 +135,7 @@ def exp_limit(dtype: torch.dtype) -> float:
 
 @domain_rule("exp", "exp2", "expm1", "cosh", "sinh", "special_i0", "i0", "special_i1",
              "special_erfcx")
-def exp_rule(base, args, kwargs, phase):
+def exp_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     x = args[0].detach()
     limit = exp_limit(x.dtype)
     if base == "exp2":

@@ -4,6 +4,8 @@ input length makes the loss inf."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from nanaudit.localize.rules.registry import Reason, count, domain_rule
@@ -11,7 +13,7 @@ from nanaudit.report.vocabulary import Cause
 
 
 @domain_rule("nll_loss_forward", "nll_loss2d_forward")
-def nll_rule(base, args, kwargs, phase):
+def nll_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     target = args[1].detach()
     ignore_index = args[4] if len(args) > 4 else -100
     weight = args[2] if len(args) > 2 else None
@@ -27,7 +29,7 @@ def nll_rule(base, args, kwargs, phase):
 
 
 @domain_rule("_ctc_loss", "ctc_loss")
-def ctc_rule(base, args, kwargs, phase):
+def ctc_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     targets, in_lens, tgt_lens = args[1], args[2], args[3]
     in_lens = torch.as_tensor(in_lens).tolist()
     tgt_lens = torch.as_tensor(tgt_lens).tolist()

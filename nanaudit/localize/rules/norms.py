@@ -13,7 +13,7 @@ DISTANCE_OPS = {"cdist", "_cdist_forward", "_euclidean_dist"}
 
 
 @domain_rule(*NORM_OPS, *DISTANCE_OPS)
-def norm_rule(base, args, kwargs, phase):
+def norm_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Reason | None:
     x = args[0].detach()
     if base in DISTANCE_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
         zero = torch.cdist(x.double(), args[1].detach().double()) == 0

@@ -8,6 +8,8 @@ number underflows to 0); the operand is returned so the walk can say where it ca
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from nanaudit.localize.rules.registry import Reason, count, domain_rule, first_at, number
@@ -19,7 +21,7 @@ def _on_integer_pole(x: torch.Tensor) -> torch.Tensor:
 
 
 @domain_rule("lgamma", "digamma", "polygamma", "mvlgamma", "special_zeta", "tan")
-def pole_rule(base, args, kwargs, phase):
+def pole_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     operand = args[1] if base == "polygamma" else args[0]
     if not isinstance(operand, torch.Tensor):
         return None
@@ -46,7 +48,7 @@ def pole_rule(base, args, kwargs, phase):
 
 
 @domain_rule("acos", "asin", "atanh", "atan2")
-def trig_rule(base, args, kwargs, phase):
+def trig_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     if base == "atan2":
         y, x = args[0].detach(), args[1].detach()
         both = (y == 0) & (x == 0)

@@ -10,7 +10,7 @@ a `Reason` with the real numbers, or None when the inputs do not explain the val
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -40,7 +40,7 @@ RULES: dict[Any, Rule] = {}   # OpOverloadPacket -> the rule that explains it
 PRODUCERS: set = set()        # packets an explanation names as the source of a value
 
 
-def packets(names) -> Iterator[Any]:
+def packets(names: Iterable[str]) -> Iterator[Any]:
     """The aten packets of these op names and of their in-place variants (which share a rule);
     names this torch does not have are skipped."""
     for name in names:
@@ -72,13 +72,13 @@ PRODUCERS.update(packets(("tanh", "acosh", "binary_cross_entropy", "prod", "cump
                           "linalg_svd", "_linalg_svd", "_linalg_eigh")))
 
 
-def keeps_inputs(func) -> bool:
+def keeps_inputs(func: Any) -> bool:
     """Does the tracer keep this forward op's inputs? Exactly the ops a rule or text reads."""
     packet = packet_of(func)
     return packet in RULES or packet in PRODUCERS
 
 
-def domain_reason(func_or_op, args, kwargs, phase: str) -> Reason | None:
+def domain_reason(func_or_op: Any, args: tuple, kwargs: dict, phase: str) -> Reason | None:
     """The catalogue cause an op's inputs explain, with the numbers; None when none applies."""
     if args is None:
         return None

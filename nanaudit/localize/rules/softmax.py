@@ -14,7 +14,7 @@ from nanaudit.report.vocabulary import Cause
 
 
 @domain_rule("_softmax", "_log_softmax", "softmax", "log_softmax", "logsumexp")
-def masked_row_rule(base, args, kwargs, phase):
+def masked_row_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Reason | None:
     """A row of nothing but -inf: softmax is 0/0 = NaN, logsumexp is log(0) = -inf."""
     x = args[0].detach()
     dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)

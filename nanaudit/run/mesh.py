@@ -1,0 +1,138 @@
+"""Device meshes as a finding names them: each rank's named coordinate on the model's mesh
+(`dp_replicate=1, dp_shard=0` under HSDP, `dp=1, tp=1` under FSDP2 + tensor parallel), each
+parameter's DTensor placement, and the global index of an element of a local shard.
+
+Read once, when the checks first see the model (`MeshView.of`), from the parameters' own
+DTensor specs: no collective, no host read per step. The widest mesh among the parameters is
+the run's (FSDP2 over a TP model gives its parameters the whole ("dp", "tp") mesh; TP alone, a
+1-D one). Plain frozen data, so it travels in the gather of every rank's finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanaudit.report.model import Finding
+from nanaudit.run.sharded import is_sharded
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """The model's device mesh: its dimension names and shape, the global rank at each
+    position (row-major), and each sharded parameter's placement (by the user's name)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    placements: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> MeshView | None:
+        """The view of `model`'s widest mesh; None when no parameter is a DTensor."""
+        params = [(name, p) for name, p in model.named_parameters() if is_sharded(p)]
+        if not params:
+            return None
+        mesh = max((p.device_mesh for _, p in params), key=lambda m: m.ndim)  # type: ignore[attr-defined]
+        names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+        return cls(names, tuple(mesh.shape), tuple(int(r) for r in mesh.mesh.flatten()),
+                   {name: placement_of(p) for name, p in params})
+
+    def coordinate(self, rank: int | None) -> dict[str, int] | None:
+        """`rank`'s position by dimension name ({"dp": 1, "tp": 0}); None off the mesh."""
+        if rank is None or rank not in self.ranks:
+            return None
+        flat, position = self.ranks.index(rank), []
+        for size in reversed(self.shape):
+            flat, index = divmod(flat, size)
+            position.append(index)
+        return dict(zip(self.names, reversed(position)))
+
+    def placements_of(self, names: Sequence[str]) -> dict[str, str] | None:
+        """The placements of the named parameters that are sharded (None: none is)."""
+        found = {name: self.placements[name] for name in names if name in self.placements}
+        return found or None
+
+
+def placement_of(t: torch.Tensor) -> str:
+    """A DTensor's placement by mesh dimension: `dp=Shard(dim=0), tp=Shard(dim=1)`."""
+    mesh: Any = t.device_mesh                                   # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return ", ".join(f"{name}={placement!r}" for name, placement
+                     in zip(names, t.placements))                # type: ignore[attr-defined]
+
+
+def global_index(t: torch.Tensor, local: Sequence[int]) -> tuple[int, ...]:
+    """The index in the whole tensor of the element at `local` in this rank's shard of `t`
+    (`local` itself for a tensor that is not sharded)."""
+    if not is_sharded(t):
+        return tuple(local)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, offset = compute_local_shape_and_global_offset(
+        t.shape, t.device_mesh, t.placements)                   # type: ignore[attr-defined]
+    return tuple(int(i) + int(o) for i, o in zip(local, offset))
+
+
+def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
+    """Give `finding` its origin rank's mesh coordinate and its sharded tensors' placements
+    (a run on no mesh, or no finding: nothing)."""
+    if view is None or finding is None:
+        return
+    finding.mesh = view.coordinate(finding.rank)
+    finding.placements = view.placements_of(finding.tensors)
+
+
+class PartialFlags:
+    """Notes, on the device and with no host read, how early in the step this rank's own
+    partial outputs first held a non-finite value before tensor parallel's all-reduce made
+    them every tp peer's: a forward hook, run before TP's own output hook (`prepend`), on each
+    module that holds DTensor parameters, reads the output a row-wise layer leaves `Partial`
+    (this rank's partial sum). Every rank of a tp group runs the same all-reduces in the same
+    order, and a value that arrived from a peer shows only in later ones: the rank whose bad
+    partial came first made it. While a replay traces the hook computes nothing."""
+
+    def __init__(self) -> None:
+        self.hooked: set[int] = set()
+        self._extremes: list[torch.Tensor] = []   # each partial output's least and greatest
+        self.tracing = False
+
+    def install(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if id(module) in self.hooked or not any(
+                    is_sharded(p) for p in module.parameters(recurse=False)):
+                continue
+            self.hooked.add(id(module))
+            module.register_forward_hook(self._note, prepend=True)
+
+    def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.tracing or not is_sharded(output):
+            return
+        if any(p.is_partial() for p in output.placements):
+            local = output._local_tensor.detach()
+            # least and greatest are finite iff every element is (NaN propagates)
+            self._extremes.append(torch.stack(torch.aminmax(local)) if local.numel()
+                                  else torch.zeros(2, dtype=local.dtype, device=local.device))
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """How early this step's first non-finite partial output came (float64, on the
+        device): n - i for the i-th of n, 0.0 when none was."""
+        extremes, self._extremes = self._extremes, []
+        if not extremes:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        bad = ~torch.isfinite(torch.stack([e.to(device) for e in extremes])).all(dim=1)
+        earliness = torch.arange(len(extremes), 0, -1, device=device, dtype=torch.float64)
+        return (bad.to(torch.float64) * earliness).max()
+
+
+def own_losses(loss_ok: list[bool], earliness: list[float]) -> list[bool]:
+    """Per rank, is its loss free of a value its own computation made? When ranks with a bad
+    loss had bad partial outputs, the makers are those whose bad partial came first
+    (`earliness`: PartialFlags.take of each rank); the others received it through TP's
+    all-reduce. Otherwise a bad loss is the rank's own."""
+    first = max((e for ok, e in zip(loss_ok, earliness) if not ok), default=0.0)
+    if first <= 0:
+        return loss_ok
+    return [ok or e < first for ok, e in zip(loss_ok, earliness)]

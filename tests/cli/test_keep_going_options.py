@@ -1,0 +1,97 @@
+"""--keep-going and --max-bad-steps for `scan` and `run`: parsed, validated (N >= 1, default
+10, --max-bad-steps alone is a usage error) and carried into the command's options. The
+skipping itself is not built yet: the run says so, and stops at its first bad step."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT, run_cli
+
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
+from nanaudit.report.model import Report
+
+
+def _clean(command: str) -> Report:
+    return Report(tool_version="0.1.0", config={}, torch_version="2.13.0", device="cpu",
+                  status="clean", steps_run=1, command=command)
+
+
+@pytest.fixture
+def received(monkeypatch):
+    """The options each command was called with (its work replaced by a clean report)."""
+    import nanaudit.commands.run
+    import nanaudit.commands.scan
+    seen: dict = {}
+
+    def scan(config, options):
+        seen["scan"] = options
+        return _clean("scan")
+
+    def run_script(target, options):
+        seen["run"] = options
+        return _clean("run")
+    monkeypatch.setattr(nanaudit.commands.scan, "scan", scan)
+    monkeypatch.setattr(nanaudit.commands.run, "run_script", run_script)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["scan", "run"])
+def test_the_options_reach_the_command(received, command, tmp_path):
+    target = tmp_path / ("config.yaml" if command == "scan" else "train.py")
+    result = run_cli(command, "--keep-going", "--max-bad-steps", "3", "--no-repro" if
+                     command == "scan" else "--no-rerun", target)
+    assert result.code == 0, result.stderr
+    options = received[command]
+    assert (options.keep_going, options.max_bad_steps) == (True, 3)
+    assert "skipping a bad step is not built yet" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["scan", "run"])
+def test_the_defaults(received, command, tmp_path):
+    target = tmp_path / ("config.yaml" if command == "scan" else "train.py")
+    assert run_cli(command, target).code == 0
+    assert (received[command].keep_going, received[command].max_bad_steps) == (
+        False, MAX_BAD_STEPS) == (False, 10)
+    assert run_cli(command, "--keep-going", target).code == 0
+    assert received[command].max_bad_steps == 10
+
+
+@pytest.mark.parametrize("command", ["scan", "run"])
+def test_max_bad_steps_alone_or_below_one_is_a_usage_error(received, command, tmp_path):
+    target = tmp_path / ("config.yaml" if command == "scan" else "train.py")
+    alone = run_cli(command, "--max-bad-steps", "3", target)
+    assert alone.code == 2 and "--max-bad-steps needs --keep-going" in alone.stderr
+    zero = run_cli(command, "--keep-going", "--max-bad-steps", "0", target)
+    assert zero.code == 2 and "0 is not in the range x>=1" in zero.stderr
+    assert command not in received            # nothing ran
+
+
+def test_keep_going_does_not_yet_change_a_scan(tmp_path):
+    # Until the skipping is built, --keep-going runs as without it: the demo's bad step 6
+    # stops the scan, with one finding and no `findings` list.
+    out = tmp_path / "report.json"
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--keep-going", "--quiet",
+                     "--no-repro", "--json", out)
+    import json
+    body = json.loads(out.read_text())
+    assert result.code == 1 and body["finding"]["step"] == 6
+    assert "findings" not in body and "bad_steps" not in body
+
+
+def test_scan_writes_the_skip_list_of_its_bad_step(tmp_path):
+    path = tmp_path / "skip.json"
+    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet", "--no-repro",
+                     "--skip-list", path)
+    import json
+    assert result.code == 1
+    assert json.loads(path.read_text()) == {"skip": [
+        {"batch": 6, "rows": [5], "sample_ids": None, "cause": "sqrt-domain", "step": 6}]}
+
+
+def test_an_unwritable_skip_list_is_exit_9_before_anything_runs(received, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for command, target in (("scan", "config.yaml"), ("run", "train.py")):
+        result = run_cli(command, "--skip-list", blocker / "skip.json", tmp_path / target)
+        assert result.code == 9 and "cannot write" in result.stderr
+    assert received == {}

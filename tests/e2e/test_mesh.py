@@ -1,0 +1,155 @@
+"""2-D device meshes under torchrun, four gloo ranks on CPU (issue 37): HSDP (replicate x
+shard) and FSDP2 + tensor parallel (`parallelize_module` with Colwise/RowwiseParallel, then
+`fully_shard` on the dp sub-mesh), through `nanaudit run` on an unmodified script. Every rank's
+report names the rank whose own op made the value, its mesh coordinate, the op, module, line,
+rows and cause; a rank that only received the value through TP's all-reduce is never blamed;
+clean runs stay clean and add one collective per step (the exchange of flags), no other; a
+dead rank is exit 8 on its peers. The faults are in configs/examples/scripts/mesh_faults.py."""
+
+import json
+
+import pytest
+from helpers import ROOT, launch_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+SCRIPT = ROOT / "configs" / "examples" / "scripts" / "mesh_faults.py"
+COUNT = ROOT / "tests" / "e2e" / "count_collectives.py"
+RANKS, STEPS = 4, 5
+
+
+def run(tmp_path, layout, fault):
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+                                   "--layout", layout, "--fault", fault], nproc=RANKS,
+                                  timeout_s=240)
+    reports = [json.loads(path.read_text()) if path.exists() else None
+               for path in [out] + [tmp_path / f"report.rank{r}.json" for r in range(1, RANKS)]]
+    return codes, reports, outputs
+
+
+def line_of(text: str) -> int:
+    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
+
+
+def statuses(report):
+    return [(r["rank"], r["status"], r["steps_run"]) for r in report["distributed"]["ranks"]]
+
+
+def test_hsdp_forward_value_names_its_rank_and_mesh_coordinate(tmp_path):
+    codes, reports, outputs = run(tmp_path, "hsdp", "forward")
+    assert codes == [1] * RANKS, outputs
+    for report in reports:          # every rank's own report names the same origin
+        f = report["finding"]
+        assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
+                f["samples"]) == (3, {"dp_replicate": 1, "dp_shard": 1}, 3, "forward",
+                                  "aten.pow.Tensor_Scalar", "blocks.0", "dtype-overflow", [2])
+        assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+        assert f["placements"]["blocks.0.up.weight"] == "dp_replicate=Replicate(), " \
+                                                       "dp_shard=Shard(dim=0)"
+    rank0 = reports[0]
+    assert rank0["run"]["rerun"]["status"] == "reproduced"
+    assert statuses(rank0) == [(r, "nonfinite", 4) for r in range(RANKS)]
+    assert [r["mesh"] for r in rank0["distributed"]["ranks"]] == [
+        {"dp_replicate": i, "dp_shard": j} for i in range(2) for j in range(2)]
+
+
+def test_hsdp_backward_only_value_names_the_rank_before_the_reduce_scatter(tmp_path):
+    codes, (rank0, *_), outputs = run(tmp_path, "hsdp", "backward")
+    assert codes == [1] * RANKS, outputs
+    f = rank0["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["module"],
+            f["cause"], f["samples"]) == (3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward",
+                                          "aten.sqrt.default", "length", "sqrt-domain", [5])
+    assert all(entry["loss"] == entry["loss"] for entry in rank0["timeline"])   # no NaN loss
+
+
+def test_fsdp_tp_value_made_in_one_tp_rank_column_slice_is_not_blamed_on_its_peer(tmp_path):
+    # Only tp rank 1 holds `up`'s output columns 8-15; the row-wise all-reduce of `down` hands
+    # the NaN to rank 2 (tp rank 0 of the same dp group), which must not be named.
+    codes, reports, outputs = run(tmp_path, "fsdp-tp", "forward")
+    assert codes == [1] * RANKS, outputs
+    for report in reports:
+        f = report["finding"]
+        assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
+                f["samples"]) == (3, {"dp": 1, "tp": 1}, 3, "forward",
+                                  "aten.pow.Tensor_Scalar", "blocks.0", "dtype-overflow", [2])
+        assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+        assert "arrived from a peer" not in f["explanation"]
+        assert f["placements"]["blocks.0.down.weight"] == "dp=Shard(dim=0), tp=Shard(dim=1)"
+    assert statuses(reports[0]) == [(r, "nonfinite", 4) for r in range(RANKS)]
+
+
+def test_fsdp_tp_step_flags_alone_name_the_rank_whose_partial_sum_went_bad_first(tmp_path):
+    # No re-run: the first run's one read per step (each rank's partial sums before the
+    # row-wise all-reduce) names rank 3, not rank 2, whose loss went bad just the same.
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--no-rerun", "--json", out,
+                                   SCRIPT, "--layout", "fsdp-tp", "--fault", "forward"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"]) == (3, {"dp": 1, "tp": 1}, 3, "forward")
+
+
+def test_fsdp_tp_backward_only_value_names_a_rank_of_the_dp_group_that_made_it(tmp_path):
+    # Both tp ranks of dp group 1 compute `length` on the replicated activations: both made it.
+    codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "backward")
+    assert codes == [1] * RANKS, outputs
+    f = rank0["finding"]
+    assert f["rank"] in (2, 3) and f["mesh"]["dp"] == 1
+    assert (f["step"], f["where"], f["forward_op"], f["module"], f["cause"], f["samples"]) == (
+        2, "backward", "aten.sqrt.default", "length", "sqrt-domain", [5])
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp-tp"])
+def test_clean_mesh_run_is_clean_and_adds_one_collective_per_step(tmp_path, layout):
+    plain, audited = tmp_path / "plain.json", tmp_path / "audited.json"
+    codes, outputs = launch_ranks([COUNT, plain, SCRIPT, "--layout", layout, "--fault", "none"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [0] * RANKS, outputs
+    report = tmp_path / "report.json"
+    codes, outputs = launch_ranks([COUNT, audited, "-m", "nanaudit", "run", "-q", "--json",
+                                   report, SCRIPT, "--layout", layout, "--fault", "none"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [0] * RANKS, outputs
+    assert statuses(json.loads(report.read_text())) == [(r, "clean", STEPS) for r in range(RANKS)]
+    world = ",".join(map(str, range(RANKS)))
+    for rank in range(RANKS):
+        before = json.loads((tmp_path / f"plain.json.rank{rank}").read_text())
+        after = json.loads((tmp_path / f"audited.json.rank{rank}").read_text())
+        # the script's own (FSDP's, TP's) collectives on the mesh groups are unchanged
+        assert {k: v for k, v in after.items() if k != world} == \
+               {k: v for k, v in before.items() if k != world}
+        assert after.get(world, 0) - before.get(world, 0) == STEPS
+
+
+def test_a_dead_rank_on_a_mesh_is_exit_8_on_its_peers(tmp_path):
+    codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "die")
+    assert codes[3] == -9 and codes[:3] == [8, 8, 8], outputs
+    assert rank0["error"]["type"] == "DistributedError"
+
+
+def test_sentinel_in_an_fsdp_tp_loop_names_the_origin_and_its_coordinate_on_every_rank():
+    script = ROOT / "configs" / "examples" / "scripts" / "mesh_sentinel.py"
+    codes, outputs = launch_ranks([script, "--layout", "fsdp-tp", "--fault", "forward"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [0] * RANKS, outputs
+    for rank, (stdout, _) in enumerate(outputs):
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        assert (seen["rank"], seen["step"], seen["finding_rank"], seen["mesh"], seen["where"],
+                seen["op"], seen["module"], seen["cause"], seen["samples"]) == (
+            rank, 3, 3, {"dp": 1, "tp": 1}, "forward", "aten.pow.Tensor_Scalar", "blocks.0",
+            "dtype-overflow", [2])
+
+
+def test_scan_with_an_hsdp_mesh_names_the_rank_of_a_backward_value(tmp_path):
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "hsdp_backward_nan.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["cause"],
+            f["samples"], f["placements"]) == (
+        3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward", "aten.sqrt.default",
+        "sqrt-domain", [6], {"gain": "dp_replicate=Replicate(), dp_shard=Shard(dim=0)"})
