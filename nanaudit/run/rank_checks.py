@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
-from nanaudit.run.check.verdict import Tripped, tripped_check
+from nanaudit.run.check.verdict import Tripped, rank_verdict
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
@@ -93,13 +93,12 @@ class RankChecks:
 
         def ok(flag: int) -> list[bool]:
             return [not row[flag] > 0 for row in rows]
-        own = ok(OWN_GRADIENTS)
-        return tripped_check(step, inputs_ok=ok(INPUT),
-                             weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
-                             updated_at=updated_at,
-                             loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
-                             grads_finite=own if not all(own) else all(ok(GRADIENTS)),
-                             buffers_finite=ok(BUFFERS))
+        return rank_verdict(step, inputs_ok=ok(INPUT),
+                            weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
+                            updated_at=updated_at,
+                            loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
+                            own_grads_ok=ok(OWN_GRADIENTS), reduced_ok=all(ok(GRADIENTS)),
+                            buffers_finite=ok(BUFFERS))
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

@@ -19,7 +19,7 @@ import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
-from nanaudit.run.check.verdict import Flags, tripped_check
+from nanaudit.run.check.verdict import rank_verdict, tripped_check
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
@@ -146,17 +146,15 @@ class SyncStep:
             return Trip.found(verdict, loss_value, gnorm) if verdict is not None else None
         if table.exhausted():
             self.ctx.feed.stop_after_this_step()
-        rank_grads = table.ok(Check.GRADIENT)
         # FSDP2: each rank reads its own shards, and every rank must decide alike.
         sharded = self.ctx.coord is not None and self.ctx.coord.sharded
-        reduced_ok = all(table.ok(REDUCED)) if sharded else math.isfinite(gnorm)
-        # The averaged gradients can overflow where no rank's own did: then no rank is named.
-        grads_ok: Flags = rank_grads if not all(rank_grads) else reduced_ok
-        verdict = tripped_check(step, inputs_ok=table.ok(Check.INPUT),
-                                weights_finite=(table.ok(WEIGHTS) if sharded
-                                                else math.isfinite(norm)),
-                                updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
-                                grads_finite=grads_ok)
+        verdict = rank_verdict(step, inputs_ok=table.ok(Check.INPUT),
+                               weights_finite=(table.ok(WEIGHTS) if sharded
+                                               else math.isfinite(norm)),
+                               updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
+                               own_grads_ok=table.ok(Check.GRADIENT),
+                               reduced_ok=(all(table.ok(REDUCED)) if sharded
+                                           else math.isfinite(gnorm)))
         if verdict is None:
             return None
         return Trip.found(verdict, loss_value, gnorm, rank=verdict.part)
