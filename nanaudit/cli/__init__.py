@@ -284,20 +284,26 @@ def replay(bundle: Path, model_target: str | None, loss_target: str | None, trus
                                 "allow_interspersed_args": False})
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed Python, NumPy and torch before the script (its own seeds win).")
-@click.option("--no-rerun", is_flag=True, help="Do not re-run the script to name the op.")
+@click.option("--no-rerun", is_flag=True,
+              help="Do not replay the bad step nor re-run the script to name the op.")
+@click.option("--rerun", "force_rerun", is_flag=True,
+              help="Name the op by re-running the script from the start, not by replaying the "
+                   "bad step in-process.")
 @click.option("--max-rerun-steps", type=click.IntRange(min=1),
               help="Do not re-run when localizing would repeat more than this many steps.")
 @keep_going_options
 @report_options
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @stoppable("run")
-def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool,
-        max_bad_steps: int | None, skip_list_path: str | None, fail_on: str | None,
-        quiet: bool, script_args: tuple[str, ...], stop: Stop, **formats: Any) -> None:
+def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | None,
+        keep_going: bool, max_bad_steps: int | None, skip_list_path: str | None,
+        fail_on: str | None, quiet: bool, script_args: tuple[str, ...], stop: Stop,
+        **formats: Any) -> None:
     """Run an unmodified training SCRIPT [ARGS]... (or -m MODULE [ARGS]..., as `python -m`)
     under nanaudit's checks at every optimizer step; on the first non-finite value stop it
-    before the update, then re-run it from the start to that step with full instruments to
-    name the op. nanaudit's options go before the script; everything after it is the script's."""
+    before the update, then replay that step in-process with full instruments to name the op
+    (or re-run the script from the start where only that can). nanaudit's options go before
+    the script; everything after it is the script's."""
     from nanaudit.commands.run import run_script
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
@@ -313,11 +319,12 @@ def run(seed: int, no_rerun: bool, max_rerun_steps: int | None, keep_going: bool
         terminal.error("nothing to run: give a script (`nanaudit run train.py ARGS...`) or "
                        "a module (`nanaudit run -m pkg.train ARGS...`)")
         exit_with(ExitCode.USAGE)
-    options = ScriptOptions(seed=seed, rerun=not no_rerun, max_rerun_steps=max_rerun_steps,
-                         fail_on=fail_on, keep_going=keep_going, max_bad_steps=limit,
-                         on_rerun=lambda step: terminal.info(
-                             f"non-finite at optimizer step {step}: re-running the script from "
-                             f"the start to localize it (--no-rerun skips this)"))
+    options = ScriptOptions(seed=seed, rerun=not no_rerun, force_rerun=force_rerun,
+                            max_rerun_steps=max_rerun_steps, fail_on=fail_on,
+                            keep_going=keep_going, max_bad_steps=limit,
+                            on_rerun=lambda step: terminal.info(
+                                f"non-finite at optimizer step {step}: re-running the script "
+                                f"from the start to localize it (--no-rerun skips this)"))
     report = _ran(lambda: run_script(target, options), stop)
     rank = report.run.rank if report.run is not None else None
     if rank:

@@ -19,6 +19,7 @@ This runs only on replay: it syncs the host once per op, which the scan path nev
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import linecache
 import os
@@ -42,6 +43,10 @@ from nanaudit.run.compiled import replay_eagerly
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
+# The user's line of the op nanaudit is replaying from a record (`nanaudit run`'s loss code,
+# script/inprocess.py): the call comes from nanaudit's frames, the line is the script's.
+REPLAYED_LINE: contextvars.ContextVar[SourceLine | None] = contextvars.ContextVar(
+    "REPLAYED_LINE", default=None)
 
 
 def user_source() -> SourceLine | None:
@@ -51,7 +56,9 @@ def user_source() -> SourceLine | None:
     while frame is not None:
         kind = _file_kind(frame.f_code.co_filename)
         if kind == "ours":
-            return None   # nanaudit called torch itself (reading the data again): no user line
+            # nanaudit called torch itself (reading the data again): no user line, unless it
+            # replays a recorded call of the user's
+            return REPLAYED_LINE.get()
         if kind == "user":
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             return SourceLine(frame.f_code.co_filename, frame.f_lineno, code, frame.f_code.co_name)

@@ -245,8 +245,9 @@ class ScriptRun:
     rank: int | None = None         # torchrun: this process's rank
     first_run: FirstRun | None = None
     rerun: Rerun | None = None
+    replay: Rerun | None = None     # the in-process replay at the trip (the same fields)
 
-    OMIT_WHEN_NONE = ("rank", "first_run", "rerun")
+    OMIT_WHEN_NONE = ("rank", "first_run", "rerun", "replay")
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class ScriptAuditor:
         # the expensive one) and the first run's losses, to stop a re-run that left it.
         self.window = RerunWindow(rerun_step, rerun_evaluation, tracer, rerun_skips)
         self.expected_losses = expected_losses      # the first run's, by step
-        self.hooks = ScriptHooks(self)
+        self.hooks = ScriptHooks(self, record=rerun_step is None)
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
         self.ledger = Ledger()
@@ -163,6 +163,7 @@ class ScriptAuditor:
             self._number_afresh()
         self.ledger.steps_taken += 1
         self.scaler_watch.applied()
+        self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
         self.window.enter_data_code(self.step)

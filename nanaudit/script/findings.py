@@ -115,6 +115,10 @@ def trip_notes(trip: ScriptTrip) -> list[str]:
                      "before any scaling: every later step would be skipped too")
     if trip.error:
         notes.append(f"the script then raised {trip.error}")
+    if trip.unreached:
+        notes.append("the script computed this loss and skipped it before backward (a guard "
+                     "such as `if not torch.isfinite(loss): continue`): the value was made all "
+                     "the same")
     return notes
 
 

@@ -28,6 +28,7 @@ import torch
 
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
+from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
 
 
@@ -49,15 +50,19 @@ class Listener(Protocol):
 class ScriptHooks:
     """Installs and removes the hooks of one script run (see the module docstring)."""
 
-    def __init__(self, listener: Listener):
+    def __init__(self, listener: Listener, record: bool = True):
         self.listener = listener
+        # The step, kept to replay it in-process; a training call after the model's return and
+        # before any backward is heard (the loss code skipped its backward, `continue`).
+        self.tap = StepTap(enabled=record, on_return=self._model_returned)
+        self._after_return = False
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
         # Modules seen holding parameters: each step's first call asks, and walking a module's
         # parameters to learn it costs more than the rest of the hook.
         self._trained: weakref.WeakSet = weakref.WeakSet()
-        self._tap = LossTap(listener.loss, before=listener.backward_started,
+        self._tap = LossTap(self._loss, before=listener.backward_started,
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
         self.entry: Any = None        # what the script called for the step's first call
@@ -74,6 +79,7 @@ class ScriptHooks:
         self._handles = [register_optimizer_step_pre_hook(self._pre_step),
                          register_optimizer_step_post_hook(self._post_step)]
         self._tap.install()
+        self.tap.install()
         self._wrap_scaler_step()
         self._wrap_optimizer_init()
         self._compiled.install()
@@ -86,6 +92,7 @@ class ScriptHooks:
         self._handles = []
         self.stop_waiting()
         self._compiled.remove()
+        self.tap.remove()
         self._tap.remove()
         for restore in reversed(self._restore):
             restore()
@@ -93,6 +100,7 @@ class ScriptHooks:
 
     def await_forward(self) -> None:
         """Listen for the next outermost module call (after a step or a backward)."""
+        self._after_return = False
         if self._forward_handle is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
             self._forward_handle = register_module_forward_pre_hook(self._first_call)
@@ -106,12 +114,31 @@ class ScriptHooks:
             self._forward_handle.remove()
             self._forward_handle = None
 
+    def _model_returned(self) -> None:
+        if self._forward_handle is None:
+            self.await_forward()
+            self._after_return = True
+
+    def hear_skipped_loss(self) -> bool:
+        """A non-finite loss the last forward's code skipped before backward is a loss of the
+        step (the check reads it); True when there was one."""
+        skipped = self.tap.skipped_loss()
+        if skipped is not None:
+            self.listener.loss(skipped)
+        return skipped is not None
+
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         if not self._trains(module):
             return
+        if self._after_return:
+            self._after_return = False
+            if not self.hear_skipped_loss():
+                self.stop_waiting()     # a second model call of the micro-batch: unheard
+                return
         kwargs = caller_kwargs()
         self.stop_waiting()
         self.entry = module
+        self._next_call(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
 
     def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -122,8 +149,13 @@ class ScriptHooks:
         if not self._trains(module):
             return False
         self.entry = entry
+        self._next_call(module, entry, args, kwargs)
         self.listener.first_call(module, args, kwargs)
         return True
+
+    def _next_call(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
+        """The step record's next micro-batch."""
+        self.tap.called(module, entry, args, kwargs)
 
     def _trains(self, module: torch.nn.Module) -> bool:
         """A call without autograd (an evaluation under `no_grad` between two steps) is not
@@ -139,11 +171,16 @@ class ScriptHooks:
         self._trained.add(module)
         return True
 
+    def _loss(self, loss: torch.Tensor) -> None:
+        self.tap.loss(loss)
+        self.listener.loss(loss)
+
     def _backward_ended(self, raised: bool) -> None:
         self.await_forward()            # gradient accumulation: the next micro-batch's forward
         self.listener.backward_ended(raised)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        self.tap.stop()
         self.listener.update_starting()
         evaluations = [0]
 
@@ -151,6 +188,7 @@ class ScriptHooks:
             evaluation = evaluations[0]
             evaluations[0] += 1
             self.listener.before_update(optimizer, evaluation)
+            self.tap.close()         # checked: the closure's next call is a window of its own
         wrapped = checked_closure_args(args, kwargs, after_closure)
         if wrapped is None:
             self.listener.before_update(optimizer, None)     # no closure: one check
@@ -163,13 +201,14 @@ class ScriptHooks:
     def _wrap_scaler_step(self) -> None:
         """A step the GradScaler skipped: no post-hook ran during its `step`."""
         from torch.amp import GradScaler
-        original, listener = GradScaler.step, self.listener
+        original, listener, tap = GradScaler.step, self.listener, self.tap
 
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             before = listener.stepped()
             result = original(scaler, optimizer, *args, **kwargs)
             if listener.stepped() == before and scaler.is_enabled():
                 listener.scaler_skipped(optimizer, scaler)
+                tap.close()              # a skipped step that did not trip: not replayed
             return result
         GradScaler.step = step  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(GradScaler, "step", original))

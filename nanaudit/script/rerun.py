@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from nanaudit.config.schema import DistributedOptions
@@ -22,8 +23,10 @@ from nanaudit.run.distributed import current
 from nanaudit.script import protocol
 from nanaudit.script.data_window import same_inputs
 from nanaudit.script.findings import not_deterministic, number, trip_notes
+from nanaudit.script.inprocess import RE_RUN
 from nanaudit.script.protocol import RerunResult, RerunSpec
 from nanaudit.script.ranks import rerun_environment
+from nanaudit.script.scratch import FolderState, inside, prepare, relocated
 from nanaudit.script.step_values import same_value
 from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
 from nanaudit.script.trip import ScriptTrip
@@ -32,11 +35,12 @@ CHILD_MODULE = "nanaudit.script.child"     # run as `python -m` (test_layout see
 
 
 def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
-                      timeline: Sequence[TimelineEntry],
-                      finding: Finding) -> tuple[Rerun, Finding]:
-    """Re-run the script to `trip.step` with the tracer armed for that step: the re-run's
-    record, and the finding (the re-run's when it reproduced the value, else the first run's
-    with the reason the op is not named)."""
+                      timeline: Sequence[TimelineEntry], finding: Finding,
+                      before: FolderState | None = None) -> tuple[Rerun, Finding]:
+    """Re-run the script to `trip.step` with the tracer armed for that step, in a scratch
+    copy of the working folder as `before` lists it (scratch.py): the re-run's record, and the
+    finding (the re-run's when it reproduced the value, else the first run's with the reason
+    the op is not named)."""
     skipped = _why_not(options, trip)
     if skipped is not None:
         finding.explain(skipped[1])
@@ -44,7 +48,9 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     if options.on_rerun is not None:
         options.on_rerun(trip.step)
     started = time.perf_counter()
-    result, log_tail = run_child(target, options, trip, timeline)
+    result, log_tail, folder_note = run_child(target, options, trip, timeline, before)
+    if folder_note is not None:
+        finding.explain(folder_note)
     took = round(time.perf_counter() - started, 3)
     steps = trip.step + 1
 
@@ -69,6 +75,9 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         finding.explain(note)
         return ran(status, note=note), finding
     localized = result.finding
+    localized.localized_by = RE_RUN
+    if folder_note is not None:
+        localized.explain(folder_note)
     localized.tensors = localized.tensors or finding.tensors
     localized.tensor = localized.tensor or finding.tensor
     if localized.rank is None:           # torchrun: the re-run names the rank that made it
@@ -116,9 +125,24 @@ def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
 
 
 def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
-              timeline: Sequence[TimelineEntry]) -> tuple[RerunResult | None, str]:
-    """Run `python -m nanaudit.script.child SPEC RESULT` in the same folder and environment;
-    (its result or None, the tail of its output)."""
+              timeline: Sequence[TimelineEntry], before: FolderState | None = None,
+              ) -> tuple[RerunResult | None, str, str | None]:
+    """Run `python -m nanaudit.script.child SPEC RESULT` in a scratch copy of the folder
+    (scratch.py), in the same environment; (its result or None, the tail of its output, what
+    the report says of the folder it ran in)."""
+    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder, in_flight(folder):
+        scratch = prepare(before, Path(folder) / "work")
+        if target.path is not None:
+            target = replace(target, path=inside(target.path, before, scratch))
+        result, tail = _child(target, options, trip, timeline, Path(folder), scratch.folder)
+        if result is not None and result.finding is not None:
+            result.finding = relocated(result.finding, scratch, os.getcwd())
+        return result, tail, scratch.note
+
+
+def _child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
+           timeline: Sequence[TimelineEntry], folder: Path,
+           cwd: str) -> tuple[RerunResult | None, str]:
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation, skips=trip.skips, buffers=trip.in_buffers,
                      losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step))
@@ -126,20 +150,18 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:
         timeout = DistributedOptions.timeout_s      # a peer's re-run that stalls: no hang
-    with tempfile.TemporaryDirectory(prefix="nanaudit-rerun-") as folder, in_flight(folder):
-        spec_path, result_path = Path(folder) / "spec.pkl", Path(folder) / "result.pkl"
-        log_path = Path(folder) / "rerun.log"
-        protocol.write(spec_path, spec)
-        with open(log_path, "wb") as log:
-            try:
-                subprocess.run([sys.executable, "-m", CHILD_MODULE, str(spec_path),
-                                str(result_path)], cwd=os.getcwd(), env=env or dict(os.environ),
-                               stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                               check=False)
-            except subprocess.TimeoutExpired:
-                pass
-        tail = log_path.read_text(errors="replace")[-2000:]
-        return protocol.read_result(result_path), tail
+    spec_path, result_path = folder / "spec.pkl", folder / "result.pkl"
+    log_path = folder / "rerun.log"
+    protocol.write(spec_path, spec)
+    with open(log_path, "wb") as log:
+        try:
+            subprocess.run([sys.executable, "-m", CHILD_MODULE, str(spec_path),
+                            str(result_path)], cwd=cwd, env=env or dict(os.environ),
+                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            pass
+    tail = log_path.read_text(errors="replace")[-2000:]
+    return protocol.read_result(result_path), tail
 
 
 def compare_losses(first: Sequence[TimelineEntry], result: RerunResult,

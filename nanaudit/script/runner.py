@@ -6,17 +6,20 @@ error); it never prints or exits."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.report.model import Report, SampleSearch
 from nanaudit.report.sections import FirstRun, ScriptRun
-from nanaudit.report.vocabulary import Cause, Status
+from nanaudit.report.vocabulary import Cause, Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import divergence_fix, first_run_finding
+from nanaudit.script.inprocess import adopt, localize_in_process
 from nanaudit.script.rerun import localize_by_rerun
+from nanaudit.script.scratch import FolderState
 from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
 
@@ -28,6 +31,8 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     report); the script raising for another reason is raised, as its UserCodeError."""
     started = time.perf_counter()
     check_target(target)
+    # The folder before the first run: the re-run, if one is needed, runs in a copy of it.
+    before = FolderState.take(os.getcwd()) if options.rerun else None
     script_error, forks = None, 0
     try:
         forks = execute(target, auditor, options.seed)
@@ -38,6 +43,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
             raise
         script_error = error
     if auditor.trip is None:
+        auditor.hooks.hear_skipped_loss()   # the script's last forward skipped its backward
         auditor.finish()
     record(report, auditor)
     assert report.run is not None
@@ -63,10 +69,18 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         report.status = Status.CLEAN
         return None
     report.status = Status.NONFINITE
+    trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     report.finding = first_run_finding(trip)
     if trip.needs_rerun:
-        report.run.rerun, report.finding = localize_by_rerun(
-            target, options, trip, auditor.timeline, report.finding)
+        # At the trip, in this process (its cost one step's); the re-run from the start where
+        # that cannot name the op (inprocess.py says why).
+        report.run.replay, localized = localize_in_process(auditor, options, trip,
+                                                           auditor.timeline)
+        if localized is not None:
+            report.finding = adopt(localized, trip)
+        else:
+            report.run.rerun, report.finding = localize_by_rerun(
+                target, options, trip, auditor.timeline, report.finding, before)
     attach_timeline_warnings(report, trip, auditor)
     return script_error
 
@@ -95,8 +109,9 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None,
         return
     # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
     # overflows float16's range, not by divergence); unknown without one: no cause is changed.
-    rerun = report.run.rerun if report.run is not None else None
-    precision = (rerun.precision if rerun is not None else None) or "unknown"
+    run = report.run
+    named_by = [r for r in (run.replay, run.rerun) if r is not None] if run is not None else []
+    precision = next((r.precision for r in named_by if r.precision), None) or "unknown"
     attach_warnings(finding, report.warnings, precision)
     if finding.cause == Cause.DIVERGENCE:
         finding.fix = divergence_fix(trip.optimizer)

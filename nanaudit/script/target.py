@@ -48,6 +48,7 @@ class ScriptOptions:
 
     seed: int = 0
     rerun: bool = True
+    force_rerun: bool = False             # --rerun: localize by the re-run, not in-process
     max_rerun_steps: int | None = None     # do not re-run past this many steps
     fail_on: str | None = None
     rerun_timeout_s: float | None = None

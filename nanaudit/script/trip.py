@@ -37,6 +37,7 @@ class ScriptTrip:
     collapsed: str = ""                 # the GradScaler's scale collapsed: why (scaler.py)
     skips: int = 0                      # collapse trips: the skipped tries of the step, in all
     state: list = field(default_factory=list)      # optimizer-state entries holding the value
+    unreached: bool = False             # a loss the script computed and skipped before backward
 
     @property
     def in_buffers(self) -> bool:

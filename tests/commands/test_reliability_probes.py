@@ -75,7 +75,7 @@ GUARDED_LOSS = textwrap.dedent("""
 def test_a_script_that_exits_on_its_nan_loss_is_a_finding_not_clean(tmp_path):
     (tmp_path / "train.py").write_text(GUARDED_LOSS)
     out = tmp_path / "r.json"
-    result = run_cli("run", "-q", "--json", out, tmp_path / "train.py")
+    result = run_cli("run", "-q", "--rerun", "--json", out, tmp_path / "train.py")
     report = json.loads(out.read_text())
     assert result.code == 1 and report["status"] == "nonfinite"
     f = report["finding"]
@@ -157,7 +157,8 @@ def test_a_script_that_changes_folder_keeps_reports_in_place_and_reruns(tmp_path
     (tmp_path / "train.py").write_text(CHDIR)
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "r.json").write_text("the user's own results\n")
-    result = run_cli("run", "-q", "--json", "r.json", "--junit-xml", "r.xml", "train.py")
+    result = run_cli("run", "-q", "--rerun", "--json", "r.json", "--junit-xml", "r.xml",
+                     "train.py")
     assert (tmp_path / "results" / "r.json").read_text() == "the user's own results\n"
     assert not (tmp_path / "results" / "r.xml").exists()
     report = json.loads((tmp_path / "r.json").read_text())
@@ -529,7 +530,7 @@ def test_training_in_a_forked_child_is_said_not_a_raw_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_training_in_a_thread_stops_the_script_quietly_and_is_localized(tmp_path):
-    code, report, out, err = _run_script(tmp_path, THREADED)
+    code, report, out, err = _run_script(tmp_path, THREADED, "--rerun")
     assert code == 1 and "StepHalted" not in err and "the main thread went on" not in out
     f = report["finding"]
     assert (f["step"], f["op"], f["cause"]) == (3, "aten.log.default", "log-domain")
@@ -587,7 +588,7 @@ def test_an_optimizer_built_but_never_stepped_with_updates_by_hand(tmp_path, whe
     (tmp_path / "train.py").write_text(textwrap.dedent(BY_HAND.format(
         **{key: "model.zero_grad()" if key == where else "pass"
            for key in ("zero_first", "zero_after")})))
-    result = run_cli("run", "-q", "--json", "r.json", *([rerun] if rerun else []), "train.py")
+    result = run_cli("run", "-q", "--json", "r.json", rerun or "--rerun", "train.py")
     report = json.loads((tmp_path / "r.json").read_text())
     assert result.code == 1, report["error"]
     f = report["finding"]

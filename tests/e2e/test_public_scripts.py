@@ -62,6 +62,9 @@ def plain(script: str, *args: str) -> None:
 
 
 def audited(script: str, *args: str, **options):
+    # These tests pin the re-run from the start (`--rerun`); the in-process replay at the
+    # trip is tested on the example scripts (tests/commands/test_run_inprocess.py).
+    options.setdefault("force_rerun", True)
     return run_script(ScriptTarget(path=script, args=args), ScriptOptions(**options))
 
 
@@ -94,7 +97,7 @@ def test_nanogpt_clean_run_prints_what_python_prints_and_times_the_micro_batches
 @pytest.mark.slow
 def test_nanogpt_huge_learning_rate_is_divergence_at_the_op_through_the_cli(data, tmp_path):
     out = tmp_path / "report.json"
-    result = run_cli("run", "--quiet", "--json", out, NANOGPT, f"--data_dir={data}",
+    result = run_cli("run", "--quiet", "--rerun", "--json", out, NANOGPT, f"--data_dir={data}",
                      "--learning_rate=1e6", "--warmup_iters=0", "--eval_interval=1")
     report = json.loads(out.read_text())
     f = report["finding"]

@@ -48,7 +48,7 @@ def test_a_long_run_keeps_its_ends_summarizes_the_middle_and_is_still_localized(
         tmp_path, small_budget):
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(LONG_LOOP))
-    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(force_rerun=True))
     f = report.finding
     assert exit_code(report) == 1 and (f.step, f.op, f.cause) == (350, "aten.log.default",
                                                                    "log-domain")

@@ -55,7 +55,8 @@ LOOP = """
 def test_plain_loop_log_zero_is_localized_by_the_rerun_under_gradient_accumulation():
     # Batch 5 holds the zero; with 2 micro-batches per optimizer step that is step 2, and the
     # traced window (both micro-batches of step 2) names the row of the second one.
-    report = script("plain_log_counts.py", "--lr", "1e-2", "--epochs", "1", "--accumulate", "2")
+    report = script("plain_log_counts.py", "--lr", "1e-2", "--epochs", "1", "--accumulate", "2",
+                    force_rerun=True)
     f = report.finding
     assert exit_code(report) == 1 and report.status == "nonfinite"
     assert (f.step, f.where, f.op, f.module, f.cause) == (2, "forward", "aten.log.default",
@@ -99,14 +100,14 @@ def test_no_rerun_and_max_rerun_steps_report_the_first_run_only():
     assert (f.step, f.where, f.op, f.reproduced) == (5, "forward", None, None)
     assert "--no-rerun" in f.explanation and "encoder.proj.weight" in f.tensors
     assert report.run.rerun.status == "skipped"
-    bounded = script("plain_log_counts.py", max_rerun_steps=3)
+    bounded = script("plain_log_counts.py", max_rerun_steps=3, force_rerun=True)
     assert bounded.finding.op is None
     assert "repeats 6 steps, more than --max-rerun-steps 3" in bounded.finding.explanation
 
 
 @pytest.mark.slow
 def test_a_non_deterministic_script_is_reported_as_such():
-    report = script("nondeterministic_seed.py")
+    report = script("nondeterministic_seed.py", force_rerun=True)
     f = report.finding
     rerun = report.run.rerun
     assert exit_code(report) == 1

@@ -1,0 +1,191 @@
+"""The script's own code between its model's return and `backward` (the loss), recorded so that
+an in-process replay can run it again on the replayed model's output.
+
+A `TorchFunctionMode` is pushed when the model's outermost call returns and popped at the next
+model call, optimizer step or end of the script: the few torch calls of the loss code (a
+`cross_entropy`, a division for accumulation, `GradScaler.scale`'s multiplication) each pass
+through it once, recorded as references (the function, its arguments, its output and the
+user's line). The model's forward itself never meets the mode, so its cost does not grow with
+the model. The first `backward` ends the recording (its tensor is the root the replay
+differentiates); what the script does after it is not loss code. A loss computed and then
+skipped before `backward` (`if not torch.isfinite(loss): continue`) is in the record too: its
+last differentiable scalar is that loss."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from types import FrameType
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from nanaudit.errors import is_own_file
+
+MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+@functools.lru_cache(maxsize=4096)
+def _computes(func: Any) -> bool:
+    """False for what makes no value to replay: a tensor's attribute read or write
+    (`p.grad`, `.shape`), which an optimizer's `zero_grad` does for every parameter."""
+    return getattr(func, "__name__", "") not in ("__get__", "__set__", "__delete__")
+
+
+class RecordedOp(NamedTuple):
+    """One torch call of the loss code; `where`: the user's (file, line, function). A tuple:
+    made on every step, a frozen dataclass's `__init__` would cost more than the rest."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+    where: tuple[str, int, str] | None
+    autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
+
+
+class LossCode:
+    """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
+    backward it reached, and whether it ran past MAX_OPS."""
+
+    __slots__ = ("ops", "overflowed", "roots")
+
+    def __init__(self) -> None:
+        self.ops: list[RecordedOp] = []
+        self.roots: list[tuple[Any, tuple, dict]] = []
+        self.overflowed = False
+
+    def skipped_loss(self) -> torch.Tensor | None:
+        """The last differentiable floating scalar the code made, when no backward ran."""
+        if self.roots:
+            return None
+        for op in reversed(self.ops):
+            for t in tree_flatten(op.out)[0]:
+                if (isinstance(t, torch.Tensor) and t.numel() == 1 and t.requires_grad
+                        and t.is_floating_point()):
+                    return t
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_user_file(name: str) -> bool:
+    path = os.path.abspath(name)
+    return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
+
+
+def _caller() -> tuple[str, int, str] | None:
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if _is_user_file(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def autocast_state() -> tuple:
+    """((device, dtype), ...) of the autocast regions enabled now (CPU, and CUDA once it is
+    initialized): a replay runs each call in the same ones."""
+    devices = ("cpu", "cuda") if torch.cuda.is_initialized() else ("cpu",)
+    return tuple((d, torch.get_autocast_dtype(d)) for d in devices
+                 if torch.is_autocast_enabled(d))
+
+
+def autocast(state: tuple) -> contextlib.ExitStack:
+    """The autocast regions of `state`, entered."""
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
+
+
+class LossCodeRecorder(TorchFunctionMode):
+    """Records into one LossCode at a time while pushed (`start` / `stop`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.code: LossCode | None = None
+        self.pushed = False
+
+    def start(self, code: LossCode) -> None:
+        self.stop()
+        self.code = code
+        torch._C._push_on_torch_function_stack(self)
+        self.pushed = True
+
+    def reached_backward(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """`Tensor.backward` (wrapped: a call through the mode costs more than the rest): the
+        loss code ends, with its root, and the mode is popped before backward runs."""
+        if self.code is not None:
+            self.code.roots.append((func, args, kwargs))
+        self.stop()
+
+    def paused(self, call: Any) -> Any:
+        """`call()` with the mode popped (an optimizer's `zero_grad` between the loss and
+        backward: nothing of the loss, and a torch call per parameter)."""
+        if not self.pushed or not self._innermost():
+            return call()
+        torch._C._pop_torch_function_stack()
+        try:
+            return call()
+        finally:
+            torch._C._push_on_torch_function_stack(self)
+
+    def _innermost(self) -> bool:
+        depth = torch._C._len_torch_function_stack()
+        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self
+
+    def stop(self) -> None:
+        """Pop the mode, when it is the innermost one (the script's own modes stay)."""
+        self.code = None
+        if not self.pushed:
+            return
+        if self._innermost():
+            torch._C._pop_torch_function_stack()
+            self.pushed = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        code = self.code
+        if code is None:
+            return func(*args, **kwargs)
+        if func in _BACKWARD:
+            self.code = None           # the loss reached backward: the loss code ends here
+            code.roots.append((func, args, kwargs))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not _computes(func):
+            return out
+        if len(code.ops) < MAX_OPS:
+            code.ops.append(RecordedOp(func, args, kwargs, out, _caller(), autocast_state()))
+        else:
+            code.overflowed = True
+        return out
+
+
+def replay(code: LossCode, env: dict[int, torch.Tensor],
+           on_op: Any = None) -> dict[int, torch.Tensor]:
+    """Run the recorded ops again, each tensor the run made replaced by the replay's (`env`:
+    id of the first run's tensor -> the replay's, the model's outputs to start with); the
+    tensors the script passed in (targets, masks) are used as they are. `on_op(where)` is told
+    the user's line before each op. Returns `env`, grown by every op's outputs."""
+    def swap(value: Any) -> Any:
+        return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
+    for op in code.ops:
+        outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            continue                   # `.item()`, `__bool__`: nothing a later op takes
+        if on_op is not None:
+            on_op(op.where)
+        with autocast(op.autocast):
+            new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
+        for old, made in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):
+            if isinstance(old, torch.Tensor) and isinstance(made, torch.Tensor):
+                env[id(old)] = made
+    return env

@@ -1,0 +1,156 @@
+"""The record of the current step that every front end can replay it from, in-process.
+
+At a check the update has not been applied: the parameters and the optimizer state are the
+step's own. What a replay needs besides is held here, for the current window only (the
+micro-batches since the last check): each model call's arguments and output (references), the
+script's loss code after it (loss_code.py), the RNG states at the window's first call (the CPU
+generator and every initialized CUDA one) and the model's buffers as they were before
+that call (running statistics and batch counts: a copy of the buffers into tensors kept from
+step to step, one `_foreach_copy_`, never a copy of the weights).
+
+`replaying()` puts the window's start back (RNG streams, buffers, no gradients) for a replay and
+afterwards the state the trip left (the RNG streams, the buffers and the gradients as the
+script had them), so whatever follows starts from the true state. `restore_buffers()` alone is
+what skipping a step needs (keep-going)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nanaudit.run.loss_code import LossCode, autocast_state
+
+
+class ModelCall:
+    """One micro-batch: the model call the script made (`entry`: what it called, a compile
+    wrapper of `module`), its output (None until it returned), its loss code, the unscaled
+    losses that reached backward, the RNG states as it began, and whether its loss was
+    skipped before backward (the script's guard). Slotted: one is made a micro-batch."""
+
+    __slots__ = (
+        "args",
+        "autocast",
+        "code",
+        "entry",
+        "kwargs",
+        "losses",
+        "module",
+        "output",
+        "rng",
+        "skipped",
+    )
+
+    def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
+                 rng: tuple) -> None:
+        self.module, self.entry, self.args, self.kwargs = module, entry, args, kwargs
+        self.output: Any = None
+        self.code = LossCode()
+        self.losses: list[torch.Tensor] = []
+        self.rng = rng
+        self.skipped = False
+        self.autocast = autocast_state()     # the autocast regions the call ran in
+
+    def seed_replay(self) -> None:
+        """The RNG streams as this call began (the data code between calls drew on them)."""
+        _set_rng_states(self.rng)
+
+
+class _Buffers:
+    """A module's buffers (running statistics, batch norm's count of batches) and the copies
+    they are saved into (allocated once per module: walking a large model's buffers each step
+    would cost more than the rest)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.tensors = list(module.buffers())
+        self.saved = [b.detach().clone() for b in self.tensors]
+
+    def save(self) -> None:
+        if self.tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self.saved, self.tensors)
+
+    def put(self, values: list[torch.Tensor]) -> None:
+        if self.tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self.tensors, values)
+
+
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.default_generator.get_state(), cuda
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1]:
+        torch.cuda.set_rng_state_all(states[1])
+
+
+class StepRecord:
+    """The current window's calls, RNG states and buffers (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls: list[ModelCall] = []
+        self._rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._buffers: _Buffers | None = None
+
+    @property
+    def open(self) -> bool:
+        return bool(self.calls)
+
+    def called(self, module: torch.nn.Module, entry: Any, args: tuple,
+               kwargs: dict) -> ModelCall:
+        """A micro-batch's model call; the window's first takes the RNG states and buffers."""
+        rng = _rng_states()
+        if not self.calls:
+            self._rng = rng
+            if self._buffers is None or self._buffers.module is not module:
+                self._buffers = _Buffers(module)
+            self._buffers.save()
+        call = ModelCall(module, entry, args, kwargs, rng=rng)
+        self.calls.append(call)
+        return call
+
+    @property
+    def skipped(self) -> bool:
+        """A micro-batch of the window computed a loss and skipped its backward."""
+        return any(call.skipped for call in self.calls)
+
+    @property
+    def last(self) -> ModelCall | None:
+        return self.calls[-1] if self.calls else None
+
+    def close(self) -> None:
+        """The window was checked (or skipped): drop its references."""
+        self.calls = []
+
+    def restore_buffers(self) -> None:
+        """The buffers as they were before the window's first forward."""
+        if self._buffers is not None:
+            self._buffers.put(self._buffers.saved)
+
+    @contextlib.contextmanager
+    def replaying(self, params: list[torch.Tensor]) -> Iterator[None]:
+        """The window's start for a replay (RNG streams, buffers, `params` without gradients);
+        afterwards the state the trip left, gradients included."""
+        assert self._rng is not None, "a window with a call"
+        now_rng = _rng_states()
+        buffers = self._buffers
+        now_buffers = [b.detach().clone() for b in buffers.tensors] if buffers else []
+        grads = [p.grad for p in params]
+        try:
+            for p in params:
+                p.grad = None
+            _set_rng_states(self._rng)
+            self.restore_buffers()
+            yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            if buffers is not None:
+                buffers.put(now_buffers)
+            _set_rng_states(now_rng)

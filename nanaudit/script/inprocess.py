@@ -1,0 +1,203 @@
+"""`nanaudit run`'s localization at the trip, in the process that tripped: the bad step's window
+(every micro-batch since the last check) replayed under the op tracer from the step record
+(run/step_record.py): each model call on its own arguments with the RNG streams as it began and
+the buffers as the window began, the recorded loss code on the replayed output, and backward
+from the roots the script differentiated. The parameters and optimizer state are the step's own
+(the check ran before the update).
+
+The replay must reproduce what the first run saw (each micro-batch's loss, and the check that
+tripped) before it names anything; when it does not, or cannot run, it says why and the caller
+falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
+as the trip left them. Its cost is one step's, whatever the step's number."""
+
+from __future__ import annotations
+
+import linecache
+import math
+import time
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
+from nanaudit.localize.walk import walk_from_sink
+from nanaudit.report.model import Finding, SourceLine
+from nanaudit.report.sections import Rerun
+from nanaudit.report.vocabulary import Check, RerunStatus, Where
+from nanaudit.run.loss_code import autocast, replay
+from nanaudit.run.step_record import ModelCall
+from nanaudit.script.findings import trip_notes
+from nanaudit.script.step_values import leading_size, same_value
+from nanaudit.script.target import ScriptOptions, script_rank
+from nanaudit.script.trip import ScriptTrip
+
+IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
+
+
+class NotReplayable(Exception):
+    """Why this window cannot be replayed in-process (the re-run is used instead)."""
+
+
+def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
+                        timeline: Any) -> tuple[Rerun | None, Finding | None]:
+    """(the replay's record, the finding it names; None: fall back to the re-run, the record's
+    note says why). An input or error trip is the re-run's alone: no record."""
+    if trip.check not in (Check.LOSS, Check.GRADIENT):
+        return None, None
+    started = time.perf_counter()
+    try:
+        calls = _window(auditor, options, trip)
+        finding, ops, precision = _replayed(auditor, calls, trip, timeline)
+    except NotReplayable as why:
+        return Rerun(status=RerunStatus.SKIPPED, note=str(why)), None
+    took = round(time.perf_counter() - started, 3)
+    if finding is None:
+        return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED,
+                     note=precision, ops_traced=ops), None
+    finding.localized_by = IN_PROCESS
+    return Rerun(steps=1, duration_s=took, status=RerunStatus.REPRODUCED, ops_traced=ops,
+                 precision=precision), finding
+
+
+def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
+    """The replay's finding, with what only the first run knew (the rank, the step's notes)."""
+    finding.rank = trip.rank
+    finding.tensors = finding.tensors or trip.tensors
+    for note in trip_notes(trip):
+        finding.explain(note)
+    return finding
+
+
+def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
+    if not options.rerun:
+        raise NotReplayable("--no-rerun: the step is not replayed")
+    if options.force_rerun:
+        raise NotReplayable("--rerun: localized by re-running the script from the start")
+    if script_rank() is not None:
+        raise NotReplayable("under torchrun the ranks are re-run together")
+    calls = auditor.hooks.tap.record.calls
+    if not calls:
+        raise NotReplayable(f"no model call was heard in step {trip.step}")
+    for call in calls:
+        if call.output is None:
+            raise NotReplayable("the model's output was not heard (a compiled call)")
+        if call.code.overflowed:
+            raise NotReplayable("the code between the model and backward is too long to record")
+        if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
+            raise NotReplayable("the script differentiates with torch.autograd.grad")
+    return calls
+
+
+def _params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
+    seen: dict[int, torch.nn.Parameter] = {}
+    for call in calls:
+        for p in call.module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
+              timeline: Any) -> tuple[Finding | None, int, str | None]:
+    """(the finding or None, the ops traced, the creating op's precision or why not)."""
+    params = _params(calls)
+    skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
+    with auditor.hooks.tap.record.replaying(params), torch.enable_grad():
+        tracer = OpTracer(calls[0].module)
+        try:
+            with tracer:
+                pairs = [pair for i, call in enumerate(calls) for pair in _replay_call(
+                    tracer, call, skipped if i == len(calls) - 1 else None)]
+        except NotReplayable:
+            raise
+        except Exception as exc:      # the replay of the script's own code raised
+            raise NotReplayable(f"the in-process replay raised {type(exc).__name__}: "
+                                f"{str(exc)[:200]}") from None
+        ops = tracer.trace.ops_seen
+        mismatch = _mismatch(pairs)
+        if mismatch is not None:
+            return None, ops, mismatch
+        return _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+
+
+def _replay_call(tracer: OpTracer, call: ModelCall,
+                 skipped: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replay one micro-batch; [(the first run's loss, the replay's)]."""
+    call.seed_replay()
+    with autocast(call.autocast):
+        output = call.module(*call.args, **call.kwargs)
+    env = {id(a): b for a, b in zip(tree_flatten(call.output)[0], tree_flatten(output)[0])
+           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)}
+
+    def at(where: tuple[str, int, str] | None) -> None:
+        REPLAYED_LINE.set(_line(where))
+    try:
+        replay(call.code, env, at)
+    finally:
+        REPLAYED_LINE.set(None)
+    losses = call.losses + ([skipped] if skipped is not None else [])
+    pairs = []
+    for loss in losses:
+        if id(loss) not in env:
+            raise NotReplayable("a loss the recorded code did not make reached backward")
+        pairs.append((loss, env[id(loss)]))
+    for func, args, kwargs in call.code.roots:
+        swap = [env.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
+        tracer.start_backward()
+        try:
+            func(*swap, **{k: env.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                           for k, v in kwargs.items()})
+        finally:
+            tracer.end_backward()
+    return pairs
+
+
+def _line(where: tuple[str, int, str] | None) -> SourceLine | None:
+    """The user's line a recorded op was called from, as the tracer names a line."""
+    if where is None:
+        return None
+    file, line, function = where
+    return SourceLine(file, line, linecache.getline(file, line).strip(), function)
+
+
+def _mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    for i, (first, again) in enumerate(pairs):
+        a, b = float(first.detach()), float(again.detach())
+        if not same_value(a, b):
+            return (f"the in-process replay of the step made loss {b:.6g} where the run saw "
+                    f"{a:.6g} (micro-batch {i}): a non-deterministic op, or state the step "
+                    f"reads outside the model's parameters and buffers")
+    return None
+
+
+def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
+           pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, trip: ScriptTrip,
+           timeline: Any, ops: int) -> tuple[Finding | None, int, str | None]:
+    """Walk back from the replay's bad loss (or gradients) to the op that made it."""
+    batch = leading_size(calls[0].args, calls[0].kwargs)
+    names: list[str] = []
+    if trip.check == Check.LOSS:
+        sinks = [again for _first, again in pairs if not math.isfinite(float(again.detach()))]
+        if not sinks:
+            return None, ops, "the in-process replay's losses came out finite"
+        loc = walk_from_sink(tracer.trace, sinks[0], Where.FORWARD, timeline, None)
+    else:
+        bad = [(auditor.parameter_name(p), p.grad) for p in params
+               if p.grad is not None and kinds_of(p.grad)]
+        bad.sort(key=lambda nb: trip.tensors.index(nb[0]) if nb[0] in trip.tensors
+                 else len(trip.tensors))
+        if not bad or not set(trip.tensors) & {n for n, _ in bad}:
+            return None, ops, "the in-process replay's gradients came out finite"
+        names = [n for n, _ in bad]
+        loc = walk_from_sink(tracer.trace, bad[0][1], Where.BACKWARD, timeline, names)
+    if not loc.reproduced or loc.event is None:
+        return None, ops, "the in-process replay named no op that made the value"
+    finding = traced_finding(loc, trip.step, tensor=names[0] if names else "loss",
+                             tensors=names)
+    rows = created_rows(tracer, loc.event, batch)
+    finding.sample_search = rows_search(loc.event.op, rows, batch)
+    if rows and batch is not None and len(rows) < batch:
+        finding.samples = rows
+    return finding, ops, event_precision(loc.event)

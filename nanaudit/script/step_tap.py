@@ -1,0 +1,123 @@
+"""What `nanaudit run` keeps of the current step so that it can be replayed in-process at a trip:
+the step record (run/step_record.py) filled from the auditor's hooks, and the loss code recorded
+from the model's return to `backward` (run/loss_code.py).
+
+The model's return is heard by a forward hook put on the step's outermost module at its first
+call, removed when the script ends (one hook call a micro-batch; the forward's inner modules
+keep PyTorch's hook-free path). `Tensor.backward` is wrapped to end the recording before it
+runs, and the optimizers' and modules' `zero_grad` to run outside the recorder's mode: through
+it, each would cost a Python call per parameter. Only the first run records: a re-run traces
+instead."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from nanaudit.run.loss_code import LossCodeRecorder
+from nanaudit.run.step_record import ModelCall, StepRecord
+
+
+class StepTap:
+    """Feeds the step record; `enabled` False (a re-run) keeps nothing. `install()` /
+    `remove()` (the zero_grad wrappers, the forward hooks it put on the script's models)."""
+
+    def __init__(self, enabled: bool = True, on_return: Any = None):
+        self.enabled = enabled
+        self.on_return = on_return        # told when the model's outermost call returned
+        self.record = StepRecord()
+        self._recorder = LossCodeRecorder()
+        self._hooked: dict[int, Any] = {}   # id(module) -> its forward hook's handle
+        self._pending: ModelCall | None = None
+        self._restore: list = []
+
+    def install(self) -> None:
+        if not self.enabled:
+            return
+        # A `zero_grad` between the loss and backward reads and writes every parameter's
+        # gradient: with the recorder paused, those are not calls through its mode.
+        for owner in (torch.optim.Optimizer, torch.nn.Module):
+            original = owner.__dict__["zero_grad"]
+            owner.zero_grad = self._paused(original)  # type: ignore[method-assign]
+            self._restore.append(lambda owner=owner, original=original:
+                                 setattr(owner, "zero_grad", original))
+        # `loss.backward()` ends the loss code before it would pass through the mode.
+        backward, recorder = torch.Tensor.backward, self._recorder
+
+        @functools.wraps(backward)
+        def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            recorder.reached_backward(backward, (tensor, *args), kwargs)
+            return backward(tensor, *args, **kwargs)
+        torch.Tensor.backward = reaching  # type: ignore[method-assign,assignment]
+        self._restore.append(lambda: setattr(torch.Tensor, "backward", backward))
+
+    def _paused(self, original: Any) -> Any:
+        recorder = self._recorder
+
+        @functools.wraps(original)
+        def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            return recorder.paused(lambda: original(owner, *args, **kwargs))
+        return zero_grad
+
+    def remove(self) -> None:
+        self.stop()
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        for restore in reversed(self._restore):
+            restore()
+        self._restore = []
+
+    def called(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
+        """A micro-batch's outermost module call (before its forward)."""
+        if not self.enabled:
+            return
+        self.stop()
+        call = self.record.called(module, entry, args, kwargs)
+        if entry is module:         # a compiled call never meets the module's hooks
+            self._pending = call
+            if id(module) not in self._hooked:    # once per model, removed with the rest
+                self._hooked[id(module)] = module.register_forward_hook(self._returned)
+
+    def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        call = self._pending
+        if call is None or call.module is not module:
+            return                  # another call of the model (an evaluation)
+        self._pending = None
+        call.output = output
+        self._recorder.start(call.code)
+        if self.on_return is not None:
+            self.on_return()
+
+    def loss(self, loss: torch.Tensor) -> None:
+        """An unscaled loss reaching backward: the current micro-batch's."""
+        last = self.record.last
+        if self.enabled and last is not None:
+            last.losses.append(loss)
+
+    def skipped_loss(self) -> torch.Tensor | None:
+        """The loss the last micro-batch's code made, non-finite, and never differentiated
+        (None: it reached backward, or was finite, or the code made no differentiable scalar).
+        One host read, only after a forward that had no backward. A bad one joins the
+        micro-batch's losses: the step's check reads it, the replay verifies it."""
+        last = self.record.last
+        if not self.enabled or last is None or last.losses or last.output is None:
+            return None
+        loss = last.code.skipped_loss()
+        if loss is None or bool(torch.isfinite(loss.detach())):
+            return None
+        last.skipped = True
+        last.losses.append(loss)
+        return loss
+
+    def stop(self) -> None:
+        """The loss code ended (a model call, an optimizer step, the script's end)."""
+        self._pending = None
+        self._recorder.stop()
+
+    def close(self) -> None:
+        """The window was checked: drop it."""
+        self.stop()
+        self.record.close()
