@@ -72,7 +72,7 @@ from nanaudit.integrations.sentinel_replay import (
 )
 from nanaudit.report.bad_steps import BadStepLog
 from nanaudit.report.model import Finding, Report
-from nanaudit.report.vocabulary import BadStepAction, Check, Status, StopReason
+from nanaudit.report.vocabulary import BadStepAction, Check, Status
 from nanaudit.run.batch import float_leaves
 from nanaudit.run.check.decision import StepDecision, keep_going
 from nanaudit.run.check.scaler import ScalerWatch
@@ -272,11 +272,12 @@ class Sentinel:
                 return False
             case StepDecision.STOP:
                 assert trip is not None
-                self.report = self._report(trip, window, where, scale)
-                if log is not None and self.report.finding is not None:
-                    log.record(self.report.finding, BadStepAction.STOPPED,
-                               reason or StopReason.NONFINITE_STATE)
-                    log.apply(self.report)
+                started = time.perf_counter()
+                finding = self._finding(trip, window, where, scale)
+                if log is not None:
+                    log.record(finding, BadStepAction.STOPPED, reason)
+                self.report = self.make_report("nonfinite", finding,
+                                               time.perf_counter() - started)
                 if self.output_dir is not None:
                     from nanaudit.integrations._output import write_sentinel_outputs
                     write_sentinel_outputs(self, self.output_dir)
@@ -325,12 +326,6 @@ class Sentinel:
         self.replaying = micro        # the integrations name the micro-batch being replayed
 
     # --- the report -------------------------------------------------------------------------
-
-    def _report(self, trip: Trip, window: list[RecordedBatch], where: int | None,
-                scale: float | None) -> Report:
-        started = time.perf_counter()
-        finding = self._finding(trip, window, where, scale)
-        return self.make_report("nonfinite", finding, time.perf_counter() - started)
 
     def _finding(self, trip: Trip, window: list[RecordedBatch], where: int | None,
                  scale: float | None) -> Finding:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanaudit.integrations.sentinel import NonFiniteError, Sentinel
-from nanaudit.report.vocabulary import BadStepAction, Check, StopReason
+from nanaudit.report.vocabulary import BadStepAction, StopReason, Where
 
 BAD = {2: "forward", 4: "backward", 6: "loss"}
 
@@ -85,10 +85,11 @@ def test_skipped_steps_leave_no_trace():
     assert report is not None and report.bad_steps is not None
     assert [f.step for f in report.findings] == sorted(BAD)
     assert all(f.action == BadStepAction.SKIPPED for f in report.findings)
-    checks = [f.check for f in report.findings]
-    assert checks == [Check.INPUT, Check.GRADIENT, Check.LOSS]
-    assert report.findings[1].op is not None and "sqrt" in report.findings[1].op
-    assert report.findings[2].op is not None and "log" in report.findings[2].op
+    assert [f.where for f in report.findings] == [Where.INPUT, Where.BACKWARD, Where.FORWARD]
+    assert [f.cause.value for f in report.findings] == ["nonfinite-input", "sqrt-domain",
+                                                        "log-domain"]
+    assert report.findings[0].samples == [3]
+    assert report.findings[2].op == "aten.log.default"
     assert report.bad_steps.skipped == 3 and report.bad_steps.stopped is None
 
 
