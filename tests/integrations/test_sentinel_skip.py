@@ -126,3 +126,42 @@ def test_nonfinite_weight_stops_at_once():
     report = raised.value.report
     assert [f.step for f in report.findings] == [0]
     assert report.findings[0].stop_reason == StopReason.NONFINITE_STATE
+
+
+def _accumulated(skip_with_sentinel: bool) -> tuple[dict[str, torch.Tensor], Sentinel | None]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sentinel = Sentinel(model, opt, loss_fn=compute_loss, on_finding="skip") \
+        if skip_with_sentinel else None
+    torch.manual_seed(3)
+    for step in range(4):
+        saved = [b.clone() for b in model.buffers()]
+        for micro in range(2):
+            # micro-batch 1 of step 1 is bad in its loss code; micro-batch 0 was fine
+            batch = _batch(6 if (step, micro) == (1, 1) else 10 + 2 * step + micro)
+            loss = compute_loss(model, batch) / 2
+            loss.backward()
+            if sentinel is not None:
+                sentinel.micro_batch(batch, loss)
+        if sentinel is not None:
+            apply = sentinel.check_update(step)
+        else:
+            apply = step != 1
+            if not apply:
+                for b, s in zip(model.buffers(), saved):
+                    b.copy_(s)
+        if apply:
+            opt.step()
+        opt.zero_grad()
+    return _state(model), sentinel
+
+
+def test_one_bad_micro_batch_skips_its_whole_step():
+    got, sentinel = _accumulated(True)
+    expected, _ = _accumulated(False)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert sentinel is not None and sentinel.report is not None
+    (finding,) = sentinel.report.findings
+    assert (finding.step, finding.micro_batch) == (1, 1)
+    assert finding.cause.value == "log-domain"
