@@ -106,16 +106,8 @@ def test_no_import_cycle():
     assert _cycles(runtime_only=True) == []
 
 
-# Modules still in a type-only circle (`if TYPE_CHECKING:` imports): the step loop and its
-# strategies (issue 34: each strategy to take a context and return its result). The set only
-# shrinks: a module in any other circle fails here.
-TYPE_ONLY_CIRCLES_LEFT = {"nanaudit.run.loop", "nanaudit.run.sync_step",
-                          "nanaudit.run.gated_step", "nanaudit.run.deferred_step"}
-
-
 def test_no_import_cycle_not_even_under_type_checking():
-    in_circles = {m for cycle in _cycles(runtime_only=False) for m in cycle.split(" -> ")}
-    assert in_circles - TYPE_ONLY_CIRCLES_LEFT == set()
+    assert _cycles(runtime_only=False) == []
 
 
 def test_a_module_name_string_counts_as_an_import():

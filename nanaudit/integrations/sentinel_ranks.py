@@ -34,11 +34,12 @@ def join_ranks(model: torch.nn.Module) -> RankChecks | None:
 def with_rank_flags(checks: RankChecks, values: torch.Tensor, head: int,
                     window: int) -> torch.Tensor:
     """The step's values ([weights' norm, gradients' norm, (scale)], each micro-batch's
-    finiteness flag, each one's loss) followed by every rank's flags (no host read)."""
+    finiteness flag, each one's loss) followed by every rank's flags (no host read). Sentinel
+    reads no buffers here: their column is finite."""
     flags, losses = values[head:head + window], values[head + window:]
     one = torch.ones((), dtype=torch.float64, device=values.device)
     summary = torch.stack([flags.min() if window else one, values[0],
-                           losses.sum() if window else one - 1, values[1]])
+                           losses.sum() if window else one - 1, values[1], one - 1])
     return torch.cat([values, checks.table(summary)])
 
 

@@ -11,20 +11,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from nanaudit.errors import call_user
 from nanaudit.run.batch import move
 from nanaudit.run.checks import StepReadout
-from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader
+from nanaudit.run.deferred import BufferKeeper, DeviceSkip, HostReader, ReadMode
 from nanaudit.run.step import RngState, timeline_entry
+from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.sync_step import SyncStep
 from nanaudit.run.watch_readout import ReadoutExtras
-
-if TYPE_CHECKING:
-    from nanaudit.run.loop import StepLoop
 
 
 @dataclass
@@ -47,84 +45,83 @@ class DeferredStep:
     """Steps read one step late; a non-finite read rewinds to that step and reads it again
     synchronously (`sync`)."""
 
-    def __init__(self, loop: StepLoop, sync: SyncStep):
-        if loop.optimizer is None:       # choose_read defers only an optimizer's update
+    def __init__(self, ctx: StepContext, sync: SyncStep, read: ReadMode):
+        if ctx.optimizer is None:       # choose_read defers only an optimizer's update
             raise ValueError("the deferred read needs an optimizer to skip updates")
-        self.loop, self.sync, self.optimizer = loop, sync, loop.optimizer
-        device = loop.session.device
+        self.ctx, self.sync, self.optimizer, self.read = ctx, sync, ctx.optimizer, read
+        device = ctx.session.device
         self.skip = DeviceSkip(device)
-        self.keeper = BufferKeeper(loop.session.local_model)
+        self.keeper = BufferKeeper(ctx.session.local_model)
         self.reader = HostReader(torch.device(device))
         self.pending: PendingStep | None = None
 
-    def run(self, step: int, raw_batch):
+    def run(self, step: int, raw_batch: object, updated: bool) -> StepResult:
         """One training step whose readout is read at the next step (or at the end); the
         device skips the update if any of its values is non-finite. Returns the previous
-        step's (trip, state), or (None, None)."""
-        loop = self.loop
+        step's result. `updated`: an update ran since the weights were last read."""
+        ctx = self.ctx
         started = time.perf_counter()
-        updated = loop.updated
         rng = RngState.capture()
         leaves: list = []
-        batch = move(raw_batch, loop.session.device, leaves)
+        batch = move(raw_batch, ctx.session.device, leaves)
         saved = self.keeper.save()
-        loop.watches.activations.begin(step)
-        loss = loop.unit.forward_backward(batch, zero_grad=loop.sentinels.zero_grad)
-        readout = loop.sentinels.step_readout(loss, leaves, loop.sentinels.state_before(saved))
+        ctx.watches.activations.begin(step)
+        loss = ctx.unit.forward_backward(batch, zero_grad=ctx.checks.zero_grad)
+        readout = ctx.checks.step_readout(loss, leaves, ctx.checks.state_before(saved))
         self.skip.note(readout.values)
-        if loop.session.options.grad_clip:
-            loop.sentinels.clip_(readout.grad_norm(), loop.session.options.grad_clip)
+        if ctx.session.options.grad_clip:
+            ctx.checks.clip_(readout.grad_norm(), ctx.session.options.grad_clip)
         optimizer = self.optimizer
-        loop.watches.updates.measure(step, lambda: self.skip.step(
-            optimizer, lambda: call_user(loop.optimizer_what, optimizer.step)),
+        ctx.watches.updates.measure(step, lambda: self.skip.step(
+            optimizer, lambda: call_user(ctx.optimizer_what, optimizer.step)),
             readout.state_norm)
-        loop.updated = True
-        extra, extras = loop.watches.extra_readout()
+        extra, extras = ctx.watches.extra_readout()
         values = readout.values
         handle = self.reader.send(torch.cat([values, *extra]) if extra else values)
         previous, self.pending = self.pending, PendingStep(
             step, batch, rng, saved, readout, handle, extras, started, time.perf_counter(),
             updated)
         if previous is None:
-            return None, None
+            return StepResult.of(None, None, updated=True)
         return self._settle(previous, self.pending)
 
-    def finish(self):
-        """Read the last step, at the end of the run: (trip, state) or (None, None)."""
+    def finish(self) -> StepResult:
+        """Read the last step, at the end of the run."""
         if self.pending is None:
-            return None, None
-        trip, state = self._settle(self.pending, None)
+            return StepResult.of(None, None, updated=True)
+        result = self._settle(self.pending, None)
         self.pending = None
-        return trip, state
+        return result
 
-    def _settle(self, previous: PendingStep, current: PendingStep | None):
+    def _settle(self, previous: PendingStep, current: PendingStep | None) -> StepResult:
         """Read a deferred step. All finite: it goes into the timeline. Otherwise the device
         skipped its update and every one since: put the buffers and the RNG back, and run that
         step again with the synchronous read; then the step after it, and the rest of the run,
-        read synchronously too."""
-        loop = self.loop
+        read synchronously too (the result's read mode says from which step)."""
+        ctx = self.ctx
         read = self.reader.receive(previous.handle)
-        loop.outcome.host_syncs += 1
+        ctx.outcome.host_syncs += 1
         batch_norm, norm, loss_value, gnorm = previous.readout.read(read)
         if math.isfinite(batch_norm + norm + loss_value + gnorm):
-            fields = loop.watches.observe(previous.step, read[len(previous.readout):],
-                                          loop.outcome.timeline,
-                                          loss_value, gnorm, previous.extras)
-            loop.outcome.timeline.append(timeline_entry(
-                previous.step, loss_value, gnorm, norm, loop.optimizer, previous.started,
+            fields = ctx.watches.observe(previous.step, read[len(previous.readout):],
+                                         ctx.outcome.timeline,
+                                         loss_value, gnorm, previous.extras)
+            ctx.outcome.timeline.append(timeline_entry(
+                previous.step, loss_value, gnorm, norm, ctx.optimizer, previous.started,
                 ended=previous.ended, **fields))
-            loop.outcome.steps_run = previous.step + 1    # with its timeline entry
-            return None, None
+            ctx.outcome.steps_run = previous.step + 1    # with its timeline entry
+            return StepResult.of(None, None, updated=True)
         self.pending = None
         self.skip.clear()
         self.keeper.restore(previous.buffers)
         previous.rng.restore()
-        loop.updated = previous.updated
-        loop.read = replace(loop.read, sync_from=previous.step)
-        loop.outcome.read_mode = loop.read
-        trip, state = self.sync.run(previous.step, [previous.batch], last=False,
-                                    first_index=loop.fetched - 1 - (current is not None))
-        if trip is not None or current is None:
-            return trip, state
-        current.rng.restore()            # a false alarm: the next step again, in order
-        return self.sync.run(current.step, [current.batch], last=False)
+        self.read = replace(self.read, sync_from=previous.step)
+        ctx.outcome.read_mode = self.read
+        again = self.sync.run(previous.step, [previous.batch], last=False,
+                              updated=previous.updated,
+                              first_index=ctx.feed.fetched - 1 - (current is not None))
+        if again.trip is None and current is not None:
+            current.rng.restore()            # a false alarm: the next step again, in order
+            again = self.sync.run(current.step, [current.batch], last=False,
+                                  updated=again.updated)
+        return replace(again, read=self.read)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +20,9 @@ from nanaudit.run.batch import move
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
 from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem, step_schedulers
 from nanaudit.run.user_step import UpdatePoint, UserRun
-
-if TYPE_CHECKING:
-    from nanaudit.run.loop import StepLoop
 
 
 @dataclass
@@ -44,61 +41,62 @@ class GateReads:
 class GatedStep:
     """One call of the user's step per loop step, read at each of its optimizer steps."""
 
-    def __init__(self, loop: StepLoop):
-        self.loop = loop
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
         self.checks: dict = {}          # id(optimizer) -> StepChecks over its params
         # Optimizers that have updated at least once: their weights were finite at every gate
         # before, so weights non-finite at a gate were made by their last update.
         self.stepped: set[int] = set()
 
-    def run(self, step: int, raw_batch):
-        """One call of the user's `step:` function; returns (trip, state) or (None, None)."""
-        loop = self.loop
-        if loop.coord is not None and loop.coord.terminated:
+    def run(self, step: int, raw_batch: object, updated: bool) -> StepResult:
+        """One call of the user's `step:` function. `updated`: an update ran since the weights
+        were last read."""
+        ctx = self.ctx
+        if ctx.coord is not None and ctx.coord.terminated:
             raise KeyboardInterrupt
         started = time.perf_counter()
         rng = RngState.capture()
-        saved = loop.buffers.save() if loop.has_buffers else None
+        saved = ctx.buffers.save() if ctx.has_buffers else None
         leaves: list = []
-        batch = move(raw_batch, loop.session.device, leaves)
-        loop.watches.activations.begin(step)
+        batch = move(raw_batch, ctx.session.device, leaves)
+        ctx.watches.activations.begin(step)
         seen = GateReads(leaves, saved)
-        lr = current_lr(loop.optimizer)
-        run = loop.unit.run(batch, lambda point: self._gate(step, point, seen))
+        lr = current_lr(ctx.optimizer)
+        run = ctx.unit.run(batch, lambda point: self._gate(step, point, seen))
         if run.halted is None:
             seen.trip = self._returned_losses(step, run, seen)
-        if seen.trip is None and run.updates and loop.session.schedulers:
-            step_schedulers(loop.session.schedulers, seen.loss)
-        loop.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
-                                                    loop.optimizer, started, lr=lr))
-        loop.outcome.steps_run = step + 1           # with its timeline entry
-        loop.updated = loop.updated or run.updates > 0
+        if seen.trip is None and run.updates and ctx.session.schedulers:
+            step_schedulers(ctx.session.schedulers, seen.loss)
+        ctx.outcome.timeline.append(timeline_entry(step, seen.loss, seen.gnorm, seen.norm,
+                                                    ctx.optimizer, started, lr=lr))
+        ctx.outcome.steps_run = step + 1           # with its timeline entry
+        updated = updated or run.updates > 0
         if seen.trip is None:
-            return None, None
+            return StepResult.of(None, None, updated)
         for put_back in reversed(run.undo):
             put_back()                   # the updates this call made before the bad one
-        return seen.trip, StepState(
-            step, batch, rng, buffers=loop.buffers.pairs(saved) if saved else None,
-            batch_index=loop.fetched - 1,
-            halt_at=run.halted.index if run.halted else None, undo=run.undo)
+        return StepResult.of(seen.trip, StepState(
+            step, batch, rng, buffers=ctx.buffers.pairs(saved) if saved else None,
+            batch_index=ctx.feed.fetched - 1,
+            halt_at=run.halted.index if run.halted else None, undo=run.undo), updated)
 
     def _gate(self, step: int, point: UpdatePoint, seen: GateReads) -> bool:
         """The check before one optimizer step inside the user's step: its parameters as
         their last update left them, its gradients, the losses backpropagated since the last
         check and (at the first) the batch, in one read. True lets the update run."""
-        loop = self.loop
+        ctx = self.ctx
         checks = self.checks.get(id(point.optimizer))
         if checks is None:
             params = [p for g in point.optimizer.param_groups for p in g["params"]]
             checks = self.checks[id(point.optimizer)] = StepChecks(
-                loop.session.local_model, loop.session.device, params=params)
+                ctx.session.local_model, ctx.session.device, params=params)
         first = not seen.checked
         loss = (torch.stack([t.detach().float().reshape(()) for t in point.losses]).sum()
-                if point.losses else torch.zeros((), device=loop.session.device))
+                if point.losses else torch.zeros((), device=ctx.session.device))
         state = checks.state_before(seen.buffers) if first else checks.param_values
         readout = checks.step_readout(loss, seen.leaves if first else [], state)
         read = readout.values.tolist()
-        loop.outcome.host_syncs += 1
+        ctx.outcome.host_syncs += 1
         batch_norm, norm, loss_value, gnorm = readout.read(read)
         inputs_ok = batch_finite(batch_norm, seen.leaves) if first else True
         norm, gnorm = confirm_norms(checks, norm, gnorm, state)
@@ -113,7 +111,7 @@ class GatedStep:
                                 grads_finite=math.isfinite(gnorm))
         trip = Trip.found(verdict, loss_value, gnorm) if verdict is not None else None
         if trip is None:
-            problem = lr_problem(loop.session, only=point.optimizer)
+            problem = lr_problem(ctx.session, only=point.optimizer)
             trip = Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem) if problem else None
         if trip is None:
             self.stepped.add(id(point.optimizer))
@@ -134,7 +132,7 @@ class GatedStep:
         if not unseen:
             return None
         values = torch.stack([t.detach().float().reshape(()) for t in unseen.values()]).tolist()
-        self.loop.outcome.host_syncs += 1
+        self.ctx.outcome.host_syncs += 1
         if seen.loss is None:
             seen.loss = sum(values)          # NaN carries, as the standard step shows it
         for name, value in zip(unseen, values):

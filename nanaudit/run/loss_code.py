@@ -29,6 +29,7 @@ from nanaudit.errors import is_own_file
 MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_stack_depth, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
 
 
 @functools.lru_cache(maxsize=4096)
@@ -90,7 +91,10 @@ def _caller() -> tuple[str, int, str] | None:
 
 def autocast_state() -> tuple:
     """((device, dtype), ...) of the autocast regions enabled now (CPU, and CUDA once it is
-    initialized): a replay runs each call in the same ones."""
+    initialized): a replay runs each call in the same ones. One C call when none is (the
+    common case: this runs for every recorded op)."""
+    if not torch._C._is_any_autocast_enabled():
+        return ()
     devices = ("cpu", "cuda") if torch.cuda.is_initialized() else ("cpu",)
     return tuple((d, torch.get_autocast_dtype(d)) for d in devices
                  if torch.is_autocast_enabled(d))
@@ -137,8 +141,8 @@ class LossCodeRecorder(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(self)
 
     def _innermost(self) -> bool:
-        depth = torch._C._len_torch_function_stack()
-        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self
+        depth = _stack_depth()
+        return bool(depth) and _stack_at(depth - 1) is self
 
     def stop(self) -> None:
         """Pop the mode, when it is the innermost one (the script's own modes stay)."""

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
-from nanaudit.run.check.verdict import Tripped, tripped_check
+from nanaudit.run.check.verdict import Tripped, rank_verdict
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
-INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS, PARTIALS = range(6)    # a rank's row of flags
+# A rank's row of flags. BUFFERS: its floating buffers as its forward left them (each rank
+# updates its own running statistics, so the rank whose forward made one bad is named).
+INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS, PARTIALS, BUFFERS = range(7)
 
 
 class RankChecks:
@@ -76,10 +78,11 @@ class RankChecks:
 
     def table(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's row of flags, exchanged, from this rank's step values [inputs finite,
-        weights' norm, loss, gradients' norm] (no host read here)."""
-        bad = (~torch.isfinite(values[1:])).to(torch.float64)      # weights, loss, gradients
+        weights' norm, loss, gradients' norm, buffers' peak] (no host read here)."""
+        # weights, loss, gradients, buffers
+        bad = (~torch.isfinite(values[1:5])).to(torch.float64)
         row = torch.stack([1.0 - values[0], bad[0], bad[1], self.flags.take(values.device),
-                           bad[2], self.partials.take(values.device)])
+                           bad[2], self.partials.take(values.device), bad[3]])
         return self.coord.exchange(row).reshape(-1)
 
     def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
@@ -90,12 +93,12 @@ class RankChecks:
 
         def ok(flag: int) -> list[bool]:
             return [not row[flag] > 0 for row in rows]
-        own = ok(OWN_GRADIENTS)
-        return tripped_check(step, inputs_ok=ok(INPUT),
-                             weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
-                             updated_at=updated_at,
-                             loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
-                             grads_finite=own if not all(own) else all(ok(GRADIENTS)))
+        return rank_verdict(step, inputs_ok=ok(INPUT),
+                            weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
+                            updated_at=updated_at,
+                            loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
+                            own_grads_ok=ok(OWN_GRADIENTS), reduced_ok=all(ok(GRADIENTS)),
+                            buffers_finite=ok(BUFFERS))
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

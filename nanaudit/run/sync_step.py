@@ -13,22 +13,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
-from nanaudit.run.check.verdict import Flags, tripped_check
+from nanaudit.run.check.verdict import rank_verdict, tripped_check
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
 from nanaudit.run.rank_table import RankTable, rank_row
 from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem
-
-if TYPE_CHECKING:
-    from nanaudit.run.loop import StepLoop
 
 
 @dataclass
@@ -45,23 +43,24 @@ class SyncStep:
     """The step read at once: forward and backward of each micro-batch, the one read, the
     verdict, and the update when all is finite."""
 
-    def __init__(self, loop: StepLoop):
-        self.loop = loop
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
 
-    def run(self, step: int, raws: list, last: bool, first_index: int | None = None):
-        """One optimizer step under the sentinels; returns (trip, state) or (None, None).
-        `last`: no step follows (under torchrun no batch is fetched ahead)."""
-        loop = self.loop
-        if loop.coord is not None and loop.coord.terminated:
+    def run(self, step: int, raws: list, last: bool, updated: bool,
+            first_index: int | None = None) -> StepResult:
+        """One optimizer step under the sentinels. `last`: no step follows (under torchrun no
+        batch is fetched ahead); `updated`: an update ran since the weights were last read."""
+        ctx = self.ctx
+        if ctx.coord is not None and ctx.coord.terminated:
             raise KeyboardInterrupt      # torchrun is stopping the group: partial report
         started = time.perf_counter()
-        first_index = loop.fetched - len(raws) if first_index is None else first_index
+        first_index = ctx.feed.fetched - len(raws) if first_index is None else first_index
         micros, leaves, loss = self._forward_backward(raws, first_index, step)
-        scale = loop.precision.scale if loop.precision.scaler is not None else None
+        scale = ctx.precision.scale if ctx.precision.scaler is not None else None
         # The batch, the weights as this step's forward found them (a bad last update shows
         # here) and this step's gradients, in one fused reduction.
-        state = loop.sentinels.state_before(micros[0].buffers)
-        readout = loop.sentinels.step_readout(loss, leaves, state)
+        state = ctx.checks.state_before(micros[0].buffers)
+        readout = ctx.checks.step_readout(loss, leaves, state)
         read, table, extras = self._read(readout, loss, last)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
         # The common case, all finite, needs nothing confirmed or classified.
@@ -69,40 +68,43 @@ class SyncStep:
         inputs_ok = True
         if not all_finite:
             inputs_ok = batch_finite(batch_norm, leaves)
-            norm, gnorm = confirm_norms(loop.sentinels, norm, gnorm, state)
+            norm, gnorm = confirm_norms(ctx.checks, norm, gnorm, state)
         if scale is not None:
             gnorm = gnorm / scale
         trip = (None if all_finite and table is None else
-                self._classify(step, table, inputs_ok, norm, loss_value, gnorm))
-        lr = current_lr(loop.optimizer)
-        trip, scaler_step = self._advance(step, trip, norm, readout, scale, loss_value, gnorm)
+                self._classify(step, table, inputs_ok, norm, loss_value, gnorm, updated))
+        lr = current_lr(ctx.optimizer)
+        trip, scaler_step, applied = self._advance(step, trip, norm, readout, scale,
+                                                   loss_value, gnorm, updated)
         used = len(readout) + (RankTable.size(len(table.rows)) if table is not None else 0)
-        fields = loop.watches.observe(step, read[used:], loop.outcome.timeline,
+        fields = ctx.watches.observe(step, read[used:], ctx.outcome.timeline,
                                       loss_value, gnorm, extras)
-        loop.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
-                                                    loop.optimizer, started, scale, scaler_step,
+        ctx.outcome.timeline.append(timeline_entry(step, loss_value, gnorm, norm,
+                                                    ctx.optimizer, started, scale, scaler_step,
                                                     lr=lr, **fields))
         # Counted with its timeline entry: a stop signal between the two would leave a
         # partial report whose step count and timeline disagree.
-        loop.outcome.steps_run = step + 1
+        ctx.outcome.steps_run = step + 1
+        # An applied update leaves the weights unread until the next step's read.
+        updated = updated or applied
         if trip is None:
-            return None, None
-        return trip, self._trip_state(trip, micros, scale)
+            return StepResult.of(None, None, updated)
+        return StepResult.of(trip, self._trip_state(trip, micros, scale), updated)
 
     def _forward_backward(self, raws: list, first_index: int, step: int):
         """Every micro-batch's forward and backward, keeping what a replay of each needs;
         returns (micro-batch states, all batch leaves, the window's mean loss)."""
-        loop = self.loop
+        ctx = self.ctx
         micros: list[MicroBatch] = []
         leaves: list = []
         losses: list[torch.Tensor] = []
-        loop.watches.activations.begin(step)
+        ctx.watches.activations.begin(step)
         for i, raw in enumerate(raws):
             rng = RngState.capture()
-            saved = loop.buffers.save() if loop.has_buffers else None
-            batch = move(raw, loop.session.device, leaves)
-            loss = loop.unit.forward_backward(
-                batch, zero_grad=loop.sentinels.zero_grad if i == 0 else None)
+            saved = ctx.buffers.save() if ctx.has_buffers else None
+            batch = move(raw, ctx.session.device, leaves)
+            loss = ctx.unit.forward_backward(
+                batch, zero_grad=ctx.checks.zero_grad if i == 0 else None)
             micros.append(MicroBatch(batch, rng, saved, first_index + i))
             losses.append(loss)
         if len(losses) == 1:
@@ -116,82 +118,80 @@ class SyncStep:
         """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
         and the watches' sampled values, in one tensor. Returns (the values read, the rank
         table or None, what the watches appended)."""
-        loop = self.loop
+        ctx = self.ctx
         parts = [readout.values]
-        if loop.coord is not None:
-            exhausted = loop.fetch_ahead(last)
-            row = rank_row(loop.coord, readout, loss, exhausted)
-            parts.append(loop.coord.exchange(row).reshape(-1))
-        extra, extras = loop.watches.extra_readout()
+        if ctx.coord is not None:
+            exhausted = ctx.feed.fetch_ahead(last)
+            row = rank_row(ctx.coord, readout, loss, exhausted)
+            parts.append(ctx.coord.exchange(row).reshape(-1))
+        extra, extras = ctx.watches.extra_readout()
         values = torch.cat(parts + extra) if len(parts) + len(extra) > 1 else parts[0]
-        read = loop.coord.read(values) if loop.coord is not None else values.tolist()
-        loop.outcome.host_syncs += 1
-        if loop.coord is None:
+        read = ctx.coord.read(values) if ctx.coord is not None else values.tolist()
+        ctx.outcome.host_syncs += 1
+        if ctx.coord is None:
             return read, None, extras
-        table = RankTable.from_read(read[len(readout):], loop.coord.world_size)
+        table = RankTable.from_read(read[len(readout):], ctx.coord.world_size)
         return read, table, extras
 
     def _classify(self, step: int, table: RankTable | None, inputs_ok: bool, norm: float,
-                  loss_value: float, gnorm: float) -> Trip | None:
+                  loss_value: float, gnorm: float, updated: bool) -> Trip | None:
         """The verdict from this process's values, or under torchrun from the rank table (the
         same on every rank): the first rank whose own batch, loss or local gradients went bad
         is the one the finding names."""
-        updated_at = step - 1 if self.loop.updated else None
+        updated_at = step - 1 if updated else None
         if table is None:
             verdict = tripped_check(step, inputs_ok=inputs_ok, weights_finite=math.isfinite(norm),
                                     updated_at=updated_at, loss_finite=math.isfinite(loss_value),
                                     grads_finite=math.isfinite(gnorm))
             return Trip.found(verdict, loss_value, gnorm) if verdict is not None else None
         if table.exhausted():
-            self.loop.stop_after_this_step()
-        rank_grads = table.ok(Check.GRADIENT)
+            self.ctx.feed.stop_after_this_step()
         # FSDP2: each rank reads its own shards, and every rank must decide alike.
-        sharded = self.loop.coord is not None and self.loop.coord.sharded
-        reduced_ok = all(table.ok(REDUCED)) if sharded else math.isfinite(gnorm)
-        # The averaged gradients can overflow where no rank's own did: then no rank is named.
-        grads_ok: Flags = rank_grads if not all(rank_grads) else reduced_ok
-        verdict = tripped_check(step, inputs_ok=table.ok(Check.INPUT),
-                                weights_finite=(table.ok(WEIGHTS) if sharded
-                                                else math.isfinite(norm)),
-                                updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
-                                grads_finite=grads_ok)
+        sharded = self.ctx.coord is not None and self.ctx.coord.sharded
+        verdict = rank_verdict(step, inputs_ok=table.ok(Check.INPUT),
+                               weights_finite=(table.ok(WEIGHTS) if sharded
+                                               else math.isfinite(norm)),
+                               updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
+                               own_grads_ok=table.ok(Check.GRADIENT),
+                               reduced_ok=(all(table.ok(REDUCED)) if sharded
+                                           else math.isfinite(gnorm)))
         if verdict is None:
             return None
         return Trip.found(verdict, loss_value, gnorm, rank=verdict.part)
 
     def _advance(self, step: int, trip: Trip | None, norm: float, readout: StepReadout,
                  scale: float | None, loss_value: float,
-                 gnorm: float) -> tuple[Trip | None, ScaleStep | None]:
+                 gnorm: float, updated: bool) -> tuple[Trip | None, ScaleStep | None, bool]:
         """The update, when the read said all is finite; under a GradScaler, non-finite
-        gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step)."""
-        loop = self.loop
-        precision, optimizer = loop.precision, loop.optimizer
+        gradients are a skipped step unless the scale collapsed. Returns (trip, scaler_step,
+        whether the update ran)."""
+        ctx = self.ctx
+        precision, optimizer = ctx.precision, ctx.optimizer
         if trip is not None and trip.check == Check.GRADIENT and precision.scaler is not None:
-            scaler_step = precision.after_readout(loop.optimizers, grads_finite=False)
-            precision.finish_update(loop.optimizers)
-            if scaler_step.collapsed:
+            scaler_step = precision.after_readout(ctx.optimizers, grads_finite=False)
+            precision.finish_update(ctx.optimizers)
+            if scaler_step is not None and scaler_step.collapsed:
                 return Trip(step, Check.GRADIENT, loss_value, gnorm, note=scaler_step.collapsed,
-                            rank=trip.rank), scaler_step
-            return None, scaler_step
+                            rank=trip.rank), scaler_step, False
+            return None, scaler_step, False
         if trip is not None or optimizer is None:
-            return trip, None
+            return trip, None, False
         # Without a scheduler nothing of nanaudit's moves the lr: one check, at the first update.
-        problem = lr_problem(loop.session) if (loop.session.schedulers
-                                               or not loop.updated) else None
+        problem = lr_problem(ctx.session) if (ctx.session.schedulers
+                                              or not updated) else None
         if problem:
-            return Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem), None
+            return Trip(step, Check.SCHEDULE, loss_value, gnorm, note=problem), None, False
         scaler_step = None
         if precision.scaler is not None:
-            scaler_step = precision.after_readout(loop.optimizers, grads_finite=True)
-        if loop.session.options.grad_clip:
+            scaler_step = precision.after_readout(ctx.optimizers, grads_finite=True)
+        if ctx.session.options.grad_clip:
             total = readout.grad_norm()
             total = total / scale if scale is not None else total
-            loop.sentinels.clip_(total, loop.session.options.grad_clip)
-        loop.watches.updates.measure(step, lambda: loop.unit.update(loss_value), lambda: norm)
+            ctx.checks.clip_(total, ctx.session.options.grad_clip)
+        ctx.watches.updates.measure(step, lambda: ctx.unit.update(loss_value), lambda: norm)
         if precision.scaler is not None:
-            precision.finish_update(loop.optimizers)
-        loop.updated = True
-        return None, scaler_step
+            precision.finish_update(ctx.optimizers)
+        return None, scaler_step, True
 
     def _trip_state(self, trip: Trip, micros: list[MicroBatch], scale) -> StepState:
         """The state a replay starts from: the whole step's, or in a window, the micro-batch
@@ -201,7 +201,7 @@ class SyncStep:
         if len(micros) > 1:
             trip.micro_batch = index
         return StepState(trip.step, micro.batch, micro.rng, scale,
-                         buffers=self.loop.buffers.pairs(micro.buffers) if micro.buffers else None,
+                         buffers=self.ctx.buffers.pairs(micro.buffers) if micro.buffers else None,
                          batch_index=micro.index,
                          micro_batch=index if len(micros) > 1 else None, window=len(micros))
 
@@ -215,11 +215,11 @@ class SyncStep:
                 if any(not bool(torch.isfinite(t).all()) for _, t in float_leaves(micro.batch)):
                     return i
         if trip.check in (Check.LOSS, Check.GRADIENT):
-            loop = self.loop
-            unit, checks = loop.unit, loop.sentinels
+            ctx = self.ctx
+            unit, checks = ctx.unit, ctx.checks
             for i, micro in enumerate(micros):
                 if micro.buffers:
-                    loop.buffers.restore(micro.buffers)
+                    ctx.buffers.restore(micro.buffers)
                 micro.rng.restore()
                 loss = unit.forward_backward(micro.batch, zero_grad=checks.zero_grad if i == 0
                                              else None)

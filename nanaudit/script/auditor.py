@@ -214,9 +214,9 @@ class ScriptAuditor:
         self.device = scope.device_name
         grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
-        # Under torchrun every rank's flags join the read: the ranks decide together (the
-        # buffers' flags are not in the ranks' table yet: read on one process only).
-        buffers = self.buffers.tensors() if self.buffers and self.ranks is None else None
+        # Under torchrun every rank's flags (its buffers' among them) join the read: the ranks
+        # decide together.
+        buffers = self.buffers.tensors() if self.buffers else None
         read = read_step(inbox, scope, grads,
                          self.ranks.table if self.ranks is not None else None, buffers)
         if not read.buffers_ok and not confirm_nonfinite(buffers or []):

@@ -113,14 +113,14 @@ class WeightsScope:
             return grads
         return [dense_values(g) for g in grads]
 
-    def norm_parts(self, grads: list[torch.Tensor],
-                   buffers: list[torch.Tensor]) -> tuple[list, list, list]:
+    def norm_parts(self, grads: list[torch.Tensor], buffers: list[torch.Tensor],
+                   join_buffers: bool = True) -> tuple[list, list, list]:
         """(the weights' norms, the gradients' norms, the buffers' norms) on the device, whose
         hypot is each group's norm: per tensor from one fused call, or one per group when
         dtypes or devices are mixed. Gradients are packed like their parameters when every one
         has a gradient (otherwise their places do not line up). The buffers join the fused
         call when they can (their L2 norms: a non-finite one is confirmed element-wise, as a
-        weight's is); otherwise their peaks are read apart."""
+        weight's is); otherwise (or not `join_buffers`) their peaks are read apart."""
         # Live parameters, so no graph of our norms: grad mode off, set directly (the
         # `no_grad` context manager costs four times as much, on every step).
         enabled = torch.is_grad_enabled()
@@ -130,7 +130,8 @@ class WeightsScope:
                 state_norm, grad_norm = finite_norms([self.local(self.params),
                                                       self.local(grads)], self.device)
                 return [state_norm], [grad_norm], buffer_peaks(buffers) if buffers else []
-            joined = all(b.dtype in _SAFE and b.device == self.device for b in buffers)
+            joined = join_buffers and all(b.dtype in _SAFE and b.device == self.device
+                                          for b in buffers)
             state, grads = self._packed(self.params), self._packed(grads)
             norms = torch._foreach_norm(state + grads + (buffers if joined else []), 2.0,
                                         dtype=torch.float32)
@@ -181,15 +182,15 @@ def buffer_peaks(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def step_summary(values: torch.Tensor, n_loss: int, n_in: int, n_state: int,
                  n_grads: int) -> torch.Tensor:
-    """[inputs finite, weights' norm, loss, gradients' norm] on the device from the stacked
-    read, for the ranks' exchange (whose flags only ask which of them are finite): sums in
-    float64, so no finite set of norms overflows."""
+    """[inputs finite, weights' norm, loss, gradients' norm, buffers' peak] on the device from
+    the stacked read (the buffers' peaks last), for the ranks' exchange (whose flags only ask
+    which of them are finite): sums in float64, so no finite set of norms overflows."""
     v = values.to(torch.float64)
     start = n_loss + n_in
     inputs_ok = torch.isfinite(v[n_loss:start]).all().to(torch.float64)
     grads = start + n_state
     return torch.stack([inputs_ok, v[start:grads].sum(), v[:n_loss].sum(),
-                        v[grads:grads + n_grads].sum()])
+                        v[grads:grads + n_grads].sum(), v[grads + n_grads:].sum()])
 
 
 def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
@@ -200,7 +201,10 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
     norms; `exchange` (torchrun): every rank's flags from the step's summary,
     read with the rest."""
     buffers = buffers or []
-    state, grad_parts, buffer_parts = (scope.norm_parts(grads or [], buffers)
+    # Under torchrun the buffers' flags are exchanged before any rank could confirm an L2 norm
+    # that overflowed: their peaks, which a finite buffer never overflows, are read instead.
+    state, grad_parts, buffer_parts = (scope.norm_parts(grads or [], buffers,
+                                                        join_buffers=exchange is None)
                                        if scope is not None else ([], [], []))
     n_buf = len(buffer_parts)
     extra = inbox.losses + inbox.input_peaks

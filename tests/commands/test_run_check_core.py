@@ -129,3 +129,61 @@ def test_a_large_finite_buffer_is_no_finding(tmp_path):
             optimizer.step()
     """)
     assert exit_code(report) == ExitCode.CLEAN and report.steps_run == 3
+
+
+# The EMA case under torchrun (DDP, gloo): rank 1's one-row batch at step 3 makes its own copy
+# of the buffer NaN (DDP broadcasts rank 0's buffers at the next forward, so the check must see
+# it at this step's read). The loss stays finite on both ranks.
+DDP_EMA_BUFFER = """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+            self.register_buffer("spread", torch.ones(()))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.spread.mul_(0.9).add_(0.1 * x[:, 0].std())
+            return self.fc(x)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(Net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x = torch.randn(1 if (rank == 1 and step == 3) else 8, 4, generator=g)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_a_buffer_one_rank_made_nonfinite_names_that_rank(tmp_path):
+    import json
+
+    from helpers import launch_ranks
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(DDP_EMA_BUFFER))
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--no-rerun", "--json", out,
+                                   path])
+    assert codes == [1, 1], outputs
+    rank0 = json.loads(out.read_text())
+    rank1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    # Both ranks stop at step 3 and name rank 1 and its buffer: the flags carried its buffers.
+    for report in (rank0, rank1):
+        f = report["finding"]
+        assert (f["step"], f["rank"], f["where"], f["tensor"]) == (3, 1, "forward", "spread"), f
+        assert "buffer" in f["explanation"]

@@ -59,6 +59,20 @@ def tripped_check(step: int, *, inputs_ok: Flags, weights_finite: Flags,
     return None
 
 
+def rank_verdict(step: int, *, inputs_ok: Sequence[bool], weights_finite: Flags,
+                 updated_at: int | None, loss_finite: Flags, own_grads_ok: Sequence[bool],
+                 reduced_ok: bool, buffers_finite: Flags = True) -> Tripped | None:
+    """The check that tripped under torchrun, from every rank's flags (the same on every rank),
+    by the one per-rank rule of the step loop, `nanaudit run` and `Sentinel`: a rank's own
+    batch, weights (its shards), buffers, loss or own gradients (before the reduction mixed
+    them) name it; gradients that are bad only once reduced (the average overflowed where no
+    rank's own did) name no rank."""
+    grads: Flags = list(own_grads_ok) if not all(own_grads_ok) else reduced_ok
+    return tripped_check(step, inputs_ok=inputs_ok, weights_finite=weights_finite,
+                         updated_at=updated_at, loss_finite=loss_finite, grads_finite=grads,
+                         buffers_finite=buffers_finite)
+
+
 def _first_bad(flags: Flags) -> tuple[bool, int | None]:
     """(whether a flag is False, the first False part's index: None for a whole-step flag)."""
     if isinstance(flags, bool):

@@ -48,3 +48,19 @@ def test_a_buffer_the_forward_made_bad_comes_after_the_weights_and_before_the_lo
     assert _verdict(buffers_finite=False, weights_finite=False) == Tripped(Check.PARAMETER, 5)
     assert _verdict(buffers_finite=[True, False]) == Tripped(Check.PARAMETER, 5, 1,
                                                              in_forward=True)
+
+
+def test_the_rank_rule_names_the_rank_whose_own_gradients_went_bad():
+    from nanaudit.run.check.verdict import rank_verdict
+    common = dict(inputs_ok=[True, True], weights_finite=True, updated_at=None,
+                  loss_finite=[True, True])
+    own = rank_verdict(4, own_grads_ok=[True, False], reduced_ok=False, **common)
+    assert own == Tripped(Check.GRADIENT, 4, part=1)
+    # Bad only once averaged (every rank's own finite): no rank is named.
+    reduced = rank_verdict(4, own_grads_ok=[True, True], reduced_ok=False, **common)
+    assert reduced == Tripped(Check.GRADIENT, 4, part=None)
+    # A rank's buffer comes before its loss and gradients, and names that rank.
+    buffer = rank_verdict(4, own_grads_ok=[True, False], reduced_ok=False,
+                          buffers_finite=[False, True], **common)
+    assert buffer == Tripped(Check.PARAMETER, 4, part=0, in_forward=True)
+    assert rank_verdict(4, own_grads_ok=[True, True], reduced_ok=True, **common) is None
