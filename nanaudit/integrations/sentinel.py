@@ -37,6 +37,14 @@ Under AMP pass `scaler=`: a step whose gradients overflow is the GradScaler's sk
 finding, unless the scale collapses (below `scale_floor`, or `max_skipped` skips in a row), as
 in `scan`; a non-finite input or loss is still a finding.
 
+With `on_finding="skip"` a trip does not raise: `check` / `check_update` return False, the
+loop leaves out that step's `optimizer.step()` (the one line `if sentinel.check(...):` before
+it), and the sentinel has put the model's buffers (running statistics) back as they were
+before the step's first forward, so the step leaves no trace. Each bad step is a full finding
+in `sentinel.report.findings`; the replay that localizes it runs on a forked RNG, so the loop's
+random streams are as they would be without nanaudit. After `max_bad_steps` skipped steps, or
+a weight or buffer already non-finite before a step (skipping cannot help), it raises.
+
 With `output_dir`, a trip also writes nanaudit.json, nanaudit.md, nanaudit.txt and the repro
 bundle `repro-step<N>/` there before raising (`nanaudit replay` reads it; an importable
 `loss_fn` is recorded by name, the model needs `--model module:factory` unless its class can
@@ -62,10 +70,11 @@ from nanaudit.integrations.sentinel_replay import (
     replay_session,
     search_window,
 )
+from nanaudit.report.bad_steps import BadStepLog
 from nanaudit.report.model import Finding, Report
-from nanaudit.report.vocabulary import Check, Status
+from nanaudit.report.vocabulary import BadStepAction, Check, Status
 from nanaudit.run.batch import float_leaves
-from nanaudit.run.check.decision import StepDecision
+from nanaudit.run.check.decision import StepDecision, keep_going
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import float_buffers
 from nanaudit.run.check.verdict import tripped_check
@@ -84,6 +93,25 @@ class NonFiniteError(RuntimeError):
         self.finding: Finding | None = report.finding
         detail = finding_message(report.finding) if report.finding else ""
         super().__init__(f"{headline(report)}\n{detail}".strip())
+
+
+class _BufferCopy:
+    """The model's buffers and a copy of them from before the current step's first forward
+    (on_finding="skip"): device copies, no host read."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.tensors = list(model.buffers())
+        self.saved = [b.detach().clone() for b in self.tensors]
+
+    def save(self) -> None:
+        if self.tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self.saved, self.tensors)
+
+    def restore(self) -> None:
+        if self.tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(self.tensors, self.saved)
 
 
 class _Scope:
@@ -116,7 +144,10 @@ class Sentinel:
     def __init__(self, model: torch.nn.Module, optimizer=None,
                  loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
                  scaler: Any = None, isolate_samples: bool = True, history: int = 1000,
-                 max_skipped: int = 10, scale_floor: float = 1.0, output_dir: str | None = None):
+                 max_skipped: int = 10, scale_floor: float = 1.0, output_dir: str | None = None,
+                 on_finding: str = "raise", max_bad_steps: int = 10):
+        if on_finding not in ("raise", "skip"):
+            raise ValueError(f"on_finding is 'raise' or 'skip', not {on_finding!r}")
         if isinstance(optimizer, (list, tuple)):
             self.optimizers = [o for o in optimizer if o is not None]
         else:
@@ -143,6 +174,9 @@ class Sentinel:
         self.replaying: RecordedBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
+        # on_finding="skip": every bad step's finding, and the buffers before the step
+        self.bad_steps = BadStepLog(max_bad_steps) if on_finding == "skip" else None
+        self._buffers = _BufferCopy(model) if self.bad_steps is not None else None
 
     @property
     def skipped(self) -> int:
@@ -168,17 +202,19 @@ class Sentinel:
         self._rng = RngState.capture()
         return record
 
-    def check(self, step: int, batch: Any, loss: torch.Tensor) -> None:
+    def check(self, step: int, batch: Any, loss: torch.Tensor) -> bool:
         """Check the batch, weights, loss and gradients of `step`; call after backward and
-        before `optimizer.step()`. Raises NonFiniteError with the report on a non-finite value."""
+        before `optimizer.step()`. Raises NonFiniteError with the report on a non-finite value
+        (with on_finding="skip": returns False instead, and the step's update is left out)."""
         self.micro_batch(batch, loss)
-        self.check_update(step)
+        return self.check_update(step)
 
     # --- the check --------------------------------------------------------------------------
 
-    def check_update(self, step: int, optimizer=None) -> None:
+    def check_update(self, step: int, optimizer=None) -> bool:
         """Check the window's micro-batches, the weights and the accumulated gradients before
-        the optimizer step of `step`: one host read. Raises NonFiniteError before the update."""
+        the optimizer step of `step`: one host read. Raises NonFiniteError before the update;
+        returns whether the loop applies it (False: a bad step skipped, on_finding="skip")."""
         started = time.perf_counter()
         # Several optimizers stepping after one backward share its micro-batches.
         window = self._window or self._last_window
@@ -210,16 +246,42 @@ class Sentinel:
         self._record(step, mean_loss, gnorm, norm, started, scale)
         self.timeline[-1].skipped = (self.scaler is not None and not math.isfinite(gnorm)
                                      and (trip is None or trip.note is not None))
-        match StepDecision.of(trip):
+        return self._act(step, trip, window, where, scale)
+
+    def _act(self, step: int, trip: Trip | None, window: list[RecordedBatch], where: int | None,
+             scale: float | None) -> bool:
+        """Act on the step's decision: apply, skip (keep going) or stop."""
+        log = self.bad_steps
+        if log is None:
+            decision, reason = StepDecision.of(trip), None
+        else:
+            decision, reason = keep_going(trip.check if trip else None, log.skipped,
+                                          log.max_bad_steps)
+        match decision:
+            case StepDecision.APPLY:
+                self._last_step = step
+                if self._buffers is not None:
+                    self._buffers.save()
+                return True
+            case StepDecision.SKIP:
+                assert trip is not None and log is not None and self._buffers is not None
+                self._buffers.restore()
+                log.record(self._finding(trip, window, where, scale), BadStepAction.SKIPPED)
+                self._buffers.restore()          # the replay ran the model's forward again
+                self.report = self.make_report("nonfinite")
+                return False
             case StepDecision.STOP:
                 assert trip is not None
-                self.report = self._report(trip, window, where, scale)
+                started = time.perf_counter()
+                finding = self._finding(trip, window, where, scale)
+                if log is not None:
+                    log.record(finding, BadStepAction.STOPPED, reason)
+                self.report = self.make_report("nonfinite", finding,
+                                               time.perf_counter() - started)
                 if self.output_dir is not None:
                     from nanaudit.integrations._output import write_sentinel_outputs
                     write_sentinel_outputs(self, self.output_dir)
                 raise NonFiniteError(self.report)
-            case StepDecision.APPLY:
-                self._last_step = step
 
     def _scope(self, optimizer) -> _Scope:
         key = id(optimizer) if optimizer is not None else None
@@ -265,11 +327,17 @@ class Sentinel:
 
     # --- the report -------------------------------------------------------------------------
 
-    def _report(self, trip: Trip, window: list[RecordedBatch], where: int | None,
-                scale: float | None) -> Report:
+    def _finding(self, trip: Trip, window: list[RecordedBatch], where: int | None,
+                 scale: float | None) -> Finding:
+        """The trip's finding, its replay on a forked RNG (the loop's streams stay its own)."""
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            return self._localize(trip, window, where, scale)
+
+    def _localize(self, trip: Trip, window: list[RecordedBatch], where: int | None,
+                  scale: float | None) -> Finding:
         from nanaudit.localize.findings import build_finding, unreplayed_finding
         from nanaudit.localize.producer import not_reached
-        started = time.perf_counter()
         session = replay_session(self.model, self.optimizer, self.loss_fn, self.device,
                                  self.scaler)
         note = None
@@ -305,15 +373,18 @@ class Sentinel:
                                 f"optimizer step {trip.step} (batch index {micro.index})")
         if note:
             finding.explain(note)
-        return self.make_report("nonfinite", finding, time.perf_counter() - started)
+        return finding
 
     def make_report(self, status: Status | str, finding: Finding | None = None,
                     duration_s: float = 0.0) -> Report:
         """The Report of this sentinel's run so far (integrations write a clean one at the end)."""
         from nanaudit._version import __version__
         timeline, summary = report_timeline(self.timeline)
-        return Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
+        report = Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
                       torch_version=torch.__version__, device=str(self.device),
                       status=Status(status), steps_run=self.steps_checked, command="sentinel",
                       finding=finding, timeline=timeline, duration_s=duration_s,
                       timeline_summary=summary)
+        if self.bad_steps is not None:
+            self.bad_steps.apply(report)     # kept going: every bad step's finding
+        return report

@@ -137,10 +137,12 @@ class StepLoop:
         match result.decision:
             case StepDecision.APPLY:
                 return True
-            case StepDecision.STOP if stop_on_trip:
+            # scan's strategies do not decide SKIP yet (keep-going is Sentinel's so far):
+            # were one to, the run stops there, as without --keep-going.
+            case StepDecision.STOP | StepDecision.SKIP if stop_on_trip:
                 self.ctx.outcome.trip, self.ctx.outcome.state = result.trip, result.state
                 return False
-            case StepDecision.STOP:     # bisect: every tripping batch, and the data goes on
+            case StepDecision.STOP | StepDecision.SKIP:   # bisect: every tripping batch, go on
                 if on_trip is not None:
                     on_trip(result.trip, result.state)
                 return True

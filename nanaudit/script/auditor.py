@@ -195,7 +195,7 @@ class ScriptAuditor:
         """The step's check, acted on: STOP unwinds the script to the runner before the
         update (StepHalted), APPLY lets the script's update run."""
         match self._decide(optimizer, evaluation):
-            case StepDecision.STOP:
+            case StepDecision.STOP | StepDecision.SKIP:    # run's _decide never skips yet
                 raise StepHalted()
             case StepDecision.APPLY:
                 return

@@ -1,13 +1,16 @@
 """What a step's check decides about the step's update, as a value every front end acts on
 (the loop and the script auditor run or hold back `optimizer.step()`, `Sentinel` raises).
 
-A later mode that skips a bad step and goes on (restoring the step's buffers from the step
-record, run/step_record.py) adds its member here, and each front end's one `match` on the
-decision is where it acts on it."""
+Keep-going (`--keep-going`, `on_finding="skip"`) turns a trip into SKIP: the front end holds
+the update back and puts the step's buffers back as they were before its first forward, so the
+step leaves no trace. `keep_going` below is the one place that says when skipping cannot help
+and the run stops instead."""
 
 from __future__ import annotations
 
 from enum import Enum
+
+from nanaudit.report.vocabulary import Check, StopReason
 
 
 class StepDecision(Enum):
@@ -15,8 +18,27 @@ class StepDecision(Enum):
 
     APPLY = "apply"     # every value finite (or a GradScaler skip in AMP's normal course)
     STOP = "stop"       # a check tripped: hold the update back, report, stop the run
+    SKIP = "skip"       # a check tripped under keep-going: hold the update back, report, go on
 
     @classmethod
     def of(cls, tripped: object) -> StepDecision:
         """STOP when a check tripped (`tripped` is not None), else APPLY."""
         return cls.APPLY if tripped is None else cls.STOP
+
+
+# A non-finite weight, buffer or optimizer state is there before the step: skipping the
+# update leaves it in place, so every later step would trip on it too.
+_STATE_CHECKS = (Check.PARAMETER, Check.OPTIMIZER)
+
+
+def keep_going(check: Check | None, skipped: int,
+               max_bad_steps: int) -> tuple[StepDecision, StopReason | None]:
+    """The decision under keep-going for a step whose trip (if any) names `check`, after
+    `skipped` bad steps were skipped: (decision, why the run stops, or None)."""
+    if check is None:
+        return StepDecision.APPLY, None
+    if check in _STATE_CHECKS:
+        return StepDecision.STOP, StopReason.NONFINITE_STATE
+    if skipped >= max_bad_steps:
+        return StepDecision.STOP, StopReason.MAX_BAD_STEPS
+    return StepDecision.SKIP, None
