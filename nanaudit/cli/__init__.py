@@ -103,15 +103,18 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
         return []
     from nanaudit.report.skip_list import skip_entries
     findings = report.findings or ([report.finding] if report.finding is not None else [])
-    return _write_skip_list(path, skip_entries(findings))
+    # A run that kept going has every bad step's entry, also past the findings kept whole.
+    return _write_skip_list(path, report.skip_list or skip_entries(findings))
 
 
-def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal) -> int:
-    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2)."""
+def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal,
+                     built: bool = False) -> int:
+    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2).
+    `built`: the command skips bad steps (run does; scan says it does not yet)."""
     if max_bad_steps is not None and not keep_going:
         raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
                                "step stops the run)")
-    if keep_going:
+    if keep_going and not built:
         # Said, not hidden: the options are recorded, the skipping is not built yet.
         terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
                          "the first bad step stops the run")
@@ -308,7 +311,7 @@ def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | Non
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, built=True)
     outputs.check(terminal, also={"--skip-list": skip_list_path})
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
     if script_args[:1] == ("-m",) and len(script_args) > 1:

@@ -138,6 +138,7 @@ class BadStepLog:
             return
         report.finding, report.findings = self.whole[0], list(self.whole)
         report.bad_steps = self.section()
+        report.skip_list = list(self.skip)
         report.timeline = [self._marked(entry) for entry in report.timeline]
 
     def _marked(self, entry: TimelineEntry) -> TimelineEntry:

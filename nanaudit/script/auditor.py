@@ -39,6 +39,7 @@ from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.hooks import ScriptHooks
+from nanaudit.script.keep_going import KeepGoing
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, WeightsScope, read_step
 from nanaudit.script.rerun_window import RerunWindow
@@ -78,6 +79,7 @@ class ScriptAuditor:
         self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         self._state_step: int | None = None      # id of an optimizer creating its state
+        self.keep: KeepGoing | None = None       # --keep-going: skip bad steps, go on
 
     def install(self) -> ScriptAuditor:
         self.hooks.install()
@@ -93,6 +95,8 @@ class ScriptAuditor:
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
         self.window.leave_data_code()
+        if self.keep is not None:
+            self.keep.held.forward_started()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
@@ -134,7 +138,7 @@ class ScriptAuditor:
         """This backward was the script's step: check it before the script's own update, then
         count the step as an optimizer's post-hook does."""
         manual = self.ledger.manual_step()
-        self._check(manual)
+        self._check(manual, skippable=False)      # no optimizer call to hold back
         self.after_update(manual)
 
     def update_starting(self) -> None:
@@ -162,9 +166,10 @@ class ScriptAuditor:
             self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
             self._number_afresh()
         self.ledger.steps_taken += 1
-        self.scaler_watch.applied()
+        if self.keep is None or not self.keep.held.release(optimizer):
+            self.scaler_watch.applied()
+            self.ledger.updated_at[id(optimizer)] = self.step
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
-        self.ledger.updated_at[id(optimizer)] = self.step
         self.step += 1
         self.window.enter_data_code(self.step)
 
@@ -191,14 +196,29 @@ class ScriptAuditor:
 
     # --- the check ---------------------------------------------------------------------------
 
-    def _check(self, optimizer: Any, evaluation: int = 0) -> None:
-        """The step's check, acted on: STOP unwinds the script to the runner before the
-        update (StepHalted), APPLY lets the script's update run."""
-        match self._decide(optimizer, evaluation):
-            case StepDecision.STOP | StepDecision.SKIP:    # run's _decide never skips yet
-                raise StepHalted()
-            case StepDecision.APPLY:
-                return
+    def _check(self, optimizer: Any, evaluation: int = 0, skippable: bool = True) -> None:
+        """The step's check, acted on: APPLY lets the script's update run; a trip stops the
+        script before the update (StepHalted), or under --keep-going may skip the step: its
+        update is held back and the script goes on. A closure's later evaluation comes after
+        its optimizer moved the weights: not skippable."""
+        if self.keep is not None and self.keep.held.active:
+            self.keep.held.hold(optimizer, self.hooks.scaler)   # another optimizer of the step
+            return
+        if self._decide(optimizer, evaluation) is StepDecision.APPLY:
+            return
+        self._skip_or_stop(skippable and evaluation == 0).held.hold(optimizer,
+                                                                     self.hooks.scaler)
+
+    def _skip_or_stop(self, skippable: bool) -> KeepGoing:
+        """The trip's step skipped (localized, recorded, buffers put back) when keep-going
+        decides so; otherwise StepHalted. A re-run never skips."""
+        keep, trip = self.keep, self.trip
+        if (keep is None or trip is None or self.window.step is not None
+                or keep.decide(trip, skippable) is not StepDecision.SKIP):
+            raise StepHalted()
+        keep.skip(trip, self.hooks.tap.record)
+        self.trip = None
+        return keep
 
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
@@ -283,7 +303,7 @@ class ScriptAuditor:
         trip.skipped = True
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip
-        raise StepHalted()
+        self._skip_or_stop(skippable=True)      # the scaler already left its update out
 
     def _skipped_clean(self, optimizer: Any, scaler: Any) -> None:
         """A skip with finite losses and inputs: AMP's normal course, unless the scale
@@ -298,7 +318,7 @@ class ScriptAuditor:
         self.trip = self.namer.collapse_trip(self.step, optimizer,
                                              WeightsScope.params_of(optimizer), reason,
                                              self.scaler_watch.in_row)
-        raise StepHalted()
+        self._skip_or_stop(skippable=False)     # the scaler skips every step already
 
     def _left_first_run(self, loss: float | None) -> bool:
         expected = self.expected_losses
