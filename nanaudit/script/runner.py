@@ -11,7 +11,7 @@ import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.localize.early_warnings import attach_warnings
-from nanaudit.report.model import Report, SampleSearch
+from nanaudit.report.model import Finding, Report, SampleSearch
 from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Check, Status
 from nanaudit.run.timeline import report_timeline
@@ -70,9 +70,9 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         return None
     report.status = Status.NONFINITE
     if trip is not None:
-        _localize_stop(target, options, report, auditor, trip, before)
+        finding = _localize_stop(target, options, report, auditor, trip, before)
         if keep is not None:
-            keep.ended(report.finding, trip)
+            keep.ended(finding, trip)
     record(report, auditor)      # under --keep-going: every bad step's finding
     attach_timeline_warnings(report, trip, auditor)
     return script_error
@@ -80,13 +80,13 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
 
 def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
                    auditor: ScriptAuditor, trip: ScriptTrip,
-                   before: FolderState | None) -> None:
-    """The finding of the step the run stopped at, in `report.finding`."""
+                   before: FolderState | None) -> Finding:
+    """The finding of the step the run stopped at, in `report.finding` (and returned)."""
     assert report.run is not None
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
-    report.finding = first_run_finding(trip)
+    finding = report.finding = first_run_finding(trip)
     if not trip.needs_rerun:
-        return
+        return finding
     # At the trip, in this process (its cost one step's); the re-run from the start where
     # that cannot name the op (inprocess.py says why).
     report.run.replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
@@ -98,6 +98,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
     else:
         report.run.rerun, report.finding = localize_by_rerun(
             target, options, trip, auditor.timeline, report.finding, before)
+    assert report.finding is not None
+    return report.finding
 
 
 def record(report: Report, auditor: ScriptAuditor) -> None:
