@@ -1,6 +1,7 @@
 """--keep-going and --max-bad-steps for `scan` and `run`: parsed, validated (N >= 1, default
-10, --max-bad-steps alone is a usage error) and carried into the command's options. The
-skipping itself is not built yet: the run says so, and stops at its first bad step."""
+10, --max-bad-steps alone is a usage error) and carried into the command's options. `run`
+skips bad steps (tests/commands/test_run_keep_going.py); where the skipping is not built yet
+(`scan`), the run says so, and stops at its first bad step."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_the_options_reach_the_command(received, command, tmp_path):
     assert result.code == 0, result.stderr
     options = received[command]
     assert (options.keep_going, options.max_bad_steps) == (True, 3)
-    assert "skipping a bad step is not built yet" in result.stderr
+    # `run` skips (its warning went with the skipping's arrival); scan says it does not yet.
+    assert ("skipping a bad step is not built yet" in result.stderr) == (command == "scan")
 
 
 @pytest.mark.parametrize("command", ["scan", "run"])
