@@ -70,6 +70,11 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
     finding = first_run_finding(trip)
     if not trip.needs_rerun:
         return finding
+    if script_rank() is not None:
+        # Every rank has the trip (the one exchange gave them the same verdict) and skips.
+        finding.explain("not localized: the in-process replay is not built under torchrun, "
+                        "and a step the run skipped and went on from is never re-run")
+        return finding
     replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
     if localized is not None:
         return adopt(localized, trip)

@@ -22,6 +22,7 @@ from nanaudit.commands.run import run_script
 from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 LOOP = ROOT / "tests" / "e2e" / "scripts" / "keep_going_loop.py"
+DDP = ROOT / "tests" / "e2e" / "scripts" / "keep_going_ddp.py"
 
 
 def reference(tmp_path: Path, *args: str) -> tuple[dict, str]:
@@ -192,3 +193,26 @@ def test_a_hand_written_update_cannot_be_skipped_and_stops(tmp_path):
     assert exit_code(report) == 1
     assert [(f.step, f.action, f.stop_reason) for f in report.findings] == [
         (2, "stopped", "cannot-skip")]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_every_rank_skips_the_step_one_rank_made_bad(tmp_path):
+    # Rank 1's loss of step 3 is inf: the one exchange gives both ranks that verdict, both
+    # hold the update back, and the replicas stay equal, and equal to the by-hand reference.
+    from helpers import launch_ranks
+    ref, got, out = tmp_path / "ref", tmp_path / "got", tmp_path / "report.json"
+    codes, outputs = launch_ranks([DDP, ref, "--reference"], 2, timeout_s=120)
+    assert codes == [0, 0], outputs
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--keep-going", "--json",
+                                   out, DDP, got], 2, timeout_s=120)
+    assert codes == [1, 1], outputs
+    expected = torch.load(f"{ref}.rank0.pt", weights_only=True)
+    for rank in (0, 1):
+        assert same(torch.load(f"{got}.rank{rank}.pt", weights_only=True), expected)
+    for path in (out, tmp_path / "report.rank1.json"):
+        report = json.loads(path.read_text())
+        assert [(f["step"], f["rank"], f["where"], f["action"]) for f in report["findings"]] == [
+            (3, 1, "forward", "skipped")]
+        assert "not localized" in report["findings"][0]["explanation"]
+        assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [6, 6]
