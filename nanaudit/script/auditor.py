@@ -172,19 +172,19 @@ class ScriptAuditor(StepChecks):
             return
         if self._decide(optimizer, evaluation) is StepDecision.APPLY:
             return
-        self._skip_or_stop(skippable and evaluation == 0).held.hold(optimizer,
-                                                                     self.hooks.scaler)
+        if self._skip_or_stop(skippable and evaluation == 0) and self.keep is not None:
+            self.keep.held.hold(optimizer, self.hooks.scaler)
 
-    def _skip_or_stop(self, skippable: bool) -> KeepGoing:
+    def _skip_or_stop(self, skippable: bool) -> bool:
         """The trip's step skipped (localized, recorded, buffers put back) when keep-going
-        decides so; otherwise StepHalted. A re-run never skips."""
+        decides so, and True when its update is to be held back; otherwise StepHalted. A
+        re-run never skips."""
         keep, trip = self.keep, self.trip
         if (keep is None or trip is None or self.window.step is not None
                 or keep.decide(trip, skippable) is not StepDecision.SKIP):
             raise StepHalted()
-        keep.skip(trip, self.hooks.tap.record)
         self.trip = None
-        return keep
+        return keep.skip(trip, self.hooks.tap.record)
 
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
         """The GradScaler skipped this step's update (its gradients held inf or NaN): not a

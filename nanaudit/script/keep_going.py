@@ -12,6 +12,7 @@ bounded BadStepLog (report/bad_steps.py), which the runner puts in the report.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from nanaudit.report.bad_steps import BadStepLog
@@ -41,11 +42,17 @@ class KeepGoing:
                                                 in_forward=trip.in_buffers)
         return decision
 
-    def skip(self, trip: ScriptTrip, record: StepRecord) -> None:
+    def skip(self, trip: ScriptTrip, record: StepRecord) -> bool:
         """A skipped step: localized and recorded, then its buffers as before its first
-        forward (after the replay, which leaves them as the trip did)."""
+        forward (after the replay, which leaves them as the trip did). True: hold the update
+        back. A loss the script's own guard skipped before backward (`if not
+        torch.isfinite(loss): continue`), with finite gradients after it, was left out by the
+        script already: the update that follows is the next batch's, and is applied."""
         self.log.record(self._localize(trip), BadStepAction.SKIPPED)
+        if trip.unreached and trip.grad_norm is not None and math.isfinite(trip.grad_norm):
+            return False
         record.restore_buffers()
+        return True
 
     def ended(self, finding: Finding, trip: ScriptTrip) -> None:
         """The bad step the run ended at: stopped by the decision, or met when the script

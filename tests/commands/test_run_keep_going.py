@@ -216,3 +216,43 @@ def test_under_torchrun_every_rank_skips_the_step_one_rank_made_bad(tmp_path):
             (3, 1, "forward", "skipped")]
         assert "not localized" in report["findings"][0]["explanation"]
         assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [6, 6]
+
+
+def test_a_loss_the_scripts_own_guard_skipped_is_recorded_and_the_next_update_applies(
+        tmp_path):
+    # `if not torch.isfinite(loss): continue`: the script left step 3 out itself; the update
+    # nanaudit checks next is the next batch's, and must run (the weights end as without
+    # nanaudit), while step 3's loss is still a localized finding.
+    path = write(tmp_path, """
+        import sys
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(6):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            probs = model(x).softmax(-1)
+            if step == 3:
+                probs = probs * (torch.arange(8) != 5).float()[:, None]
+            loss = -torch.log(probs.gather(1, y[:, None])).mean()
+            if not torch.isfinite(loss):
+                continue
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        torch.save(model.state_dict(), sys.argv[1])
+    """)
+    argv = sys.argv
+    sys.argv = [str(path), str(tmp_path / "plain.pt")]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = argv
+    report = run_script(ScriptTarget(path=str(path), args=(str(tmp_path / "audited.pt"),)),
+                        ScriptOptions(keep_going=True))
+    assert [(f.step, f.op, f.action, f.localized_by) for f in report.findings] == [
+        (3, "aten.log.default", "skipped", "in-process")]
+    assert same(torch.load(tmp_path / "audited.pt", weights_only=True),
+                torch.load(tmp_path / "plain.pt", weights_only=True))
