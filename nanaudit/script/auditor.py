@@ -2,7 +2,10 @@
 of the step's values (its inputs' finiteness, the weights as the previous update left them, the
 step's loss and its gradients' norm), classified as the step loop classifies a step; a
 non-finite value raises StepHalted before the optimizer applies the update, which unwinds the
-script up to the runner.
+script up to the runner. Under --keep-going (`keep`, keep_going.py) the check core may decide
+SKIP instead: the step is localized and recorded there, its buffers put back, its update held
+back (held_update.py), and the script goes on. The read and the trip are step_checks.py's; this
+class hears the hooks and acts on them.
 
 A closure's later evaluations in a step (LBFGS evaluates it up to `max_iter` times) are checked
 too: the step's timeline entry is its first evaluation, and any evaluation may trip, named with
