@@ -69,7 +69,7 @@ class ScriptAuditor(StepChecks):
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
         self.window.leave_data_code()
-        if self.keep is not None:
+        if self.keep is not None and self.keep.held.active:
             self.keep.held.forward_started()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
@@ -140,7 +140,9 @@ class ScriptAuditor(StepChecks):
             self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
             self._number_afresh()
         self.ledger.steps_taken += 1
-        if self.keep is None or not self.keep.held.release(optimizer):
+        # A clean step reads an attribute here, and calls nothing (the leave-on price).
+        keep = self.keep
+        if keep is None or not (keep.held.active and keep.held.release(optimizer)):
             self.scaler_watch.applied()
             self.ledger.updated_at[id(optimizer)] = self.step
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step

@@ -47,7 +47,8 @@ def _mark_overflow(scaler: Any, optimizer: Any) -> None:
 class HeldUpdates:
     """The optimizers whose update this step holds back. `active`: a step was skipped and no
     forward came since, so every other optimizer stepped before the next forward (several
-    optimizers, one step) is held back too."""
+    optimizers, one step) is held back too; False whenever nothing is held (a clean step's
+    callers read it and call nothing)."""
 
     def __init__(self) -> None:
         self._held: dict[int, _Held] = {}
