@@ -8,7 +8,9 @@ from the roots the script differentiated. The parameters and optimizer state are
 The replay must reproduce what the first run saw (each micro-batch's loss, and the check that
 tripped) before it names anything; when it does not, or cannot run, it says why and the caller
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
-as the trip left them. Its cost is one step's, whatever the step's number."""
+as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun (DDP)
+the rank that made the value replays its own step on its local module and every rank gets its
+finding (rank_replay.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import first_run_finding, trip_notes
 from nanaudit.script.step_values import leading_size, same_value
-from nanaudit.script.target import ScriptOptions, script_rank
+from nanaudit.script.rank_replay import local_module, replayed_on_ranks
+from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
@@ -47,6 +50,17 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
     note says why). An input or error trip is the re-run's alone: no record."""
     if trip.check not in (Check.LOSS, Check.GRADIENT) and not trip.in_buffers:
         return None, None
+    ranks = auditor.ranks
+    if ranks is None:
+        return _localized_here(auditor, options, trip, timeline)
+    # torchrun: the origin's replay, shared with every rank (rank_replay.py).
+    return replayed_on_ranks(ranks, trip.rank,
+                             lambda: _localized_here(auditor, options, trip, timeline))
+
+
+def _localized_here(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
+                    timeline: Any) -> tuple[Rerun | None, Finding | None]:
+    """`localize_in_process` in this process alone."""
     started = time.perf_counter()
     try:
         calls = _window(auditor, options, trip)
@@ -64,17 +78,14 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
 
 def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> Finding:
     """The finding of a step --keep-going skips, localized at the trip in-process; a step the
-    replay cannot name (an input trip, a replay that did not reproduce, torchrun) keeps the
+    replay cannot name (an input trip, a replay that did not reproduce, FSDP2) keeps the
     first run's finding, saying why: a skipped step is never re-run."""
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     finding = first_run_finding(trip)
     if not trip.needs_rerun:
         return finding
-    if script_rank() is not None:
-        # Every rank has the trip (the one exchange gave them the same verdict) and skips.
-        finding.explain("not localized: the in-process replay is not built under torchrun, "
-                        "and a step the run skipped and went on from is never re-run")
-        return finding
+    # Under torchrun every rank has the trip (the one exchange gave them the same verdict),
+    # gets the origin's replay and skips.
     replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
     if localized is not None:
         return adopt(localized, trip)
@@ -88,7 +99,7 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
 
 def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
     """The replay's finding, with what only the first run knew (the rank, the step's notes)."""
-    finding.rank = trip.rank
+    finding.rank = trip.rank if trip.rank is not None else finding.rank    # DDP: the replay's
     finding.tensors = finding.tensors or trip.tensors
     for note in trip_notes(trip):
         finding.explain(note)
@@ -100,8 +111,6 @@ def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[Mode
         raise NotReplayable("--no-rerun: the step is not replayed")
     if options.force_rerun:
         raise NotReplayable("--rerun: localized by re-running the script from the start")
-    if script_rank() is not None:
-        raise NotReplayable("under torchrun the ranks are re-run together")
     calls = auditor.hooks.tap.record.calls
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
@@ -130,7 +139,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
     with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
             torch.enable_grad():
-        tracer = OpTracer(calls[0].module)
+        tracer = OpTracer(local_module(calls[0].module))
         try:
             with tracer:
                 pairs = [pair for i, call in enumerate(calls) for pair in _replay_call(
@@ -152,7 +161,7 @@ def _replay_call(tracer: OpTracer, call: ModelCall,
     """Replay one micro-batch; [(the first run's loss, the replay's)]."""
     call.seed_replay()
     with autocast(call.autocast):
-        output = call.module(*call.args, **call.kwargs)
+        output = local_module(call.module)(*call.args, **call.kwargs)
     env = {id(a): b for a, b in zip(tree_flatten(call.output)[0], tree_flatten(output)[0])
            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)}
 
