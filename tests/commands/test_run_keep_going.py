@@ -198,8 +198,10 @@ def test_a_hand_written_update_cannot_be_skipped_and_stops(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_under_torchrun_every_rank_skips_the_step_one_rank_made_bad(tmp_path):
-    # Rank 1's loss of step 3 is inf: the one exchange gives both ranks that verdict, both
-    # hold the update back, and the replicas stay equal, and equal to the by-hand reference.
+    # Rank 1's loss of step 3 is inf, its gradients of step 4 NaN: the one exchange gives both
+    # ranks each verdict, both hold the update back, and the replicas stay equal, and equal to
+    # the by-hand reference. Each bad step is localized in-process by rank 1's replay of its
+    # own step (its gradients before DDP's all-reduce), on every rank's report.
     from helpers import launch_ranks
     ref, got, out = tmp_path / "ref", tmp_path / "got", tmp_path / "report.json"
     codes, outputs = launch_ranks([DDP, ref, "--reference"], 2, timeout_s=120)
@@ -213,8 +215,13 @@ def test_under_torchrun_every_rank_skips_the_step_one_rank_made_bad(tmp_path):
     for path in (out, tmp_path / "report.rank1.json"):
         report = json.loads(path.read_text())
         assert [(f["step"], f["rank"], f["where"], f["action"]) for f in report["findings"]] == [
-            (3, 1, "forward", "skipped")]
-        assert "not localized" in report["findings"][0]["explanation"]
+            (3, 1, "forward", "skipped"), (4, 1, "backward", "skipped")]
+        log0, sqrt0 = report["findings"]
+        assert (log0["op"], log0["cause"], log0["localized_by"]) == (
+            "aten.log.default", "log-domain", "in-process")
+        assert (sqrt0["op"], sqrt0["forward_op"], sqrt0["cause"], sqrt0["localized_by"]) == (
+            "aten.div.Tensor", "aten.sqrt.default", "sqrt-domain", "in-process")
+        assert all("not localized" not in f.get("explanation", "") for f in report["findings"])
         assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [6, 6]
 
 

@@ -1,7 +1,9 @@
 """Two DDP ranks (gloo), rank 1's batch of step 3 bad in its loss code (log(0): an inf loss with
-finite gradients), for `nanaudit run --keep-going` under torchrun
-(tests/commands/test_run_keep_going.py). `--reference` leaves out step 3's update by hand on
-every rank. Each rank writes its model's state_dict to OUT.rank<r>.pt."""
+finite gradients), and rank 1's step 4 NaN in backward only (sqrt of its output times 0: a zero
+added to the loss, sqrt's infinite derivative at 0 times 0 in its gradients, which DDP's
+all-reduce spreads to rank 0), for `nanaudit run --keep-going` under torchrun
+(tests/commands/test_run_keep_going.py). `--reference` leaves out steps 3 and 4's updates by
+hand on every rank. Each rank writes its model's state_dict to OUT.rank<r>.pt."""
 
 import sys
 
@@ -21,9 +23,12 @@ for step in range(6):
     x, y = torch.rand(8, 4, generator=gen) + 0.5, torch.randn(8, 1, generator=gen)
     scale = torch.zeros(()) if (rank == 1 and step == 3) else torch.ones(())
     optimizer.zero_grad()
-    loss = ((model(x) - y) ** 2).mean() - torch.log(scale)
+    pred = model(x)
+    loss = ((pred - y) ** 2).mean() - torch.log(scale)
+    if rank == 1 and step == 4:
+        loss = loss + torch.sqrt(pred * 0).sum()
     loss.backward()
-    if not (reference and step == 3):
+    if not (reference and step in (3, 4)):
         optimizer.step()
 torch.save(model.module.state_dict(), f"{out}.rank{rank}.pt")
 dist.destroy_process_group()
