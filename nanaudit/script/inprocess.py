@@ -32,8 +32,8 @@ from nanaudit.report.vocabulary import Check, RerunStatus, Where
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import first_run_finding, trip_notes
-from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.rank_replay import local_module, replayed_on_ranks
+from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 
