@@ -15,6 +15,11 @@ replay's own duration from the JSON report.
 
     python scripts/bench_inprocess.py                       # N = 1,000 10,000 100,000
     python scripts/bench_inprocess.py --steps 1000 10000 --rounds 1 --no-rerun-variant
+
+`--ddp`: the same loop under DDP on two gloo ranks, every variant launched by torchrun
+(`--standalone --nproc-per-node 2`); the zero row is in rank 1's batch alone, so the value is
+rank 1's own (its gradients before the all-reduce), and `run` replays rank 1's step on its
+local module while rank 0 waits for the finding.
 """
 
 from __future__ import annotations
@@ -56,21 +61,36 @@ for step in range(bad + 1):
     optimizer.step()
 '''
 
+# The DDP loop: the same model and step, each rank its own batch, rank 1's row 5 zero at N.
+DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+""").replace("optimizer = torch.optim.SGD(model.parameters()",
+             "model = DistributedDataParallel(model)\n"
+             "optimizer = torch.optim.SGD(model.parameters()").replace(
+    "x = torch.randn(64, 64)", "x = torch.randn(64, 64) + rank").replace(
+    "if step == bad:", "if step == bad and rank == 1:")
 
-def command(variant: str, folder: Path, bad: int, width: int) -> list[str]:
+
+def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list[str]:
     script = [str(folder / "loop.py"), str(bad), str(width)]
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2"] if ddp else [sys.executable])
     if variant == "plain":
-        return [sys.executable, *script]
+        return [*launch, *script]
     flags = ["--rerun"] if variant == "rerun" else []
-    return [sys.executable, "-m", "nanaudit", "run", "-q", *flags, "--json",
+    return [*launch, "-m", "nanaudit", "run", "-q", *flags, "--json",
             str(folder / f"{variant}.json"), *script]
 
 
-def measure(variant: str, folder: Path, bad: int, width: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started = time.perf_counter()
-    code = subprocess.run(command(variant, folder, bad, width), cwd=folder, env=env,
-                          stdout=subprocess.DEVNULL, check=False).returncode
+    code = subprocess.run(command(variant, folder, bad, width, ddp), cwd=folder, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          check=False).returncode
     result: dict = {"wall_s": time.perf_counter() - started}
     expected = 0 if variant == "plain" else 1
     if code != expected:
@@ -79,6 +99,7 @@ def measure(variant: str, folder: Path, bad: int, width: int) -> dict:
         report = json.loads((folder / f"{variant}.json").read_text())
         finding, run = report["finding"], report["run"]
         assert finding["step"] == bad and finding["forward_op"] == "aten.sqrt.default", finding
+        assert not ddp or finding["rank"] == 1, finding
         result["localized_by"] = finding.get("localized_by")
         result["replay_s"] = (run.get("replay") or {}).get("duration_s")
         result["rerun_s"] = (run.get("rerun") or {}).get("duration_s")
@@ -93,16 +114,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
     parser.add_argument("--no-rerun-variant", action="store_true",
                         help="leave out the --rerun variant (it runs the script twice)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="the loop under DDP on two gloo ranks, launched by torchrun")
     args = parser.parse_args()
     variants = ["plain", "run"] + ([] if args.no_rerun_variant else ["rerun"])
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
         folder = Path(name)
-        (folder / "loop.py").write_text(LOOP)
+        (folder / "loop.py").write_text(DDP_LOOP if args.ddp else LOOP)
         for bad in args.steps:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
-                    runs[variant].append(measure(variant, folder, bad, args.width))
+                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             print(f"bad step {bad:,}: plain {plain:.2f} s ({plain / (bad + 1) * 1000:.2f} ms a "
                   f"step, with start-up)")

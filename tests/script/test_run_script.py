@@ -304,12 +304,14 @@ def test_under_torchrun_every_rank_names_the_rank_that_made_the_value(tmp_path):
     rank0 = json.loads(out.read_text())
     rank1 = json.loads((tmp_path / "report.rank1.json").read_text())
     # DDP all-reduces the gradients, so both ranks' go bad at step 3; the exchanged flags and
-    # the re-run on both ranks name rank 1, whose batch held the zero, in both reports.
+    # rank 1's in-process replay of its own step name rank 1, whose batch held the zero, in
+    # both reports (issue 35: no re-run).
     for report in (rank0, rank1):
         f = report["finding"]
         assert (f["step"], f["rank"], f["where"], f["op"], f["samples"]) == (
             3, 1, "forward", "aten.log.default", [2])
-        assert report["run"]["rerun"]["status"] == "reproduced"
+        assert report["run"]["replay"]["status"] == "reproduced"
+        assert f["localized_by"] == "in-process" and "rerun" not in report["run"]
     assert (rank0["run"]["rank"], rank1["run"]["rank"]) == (0, 1)
     assert [r["status"] for r in rank0["distributed"]["ranks"]] == ["nonfinite", "nonfinite"]
 
