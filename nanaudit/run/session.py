@@ -131,7 +131,7 @@ def build_session(config: Config, coordinator=None) -> Session:
         from nanaudit.run.compiled import compile_model
         compile_model(model, config.compile.arguments())
     # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
-    wrapped = coordinator.wrap(model, device) if coordinator is not None else model
+    wrapped = coordinator.parallel.wrap(model, device) if coordinator is not None else model
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     if checkpoint is not None:
@@ -152,7 +152,7 @@ def build_session(config: Config, coordinator=None) -> Session:
                                        f"{type(data).__name__}, which is not iterable; return a "
                                        f"list, generator or DataLoader of batches")])
         if coordinator is not None:
-            data = coordinator.shard(data, shards_itself)
+            data = coordinator.parallel.shard(data, shards_itself)
         return data
 
     first = next(iter(optimizers.values()), None)
