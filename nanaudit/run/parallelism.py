@@ -81,7 +81,9 @@ class Parallelism:
         return flag
 
 
-def _flag_then_allreduce(state: Parallelism, bucket: Any) -> Any:
+# Unannotated: DDP's register_comm_hook rejects a hook whose `bucket` or return annotation is
+# not its own type, and this module's annotations are strings.
+def _flag_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     """DDP comm hook: note whether this rank's bucket is finite, then average as usual."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     buffer = bucket.buffer()

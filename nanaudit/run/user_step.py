@@ -12,7 +12,7 @@ call), so a replay starts from the state before the call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from nanaudit.errors import UserCodeError, call_user
 from nanaudit.run.intercept import LossTap, StepHalted, checked_closure_args
+from nanaudit.run.loss_names import LossNames
 from nanaudit.run.step import ReplayHooks, StepState
 
 
@@ -67,11 +68,8 @@ class UserStep:
         self._pending: list = []
         self._backwarded: list = []      # every loss this call differentiated, in order
         self._gated: list = []           # the UpdatePoints this call checked
-        self._returned: dict = {}        # the losses the last call returned, as returned
-        self._named: dict = {}           # id(checked loss) -> the name it was returned under
+        self._names = LossNames()        # the returned losses' names, learnt (loss_names.py)
         self._updates_per_call: int | None = None   # the most updates a complete call made
-        self._names_at: list = []        # loss names by differentiation order in a call (learnt)
-        self._loss_of: dict = {}         # optimizer name -> the returned loss it stepped on
         self._snapshot_all = False       # a replay: every update it makes is put back
         self._snapshotted: set = set()   # ids of the optimizers copied in this call
         self._scalers: list = []         # the GradScalers this call scaled a loss with
@@ -97,7 +95,8 @@ class UserStep:
         """Call the user's step; `gate(point)` runs before each optimizer step and returns
         False to stop the call there (before that update)."""
         self._gate, self._run, self._pending, self._hooks = gate, UserRun(), [], hooks
-        self._backwarded, self._gated, self._returned = [], [], {}
+        self._backwarded, self._gated = [], []
+        self._names.begin()
         self._snapshotted, self._scalers = set(), []
         saved_scalers: list = []
         tap = self._tap(saved_scalers).install()
@@ -107,8 +106,8 @@ class UserStep:
                 returned = call_user(f"step `{self.session.loss_label}`", self.session.step_fn,
                                      self.session.model, batch, self.optimizer_argument,
                                      **dict(self.session.options.loss_args))
-            self._run.losses = self._named_losses(returned)
-            self._learn_names()
+            self._run.losses = self._names.named_losses(returned, self._gated)
+            self._names.learn(self._backwarded, self._gated)
             self._updates_per_call = max(self._updates_per_call or 0, self._run.updates)
         except StepHalted:
             self._abandon_scalers()     # stopped inside `scaler.step`: no `update()` followed
@@ -168,7 +167,7 @@ class UserStep:
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
         count = len(self._pending)
         start = len(self._backwarded) - count
-        names = [self._loss_name(start + i, name) for i in range(count)]
+        names = [self._names.name(start + i, name) for i in range(count)]
         point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
         self._pending = []
         self._gated.append(point)
@@ -183,51 +182,6 @@ class UserStep:
             self._snapshotted.add(id(optimizer))
             run.undo.append(_undo_for(optimizer))
         run.updates += 1
-
-    def _loss_name(self, position: int, optimizer_name: str) -> str | None:
-        """A differentiated loss's name, learnt from the dicts earlier calls returned: by its
-        place in the call, else the loss this optimizer stepped on."""
-        if position < len(self._names_at) and self._names_at[position]:
-            return self._names_at[position]
-        return self._loss_of.get(optimizer_name)
-
-    def _named_losses(self, returned) -> dict:
-        """The floating scalar tensors the call returned, by name (logits, counts and Python
-        floats beside them are not losses); a loss no check saw is detached for the loop."""
-        if isinstance(returned, Mapping):
-            items = [(str(k), v) for k, v in returned.items()]
-        elif isinstance(returned, (list, tuple)):
-            items = [(f"[{i}]", v) for i, v in enumerate(returned)]
-        else:
-            items = [("loss", returned)]
-        losses = {n: v for n, v in items if isinstance(v, torch.Tensor)
-                  and v.is_floating_point() and v.numel() == 1}
-        if len(losses) == 1 and not isinstance(returned, Mapping):
-            losses = {"loss": next(iter(losses.values()))}
-        self._returned = losses
-        checked = [t for point in self._gated for t in point.losses]
-        ids = {id(t) for t in checked}
-        out, self._named = {}, {}
-        for n, t in losses.items():
-            seen = t if id(t) in ids else _alias_of(t, checked)
-            if seen is not None:
-                self._named[id(seen)] = n
-            out[n] = seen if seen is not None else t.detach()
-        return out
-
-    def _learn_names(self) -> None:
-        ids = {**{id(t): n for n, t in self._returned.items()}, **self._named}
-        if not ids:
-            return
-        for i, t in enumerate(self._backwarded):
-            name = ids.get(id(t))
-            if name:
-                self._names_at += [None] * (i + 1 - len(self._names_at))
-                self._names_at[i] = name
-        for point in self._gated:
-            for t in point.losses:
-                if id(t) in ids:
-                    self._loss_of[point.name] = ids[id(t)]
 
     def _abandon_scalers(self) -> None:
         for scaler in self._scalers:
@@ -254,7 +208,7 @@ class UserStep:
             put_back()              # the replay's own updates: state as before
         seen.extend(self._pending)
         if run.halted is None:
-            seen.extend(self._returned.values())
+            seen.extend(self._names.returned.values())
         if not seen:
             raise UserCodeError(f"step `{self.session.loss_label}`",
                                 RuntimeError("the step backpropagated no loss"))
@@ -265,18 +219,6 @@ class UserStep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _alias_of(tensor: torch.Tensor, checked: list):
-    """The checked loss a returned `loss.detach()` shares its storage with (no read needed)."""
-    try:
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        for t in checked:
-            if (t.untyped_storage().data_ptr(), t.storage_offset()) == where:
-                return t
-    except (RuntimeError, NotImplementedError):
-        return None
-    return None
 
 
 def _forget_optimizers(scaler, optimizers) -> None:
