@@ -1,5 +1,6 @@
-"""Turn what tripped a sentinel into a Finding: direct for input, parameter and optimizer
-checks; through a traced replay (localize) and a sample search for the loss and gradients."""
+"""Turn what tripped a sentinel into a Finding: from what the check saw for input, parameter,
+optimizer and schedule checks (built by first_finding.py, the one builder of every front end);
+through a traced replay (localize) and a sample search for the loss and gradients."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
-from nanaudit.localize.causes import fix_for
 from nanaudit.localize.compiled import step_phase
 from nanaudit.localize.compiled_finding import replayed_compiled
+from nanaudit.localize.first_finding import Seen, first_finding
 from nanaudit.localize.ops import named_tensors
 from nanaudit.localize.replay import (
     localize,
@@ -82,12 +83,10 @@ def input_finding(session: Session, state: StepState) -> Finding:
     row_text = f" in row(s) {short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
-    return Finding(step=state.step, where=Where.INPUT, value=value_kind(first),
-                   cause=Cause.NONFINITE_INPUT, explanation=explanation,
-                   fix=fix_for(Cause.NONFINITE_INPUT),
-                   tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
-                   sample_rows=sample_rows(state.batch, layout, rows),
-                   tensors=[f"batch{p}" for p, _ in bad])
+    return first_finding(Seen(state.step, Check.INPUT, value_kind(first), explanation,
+                              tensors=[f"batch{p}" for p, _ in bad], tensor=f"batch{path}",
+                              samples=rows if layout.size else None, inputs=stats,
+                              sample_rows=sample_rows(state.batch, layout, rows)))
 
 
 def state_finding(session: Session, trip: Trip) -> Finding:
@@ -101,11 +100,9 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == Check.OPTIMIZER and params:
-        finding = Finding(step=trip.step, where=Where.OPTIMIZER, value=value,
-                          cause=Cause.OPTIMIZER_UPDATE,
-                          explanation=_optimizer_text(session, trip.step, params),
-                          fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
-                          tensors=names)
+        finding = first_finding(Seen(trip.step, trip.check, value,
+                                     _optimizer_text(session, trip.step, params),
+                                     tensors=names, tensor=params[0], inputs=stats))
         explain_state(finding, session.optimizers.values(), [tensors[n] for n in params],
                       session.param_names, trip.rank)
         return finding
@@ -116,21 +113,18 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     explanation = (f"{origin} holds non-finite values {when}: "
                    f"{short(names)}" + (" (buffers changed by forward, not by the optimizer)"
                                          if not params else ""))
-    return Finding(step=trip.step, where=Where.PARAMETER, value=value,
-                   cause=Cause.NONFINITE_PARAMETER, explanation=explanation,
-                   fix=fix_for(Cause.NONFINITE_PARAMETER),
-                   tensor=names[0] if names else None, inputs=stats, tensors=names)
+    # Only buffers bad after an update: the forward changed them, not the optimizer.
+    return first_finding(Seen(trip.step, trip.check, value, explanation, tensors=names,
+                              inputs=stats, parameters=bool(params)))
 
 
 def schedule_finding(session: Session, trip: Trip) -> Finding:
     """A learning rate no update may run with, caught before the update was applied."""
     names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
              for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
-    return Finding(step=trip.step, where=Where.OPTIMIZER, value=_lr_kind(trip.note or ""),
-                   cause=Cause.OPTIMIZER_UPDATE,
-                   explanation=f"before the update of step {trip.step}: {trip.note}",
-                   fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=names[0] if names else None,
-                   tensors=names, optimizer=trip.optimizer)
+    return first_finding(Seen(trip.step, Check.SCHEDULE, _lr_kind(trip.note or ""),
+                              f"before the update of step {trip.step}: {trip.note}",
+                              tensors=names, optimizer=trip.optimizer))
 
 
 def _lr_ok(lr) -> bool:
@@ -330,11 +324,10 @@ def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
 
 def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
     """A loss or gradient trip reported without a replay (nothing to replay it with)."""
-    what, kind, where = _tripped(trip)
-    return Finding(step=trip.step, where=where, value=kind, cause=Cause.UNKNOWN,
-                   fix=fix_for(Cause.UNKNOWN),
-                   explanation=(f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
-                                f"to replay the step and name the op that created it"))
+    what, kind, _ = _tripped(trip)
+    return first_finding(Seen(trip.step, trip.check, kind,
+                              f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
+                              f"to replay the step and name the op that created it"))
 
 
 def _isolate(session, state, trip, finding: Finding) -> None:
