@@ -11,7 +11,7 @@ finding of a traced replay is `findings.traced_finding`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from nanaudit.localize.causes import fix_for
@@ -65,3 +65,9 @@ def _where_and_cause(seen: Seen) -> tuple[Where, Cause]:
     if seen.where is not None:
         return seen.where, Cause.UNKNOWN
     return (Where.FORWARD if seen.check == Check.LOSS else Where.BACKWARD), Cause.UNKNOWN
+
+
+def short(items: Iterable[object], limit: int = 10) -> str:
+    """`[a, b, ...]`: the first `limit` items of a list a finding names (every front end's)."""
+    shown = list(items)
+    return "[" + ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "") + "]"

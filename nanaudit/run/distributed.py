@@ -186,7 +186,7 @@ class Coordinator:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def note(signum, frame):
+        def note(signum: int, frame: object) -> None:
             self.terminated = True
         signal.signal(signal.SIGTERM, note)
 

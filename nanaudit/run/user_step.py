@@ -12,16 +12,35 @@ call), so a replay starts from the state before the call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from nanaudit.config.schema import RunOptions
 from nanaudit.errors import UserCodeError, call_user
 from nanaudit.run.intercept import LossTap, StepHalted, checked_closure_args
 from nanaudit.run.loss_names import LossNames
 from nanaudit.run.step import ReplayHooks, StepState
+
+
+class StepSession(Protocol):
+    """What the user's step reads of the run's session (session.Session, which builds its step
+    unit and so is not imported here)."""
+
+    @property
+    def model(self) -> Any: ...
+    @property
+    def optimizers(self) -> dict: ...
+    @property
+    def precision(self) -> Any: ...
+    @property
+    def step_fn(self) -> Callable | None: ...
+    @property
+    def loss_label(self) -> str: ...
+    @property
+    def options(self) -> RunOptions: ...
 
 
 @dataclass
@@ -60,7 +79,7 @@ class UserStep:
     window = 1
     name = "user step"
 
-    def __init__(self, session):
+    def __init__(self, session: StepSession):
         self.session = session
         self.hold_weights = False       # bisect over data: every update is put back after the call
         self._gate: Callable[[UpdatePoint], bool] | None = None
@@ -81,7 +100,7 @@ class UserStep:
                          for o in session.optimizers.values()]
 
     @property
-    def optimizer_argument(self):
+    def optimizer_argument(self) -> Any:
         """What the user's function gets: the optimizer, or all of them as the config gave."""
         optimizers = self.session.optimizers
         if len(optimizers) == 1:
@@ -99,11 +118,13 @@ class UserStep:
         self._names.begin()
         self._snapshotted, self._scalers = set(), []
         saved_scalers: list = []
+        step_fn = self.session.step_fn
+        assert step_fn is not None, "a UserStep is built for a config's `step:` only"
         tap = self._tap(saved_scalers).install()
         try:
             self.session.model.zero_grad(set_to_none=True)
             with self.session.precision.autocast():
-                returned = call_user(f"step `{self.session.loss_label}`", self.session.step_fn,
+                returned = call_user(f"step `{self.session.loss_label}`", step_fn,
                                      self.session.model, batch, self.optimizer_argument,
                                      **dict(self.session.options.loss_args))
             self._run.losses = self._names.named_losses(returned, self._gated)
@@ -141,7 +162,8 @@ class UserStep:
                        after=(lambda raised: after()) if after is not None else None,
                        on_scale=on_scale, trained=self._trained)
 
-    def _pre_step(self, optimizer, args, kwargs):
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._gate is None:
             return None                 # a step outside nanaudit's call: not ours to check
         evaluations = [0]
@@ -158,7 +180,7 @@ class UserStep:
         self._check(optimizer)
         return None
 
-    def _check(self, optimizer) -> None:
+    def _check(self, optimizer: torch.optim.Optimizer) -> None:
         """The gate before one update; raises StepHalted to stop the call there."""
         run, gate = self._run, self._gate
         assert run is not None and gate is not None, "checked only inside run()"
@@ -221,7 +243,7 @@ class UserStep:
         self._handles = []
 
 
-def _forget_optimizers(scaler, optimizers) -> None:
+def _forget_optimizers(scaler: Any, optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """A GradScaler whose step was stopped (or replayed) must not remember the optimizers as
     unscaled or stepped: its `update()` never ran, and the next call unscales again."""
     states = getattr(scaler, "_per_optimizer_states", None)
@@ -230,7 +252,7 @@ def _forget_optimizers(scaler, optimizers) -> None:
             states.pop(id(optimizer), None)
 
 
-def _undo_for(optimizer) -> Callable[[], None]:
+def _undo_for(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """A copy of what `optimizer.step()` is about to change (its parameters and state), and
     how to put it back: taken only when a later optimizer step in the same call could trip."""
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanaudit.localize.findings import short as short_list
 from nanaudit.localize.first_finding import Seen, first_finding
+from nanaudit.localize.first_finding import short as short_list
 from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Check
 from nanaudit.script.trip import ScriptTrip
