@@ -24,15 +24,16 @@ from nanaudit.run.mesh import own_losses
 
 
 class Column(IntEnum):
-    """A rank's flags, in row order (1.0: set, 0.0: finite; PARTIALS: how early, see mesh.py)."""
+    """A rank's flags, in row order (1.0: set, 0.0: finite; PARTIALS: how early, see mesh.py).
+    The first five follow the step values `rank_row` reads, so one reduction flags them."""
 
     INPUT = 0            # its batch holds a non-finite value
     WEIGHTS = 1          # its weights as the step found them (FSDP, ZeRO: its own shards)
     LOSS = 2             # its loss
-    OWN_GRADIENTS = 3    # its own gradients, before the reduction mixed every rank's
-    GRADIENTS = 4        # its gradients as reduced (FSDP: its shard of them)
-    PARTIALS = 5         # TP: its partial sums before the all-reduce (mesh.PartialFlags)
-    BUFFERS = 6          # its floating buffers as its forward left them
+    GRADIENTS = 3        # its gradients as reduced (FSDP: its shard of them)
+    BUFFERS = 4          # its floating buffers as its forward left them
+    OWN_GRADIENTS = 5    # its own gradients, before the reduction mixed every rank's
+    PARTIALS = 6         # TP: its partial sums before the all-reduce (mesh.PartialFlags)
     EXHAUSTED = 7        # its data ran out: every rank stops after this step
 
 
@@ -44,21 +45,20 @@ def rank_row(values: torch.Tensor, own_gradients: torch.Tensor,
     """This rank's row, on the device (no host read), from its step values (float64: [inputs
     finite (1.0), weights' norm, loss, gradients' norm, buffers' peak]), its own gradients'
     flag, its partials' earliness (None: 0.0) and whether its data ran out."""
-    zero = torch.zeros((), dtype=torch.float64, device=values.device)
-    bad = (~torch.isfinite(values[1:5])).to(torch.float64)     # weights, loss, grads, buffers
-    return torch.stack([1.0 - values[0], bad[0], bad[1], own_gradients, bad[2],
-                        partials if partials is not None else zero, bad[3],
-                        zero + 1.0 if exhausted else zero])
+    bad = (~torch.isfinite(values)).to(torch.float64)     # weights, loss, grads, buffers
+    zero = values.new_zeros((), dtype=torch.float64)
+    own = torch.stack([own_gradients, partials if partials is not None else zero,
+                       zero + 1.0 if exhausted else zero])
+    return torch.cat([1.0 - values[:1], bad[1:], own])
 
 
 def readout_values(readout: StepReadout, loss: torch.Tensor) -> torch.Tensor:
     """The step loop's values for `rank_row` from its readout (the state norm covers its
     floating buffers: the buffers' column stays finite)."""
-    device = readout.values.device
-    return torch.stack([1.0 - readout.batch_bad(), readout.state_norm(),
-                        loss.detach().to(device=device, dtype=torch.float64).reshape(()),
-                        readout.grad_norm(), torch.zeros((), dtype=torch.float64,
-                                                         device=device)])
+    batch = readout.values[1:1 + readout.n_batch].sum(dtype=torch.float64)
+    zero = batch.new_zeros(())
+    return torch.stack([torch.isfinite(batch).to(torch.float64), readout.state_norm(),
+                        loss.detach().to(batch).reshape(()), readout.grad_norm(), zero])
 
 
 @dataclass(frozen=True)
