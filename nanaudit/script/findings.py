@@ -24,44 +24,37 @@ def number(x: float | None) -> str:
 
 def first_run_finding(trip: ScriptTrip) -> Finding:
     """The finding from the first run alone: the step, the check, the tensors, the rows, built
-    by localize's one builder from what the script's hooks saw (`seen`)."""
-    finding = first_finding(seen(trip))
-    if trip.check == Check.INPUT or (trip.check == Check.ERROR and not trip.in_buffers):
-        return finding
-    if trip.in_buffers:
-        notes = trip_notes(trip)[1:]             # the first is the explanation
-    elif trip.check in (Check.OPTIMIZER, Check.PARAMETER):
-        notes = list(trip.state)
-    else:                                        # a loss or the gradients
-        if trip.tensors:
-            finding.explain(f"the gradients of {short(trip.tensors)} are non-finite")
-        notes = trip_notes(trip)
-    for note in notes:
-        finding.explain(note)
+    by localize's one builder from what the script's hooks saw, then the clauses that add."""
+    seen, clauses = _seen(trip)
+    finding = first_finding(seen)
+    for clause in clauses:
+        finding.explain(clause)
     return finding
 
 
-def seen(trip: ScriptTrip) -> Seen:
-    """What the first run saw of `trip`, in the script's terms."""
+def _seen(trip: ScriptTrip) -> tuple[Seen, list[str]]:
+    """What the first run saw of `trip`, in the script's terms, and the clauses that follow."""
     step, check, value, tensors, rank = trip.step, trip.check, trip.value, trip.tensors, trip.rank
     if check == Check.INPUT:
         return Seen(step, check, value, _input_text(trip), tensors, samples=trip.rows or None,
-                    rank=rank)
+                    rank=rank), []
     if trip.in_buffers:
-        return Seen(step, check, value, trip_notes(trip)[0], tensors, rank=rank,
-                    in_forward=True)
+        first, *notes = trip_notes(trip)
+        return Seen(step, check, value, first, tensors, rank=rank, in_forward=True), notes
     if check in (Check.OPTIMIZER, Check.PARAMETER):
-        return Seen(step, check, value, _state_text(trip), tensors, rank=rank)
+        return Seen(step, check, value, _state_text(trip), tensors, rank=rank), list(trip.state)
     if check == Check.ERROR:
         return Seen(step, check, value,
                     f"the script raised {trip.error} during optimizer step {step}, with "
                     f"non-finite values in its frames: {short(tensors, 4)}", tensors,
-                    tensor=tensors[0], rank=rank, where=trip.where)
+                    tensor=tensors[0], rank=rank, where=trip.where), []
     what = "loss" if check == Check.LOSS else "gradients"
-    return Seen(step, check, value,
+    grads = [f"the gradients of {short(tensors)} are non-finite"] if tensors else []
+    seen = Seen(step, check, value,
                 f"the {what} of optimizer step {step} hold {value} (loss "
                 f"{number(trip.loss)}, gradient norm {number(trip.grad_norm)})", tensors,
                 tensor="loss" if check == Check.LOSS else None, rank=rank)
+    return seen, grads + trip_notes(trip)
 
 
 def _input_text(trip: ScriptTrip) -> str:
