@@ -36,10 +36,11 @@ def local_module(module: torch.nn.Module) -> torch.nn.Module:
 def not_replayed_here(ranks: RankChecks) -> str | None:
     """Why the ranks' step is not replayed in-process (None: it is)."""
     if ranks.sharded:
-        return ("a sharded model (FSDP2 or DeepSpeed ZeRO): its forward gathers every rank's "
-                "shards, so the ranks are re-run together")
+        return ("the in-process replay is not built for a sharded model (FSDP2, DeepSpeed "
+                "ZeRO), whose forward gathers every rank's shards")
     if ranks.mesh is not None:
-        return "a device mesh (tensor parallel): the ranks are re-run together"
+        return ("the in-process replay is not built for a device mesh (tensor parallel), "
+                "whose forward joins its peers' collectives")
     return None
 
 
