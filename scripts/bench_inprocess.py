@@ -61,8 +61,8 @@ for step in range(bad + 1):
     optimizer.step()
 '''
 
-# The DDP loop: the same model, step and batch on each rank (the loop's linear loss diverges
-# on other data within 10,000 steps), rank 1's row 5 zero at step N.
+# The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N; a
+# learning rate of 1e-6 (the loop's linear loss diverges near step 1,000 at 1e-4 under DDP).
 DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -71,6 +71,7 @@ rank = dist.get_rank()
 """).replace("optimizer = torch.optim.SGD(model.parameters()",
              "model = DistributedDataParallel(model)\n"
              "optimizer = torch.optim.SGD(model.parameters()").replace(
+    "lr=1e-4", "lr=1e-6").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
 
