@@ -10,6 +10,7 @@ from pathlib import Path
 import keep_going_scan_case as case
 import pytest
 import torch
+from helpers import ROOT
 
 from nanaudit.commands.scan import audit
 from nanaudit.report.vocabulary import BadStepAction, Status, StopReason, Where
@@ -126,3 +127,11 @@ def test_a_clean_run_has_no_findings(tmp_path, keep_going):
     report = audit(_config(tmp_path, "{bad: {}}"), keep_going=keep_going)
     assert report.status == Status.CLEAN and report.findings == [] and report.bad_steps is None
     _assert_equal(_reference(set(), bad={}), _state(case.BUILT[-1]))
+
+
+def test_grad_scaler_skips_are_not_findings():
+    # The loss scale starts at 2^20: the GradScaler skips the first steps (AMP's normal
+    # course, its own skips), which keep-going neither records nor counts.
+    report = audit(ROOT / "configs" / "examples" / "amp_fp16_clean.yaml", keep_going=True)
+    assert report.status == Status.CLEAN and report.findings == []
+    assert any(entry.skipped for entry in report.timeline)
