@@ -154,7 +154,7 @@ class NanauditCallback(TrainerCallback):
         if bad is not None and bad.count:
             # Every bad step was skipped: the report lists them; no bundle (the weights have
             # moved on since those steps).
-            self._write(args, state, self.sentinel.make_report("nonfinite"), bundle=False)
+            self._write(args, state, self.sentinel.make_report("nonfinite"), with_bundle=False)
         else:
             write_reports(self.sentinel.make_report("clean"), self._folder(args), echo=False)
 
@@ -192,7 +192,7 @@ class NanauditCallback(TrainerCallback):
     def _folder(self, args) -> Path:
         return Path(self.output_dir or args.output_dir) / "nanaudit"
 
-    def _write(self, args, state, report, bundle: bool = True) -> None:
+    def _write(self, args, state, report, with_bundle: bool = True) -> None:
         from nanaudit.integrations._output import write_reports, write_step_bundle
         from nanaudit.report.formats import renderer_for
         self.report, self.exit_code = report, 1
@@ -201,7 +201,7 @@ class NanauditCallback(TrainerCallback):
                          "fp16": args.fp16, "bf16": args.bf16,
                          "max_grad_norm": args.max_grad_norm, "epoch": state.epoch}
         folder = self._folder(args)
-        if not bundle:
+        if not with_bundle:
             write_reports(report, folder, echo=self.echo)
             return
         trainer, sentinel = self.trainer, self.sentinel
