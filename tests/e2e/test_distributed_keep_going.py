@@ -1,9 +1,10 @@
 """`scan --keep-going` under two ranks (gloo, CPU): a backward NaN made by rank 1's batch at
 step 2 reaches every rank's gradients through DDP's all-reduce; every rank skips that step
 from the one exchange, the finding names rank 1, the run trains to its end and the replicas
-stay equal."""
+stay equal. FSDP2 likewise, its ranks replaying together."""
 
 import json
+import math
 import shutil
 import textwrap
 
@@ -45,3 +46,22 @@ def test_every_rank_skips_the_same_step_and_the_replicas_stay_equal(tmp_path, mo
     for key in states[0]:
         assert torch.isfinite(states[0][key]).all(), key
         assert torch.equal(states[0][key], states[1][key]), key
+
+
+def test_fsdp2_ranks_replay_and_skip_the_same_step_together(tmp_path):
+    # FSDP2: the backward NaN of rank 1's batch at step 2 reaches both ranks' gradient shards
+    # through the reduce-scatter; every rank replays at once (the finding is the same on each)
+    # and skips the step; the run trains to its end.
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", EXAMPLES / "fsdp_backward_nan.yaml",
+                                   "--keep-going", "--no-repro", "--json", out], 2, 120)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    assert [(r["steps_run"], r["status"]) for r in report["distributed"]["ranks"]] == [
+        (6, "nonfinite"), (6, "nonfinite")]
+    (finding,) = report["findings"]
+    assert (finding["step"], finding["rank"], finding["where"], finding["cause"],
+            finding["action"]) == (2, 1, "backward", "sqrt-domain", "skipped")
+    after = [e for e in report["timeline"] if e["step"] > 2]
+    assert after and all(math.isfinite(e["param_norm"]) and math.isfinite(e["loss"])
+                         for e in after)
