@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import keep_going_scan_case as case
-import pytest
 import torch
 from helpers import ROOT
 
