@@ -102,6 +102,8 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
     if not path:
         return []
     from nanaudit.report.skip_list import skip_entries
+    if report.skip_list:            # kept going: every bad step's, past the findings kept whole
+        return _write_skip_list(path, report.skip_list)
     findings = report.findings or ([report.finding] if report.finding is not None else [])
     return _write_skip_list(path, skip_entries(findings))
 

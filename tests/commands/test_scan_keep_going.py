@@ -4,6 +4,7 @@ each bad step is a finding, and the run stops when skipping cannot help."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import torch
 from helpers import ROOT
 
 from nanaudit.commands.scan import audit
-from nanaudit.report.vocabulary import BadStepAction, Status, StopReason, Where
+from nanaudit.report.bad_steps import BadStepLog
+from nanaudit.report.formats import renderer_for
+from nanaudit.report.model import Finding, Report
+from nanaudit.report.vocabulary import BadStepAction, Cause, Status, StopReason, Where
 
 
 def _config(tmp_path: Path, data_args: str = "{}", extra: str = "",
@@ -127,3 +131,30 @@ def test_grad_scaler_skips_are_not_findings():
     report = audit(ROOT / "configs" / "examples" / "amp_fp16_clean.yaml", keep_going=True)
     assert report.status == Status.CLEAN and report.findings == []
     assert any(entry.skipped for entry in report.timeline)
+
+
+def test_the_skip_list_holds_every_bad_step(tmp_path):
+    from helpers import run_cli
+    listed = tmp_path / "skip.json"
+    result = run_cli("scan", _config(tmp_path, "{every: loss}"), "--keep-going",
+                     "--max-bad-steps", "3", "--skip-list", listed, "--no-repro", "--quiet")
+    assert result.code == 1 and "not built yet" not in result.stderr
+    entries = json.loads(listed.read_text())["skip"]
+    assert [(e["batch"], e["step"], e["cause"]) for e in entries] == [
+        (i, i, "log-domain") for i in range(4)]
+
+
+def test_past_the_findings_kept_whole_the_skip_list_still_has_every_step():
+    # A corrupt shard skips more steps than the report keeps whole: the --skip-list file
+    # (report.skip_list) still lists each one's batch; the JSON's `findings` stay bounded.
+    log = BadStepLog(max_bad_steps=50, keep_whole=2)
+    for step in range(5):
+        log.record(Finding(step=step, where=Where.FORWARD, value="nan", cause=Cause.LOG_DOMAIN,
+                           explanation="", fix="", batch_index=10 + step, samples=[1]),
+                   BadStepAction.SKIPPED)
+    report = Report(tool_version="0", config={}, torch_version="", device="cpu",
+                    status=Status.NONFINITE, steps_run=5)
+    log.apply(report)
+    assert len(report.findings) == 2
+    assert [e.batch for e in report.skip_list] == [10, 11, 12, 13, 14]
+    assert "skip_list" not in json.loads(renderer_for("json").render(report))
