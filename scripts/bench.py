@@ -16,6 +16,7 @@ step as a multiple of a plain step, the replays sample isolation used, and the e
     python scripts/bench.py                 # the CPU workloads
     python scripts/bench.py --sizes         # overhead against model size
     python scripts/bench.py --quick         # a smoke run in well under a minute
+    python scripts/bench.py --keep-going    # also scan --keep-going's loop on clean steps
     python scripts/bench.py --device cuda --processes 4 --json bench-cuda.json
 """
 
@@ -427,6 +428,8 @@ def main(argv=None):
     parser.add_argument("--sizes", action="store_true", help="sweep transformer sizes")
     parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
+    parser.add_argument("--keep-going", action="store_true", help="add the keep-going variant "
+                        "(scan --keep-going's loop: a clean step's price)")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: time "
                         "this process's CPU time (a shared CPU machine; never for CUDA)")
@@ -455,7 +458,7 @@ def main(argv=None):
     workloads = {n: WORKLOADS[n] for n in names}
     if args.sizes_only:
         workloads = {}
-    variants = dict(VARIANTS)
+    variants = {k: v for k, v in VARIANTS.items() if k != "keep-going" or args.keep_going}
     if args.quick:
         workloads = {"transformer (small)": lambda: transformer(d=64, layers=1, ff=128, seq=16),
                      "tiny mlp": tiny_mlp}

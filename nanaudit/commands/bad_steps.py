@@ -69,7 +69,7 @@ class BadStepRecorder:
             self.log.record(finding, BadStepAction.STOPPED, outcome.stop_reason)
             if self.log.whole[-1] is finding and outcome.state is not None:
                 self._note_input(finding, outcome.state)
-        if self.inputs:
+        if self.inputs and not outcome.interrupted:     # a stopped run reads no more data
             trace(self.inputs)
         self.log.apply(report)
         if self.log.count and report.status == Status.CLEAN:
