@@ -82,6 +82,18 @@ def test_three_bad_steps_are_skipped_without_a_trace(tmp_path):
     assert marked == dict.fromkeys(case.BAD, BadStepAction.SKIPPED)
 
 
+def test_the_users_own_step_is_skipped_at_its_gate(tmp_path):
+    # `step:`: the gate before the user's optimizer.step() holds the call there.
+    config = _config(tmp_path).read_text().replace(
+        "loss: keep_going_scan_case:compute_loss", "step: keep_going_scan_case:train_step")
+    (tmp_path / "config.yaml").write_text(config)
+    report = audit(tmp_path / "config.yaml", keep_going=True)
+    _assert_equal(_reference(set(case.BAD)), _state(case.BUILT[-1]))
+    assert [(f.step, f.cause.value, f.action) for f in report.findings] == [
+        (2, "nonfinite-input", BadStepAction.SKIPPED), (4, "sqrt-domain", BadStepAction.SKIPPED),
+        (6, "log-domain", BadStepAction.SKIPPED)]
+
+
 def test_one_bad_micro_batch_skips_its_whole_window(tmp_path):
     # Data index 3 (log(0) in the loss) is micro-batch 1 of step 1; micro-batch 0 was fine.
     config = _config(tmp_path, '{bad: {3: loss}}', "accumulate: 2\n",
