@@ -36,6 +36,7 @@ from nanaudit.run.deepspeed_zero import (
 )
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
+from nanaudit.run.pipeline import refuse_pipeline_stage
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
 # A rank's row of flags. BUFFERS: its floating buffers as its forward left them (each rank
@@ -75,6 +76,7 @@ class RankChecks:
         if id(module) in self._seen:
             return
         self._seen.add(id(module))
+        refuse_pipeline_stage(module)
         self.mesh = MeshView.of(module) or self.mesh
         self.partials.install(module)
         if is_engine(module) and zero_optimizer(module) is not None:

@@ -194,6 +194,21 @@ def test_console_shows_the_typed_sections():
         assert needle in text
 
 
+def test_console_ranks_list_names_each_rank_mesh_coordinate():
+    # A 2-D mesh's user-named dimensions, as the JSON's distributed.ranks[].mesh has them
+    # (markup-looking names stay text); a rank off the mesh shows none.
+    report = canonical_report()
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0, ranks=[
+        RankStatus(0, "clean", 5, "cpu", "h", 0, mesh={"[b]dp": 0, "tp": 1}),
+        RankStatus(1, "clean", 5, "cpu", "h", 0)])
+    console = Console(record=True, width=120, color_system=None)
+    print_report(report, console)
+    lines = console.export_text().splitlines()
+    assert "  rank 0  clean       5 step(s)  cpu on h  [b]dp=0, tp=1" in lines
+    assert "  rank 1  clean       5 step(s)  cpu on h" in lines
+
+
 def _next_line(report: Report) -> str:
     console = Console(record=True, width=400, color_system=None)
     print_report(report, console)
