@@ -45,7 +45,7 @@ def test_a_module_a_pipeline_schedule_calls_is_refused_naming_the_stage(world_of
 
 
 def test_the_same_module_in_a_plain_loop_is_audited(world_of_one):
-    import torch.distributed.pipelining  # noqa: F401  (imported, but not what calls the model)
+    import torch.distributed.pipelining  # imported, but not what calls the model
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     handle = refusing(model)
     try:
