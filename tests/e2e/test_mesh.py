@@ -60,6 +60,9 @@ def test_hsdp_backward_only_value_names_the_rank_before_the_reduce_scatter(tmp_p
     assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["module"],
             f["cause"], f["samples"]) == (3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward",
                                           "aten.sqrt.default", "length", "sqrt-domain", [5])
+    # rank 3 (dp_shard=1) holds rows 8-15 of `up`'s weight: its first bad gradient element
+    assert f["element"] == {"tensor": "blocks.0.up.weight.grad", "local_index": [0, 0],
+                            "global_index": [8, 0]}
     assert all(entry["loss"] == entry["loss"] for entry in rank0["timeline"])   # no NaN loss
 
 
@@ -99,6 +102,11 @@ def test_fsdp_tp_backward_only_value_names_a_rank_of_the_dp_group_that_made_it(t
     assert f["rank"] in (2, 3) and f["mesh"]["dp"] == 1
     assert (f["step"], f["where"], f["forward_op"], f["module"], f["cause"], f["samples"]) == (
         2, "backward", "aten.sqrt.default", "length", "sqrt-domain", [5])
+    # `up`'s weight (16 rows): tp rank t holds rows 8t-8t+7, of which dp rank 1 rows 8t+4 on
+    element = f["element"]
+    assert element["tensor"] == "blocks.0.up.weight.grad"
+    local, glob = element["local_index"], element["global_index"]
+    assert glob == [8 * f["mesh"]["tp"] + 4 + local[0], local[1]]
 
 
 def test_tp_alone_names_the_rank_whose_column_slice_made_the_value(tmp_path):

@@ -33,6 +33,7 @@ from nanaudit.report.sections import (
     RankStatus,
     Rerun,
     ScriptRun,
+    ShardElement,
     SkipEntry,
     UserCodeFailure,
     UserFrame,
@@ -207,6 +208,19 @@ def test_console_ranks_list_names_each_rank_mesh_coordinate():
     lines = console.export_text().splitlines()
     assert "  rank 0  clean       5 step(s)  cpu on h  [b]dp=0, tp=1" in lines
     assert "  rank 1  clean       5 step(s)  cpu on h" in lines
+
+
+def test_every_format_names_a_sharded_tensor_bad_element_by_global_index():
+    report = canonical_report()
+    assert report.finding is not None
+    report.finding.rank = 3
+    report.finding.element = ShardElement("blocks.0.up.weight.grad", [0, 2], [8, 2])
+    console = Console(record=True, width=200, color_system=None)
+    print_report(report, console)
+    assert "blocks.0.up.weight.grad[8, 2] (rank 3's shard [0, 2])" in console.export_text()
+    body = json.loads(renderer_for("json").render(report))
+    assert body["finding"]["element"] == {"tensor": "blocks.0.up.weight.grad",
+                                          "local_index": [0, 2], "global_index": [8, 2]}
 
 
 def _next_line(report: Report) -> str:
