@@ -81,7 +81,7 @@ def _positions(t: Any, dim: int) -> list[int]:
     """The global positions along `dim` of this rank's shard of the DTensor `t`."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
-    along = []
+    along: list[Any] = []
     for placement in t.placements:
         if isinstance(placement, _StridedShard) and placement.dim == dim:
             along.append(_StridedShard(0, split_factor=placement.split_factor))
