@@ -94,6 +94,8 @@ def _ranks(section: DistributedRun) -> Text:
         mesh = f"  {describe_coordinate(r.mesh)}" if r.mesh else ""
         text.append(f"  rank {r.rank}  {r.status:<11} {r.steps_run} step(s)  "
                     f"{r.device} on {r.host}{mesh}\n")
+    if section.note:
+        text.append(f"  note: {section.note}\n")
     return text
 
 

@@ -29,6 +29,7 @@ import torch
 from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.verdict import Tripped, rank_verdict
 from nanaudit.run.deepspeed_zero import (
+    dropped_deepspeed,
     flag_own_gradients,
     is_engine,
     note_zero3,
@@ -55,6 +56,7 @@ class RankChecks:
         self._seen: set[int] = set()      # the outermost modules looked into
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
+        self.note: str | None = None      # why the run is not the one asked for (DeepSpeed)
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -77,6 +79,7 @@ class RankChecks:
             return
         self._seen.add(id(module))
         refuse_pipeline_stage(module)
+        self.note = self.note or dropped_deepspeed(module)
         self.mesh = MeshView.of(module) or self.mesh
         self.partials.install(module)
         if is_engine(module) and zero_optimizer(module) is not None:
