@@ -81,6 +81,8 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         else:
             report.run.rerun, report.finding = localize_by_rerun(
                 target, options, trip, auditor.timeline, report.finding, before)
+    if report.finding.element is None:      # a sharded tensor's bad element, by global index
+        report.finding.element = trip.element
     attach_timeline_warnings(report, trip, auditor)
     return script_error
 
