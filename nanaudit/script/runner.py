@@ -99,6 +99,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         report.run.rerun, report.finding = localize_by_rerun(
             target, options, trip, auditor.timeline, report.finding, before)
     assert report.finding is not None
+    if report.finding.element is None:      # a sharded tensor's bad element, by global index
+        report.finding.element = trip.element
     return report.finding
 
 
