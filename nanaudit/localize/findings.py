@@ -1,17 +1,20 @@
-"""Turn what tripped a sentinel into a Finding: direct for input, parameter and optimizer
-checks; through a traced replay (localize) and a sample search for the loss and gradients."""
+"""Turn what tripped a sentinel into a Finding: from what the check saw for input, parameter,
+optimizer and schedule checks (built by first_finding.py, the one builder of every front end);
+through a traced replay (localize) and a sample search for the loss and gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.errors import FindingInterrupted
-from nanaudit.localize.causes import fix_for
 from nanaudit.localize.compiled import step_phase
 from nanaudit.localize.compiled_finding import replayed_compiled
+from nanaudit.localize.events import OpEvent
+from nanaudit.localize.first_finding import Seen, first_finding, short
 from nanaudit.localize.ops import named_tensors
 from nanaudit.localize.replay import (
     localize,
@@ -19,13 +22,20 @@ from nanaudit.localize.replay import (
     replay_reproduces,
     rows_the_model_needs,
 )
-from nanaudit.localize.samples import SearchInterrupted, isolate_rows
+from nanaudit.localize.samples import IsolatedRows, SearchInterrupted, isolate_rows
 from nanaudit.localize.stats import forward_input_stats, input_stats, tensor_stats
+from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import ChainLink, Finding, SampleRow, SampleSearch
 from nanaudit.report.sections import CompiledReplay
 from nanaudit.report.vocabulary import Cause, Check, CompiledOutcome, Where
-from nanaudit.run.batch import float_leaves, infer_layout, nonfinite_rows, select_rows
+from nanaudit.run.batch import (
+    BatchLayout,
+    float_leaves,
+    infer_layout,
+    nonfinite_rows,
+    select_rows,
+)
 from nanaudit.run.checks import nonfinite_names, value_kind
 from nanaudit.run.compiled import find_compiled, replay_eagerly
 from nanaudit.run.names import user_named
@@ -82,12 +92,10 @@ def input_finding(session: Session, state: StepState) -> Finding:
     row_text = f" in row(s) {short(rows)}" if layout.size else ""
     explanation = (f"the batch of step {state.step} holds non-finite values before the model runs "
                    f"({counts}){row_text}")
-    return Finding(step=state.step, where=Where.INPUT, value=value_kind(first),
-                   cause=Cause.NONFINITE_INPUT, explanation=explanation,
-                   fix=fix_for(Cause.NONFINITE_INPUT),
-                   tensor=f"batch{path}", samples=rows if layout.size else None, inputs=stats,
-                   sample_rows=sample_rows(state.batch, layout, rows),
-                   tensors=[f"batch{p}" for p, _ in bad])
+    return first_finding(Seen(state.step, Check.INPUT, value_kind(first), explanation,
+                              tensors=[f"batch{p}" for p, _ in bad], tensor=f"batch{path}",
+                              samples=rows if layout.size else None, inputs=stats,
+                              sample_rows=sample_rows(state.batch, layout, rows)))
 
 
 def state_finding(session: Session, trip: Trip) -> Finding:
@@ -101,11 +109,9 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     value = value_kind(tensors[names[0]]) if names else "nan"
     stats = [tensor_stats(n, tensors[n]) for n in names[:8]]
     if trip.check == Check.OPTIMIZER and params:
-        finding = Finding(step=trip.step, where=Where.OPTIMIZER, value=value,
-                          cause=Cause.OPTIMIZER_UPDATE,
-                          explanation=_optimizer_text(session, trip.step, params),
-                          fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=params[0], inputs=stats,
-                          tensors=names)
+        finding = first_finding(Seen(trip.step, trip.check, value,
+                                     _optimizer_text(session, trip.step, params),
+                                     tensors=names, tensor=params[0], inputs=stats))
         explain_state(finding, session.optimizers.values(), [tensors[n] for n in params],
                       session.param_names, trip.rank)
         return finding
@@ -116,24 +122,21 @@ def state_finding(session: Session, trip: Trip) -> Finding:
     explanation = (f"{origin} holds non-finite values {when}: "
                    f"{short(names)}" + (" (buffers changed by forward, not by the optimizer)"
                                          if not params else ""))
-    return Finding(step=trip.step, where=Where.PARAMETER, value=value,
-                   cause=Cause.NONFINITE_PARAMETER, explanation=explanation,
-                   fix=fix_for(Cause.NONFINITE_PARAMETER),
-                   tensor=names[0] if names else None, inputs=stats, tensors=names)
+    # Only buffers bad after an update: the forward changed them, not the optimizer.
+    return first_finding(Seen(trip.step, trip.check, value, explanation, tensors=names,
+                              inputs=stats, parameters=bool(params)))
 
 
 def schedule_finding(session: Session, trip: Trip) -> Finding:
     """A learning rate no update may run with, caught before the update was applied."""
     names = [session.param_names.get(id(p), "?") for opt in session.optimizers.values()
              for g in opt.param_groups if not _lr_ok(g.get("lr")) for p in g["params"]]
-    return Finding(step=trip.step, where=Where.OPTIMIZER, value=_lr_kind(trip.note or ""),
-                   cause=Cause.OPTIMIZER_UPDATE,
-                   explanation=f"before the update of step {trip.step}: {trip.note}",
-                   fix=fix_for(Cause.OPTIMIZER_UPDATE), tensor=names[0] if names else None,
-                   tensors=names, optimizer=trip.optimizer)
+    return first_finding(Seen(trip.step, Check.SCHEDULE, _lr_kind(trip.note or ""),
+                              f"before the update of step {trip.step}: {trip.note}",
+                              tensors=names, optimizer=trip.optimizer))
 
 
-def _lr_ok(lr) -> bool:
+def _lr_ok(lr: Any) -> bool:
     try:
         value = float(lr)
     except (TypeError, ValueError):
@@ -164,8 +167,8 @@ def _optimizer_text(session: Session, step: int, names: list) -> str:
     return text
 
 
-def localized_finding(session, state, trip, timeline, isolate_samples,
-                      localizer: Callable = localize) -> Finding:
+def localized_finding(session: Session, state: StepState, trip: Trip, timeline: Any,
+                      isolate_samples: bool, localizer: Callable = localize) -> Finding:
     loc = localizer(session, state, trip, timeline)
     compiled = find_compiled(session.model)
     if not loc.reproduced:
@@ -209,7 +212,7 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
         chain=[_chain_link(e, loss_name) for e in loc.chain or []])
 
 
-def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
+def created_rows(tracer: OpTracer, event: OpEvent, batch_size: int | None) -> list[int] | None:
     """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
     backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
     per-row norm; one of a matmul with a weight sums over the rows)."""
@@ -223,7 +226,7 @@ def created_rows(tracer, event, batch_size: int | None) -> list[int] | None:
     return sorted(rows) or None
 
 
-def made_by(tracer, events: set) -> list[torch.Tensor]:
+def made_by(tracer: OpTracer, events: set[int]) -> list[torch.Tensor]:
     """The bad tensors these events (by index) made, oldest first (the tracer keeps them)."""
     producer = tracer.trace.producer
     return [t for t in tracer.kept_tensors() if producer.get(id(t)) in events]
@@ -242,7 +245,7 @@ def rows_search(op: str, rows: list[int] | None, batch_size: int | None) -> Samp
                         f"value, not particular samples")
 
 
-def event_precision(event) -> str:
+def event_precision(event: OpEvent) -> str:
     """fp16 or bf16 when the creating op (or, for a backward op, its forward op) read or wrote
     that dtype (autocast's casts carry it as `dtype=`), else fp32: an overflow in float16 is
     the dtype's range, one in float32 after the weights grew is divergence."""
@@ -257,7 +260,7 @@ def event_precision(event) -> str:
     return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
 
-def _loss_name(session) -> str:
+def _loss_name(session: Session) -> str:
     """The loss callable as the config names it; under `Sentinel`, the function's own name."""
     target = session.loss_label
     fn = session.loss_fn if session.loss_fn is not None else session.step_fn
@@ -265,12 +268,13 @@ def _loss_name(session) -> str:
     label = getattr(getattr(fn, "__self__", None), "loss_label", None)
     if label:
         return label
-    if target.startswith("<") and getattr(fn, "__qualname__", None):
-        return f"{getattr(fn, '__module__', None) or '?'}:{fn.__qualname__}"
+    qualname = getattr(fn, "__qualname__", None)
+    if target.startswith("<") and qualname:
+        return f"{getattr(fn, '__module__', None) or '?'}:{qualname}"
     return target
 
 
-def module_name(event, loss_name: str | None) -> str | None:
+def module_name(event: OpEvent, loss_name: str | None) -> str | None:
     """The module an op ran in; ops outside every module's forward ran in the loss callable,
     named as the config names it (`train:compute_loss`), not as the root module."""
     if event.module is not None:
@@ -280,14 +284,14 @@ def module_name(event, loss_name: str | None) -> str | None:
     return None
 
 
-def _chain_link(event, loss_name: str | None) -> ChainLink:
+def _chain_link(event: OpEvent, loss_name: str | None) -> ChainLink:
     return ChainLink(op=event.op, where=event.phase, module=module_name(event, loss_name),
                      value=sorted(event.out_kinds),
                      line=event.source.line if event.source else None,
                      received=received_kinds(event))
 
 
-def received_kinds(event) -> list[str]:
+def received_kinds(event: OpEvent) -> list[str]:
     """Each tensor input of a traced op with the non-finite kinds it carried in, in the order
     the tracer recorded them (the schema's, as `named_tensors` gives them)."""
     names = [name for name, _ in named_tensors(event.arg_names, event.args, event.kwargs)]
@@ -330,14 +334,13 @@ def _not_reproduced(trip: Trip, own_step: bool = False) -> Finding:
 
 def unreplayed_finding(trip: Trip, how_to_replay: str) -> Finding:
     """A loss or gradient trip reported without a replay (nothing to replay it with)."""
-    what, kind, where = _tripped(trip)
-    return Finding(step=trip.step, where=where, value=kind, cause=Cause.UNKNOWN,
-                   fix=fix_for(Cause.UNKNOWN),
-                   explanation=(f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
-                                f"to replay the step and name the op that created it"))
+    what, kind, _ = _tripped(trip)
+    return first_finding(Seen(trip.step, trip.check, kind,
+                              f"the {what} of step {trip.step} hold {kind}; {how_to_replay} "
+                              f"to replay the step and name the op that created it"))
 
 
-def _isolate(session, state, trip, finding: Finding) -> None:
+def _isolate(session: Session, state: StepState, trip: Trip, finding: Finding) -> None:
     layout = infer_layout(state.batch, session.options.batch_dim)
     if not layout.size or layout.size < 2:
         finding.sample_search = SampleSearch(layout.size, 0, False, "no batch dimension to search")
@@ -347,7 +350,7 @@ def _isolate(session, state, trip, finding: Finding) -> None:
 
     min_rows, why = rows_the_model_needs(session.model)
 
-    def reproduces(rows):
+    def reproduces(rows: list[int]) -> bool:
         sub = select_rows(state.batch, layout, rows)
         restore_buffers()      # each replay starts from the same buffers (running stats)
         return replay_reproduces(session, state, sub, trip.check)
@@ -362,14 +365,15 @@ def _isolate(session, state, trip, finding: Finding) -> None:
     _record_search(finding, state, layout, search)
 
 
-def _record_search(finding: Finding, state, layout, search) -> None:
+def _record_search(finding: Finding, state: StepState, layout: BatchLayout,
+                   search: IsolatedRows) -> None:
     finding.samples = search.samples
     finding.sample_search = SampleSearch(layout.size, search.replays, search.coupled,
                                          search.note)
     finding.sample_rows = sample_rows(state.batch, layout, search.samples or [])
 
 
-def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
+def sample_rows(batch: Any, layout: BatchLayout, rows: list[int], limit: int = 8) -> list:
     """Each offending row's leaves: values when small, statistics when large; and its entries
     of the per-sample non-tensor leaves (ids, file names)."""
     from nanaudit.run.batch import row_values
@@ -385,13 +389,7 @@ def sample_rows(batch, layout, rows: list[int], limit: int = 8) -> list:
     return shown
 
 
-def _int_leaves(batch):
+def _int_leaves(batch: Any) -> list[tuple[str, torch.Tensor]]:
     from nanaudit.run.batch import tensor_leaves
     return [(p, t) for p, t in tensor_leaves(batch)
             if not (t.is_floating_point() or t.is_complex())]
-
-
-def short(items: Iterable[object], limit: int = 10) -> str:
-    """`[a, b, ...]`: the first `limit` items of a list a finding names (every front end's)."""
-    shown = list(items)
-    return "[" + ", ".join(map(str, shown[:limit])) + (", ..." if len(shown) > limit else "") + "]"

@@ -1,13 +1,11 @@
 """Runs under torchrun: the process group, DDP, sharded data, and ranks that never hang.
 
 Under `torchrun` (WORLD_SIZE > 1 in the environment) each rank audits its own shard:
-  - Every step, each rank's row of flags [bad input, bad loss, bad local gradients, out of
-    data] goes into one small all-reduce (MAX) of a world x 4 table, read with the step's one
-    host sync. Every rank sees the same table, so every rank stops at the same step, and the
-    row says which rank's batch made the value.
-  - "Bad local gradients" is measured by a DDP communication hook on each bucket *before* the
-    all-reduce averages the ranks' gradients together; after it, every rank's gradients hold
-    the NaN and the rank that made it can no longer be told.
+  - Every step, each rank's row of flags (check/rank_row.py: its batch, weights, loss, own
+    gradients before averaging (parallelism.py), out of data...) goes into one small
+    all-reduce (MAX) of a world x row table, read with the step's one host sync. Every rank
+    sees the same table, so every rank stops at the same step, and the row says which rank's
+    batch made the value.
   - Each rank fetches its next batch before the flags go out, so a rank that runs out of data
     stops everyone at the same step instead of leaving them waiting in a collective.
   - The rank named by the flags replays the step on the local module (no DDP, no collectives);
@@ -22,7 +20,6 @@ Under `torchrun` (WORLD_SIZE > 1 in the environment) each rank audits its own sh
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 import pickle
 import socket
@@ -36,12 +33,9 @@ from nanaudit.config.schema import Config, DistributedOptions
 from nanaudit.errors import ConfigError, NanauditError, Problem
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import DistributedRun, ErrorInfo
-from nanaudit.report.vocabulary import Check
-from nanaudit.run.sharded import PreReduceFlags, fsdp_modules, shard_model
+from nanaudit.run.parallelism import Parallelism
+from nanaudit.run.sharded import PreReduceFlags
 
-EXHAUSTED = "exhausted"     # the flag of a rank whose data ran out
-WEIGHTS, REDUCED = "weights", "reduced"    # its own weights (FSDP2: its shards), its gradients
-FLAGS = (Check.INPUT, Check.LOSS, Check.GRADIENT, EXHAUSTED, WEIGHTS, REDUCED)  # a rank's row
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
 _CURRENT: Coordinator | None = None
@@ -128,8 +122,7 @@ class Coordinator:
         self.backend = ""
         self.placement: Placement | None = None
         self.store: Any = None           # the rendezvous store (torch.distributed.Store)
-        self.local_grad_bad: torch.Tensor | None = None
-        self.pre_reduce: PreReduceFlags | None = None     # FSDP2: the reduce-scatters' flags
+        self.parallel = Parallelism(options, rank, world_size)   # DDP or FSDP2, data shards
         self.failed = False
         self.terminated = False           # torchrun sent SIGTERM (it is stopping the group)
         self.gathers = 0                  # exchanges through the store so far (their keys)
@@ -193,7 +186,7 @@ class Coordinator:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def note(signum, frame):
+        def note(signum: int, frame: object) -> None:
             self.terminated = True
         signal.signal(signal.SIGTERM, note)
 
@@ -205,61 +198,19 @@ class Coordinator:
             return torch.device("cuda", self.local_rank)
         return resolved
 
-    # --- model and data -------------------------------------------------------------------
+    # --- model and data (parallelism.py) ---------------------------------------------------
 
     @property
     def sharded(self) -> bool:
         """FSDP2: each rank holds its own shard of the weights (sharded.py)."""
-        return self.pre_reduce is not None
+        return self.parallel.sharded
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
-        here (`distributed.fsdp`), its reduce-scatters flagged."""
-        if (self.options.fsdp or self.options.mesh) and not fsdp_modules(model):
-            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype,
-                        self.options.mesh)
-        modules = fsdp_modules(model)
-        if modules:
-            self.pre_reduce = PreReduceFlags()
-            self.pre_reduce.install(modules)
-            return model
-        if not self.options.ddp:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-        ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids,
-                                      find_unused_parameters=self.options.find_unused_parameters)
-        self.local_grad_bad = torch.zeros((), dtype=torch.float64, device=device)
-        ddp.register_comm_hook(self, _flag_then_allreduce)
-        return ddp
-
-    def shard(self, data: Any, sharded_by_user: bool) -> Any:
-        """This rank's part of the data: the user's own shard, a DistributedSampler for a
-        DataLoader, or every world_size-th batch of any other iterable."""
-        if sharded_by_user:
-            return data
-        from torch.utils.data import DataLoader
-        from torch.utils.data.distributed import DistributedSampler
-        if isinstance(data, DataLoader) and data.batch_size is not None:
-            sampler: DistributedSampler[Any] = DistributedSampler(
-                data.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False,
-                drop_last=data.drop_last)
-            return DataLoader(data.dataset, batch_size=data.batch_size, sampler=sampler,
-                              collate_fn=data.collate_fn, num_workers=data.num_workers,
-                              drop_last=data.drop_last, pin_memory=data.pin_memory)
-        return itertools.islice(data, self.rank, None, self.world_size)
+    @property
+    def pre_reduce(self) -> PreReduceFlags | None:
+        """FSDP2: the flags of this rank's reduce-scatter inputs (None: not sharded)."""
+        return self.parallel.pre_reduce
 
     # --- the per-step exchange -------------------------------------------------------------
-
-    def local_gradient_flag(self, grad_norm) -> torch.Tensor:
-        """1.0 when this rank's own gradients (before averaging) held a non-finite value;
-        `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
-        if self.pre_reduce is not None:      # FSDP2: before the reduce-scatter
-            return self.pre_reduce.take(grad_norm().device)
-        if self.local_grad_bad is None:      # no DDP: the gradients are the local ones
-            return (~torch.isfinite(grad_norm())).to(torch.float64)
-        flag, self.local_grad_bad = self.local_grad_bad, torch.zeros_like(self.local_grad_bad)
-        return flag
 
     def exchange(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's row of flags, by one all-reduce (MAX) of a world x len(row) table."""
@@ -338,15 +289,3 @@ class Coordinator:
         return DistributedRun(rank=self.rank, world_size=self.world_size, backend=self.backend,
                               host=socket.gethostname(), local_rank=self.local_rank,
                               note=note or None)
-
-
-def _flag_then_allreduce(coord: Coordinator, bucket):
-    """DDP comm hook: note whether this rank's bucket is finite, then average as usual."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    buffer = bucket.buffer()
-    bad = (~torch.isfinite(buffer)).any().to(torch.float64)
-    flag = coord.local_grad_bad
-    if flag is not None:                 # `wrap` sets it before registering this hook
-        coord.local_grad_bad = torch.maximum(flag, bad.to(flag.device))
-    # None is the default process group, as the hook's body handles; its stub says otherwise.
-    return allreduce_hook(None, bucket)  # type: ignore[arg-type]

@@ -2,16 +2,17 @@
 alike at the same step and the rank whose own value went bad is named: for a program that
 joined a process group itself (`nanaudit run`'s script, `Sentinel` in the user's FSDP2 loop).
 
-Each rank's row: its batch, its weights (its own shards under FSDP), its loss, its own
-gradients before the reduce-scatter mixed them (FSDP: sharded.PreReduceFlags), its
-gradients as reduced and its own partial sums before tensor parallel's all-reduce
-(mesh.PartialFlags: a rank whose bad partial came after a tp peer's received it from it),
-exchanged in one small all-reduce (distributed.py) and read with the
-step's values. Every rank gets the same table, so every rank stops at the same step before the
-update, and the verdict (verdict.py, the rule every checker uses) names the first rank whose own
-value went bad. The table names no rank for gradients that are only bad after the reduction
-(every rank's own were finite), nor, under DDP, for the weights and gradients every rank
-shares: a replay, where each rank's tracer sees only its own ops, tells those apart.
+Each rank's row (check/rank_row.py, the one layout of every front end): its batch, its
+weights (its own shards under FSDP), its loss, its own gradients before the reduce-scatter
+mixed them (FSDP: sharded.PreReduceFlags), its gradients as reduced, its own partial sums
+before tensor parallel's all-reduce (mesh.PartialFlags: a rank whose bad partial came after a
+tp peer's received it from it) and its buffers, exchanged in one small all-reduce
+(distributed.py) and read with the step's values. Every rank gets the same table, so every
+rank stops at the same step before the update, and the verdict (the rule every checker uses)
+names the first rank whose own value went bad. The table names no rank for gradients that are
+only bad after the reduction (every rank's own were finite), nor, under DDP, for the weights
+and gradients every rank shares: a replay, where each rank's tracer sees only its own ops,
+tells those apart.
 
 After a trip, each rank's finding is gathered through the rendezvous store (the program may
 have destroyed its process group) and the origin's chosen by one rule (`origin_entry`).
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
-from nanaudit.run.check.verdict import Tripped, rank_verdict
+from nanaudit.run.check.rank_row import RankTable, rank_row
+from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.deepspeed_zero import (
     flag_own_gradients,
     is_engine,
@@ -35,12 +37,8 @@ from nanaudit.run.deepspeed_zero import (
     zero_optimizer,
 )
 from nanaudit.run.distributed import Coordinator, DistributedError
-from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
+from nanaudit.run.mesh import MeshView, PartialFlags
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
-
-# A rank's row of flags. BUFFERS: its floating buffers as its forward left them (each rank
-# updates its own running statistics, so the rank whose forward made one bad is named).
-INPUT, WEIGHTS, LOSS, OWN_GRADIENTS, GRADIENTS, PARTIALS, BUFFERS = range(7)
 
 
 class RankChecks:
@@ -90,27 +88,17 @@ class RankChecks:
 
     def table(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's row of flags, exchanged, from this rank's step values [inputs finite,
-        weights' norm, loss, gradients' norm, buffers' peak] (no host read here)."""
-        # weights, loss, gradients, buffers
-        bad = (~torch.isfinite(values[1:5])).to(torch.float64)
-        row = torch.stack([1.0 - values[0], bad[0], bad[1], self.flags.take(values.device),
-                           bad[2], self.partials.take(values.device), bad[3]])
+        weights' norm, loss, gradients' norm, buffers' peak] (no host read here). Each rank
+        updates its own buffers' running statistics: the rank whose forward made one bad is
+        named."""
+        row = rank_row(values, self.flags.take(values.device), self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
 
     def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
         """The check that tripped, from every rank's flags (`table`: the read's tail), with
         the first rank whose own value went bad as its part (None: no one rank's)."""
-        width = len(table) // self.coord.world_size
-        rows = [table[r * width:(r + 1) * width] for r in range(self.coord.world_size)]
-
-        def ok(flag: int) -> list[bool]:
-            return [not row[flag] > 0 for row in rows]
-        return rank_verdict(step, inputs_ok=ok(INPUT),
-                            weights_finite=ok(WEIGHTS) if self.sharded else all(ok(WEIGHTS)),
-                            updated_at=updated_at,
-                            loss_finite=own_losses(ok(LOSS), [row[PARTIALS] for row in rows]),
-                            own_grads_ok=ok(OWN_GRADIENTS), reduced_ok=all(ok(GRADIENTS)),
-                            buffers_finite=ok(BUFFERS))
+        return RankTable.from_read(table, self.coord.world_size).verdict(
+            step, updated_at=updated_at, sharded=self.sharded)
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanaudit.config.schema import Config, RunOptions
 from nanaudit.config.validate import (
@@ -26,8 +26,13 @@ from nanaudit.run.checkpoint import apply_model_state, load_checkpoint
 from nanaudit.run.names import parameter_names, without_data_parallel
 from nanaudit.run.seeding import seed_everything
 
+if TYPE_CHECKING:
+    import torch
 
-def resolve_device(device: str):
+    from nanaudit.run.distributed import Coordinator
+
+
+def resolve_device(device: str) -> torch.device:
     import torch
     problem = device_problem(device)
     if problem:
@@ -59,7 +64,7 @@ class Session:
     unit: Any = None           # the step unit (nanaudit.run.units); built from the options if None
     config: Config | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.precision is None:
             from nanaudit.run.precision import Precision
             self.precision = Precision(self.options, self.device)
@@ -72,7 +77,7 @@ class Session:
             self.unit = unit_for(self)
 
     @property
-    def local_model(self):
+    def local_model(self) -> Any:
         """The user's module itself, without a DistributedDataParallel wrapper (names.py's
         rule: a user's own child called `module` is no wrapper)."""
         return without_data_parallel(self.model)
@@ -92,8 +97,9 @@ class Session:
         return self.options.loss_label
 
     @classmethod
-    def for_loop(cls, model, optimizer, loss_fn: Callable, device, batches: Iterable = (),
-                 label: str = "<your loop>", precision: Any = None, **options) -> Session:
+    def for_loop(cls, model: Any, optimizer: Any, loss_fn: Callable, device: Any,
+                 batches: Iterable = (), label: str = "<your loop>", precision: Any = None,
+                 **options: Any) -> Session:
         """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML, no
         entrypoints, no config. `label` names the loss and the data in messages; `options`
         are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...)."""
@@ -105,7 +111,7 @@ class Session:
                    lambda: batches, names, precision=precision)
 
 
-def build_session(config: Config, coordinator=None) -> Session:
+def build_session(config: Config, coordinator: Coordinator | None = None) -> Session:
     """Build model, optimizer, loss and data from the config; call within user_import_path.
     Every problem of the config is raised first (config.validate.check_config), before the
     model is built, a checkpoint loaded or DDP wraps it; what the check resolved is what is
@@ -131,7 +137,7 @@ def build_session(config: Config, coordinator=None) -> Session:
         from nanaudit.run.compiled import compile_model
         compile_model(model, config.compile.arguments())
     # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
-    wrapped = coordinator.wrap(model, device) if coordinator is not None else model
+    wrapped = coordinator.parallel.wrap(model, device) if coordinator is not None else model
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     if checkpoint is not None:
@@ -141,10 +147,10 @@ def build_session(config: Config, coordinator=None) -> Session:
     shards_itself = (coordinator is not None
                      and all(data_accepts(data_fn, name) for name in SHARD_KWARGS))
 
-    def make_data():
+    def make_data() -> Any:
         what = f"data factory `{config.data.target}`"
         kwargs = dict(config.data.args)
-        if shards_itself:
+        if shards_itself and coordinator is not None:
             kwargs.update(rank=coordinator.rank, world_size=coordinator.world_size)
         data = call_user(what, data_fn, **kwargs)
         if not _is_iterable(data):
@@ -152,7 +158,7 @@ def build_session(config: Config, coordinator=None) -> Session:
                                        f"{type(data).__name__}, which is not iterable; return a "
                                        f"list, generator or DataLoader of batches")])
         if coordinator is not None:
-            data = coordinator.shard(data, shards_itself)
+            data = coordinator.parallel.shard(data, shards_itself)
         return data
 
     first = next(iter(optimizers.values()), None)
@@ -183,7 +189,7 @@ def load_training_state(raw: dict, optimizers: dict, schedulers: dict) -> None:
                       schedulers[name].load_state_dict, value)
 
 
-def _is_iterable(obj) -> bool:
+def _is_iterable(obj: Any) -> bool:
     import torch
     if isinstance(obj, (str, bytes, torch.Tensor)):
         return False
@@ -194,7 +200,7 @@ def _is_iterable(obj) -> bool:
     return True
 
 
-def build_optimizers(config: Config, code: Callables, model) -> dict:
+def build_optimizers(config: Config, code: Callables, model: Any) -> dict:
     """name -> optimizer, made by the checked factory or class (`code.optimizer`); a factory
     may return one, a list or a dict of them."""
     import torch
@@ -219,7 +225,8 @@ def build_optimizers(config: Config, code: Callables, model) -> dict:
     return optimizers
 
 
-def _require(built: dict, kinds, made, where: str, target: str, expected: str) -> None:
+def _require(built: dict, kinds: type | tuple[type, ...], made: object, where: str, target: str,
+             expected: str) -> None:
     """Each object `target` returned (`made`, named in `built`) is one of `kinds`; otherwise a
     config problem at `where` that names the entry."""
     for name, obj in built.items():
@@ -228,7 +235,7 @@ def _require(built: dict, kinds, made, where: str, target: str, expected: str) -
                                        f"{type(obj).__name__}, not {expected}")])
 
 
-def _entry(made, name: str) -> str:
+def _entry(made: object, name: str) -> str:
     """How a message names one entry of what a factory returned."""
     if isinstance(made, dict):
         return f"returned a dict whose entry `{name}` is"
@@ -275,7 +282,8 @@ def build_schedulers(config: Config, code: Callables, optimizers: dict) -> dict:
     return schedulers
 
 
-def _scheduler(cls, spec, name: str, optimizer, config: Config):
+def _scheduler(cls: Callable[..., Any], spec: Any, name: str, optimizer: Any,
+               config: Config) -> Any:
     """The config's scheduler class on one optimizer. Arguments it refuses when built
     (OneCycleLR without `total_steps`, `cycle_momentum` on an optimizer without momentum)
     are the config's problem (exit 3), as the optimizer's are."""
@@ -295,7 +303,7 @@ def _named(optimizers: dict) -> bool:
     return not all(n == "optimizer" or n.startswith("optimizer[") for n in optimizers)
 
 
-def named_collection(made, default: str) -> dict:
+def named_collection(made: object, default: str) -> dict:
     """One object, a list/tuple, or a dict of them, as an ordered name -> object dict."""
     if isinstance(made, dict):
         return {str(k): v for k, v in made.items()}

@@ -5,7 +5,7 @@ The optimizer only runs after that read says all is finite, so a trip leaves the
 intact for the replay. The post-update weights are checked at the next step's read (or at the
 end), which attributes a bad update to the step that made it without a second sync. Under a
 GradScaler, non-finite gradients are a skipped step, not a trip (see precision.py); under
-torchrun the read carries every rank's flags (rank_table.py), so all ranks decide alike.
+torchrun the read carries every rank's flags (check/rank_row.py), so all ranks decide alike.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import float_leaves, move
-from nanaudit.run.check.verdict import rank_verdict, tripped_check
+from nanaudit.run.check.rank_row import RankTable, rank_row, readout_values
+from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
-from nanaudit.run.distributed import REDUCED, WEIGHTS
 from nanaudit.run.precision import ScaleStep
-from nanaudit.run.rank_table import RankTable, rank_row
 from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem
@@ -122,7 +121,9 @@ class SyncStep:
         parts = [readout.values]
         if ctx.coord is not None:
             exhausted = ctx.feed.fetch_ahead(last)
-            row = rank_row(ctx.coord, readout, loss, exhausted)
+            row = rank_row(readout_values(readout, loss),
+                           ctx.coord.parallel.own_gradient_flag(readout.grad_norm),
+                           exhausted=exhausted)
             parts.append(ctx.coord.exchange(row).reshape(-1))
         extra, extras = ctx.watches.extra_readout()
         values = torch.cat(parts + extra) if len(parts) + len(extra) > 1 else parts[0]
@@ -148,13 +149,9 @@ class SyncStep:
             self.ctx.feed.stop_after_this_step()
         # FSDP2: each rank reads its own shards, and every rank must decide alike.
         sharded = self.ctx.coord is not None and self.ctx.coord.sharded
-        verdict = rank_verdict(step, inputs_ok=table.ok(Check.INPUT),
-                               weights_finite=(table.ok(WEIGHTS) if sharded
-                                               else math.isfinite(norm)),
-                               updated_at=updated_at, loss_finite=table.ok(Check.LOSS),
-                               own_grads_ok=table.ok(Check.GRADIENT),
-                               reduced_ok=(all(table.ok(REDUCED)) if sharded
-                                           else math.isfinite(gnorm)))
+        verdict = table.verdict(step, updated_at=updated_at, sharded=sharded,
+                                weights_finite=math.isfinite(norm),
+                                reduced_finite=math.isfinite(gnorm))
         if verdict is None:
             return None
         return Trip.found(verdict, loss_value, gnorm, rank=verdict.part)

@@ -12,15 +12,35 @@ call), so a replay starts from the state before the call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from nanaudit.config.schema import RunOptions
 from nanaudit.errors import UserCodeError, call_user
 from nanaudit.run.intercept import LossTap, StepHalted, checked_closure_args
+from nanaudit.run.loss_names import LossNames
 from nanaudit.run.step import ReplayHooks, StepState
+
+
+class StepSession(Protocol):
+    """What the user's step reads of the run's session (session.Session, which builds its step
+    unit and so is not imported here)."""
+
+    @property
+    def model(self) -> Any: ...
+    @property
+    def optimizers(self) -> dict: ...
+    @property
+    def precision(self) -> Any: ...
+    @property
+    def step_fn(self) -> Callable | None: ...
+    @property
+    def loss_label(self) -> str: ...
+    @property
+    def options(self) -> RunOptions: ...
 
 
 @dataclass
@@ -59,7 +79,7 @@ class UserStep:
     window = 1
     name = "user step"
 
-    def __init__(self, session):
+    def __init__(self, session: StepSession):
         self.session = session
         self.hold_weights = False       # bisect over data: every update is put back after the call
         self._gate: Callable[[UpdatePoint], bool] | None = None
@@ -67,11 +87,8 @@ class UserStep:
         self._pending: list = []
         self._backwarded: list = []      # every loss this call differentiated, in order
         self._gated: list = []           # the UpdatePoints this call checked
-        self._returned: dict = {}        # the losses the last call returned, as returned
-        self._named: dict = {}           # id(checked loss) -> the name it was returned under
+        self._names = LossNames()        # the returned losses' names, learnt (loss_names.py)
         self._updates_per_call: int | None = None   # the most updates a complete call made
-        self._names_at: list = []        # loss names by differentiation order in a call (learnt)
-        self._loss_of: dict = {}         # optimizer name -> the returned loss it stepped on
         self._snapshot_all = False       # a replay: every update it makes is put back
         self._snapshotted: set = set()   # ids of the optimizers copied in this call
         self._scalers: list = []         # the GradScalers this call scaled a loss with
@@ -83,7 +100,7 @@ class UserStep:
                          for o in session.optimizers.values()]
 
     @property
-    def optimizer_argument(self):
+    def optimizer_argument(self) -> Any:
         """What the user's function gets: the optimizer, or all of them as the config gave."""
         optimizers = self.session.optimizers
         if len(optimizers) == 1:
@@ -97,18 +114,21 @@ class UserStep:
         """Call the user's step; `gate(point)` runs before each optimizer step and returns
         False to stop the call there (before that update)."""
         self._gate, self._run, self._pending, self._hooks = gate, UserRun(), [], hooks
-        self._backwarded, self._gated, self._returned = [], [], {}
+        self._backwarded, self._gated = [], []
+        self._names.begin()
         self._snapshotted, self._scalers = set(), []
         saved_scalers: list = []
+        step_fn = self.session.step_fn
+        assert step_fn is not None, "a UserStep is built for a config's `step:` only"
         tap = self._tap(saved_scalers).install()
         try:
             self.session.model.zero_grad(set_to_none=True)
             with self.session.precision.autocast():
-                returned = call_user(f"step `{self.session.loss_label}`", self.session.step_fn,
+                returned = call_user(f"step `{self.session.loss_label}`", step_fn,
                                      self.session.model, batch, self.optimizer_argument,
                                      **dict(self.session.options.loss_args))
-            self._run.losses = self._named_losses(returned)
-            self._learn_names()
+            self._run.losses = self._names.named_losses(returned, self._gated)
+            self._names.learn(self._backwarded, self._gated)
             self._updates_per_call = max(self._updates_per_call or 0, self._run.updates)
         except StepHalted:
             self._abandon_scalers()     # stopped inside `scaler.step`: no `update()` followed
@@ -142,7 +162,8 @@ class UserStep:
                        after=(lambda raised: after()) if after is not None else None,
                        on_scale=on_scale, trained=self._trained)
 
-    def _pre_step(self, optimizer, args, kwargs):
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._gate is None:
             return None                 # a step outside nanaudit's call: not ours to check
         evaluations = [0]
@@ -159,7 +180,7 @@ class UserStep:
         self._check(optimizer)
         return None
 
-    def _check(self, optimizer) -> None:
+    def _check(self, optimizer: torch.optim.Optimizer) -> None:
         """The gate before one update; raises StepHalted to stop the call there."""
         run, gate = self._run, self._gate
         assert run is not None and gate is not None, "checked only inside run()"
@@ -168,7 +189,7 @@ class UserStep:
         name = self._by_optimizer.get(id(optimizer), type(optimizer).__name__)
         count = len(self._pending)
         start = len(self._backwarded) - count
-        names = [self._loss_name(start + i, name) for i in range(count)]
+        names = [self._names.name(start + i, name) for i in range(count)]
         point = UpdatePoint(run.updates, name, optimizer, list(self._pending), names)
         self._pending = []
         self._gated.append(point)
@@ -183,51 +204,6 @@ class UserStep:
             self._snapshotted.add(id(optimizer))
             run.undo.append(_undo_for(optimizer))
         run.updates += 1
-
-    def _loss_name(self, position: int, optimizer_name: str) -> str | None:
-        """A differentiated loss's name, learnt from the dicts earlier calls returned: by its
-        place in the call, else the loss this optimizer stepped on."""
-        if position < len(self._names_at) and self._names_at[position]:
-            return self._names_at[position]
-        return self._loss_of.get(optimizer_name)
-
-    def _named_losses(self, returned) -> dict:
-        """The floating scalar tensors the call returned, by name (logits, counts and Python
-        floats beside them are not losses); a loss no check saw is detached for the loop."""
-        if isinstance(returned, Mapping):
-            items = [(str(k), v) for k, v in returned.items()]
-        elif isinstance(returned, (list, tuple)):
-            items = [(f"[{i}]", v) for i, v in enumerate(returned)]
-        else:
-            items = [("loss", returned)]
-        losses = {n: v for n, v in items if isinstance(v, torch.Tensor)
-                  and v.is_floating_point() and v.numel() == 1}
-        if len(losses) == 1 and not isinstance(returned, Mapping):
-            losses = {"loss": next(iter(losses.values()))}
-        self._returned = losses
-        checked = [t for point in self._gated for t in point.losses]
-        ids = {id(t) for t in checked}
-        out, self._named = {}, {}
-        for n, t in losses.items():
-            seen = t if id(t) in ids else _alias_of(t, checked)
-            if seen is not None:
-                self._named[id(seen)] = n
-            out[n] = seen if seen is not None else t.detach()
-        return out
-
-    def _learn_names(self) -> None:
-        ids = {**{id(t): n for n, t in self._returned.items()}, **self._named}
-        if not ids:
-            return
-        for i, t in enumerate(self._backwarded):
-            name = ids.get(id(t))
-            if name:
-                self._names_at += [None] * (i + 1 - len(self._names_at))
-                self._names_at[i] = name
-        for point in self._gated:
-            for t in point.losses:
-                if id(t) in ids:
-                    self._loss_of[point.name] = ids[id(t)]
 
     def _abandon_scalers(self) -> None:
         for scaler in self._scalers:
@@ -254,7 +230,7 @@ class UserStep:
             put_back()              # the replay's own updates: state as before
         seen.extend(self._pending)
         if run.halted is None:
-            seen.extend(self._returned.values())
+            seen.extend(self._names.returned.values())
         if not seen:
             raise UserCodeError(f"step `{self.session.loss_label}`",
                                 RuntimeError("the step backpropagated no loss"))
@@ -267,19 +243,7 @@ class UserStep:
         self._handles = []
 
 
-def _alias_of(tensor: torch.Tensor, checked: list):
-    """The checked loss a returned `loss.detach()` shares its storage with (no read needed)."""
-    try:
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        for t in checked:
-            if (t.untyped_storage().data_ptr(), t.storage_offset()) == where:
-                return t
-    except (RuntimeError, NotImplementedError):
-        return None
-    return None
-
-
-def _forget_optimizers(scaler, optimizers) -> None:
+def _forget_optimizers(scaler: Any, optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """A GradScaler whose step was stopped (or replayed) must not remember the optimizers as
     unscaled or stepped: its `update()` never ran, and the next call unscales again."""
     states = getattr(scaler, "_per_optimizer_states", None)
@@ -288,7 +252,7 @@ def _forget_optimizers(scaler, optimizers) -> None:
             states.pop(id(optimizer), None)
 
 
-def _undo_for(optimizer) -> Callable[[], None]:
+def _undo_for(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """A copy of what `optimizer.step()` is about to change (its parameters and state), and
     how to put it back: taken only when a later optimizer step in the same call could trip."""
     params = [p for group in optimizer.param_groups for p in group["params"]]

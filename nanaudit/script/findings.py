@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanaudit.localize.causes import fix_for
-from nanaudit.localize.findings import short as short_list
+from nanaudit.localize.first_finding import Seen, first_finding
+from nanaudit.localize.first_finding import short as short_list
 from nanaudit.report.model import Finding
-from nanaudit.report.vocabulary import Cause, Check, Where
+from nanaudit.report.vocabulary import Check
 from nanaudit.script.trip import ScriptTrip
 
 
@@ -23,58 +23,47 @@ def number(x: float | None) -> str:
 
 
 def first_run_finding(trip: ScriptTrip) -> Finding:
-    """The finding from the first run alone: the step, the check, the tensors, the rows."""
-    if trip.check == Check.INPUT:
-        return _input_finding(trip)
+    """The finding from the first run alone: the step, the check, the tensors, the rows, built
+    by localize's one builder from what the script's hooks saw, then the clauses that add."""
+    seen, clauses = _seen(trip)
+    finding = first_finding(seen)
+    for clause in clauses:
+        finding.explain(clause)
+    return finding
+
+
+def _seen(trip: ScriptTrip) -> tuple[Seen, list[str]]:
+    """What the first run saw of `trip`, in the script's terms, and the clauses that follow."""
+    step, check, value, tensors, rank = trip.step, trip.check, trip.value, trip.tensors, trip.rank
+    if check == Check.INPUT:
+        return Seen(step, check, value, _input_text(trip), tensors, samples=trip.rows or None,
+                    rank=rank), []
     if trip.in_buffers:
-        return _buffer_finding(trip)
-    if trip.check in (Check.OPTIMIZER, Check.PARAMETER):
-        return _state_finding(trip)
-    if trip.check == Check.ERROR:
-        return Finding(step=trip.step, where=trip.where or trip.phase, value=trip.value,
-                       cause=Cause.UNKNOWN, fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0],
-                       tensors=trip.tensors, rank=trip.rank,
-                       explanation=(f"the script raised {trip.error} during optimizer step "
-                                    f"{trip.step}, with non-finite values in its frames: "
-                                    f"{short(trip.tensors, 4)}"))
-    what = "loss" if trip.check == Check.LOSS else "gradients"
-    finding = Finding(step=trip.step, where=trip.phase, value=trip.value, cause=Cause.UNKNOWN,
-                      fix=fix_for(Cause.UNKNOWN),
-                      explanation=(f"the {what} of optimizer step {trip.step} hold {trip.value} "
-                                   f"(loss {number(trip.loss)}, gradient norm "
-                                   f"{number(trip.grad_norm)})"),
-                      tensor="loss" if trip.check == Check.LOSS else (trip.tensors or [None])[0],
-                      tensors=trip.tensors, rank=trip.rank)
-    if trip.tensors:
-        finding.explain(f"the gradients of {short(trip.tensors)} are non-finite")
-    for note in trip_notes(trip):
-        finding.explain(note)
-    return finding
+        first, *notes = trip_notes(trip)
+        return Seen(step, check, value, first, tensors, rank=rank, in_forward=True), notes
+    if check in (Check.OPTIMIZER, Check.PARAMETER):
+        return Seen(step, check, value, _state_text(trip), tensors, rank=rank), list(trip.state)
+    if check == Check.ERROR:
+        return Seen(step, check, value,
+                    f"the script raised {trip.error} during optimizer step {step}, with "
+                    f"non-finite values in its frames: {short(tensors, 4)}", tensors,
+                    tensor=tensors[0], rank=rank, where=trip.where), []
+    what = "loss" if check == Check.LOSS else "gradients"
+    grads = [f"the gradients of {short(tensors)} are non-finite"] if tensors else []
+    seen = Seen(step, check, value,
+                f"the {what} of optimizer step {step} hold {value} (loss "
+                f"{number(trip.loss)}, gradient norm {number(trip.grad_norm)})", tensors,
+                tensor="loss" if check == Check.LOSS else None, rank=rank)
+    return seen, grads + trip_notes(trip)
 
 
-def _input_finding(trip: ScriptTrip) -> Finding:
-    return Finding(step=trip.step, where=Where.INPUT, value=trip.value, cause=Cause.NONFINITE_INPUT,
-                   explanation=(f"the floating inputs of the first module call of step "
-                                f"{trip.step} hold non-finite values before the model runs: "
-                                f"{short(trip.tensors)} (shapes {trip.input_shapes})"
-                                + (f", row(s) {short(trip.rows)}" if trip.rows else "")),
-                   fix=fix_for(Cause.NONFINITE_INPUT), tensor=trip.tensors[0] if trip.tensors
-                   else None, samples=trip.rows or None, tensors=trip.tensors, rank=trip.rank)
+def _input_text(trip: ScriptTrip) -> str:
+    return (f"the floating inputs of the first module call of step {trip.step} hold non-finite "
+            f"values before the model runs: {short(trip.tensors)} (shapes {trip.input_shapes})"
+            + (f", row(s) {short(trip.rows)}" if trip.rows else ""))
 
 
-def _buffer_finding(trip: ScriptTrip) -> Finding:
-    """Floating buffers the step's forward made non-finite, the loss still finite (a running
-    statistic the loss does not read): the next steps' forwards would use them."""
-    explanation, *notes = trip_notes(trip)
-    finding = Finding(step=trip.step, where=Where.FORWARD, value=trip.value, cause=Cause.UNKNOWN,
-                      fix=fix_for(Cause.UNKNOWN), tensor=trip.tensors[0] if trip.tensors
-                      else None, tensors=trip.tensors, rank=trip.rank, explanation=explanation)
-    for note in notes:
-        finding.explain(note)
-    return finding
-
-
-def _state_finding(trip: ScriptTrip) -> Finding:
+def _state_text(trip: ScriptTrip) -> str:
     if trip.check == Check.OPTIMIZER and trip.manual:
         when = (f"after the script's own update of step {trip.step} (it builds no "
                 f"torch.optim optimizer; the gradients were finite)")
@@ -82,17 +71,8 @@ def _state_finding(trip: ScriptTrip) -> Finding:
         when = f"after {trip.optimizer}.step() of step {trip.step} (its gradients were finite)"
     else:
         when = f"before step {trip.step}'s update"
-    cause = Cause.OPTIMIZER_UPDATE if trip.check == Check.OPTIMIZER else Cause.NONFINITE_PARAMETER
     error = f"; the script then raised {trip.error}" if trip.error else ""
-    where = Where.OPTIMIZER if trip.check == Check.OPTIMIZER else Where.PARAMETER
-    finding = Finding(step=trip.step, where=where, value=trip.value, cause=cause,
-                      explanation=f"the parameters {short(trip.tensors)} hold non-finite values "
-                                  f"{when}{error}", fix=fix_for(cause),
-                      tensor=trip.tensors[0] if trip.tensors else None, tensors=trip.tensors,
-                      rank=trip.rank)
-    for note in trip.state:
-        finding.explain(note)
-    return finding
+    return f"the parameters {short(trip.tensors)} hold non-finite values {when}{error}"
 
 
 def trip_notes(trip: ScriptTrip) -> list[str]:
