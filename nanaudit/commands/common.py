@@ -139,6 +139,9 @@ def rank_failed(coordinator: Any, exc: BaseException, report: Report, patience: 
     peer = coordinator.peer_error(wait_s=0.5)
     if peer is not None and peer.rank != coordinator.rank:
         report.error = peer
+        # The group failed: this rank leaves as the failed one did, never waiting at the
+        # exit barrier for a peer that died (it would wait the barrier's whole bound).
+        coordinator.failed = True
         return
     if is_collective_failure(exc):
         report.error = error_info(DistributedError(

@@ -7,6 +7,7 @@ from nanaudit.commands.common import base_report, guarded, rank_failed
 from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
+from nanaudit.run.distributed import Coordinator
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.inprocess import bad_step_finding
 from nanaudit.script.keep_going import KeepGoing
@@ -49,9 +50,11 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
     def on_error(exc: BaseException) -> None:
         if isinstance(exc, UserCodeError):
             report.error = with_traceback(exc)
-        if auditor.ranks is not None:
-            rank_failed(auditor.ranks.coord, exc, report, "in time")
-            report.distributed = auditor.ranks.coord.describe()
+        # torchrun: the ranks' group, also when it failed before the checks held it
+        coord = auditor.ranks.coord if auditor.ranks is not None else Coordinator.adopt()
+        if coord is not None:
+            rank_failed(coord, exc, report, "in time")
+            report.distributed = coord.describe()
     return guarded(report, body, on_error=on_error)
 
 

@@ -107,7 +107,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any 
                 attach_warnings(report.finding, outcome.warnings, session.precision.name)
                 _write_repro(session, outcome, report, options)
         if coordinator is not None:
-            _merge_ranks(coordinator, report)
+            _merge_ranks(coordinator, report, session.model)
 
 
 def _write_repro(session: Any, outcome: Any, report: Report, options: ScanOptions) -> None:
@@ -138,12 +138,15 @@ def _localizes_here(coordinator: Any, trip: Any) -> bool:
     return coordinator.rank == (trip.rank if trip.rank is not None else 0)
 
 
-def _merge_ranks(coordinator: Any, report: Report) -> None:
-    """Every rank learns every rank's status and the one finding (the others wait here while
-    the finding's rank localizes, bounded by distributed.timeout_s)."""
-    section = coordinator.describe()
+def _merge_ranks(coordinator: Any, report: Report, model: Any) -> None:
+    """Every rank learns every rank's status (with its mesh coordinate) and the one finding
+    (the others wait here while the finding's rank localizes, bounded by
+    distributed.timeout_s)."""
+    from nanaudit.run.mesh import MeshView
+    section, view = coordinator.describe(), MeshView.of(model)
     mine = RankStatus(rank=coordinator.rank, status=report.status, steps_run=report.steps_run,
-                      device=report.device, host=section.host, warnings=len(report.warnings))
+                      device=report.device, host=section.host, warnings=len(report.warnings),
+                      mesh=view.coordinate(coordinator.rank) if view else None)
     ranks = coordinator.gather((mine, report.finding, report.repro))
     report.finding = next((finding for _, finding, _ in ranks if finding is not None), None)
     repro = next((repro for _, _, repro in ranks if repro), None)

@@ -22,6 +22,7 @@ from nanaudit.report.sections import (
 )
 from nanaudit.report.text import (
     describe,
+    describe_coordinate,
     finding_facts,
     headline,
     sample_value,
@@ -90,8 +91,11 @@ def _checkpoint_summary(section: CheckpointBisect) -> Text:
 def _ranks(section: DistributedRun) -> Text:
     text = Text(f"ranks ({section.world_size}, {section.backend})\n", style="bold")
     for r in section.ranks or ():
+        mesh = f"  {describe_coordinate(r.mesh)}" if r.mesh else ""
         text.append(f"  rank {r.rank}  {r.status:<11} {r.steps_run} step(s)  "
-                    f"{r.device} on {r.host}\n")
+                    f"{r.device} on {r.host}{mesh}\n")
+    if section.note:
+        text.append(f"  note: {section.note}\n")
     return text
 
 

@@ -41,6 +41,7 @@ from nanaudit.report.sections import (
     ErrorInfo,
     ScriptRun,
     SentinelRead,
+    ShardElement,
 )
 from nanaudit.report.vocabulary import BadStepAction, Cause, Status, StopReason, Where
 
@@ -177,13 +178,14 @@ class Finding:
     compiled: CompiledReplay | None = None   # a torch.compile'd model: what its replays came to
     mesh: dict | None = None          # a device mesh: the origin rank's coordinate {"dp": 1, ...}
     placements: dict | None = None    # ... and the DTensor placement of each sharded `tensors`
+    element: ShardElement | None = None   # ... a bad element of one, by local and global index
     localized_by: str | None = None   # `nanaudit run`: "in-process" | "re-run", which named the op
     action: BadStepAction | None = None      # --keep-going: the step's update skipped or not
     stop_reason: StopReason | None = None    # ... and why the run stopped at it
 
     # Added within schema version 1: absent wherever a finding is, while unset.
-    OMIT_WHEN_NONE = ("producer", "compiled", "mesh", "placements", "localized_by", "action",
-                      "stop_reason")
+    OMIT_WHEN_NONE = ("producer", "compiled", "mesh", "placements", "element", "localized_by",
+                      "action", "stop_reason")
     # Added within schema version 1: left out of the report's own `finding` while unset, so
     # reports of runs that do not use them keep their exact shape. bisect's `bad_batches`
     # shipped with them as null and keeps them (report_to_dict applies this to `finding` only).

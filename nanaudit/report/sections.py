@@ -183,6 +183,16 @@ class CheckpointBisect:
 
 
 @dataclass(frozen=True)
+class ShardElement:
+    """A non-finite element of a sharded (DTensor) parameter or gradient: its index in the
+    origin rank's own shard and in the whole tensor, from the DTensor's placements."""
+
+    tensor: str                     # the parameter's name; `NAME.grad` for its gradient
+    local_index: list               # in the origin rank's local shard
+    global_index: list              # in the whole (unsharded) tensor
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """How one torchrun rank ended."""
 

@@ -68,10 +68,22 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("where", f.where),
              ("value", f.value),
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
-             ("tensor", f.tensor), ("optimizer", f.optimizer), ("loss", f.loss_name),
+             ("tensor", f.tensor), ("element", element_label(f)),
+             ("optimizer", f.optimizer), ("loss", f.loss_name),
              ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
              ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+def element_label(f: Finding) -> str | None:
+    """`blocks.0.up.weight.grad[9, 0] (rank 3's shard [1, 0])`: a sharded tensor's bad element,
+    by its global index, then its index in the origin rank's own shard."""
+    e = f.element
+    if e is None:
+        return None
+    who = f"rank {f.rank}'s shard" if f.rank is not None else "the shard"
+    return (f"{e.tensor}[{', '.join(map(str, e.global_index))}] "
+            f"({who} [{', '.join(map(str, e.local_index))}])")
 
 
 def describe_coordinate(coordinate: dict) -> str:

@@ -26,6 +26,7 @@ checks hook. Two things follow, and both are here:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,20 @@ from typing import Any
 import torch
 
 from nanaudit.run.sharded import PreReduceFlags
+
+
+def dropped_deepspeed(model: Any) -> str | None:
+    """Why the run is not the DeepSpeed run its user asked for, or None: Accelerate was told to
+    use DeepSpeed (`ACCELERATE_USE_DEEPSPEED=true`, which a Trainer's `deepspeed=` config and
+    `accelerate launch --use_deepspeed` set) but the model trains without a DeepSpeed engine.
+    Accelerate on CPU (`--cpu`, `use_cpu=True`) drops DeepSpeed without a word and trains with
+    DDP: the report says so rather than pretend it audited ZeRO."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or is_engine(model):
+        return None
+    return (f"DeepSpeed was asked for (ACCELERATE_USE_DEEPSPEED=true: a Trainer's `deepspeed=` "
+            f"or `accelerate launch --use_deepspeed`) but the model trains as "
+            f"`{type(model).__name__}`, not a DeepSpeed engine: Accelerate dropped DeepSpeed "
+            f"(as it does on CPU), so this run was audited as it trained, without ZeRO")
 
 
 def is_engine(module: Any) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from nanaudit.report.model import Finding
+from nanaudit.report.sections import ShardElement
 from nanaudit.run.sharded import is_sharded
 
 
@@ -67,13 +68,43 @@ def placement_of(t: torch.Tensor) -> str:
 
 def global_index(t: torch.Tensor, local: Sequence[int]) -> tuple[int, ...]:
     """The index in the whole tensor of the element at `local` in this rank's shard of `t`
-    (`local` itself for a tensor that is not sharded)."""
+    (`local` itself for a tensor that is not sharded). Exact for every placement, FSDP2's
+    `_StridedShard` over tensor parallel included (its rows are not one block): each dimension's
+    positions are laid out by DTensor itself, on a range as long as the dimension, with no
+    communication (`src_data_rank=None`: each rank keeps its own part)."""
     if not is_sharded(t):
-        return tuple(local)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _, offset = compute_local_shape_and_global_offset(
-        t.shape, t.device_mesh, t.placements)                   # type: ignore[attr-defined]
-    return tuple(int(i) + int(o) for i, o in zip(local, offset))
+        return tuple(int(i) for i in local)
+    return tuple(_positions(t, dim)[int(i)] for dim, i in enumerate(local))
+
+
+def _positions(t: Any, dim: int) -> list[int]:
+    """The global positions along `dim` of this rank's shard of the DTensor `t`."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    along: list[Any] = []
+    for placement in t.placements:
+        if isinstance(placement, _StridedShard) and placement.dim == dim:
+            along.append(_StridedShard(0, split_factor=placement.split_factor))
+        elif isinstance(placement, Shard) and placement.dim == dim:
+            along.append(Shard(0))
+        else:
+            along.append(Replicate())
+    positions = torch.arange(t.shape[dim])
+    spread = distribute_tensor(positions, t.device_mesh, along, src_data_rank=None)
+    return [int(i) for i in spread._local_tensor.tolist()]
+
+
+def first_bad_element(name: str, t: torch.Tensor) -> ShardElement | None:
+    """The first non-finite element of this rank's shard of the sharded `t`, by its index in
+    the shard and in the whole tensor (None: `t` is not sharded, or its shard is finite). A
+    host read: after a trip only."""
+    if not is_sharded(t):
+        return None
+    bad = (~torch.isfinite(t._local_tensor.detach())).nonzero()   # type: ignore[attr-defined]
+    if not bad.numel():
+        return None
+    local = [int(i) for i in bad[0].tolist()]
+    return ShardElement(tensor=name, local_index=local, global_index=list(global_index(t, local)))
 
 
 def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:

@@ -31,6 +31,7 @@ from nanaudit.config.schema import DistributedOptions
 from nanaudit.run.check.rank_row import RankTable, rank_row
 from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.deepspeed_zero import (
+    dropped_deepspeed,
     flag_own_gradients,
     is_engine,
     note_zero3,
@@ -38,6 +39,7 @@ from nanaudit.run.deepspeed_zero import (
 )
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags
+from nanaudit.run.pipeline import refuse_pipeline_stage
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules
 
 
@@ -52,6 +54,7 @@ class RankChecks:
         self._seen: set[int] = set()      # the outermost modules looked into
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
+        self.note: str | None = None      # why the run is not the one asked for (DeepSpeed)
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -73,6 +76,8 @@ class RankChecks:
         if id(module) in self._seen:
             return
         self._seen.add(id(module))
+        refuse_pipeline_stage(module)
+        self.note = self.note or dropped_deepspeed(module)
         self.mesh = MeshView.of(module) or self.mesh
         self.partials.install(module)
         if is_engine(module) and zero_optimizer(module) is not None:

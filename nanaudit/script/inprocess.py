@@ -68,6 +68,7 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
     first run's finding, saying why: a skipped step is never re-run."""
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     finding = first_run_finding(trip)
+    finding.element = finding.element or trip.element   # a sharded tensor's bad element
     if not trip.needs_rerun:
         return finding
     if script_rank() is not None:
@@ -77,7 +78,9 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
         return finding
     replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
     if localized is not None:
-        return adopt(localized, trip)
+        localized = adopt(localized, trip)
+        localized.element = localized.element or trip.element
+        return localized
     why = (replay.note if replay is not None and replay.note else
            "the batch was non-finite before the model got it: only a re-run traces the data "
            "code that made it" if trip.check == Check.INPUT else "the step was not replayed")

@@ -38,6 +38,7 @@ def merge_ranks(checks: RankChecks, report: Report, origin: int | None) -> None:
             report.run.rerun = chosen[2]
     section = checks.coord.describe()
     section.ranks = [status for status, _, _ in gathered]
+    section.note = checks.note or section.note      # DeepSpeed asked for, dropped
     report.distributed = section
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanaudit.report.sections import ShardElement
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import value_kind
 
@@ -38,6 +39,7 @@ class ScriptTrip:
     skips: int = 0                      # collapse trips: the skipped tries of the step, in all
     state: list = field(default_factory=list)      # optimizer-state entries holding the value
     unreached: bool = False             # a loss the script computed and skipped before backward
+    element: ShardElement | None = None  # a sharded tensor's first bad element (run/mesh.py)
 
     @property
     def in_buffers(self) -> bool:

@@ -78,3 +78,22 @@ def test_trainer_with_a_deepspeed_config_names_the_rank(tmp_path):
     assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
         1, 0, "backward", "aten.sqrt.default", "sqrt-domain", [1])
     assert lines[f["source"]["line"] - 1].strip().startswith("length = torch.sqrt(")
+
+
+ACCELERATE = SCRIPTS / "accelerate_cpu_deepspeed.py"
+
+
+def test_accelerate_on_cpu_dropping_deepspeed_is_said_not_pretended(tmp_path):
+    # Accelerator(cpu=True, deepspeed_plugin=...) trains with DDP: the run is clean, and the
+    # ranks' section says DeepSpeed was asked for and dropped (console and JSON).
+    pytest.importorskip("accelerate")
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "--json", out, ACCELERATE],
+                                  timeout_s=240)
+    assert codes == [0, 0], outputs
+    report = json.loads(out.read_text())
+    assert report["status"] == "clean"
+    note = report["distributed"]["note"]
+    assert "DeepSpeed was asked for" in note and "Accelerate dropped DeepSpeed" in note
+    assert "not a DeepSpeed engine" in note
+    assert "note: DeepSpeed was asked for" in "".join(outputs[0])      # rank 0's console

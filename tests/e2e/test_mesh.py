@@ -60,6 +60,9 @@ def test_hsdp_backward_only_value_names_the_rank_before_the_reduce_scatter(tmp_p
     assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["module"],
             f["cause"], f["samples"]) == (3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward",
                                           "aten.sqrt.default", "length", "sqrt-domain", [5])
+    # rank 3 (dp_shard=1) holds rows 8-15 of `up`'s weight: its first bad gradient element
+    assert f["element"] == {"tensor": "blocks.0.up.weight.grad", "local_index": [0, 0],
+                            "global_index": [8, 0]}
     assert all(entry["loss"] == entry["loss"] for entry in rank0["timeline"])   # no NaN loss
 
 
@@ -99,6 +102,48 @@ def test_fsdp_tp_backward_only_value_names_a_rank_of_the_dp_group_that_made_it(t
     assert f["rank"] in (2, 3) and f["mesh"]["dp"] == 1
     assert (f["step"], f["where"], f["forward_op"], f["module"], f["cause"], f["samples"]) == (
         2, "backward", "aten.sqrt.default", "length", "sqrt-domain", [5])
+    # `up`'s weight (16 rows): tp rank t holds rows 8t-8t+7, of which dp rank 1 rows 8t+4 on
+    element = f["element"]
+    assert element["tensor"] == "blocks.0.up.weight.grad"
+    local, glob = element["local_index"], element["global_index"]
+    assert glob == [8 * f["mesh"]["tp"] + 4 + local[0], local[1]]
+
+
+def test_tp_alone_names_the_rank_whose_column_slice_made_the_value(tmp_path):
+    # Tensor parallel alone on a 1-D ("tp",) mesh of 2 ranks, no FSDP: tp rank 1 alone holds
+    # `up`'s output columns 8-15, where the squared ReLU overflows; `down`'s row-wise
+    # all-reduce hands the value to rank 0, which made none of it.
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+                                   "--layout", "tp", "--fault", "forward"], nproc=2,
+                                  timeout_s=240)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
+            f["samples"]) == (1, {"tp": 1}, 3, "forward", "aten.pow.Tensor_Scalar", "blocks.0",
+                              "dtype-overflow", [2])
+    assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+    assert f["placements"]["blocks.0.up.weight"] == "tp=Shard(dim=0)"
+    assert [(r["rank"], r["status"], r["mesh"]) for r in report["distributed"]["ranks"]] == [
+        (0, "nonfinite", {"tp": 0}), (1, "nonfinite", {"tp": 1})]
+
+
+def test_pipeline_parallelism_is_refused_with_exit_2_naming_the_stage(tmp_path):
+    # torch.distributed.pipelining (2 stages, GPipe): no rank's step shows another stage's
+    # values, so a clean report would be a false one. Rank 0 refuses at its stage's first
+    # forward; rank 1, blocked receiving from it, reads the refusal (2) or sees it leave (8).
+    out = tmp_path / "report.json"
+    script = ROOT / "configs" / "examples" / "scripts" / "pipeline_stages.py"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "--json", out, script], nproc=2,
+                                  timeout_s=240)
+    assert codes[0] == 2 and codes[1] in (2, 8), outputs
+    error = json.loads(out.read_text())["error"]
+    assert (error["type"], error["exit_code"], error["rank"]) == ("UsageError", 2, 0)
+    assert "runs as a stage of a pipeline (`PipelineStage` from torch.distributed." \
+           "pipelining): nanaudit does not audit pipeline parallelism" in error["message"]
+    assert "nanaudit does not audit pipeline parallelism" in outputs[0][1]
+    assert "Traceback" not in outputs[0][1]
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp-tp"])
@@ -153,3 +198,5 @@ def test_scan_with_an_hsdp_mesh_names_the_rank_of_a_backward_value(tmp_path):
             f["samples"], f["placements"]) == (
         3, {"dp_replicate": 1, "dp_shard": 1}, 2, "backward", "aten.sqrt.default",
         "sqrt-domain", [6], {"gain": "dp_replicate=Replicate(), dp_shard=Shard(dim=0)"})
+    assert [r["mesh"] for r in json.loads(out.read_text())["distributed"]["ranks"]] == [
+        {"dp_replicate": i, "dp_shard": j} for i in range(2) for j in range(2)]

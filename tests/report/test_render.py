@@ -33,6 +33,7 @@ from nanaudit.report.sections import (
     RankStatus,
     Rerun,
     ScriptRun,
+    ShardElement,
     SkipEntry,
     UserCodeFailure,
     UserFrame,
@@ -192,6 +193,34 @@ def test_console_shows_the_typed_sections():
                    "rank 1  nonfinite   4 step(s)  cpu on h",
                    'File "train.py", line 3, in load', "open(path)", "OSError: no data: x"):
         assert needle in text
+
+
+def test_console_ranks_list_names_each_rank_mesh_coordinate():
+    # A 2-D mesh's user-named dimensions, as the JSON's distributed.ranks[].mesh has them
+    # (markup-looking names stay text); a rank off the mesh shows none.
+    report = canonical_report()
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0, ranks=[
+        RankStatus(0, "clean", 5, "cpu", "h", 0, mesh={"[b]dp": 0, "tp": 1}),
+        RankStatus(1, "clean", 5, "cpu", "h", 0)])
+    console = Console(record=True, width=120, color_system=None)
+    print_report(report, console)
+    lines = console.export_text().splitlines()
+    assert "  rank 0  clean       5 step(s)  cpu on h  [b]dp=0, tp=1" in lines
+    assert "  rank 1  clean       5 step(s)  cpu on h" in lines
+
+
+def test_every_format_names_a_sharded_tensor_bad_element_by_global_index():
+    report = canonical_report()
+    assert report.finding is not None
+    report.finding.rank = 3
+    report.finding.element = ShardElement("blocks.0.up.weight.grad", [0, 2], [8, 2])
+    console = Console(record=True, width=200, color_system=None)
+    print_report(report, console)
+    assert "blocks.0.up.weight.grad[8, 2] (rank 3's shard [0, 2])" in console.export_text()
+    body = json.loads(renderer_for("json").render(report))
+    assert body["finding"]["element"] == {"tensor": "blocks.0.up.weight.grad",
+                                          "local_index": [0, 2], "global_index": [8, 2]}
 
 
 def _next_line(report: Report) -> str:

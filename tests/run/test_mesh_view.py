@@ -32,3 +32,56 @@ def test_partial_flags_say_how_early_the_first_bad_partial_came():
                        torch.tensor([0.0, float("inf")])]
     assert float(flags.take(cpu)) == 2.0          # the 2nd of 3: 3 - 1
     assert float(flags.take(cpu)) == 0.0          # taken: reset
+
+
+def on_fake_mesh(rank: int, test) -> None:
+    """Run `test(mesh)` as `rank` of 4 on a ("dp", "tp") mesh of (2, 2), in this process: a
+    fake process group, whose collectives do nothing (the global index needs none)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        test(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_index_of_fsdp_over_tp_follows_the_strided_rows():
+    # FSDP2 over TP (torchtitan): a column-wise weight (16, 8) is Shard(0) on tp, then
+    # _StridedShard(0) on dp; rank (dp=d, tp=t) holds rows 8t + 4d .. 8t + 4d + 3, not a
+    # block starting where the shard's first row is (the DTensor's whole-tensor values say
+    # which element each local one is).
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from nanaudit.run.mesh import global_index
+
+    def check(mesh):
+        full = torch.arange(16 * 8).reshape(16, 8)
+        t = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2), Shard(0)],
+                              src_data_rank=None)
+        local = t._local_tensor
+        for index in [(0, 0), (3, 7), (1, 2)]:
+            row, col = global_index(t, index)
+            assert full[row, col] == local[index]
+    for rank in range(4):
+        on_fake_mesh(rank, check)
+
+
+def test_first_bad_element_names_the_local_and_global_index():
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from nanaudit.report.sections import ShardElement
+    from nanaudit.run.mesh import first_bad_element
+
+    def check(mesh):
+        # a row-wise weight (8, 16): Shard(1) on tp; rank 3 (tp=1) holds columns 8-15
+        t = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate(), Shard(1)],
+                              src_data_rank=None)
+        assert first_bad_element("down.weight", t) is None
+        t._local_tensor[2, 5] = float("nan")
+        assert first_bad_element("down.weight.grad", t) == ShardElement(
+            "down.weight.grad", [2, 5], [2, 13])
+        assert first_bad_element("plain", torch.full((2,), float("nan"))) is None
+    on_fake_mesh(3, check)
