@@ -102,19 +102,21 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
     if not path:
         return []
     from nanaudit.report.skip_list import skip_entries
+    if report.skip_list:            # kept going: every bad step's, past the findings kept whole
+        return _write_skip_list(path, report.skip_list)
     findings = report.findings or ([report.finding] if report.finding is not None else [])
     # A run that kept going has every bad step's entry, also past the findings kept whole.
     return _write_skip_list(path, report.skip_list or skip_entries(findings))
 
 
 def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal,
-                     built: bool = False) -> int:
+                     skips: bool = False) -> int:
     """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2).
-    `built`: the command skips bad steps (run does; scan says it does not yet)."""
+    `skips`: the command skips bad steps under --keep-going (else it says it does not)."""
     if max_bad_steps is not None and not keep_going:
         raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
                                "step stops the run)")
-    if keep_going and not built:
+    if keep_going and not skips:
         # Said, not hidden: the options are recorded, the skipping is not built yet.
         terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
                          "the first bad step stops the run")
@@ -161,7 +163,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, skips=True)
     outputs.check(terminal, also={"--skip-list": skip_list_path},
                   folder=None if no_repro else repro_dir)
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
@@ -311,7 +313,7 @@ def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | Non
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, built=True)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, skips=True)
     outputs.check(terminal, also={"--skip-list": skip_list_path})
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
     if script_args[:1] == ("-m",) and len(script_args) > 1:
