@@ -105,8 +105,7 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
     if report.skip_list:            # kept going: every bad step's, past the findings kept whole
         return _write_skip_list(path, report.skip_list)
     findings = report.findings or ([report.finding] if report.finding is not None else [])
-    # A run that kept going has every bad step's entry, also past the findings kept whole.
-    return _write_skip_list(path, report.skip_list or skip_entries(findings))
+    return _write_skip_list(path, skip_entries(findings))
 
 
 def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal,
