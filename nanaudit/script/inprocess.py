@@ -82,13 +82,16 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
     first run's finding, saying why: a skipped step is never re-run."""
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     finding = first_run_finding(trip)
+    finding.element = finding.element or trip.element   # a sharded tensor's bad element
     if not trip.needs_rerun:
         return finding
     # Under torchrun every rank has the trip (the one exchange gave them the same verdict),
     # gets the origin's replay and skips.
     replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
     if localized is not None:
-        return adopt(localized, trip)
+        localized = adopt(localized, trip)
+        localized.element = localized.element or trip.element
+        return localized
     why = (replay.note if replay is not None and replay.note else
            "the batch was non-finite before the model got it: only a re-run traces the data "
            "code that made it" if trip.check == Check.INPUT else "the step was not replayed")

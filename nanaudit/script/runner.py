@@ -84,20 +84,20 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
     """The finding of the step the run stopped at, in `report.finding` (and returned)."""
     assert report.run is not None
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
-    finding = report.finding = first_run_finding(trip)
-    if not trip.needs_rerun:
-        return finding
-    # At the trip, in this process (its cost one step's); the re-run from the start where
-    # that cannot name the op (inprocess.py says why).
-    report.run.replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
-    if localized is not None:
-        report.finding = adopt(localized, trip)
-    elif auditor.keep is not None and auditor.keep.log.skipped:
-        report.finding.explain("not re-run: the run skipped bad steps before this one, and a "
-                               "re-run from the start would apply their updates")
-    else:
-        report.run.rerun, report.finding = localize_by_rerun(
-            target, options, trip, auditor.timeline, report.finding, before)
+    report.finding = first_run_finding(trip)
+    if trip.needs_rerun:
+        # At the trip, in this process (its cost one step's); the re-run from the start where
+        # that cannot name the op (inprocess.py says why).
+        report.run.replay, localized = localize_in_process(auditor, options, trip,
+                                                           auditor.timeline)
+        if localized is not None:
+            report.finding = adopt(localized, trip)
+        elif auditor.keep is not None and auditor.keep.log.skipped:
+            report.finding.explain("not re-run: the run skipped bad steps before this one, and "
+                                   "a re-run from the start would apply their updates")
+        else:
+            report.run.rerun, report.finding = localize_by_rerun(
+                target, options, trip, auditor.timeline, report.finding, before)
     assert report.finding is not None
     if report.finding.element is None:      # a sharded tensor's bad element, by global index
         report.finding.element = trip.element
