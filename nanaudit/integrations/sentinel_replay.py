@@ -45,13 +45,13 @@ class ReplayPrecision:
     """The Session's precision for a Sentinel replay: autocast is the user's, and a replay
     backpropagates the loss times the step's recorded scale."""
 
-    def __init__(self, scaler):
+    def __init__(self, scaler: Any) -> None:
         self.name = "fp32"
         self.scaler = scaler
         self.scale = 1.0
 
     @staticmethod
-    def autocast():
+    def autocast() -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -15,7 +15,9 @@ finding (the scale collapsed) is the check core's rule (run/check/scaler.py), th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,12 +43,12 @@ _NO_AUTOCAST = contextlib.nullcontext()    # reusable: one fewer object per step
 class Precision:
     """The run's precision: autocast dtype, GradScaler, and the host mirror of its scale."""
 
-    def __init__(self, config: RunOptions, device: torch.device):
+    def __init__(self, config: RunOptions, device: torch.device) -> None:
         self.name = config.precision
         self.dtype = DTYPES[config.precision]
         self.device_type = torch.device(device).type
         self.amp = config.amp
-        self.scaler = None
+        self.scaler: torch.amp.GradScaler | None = None
         self.scale = 1.0
         if config.uses_grad_scaler:
             self.scaler = torch.amp.GradScaler(self.device_type, init_scale=self.amp.init_scale,
@@ -55,7 +57,7 @@ class Precision:
         self._growth = 0
         self.watch = ScalerWatch(self.amp.scale_floor, self.amp.max_skipped)
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
             return _NO_AUTOCAST
         return torch.autocast(self.device_type, dtype=self.dtype)
@@ -69,7 +71,8 @@ class Precision:
             return loss * scale
         return self.scaler.scale(loss)
 
-    def after_readout(self, optimizers, grads_finite: bool) -> ScaleStep | None:
+    def after_readout(self, optimizers: Sequence[torch.optim.Optimizer],
+                      grads_finite: bool) -> ScaleStep | None:
         """Unscale and update the scaler after the step's readout (no sync); None without one.
 
         Returns the step's scale record; the caller runs each `optimizer.step()` only when the
@@ -90,7 +93,7 @@ class Precision:
             collapsed = self.watch.skip(before, self.scale)
         return ScaleStep(before, self.scale, not grads_finite, collapsed)
 
-    def finish_update(self, optimizers) -> None:
+    def finish_update(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The scaler's own update, after the optimizer steps (or the skip)."""
         if self.scaler is not None and optimizers:
             self.scaler.update()

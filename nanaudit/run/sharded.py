@@ -167,10 +167,12 @@ def _flagging_comm(flags: PreReduceFlags, inner: Any) -> Any:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class FlaggingReduceScatter(ReduceScatter):
-        def allocate(self, size, *, dtype, device):
+        def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
             return inner.allocate(size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: Any, op: Any, async_op: bool = False) -> Any:
             flags.note(input_tensor)
             return inner(output_tensor, input_tensor, group, op, async_op)
     return FlaggingReduceScatter()

@@ -33,6 +33,7 @@ from nanaudit.run.step import (
 )
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem
+from nanaudit.run.watch_readout import ReadoutExtras
 
 
 @dataclass
@@ -49,10 +50,10 @@ class SyncStep:
     """The step read at once: forward and backward of each micro-batch, the one read, the
     verdict, and the update when all is finite."""
 
-    def __init__(self, ctx: StepContext):
+    def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
 
-    def run(self, step: int, raws: list, last: bool, updated: bool,
+    def run(self, step: int, raws: list[Any], last: bool, updated: bool,
             first_index: int | None = None) -> StepResult:
         """One optimizer step under the sentinels. `last`: no step follows (under torchrun no
         batch is fetched ahead); `updated`: an update ran since the weights were last read."""
@@ -100,12 +101,13 @@ class SyncStep:
             ctx, trip, lambda: self._trip_state(trip, micros, scale), updated,
             lambda: StepUndo(RngState.capture(), ctx.buffers.pairs(first) if first else None))
 
-    def _forward_backward(self, raws: list, first_index: int, step: int):
+    def _forward_backward(self, raws: list[Any], first_index: int, step: int
+                          ) -> tuple[list[MicroBatch], list[torch.Tensor], torch.Tensor]:
         """Every micro-batch's forward and backward, keeping what a replay of each needs;
         returns (micro-batch states, all batch leaves, the window's mean loss)."""
         ctx = self.ctx
         micros: list[MicroBatch] = []
-        leaves: list = []
+        leaves: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
         ctx.watches.activations.begin(step)
         for i, raw in enumerate(raws):
@@ -123,7 +125,8 @@ class SyncStep:
             total = total + more.detach()
         return micros, leaves, total / len(losses)
 
-    def _read(self, readout: StepReadout, loss, last: bool):
+    def _read(self, readout: StepReadout, loss: torch.Tensor, last: bool
+              ) -> tuple[list[float], RankTable | None, ReadoutExtras]:
         """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
         and the watches' sampled values, in one tensor. Returns (the values read, the rank
         table or None, what the watches appended)."""
@@ -200,7 +203,8 @@ class SyncStep:
             precision.finish_update(ctx.optimizers)
         return None, scaler_step, True
 
-    def _trip_state(self, trip: Trip, micros: list[MicroBatch], scale) -> StepState:
+    def _trip_state(self, trip: Trip, micros: list[MicroBatch], scale: float | None
+                    ) -> StepState:
         """The state a replay starts from: the whole step's, or in a window, the micro-batch
         that made the bad value."""
         index = self._first_bad_micro(trip, micros) if len(micros) > 1 else 0
