@@ -24,6 +24,7 @@ from nanaudit.report.model import TimelineEntry
 from nanaudit.report.vocabulary import Check, StopReason
 from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.deferred import ReadMode
+from nanaudit.run.precision import ScaleStep
 from nanaudit.run.timeline import Timeline
 
 
@@ -65,12 +66,15 @@ class _ReusedState:
     can have one cached. The in-place view is checked against the real state once; where it
     does not match (another Python or NumPy build) every step captures in full."""
 
-    def __init__(self, full_state, owner, fingerprint_of):
+    def __init__(self, full_state: Callable[[], Any], owner: Callable[[], Any],
+                 fingerprint_of: Callable[[Any], Callable[[], Any] | None]) -> None:
         self._full_state, self._owner_now, self._fingerprint_of = full_state, owner, fingerprint_of
-        self._owner = self._fingerprint = self._last = None
+        self._owner: Any = None
+        self._fingerprint: Callable[[], Any] | None = None
+        self._last: tuple[Any, Any] | None = None
         self._moving = False
 
-    def state(self):
+    def state(self) -> Any:
         owner = self._owner_now()
         if owner is not self._owner:      # first use, or the generator object was replaced
             self._owner, self._last, self._moving = owner, None, False
@@ -88,7 +92,7 @@ class _ReusedState:
         return self._last[1]
 
 
-def _python_fingerprint(owner):
+def _python_fingerprint(owner: Any) -> Callable[[], Any] | None:    # Any: gauss_next is unstubbed
     """CPython's Random object: PyObject header, `int index`, `uint32 state[624]`, read in
     place after a check against `getstate()`; None where the layout differs."""
     try:
@@ -101,7 +105,7 @@ def _python_fingerprint(owner):
     return lambda: (words[0], words[1], words[312], owner.gauss_next)
 
 
-def _numpy_generator():
+def _numpy_generator() -> Any:
     mtrand = sys.modules.get("numpy.random.mtrand")
     if mtrand is None:                # NumPy not imported, or its `random` not loaded yet
         numpy = sys.modules.get("numpy")
@@ -109,7 +113,7 @@ def _numpy_generator():
     return getattr(mtrand, "_rand", None)
 
 
-def _numpy_fingerprint(owner):
+def _numpy_fingerprint(owner: Any) -> Callable[[], Any] | None:
     """NumPy's legacy global generator: its MT19937 `key[624], pos`, read in place after a
     check against `get_state()`; None where the layout differs."""
     try:
@@ -122,7 +126,7 @@ def _numpy_fingerprint(owner):
     return functools.partial(operator.itemgetter(624, 0, 311), raw)    # called in C
 
 
-def _numpy_full_state():
+def _numpy_full_state() -> Any:
     numpy = sys.modules.get("numpy")
     return numpy.random.get_state() if numpy is not None else None
 
@@ -233,7 +237,7 @@ def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:
     return value.reshape(()) if value.dim() else value
 
 
-def current_lr(optimizer) -> float | None:
+def current_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
     """The first param group's learning rate (a Python float: no sync)."""
     if optimizer is not None and optimizer.param_groups:
         value = optimizer.param_groups[0].get("lr")
@@ -241,8 +245,11 @@ def current_lr(optimizer) -> float | None:
     return None
 
 
-def timeline_entry(step, loss, gnorm, norm, optimizer, started, scale=None, scaler_step=None,
-                   ended=None, lr=None, **fields) -> TimelineEntry:
+def timeline_entry(step: int, loss: float | None, gnorm: float | None, norm: float | None,
+                   optimizer: torch.optim.Optimizer | None, started: float,
+                   scale: float | None = None, scaler_step: ScaleStep | None = None,
+                   ended: float | None = None, lr: float | None = None,
+                   **fields: Any) -> TimelineEntry:
     """The timeline's record of one step (the step loop's and the Sentinel's). `lr`: the one
     the step's update used, read before a scheduler moved it (default: the optimizer's now)."""
     ended = time.perf_counter() if ended is None else ended
