@@ -16,6 +16,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -35,7 +36,7 @@ _DENSE = {torch.strided}
 PACK_BELOW = 4096
 
 
-def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+def finite_norm(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """The float64 L2 norm of all tensors together, on `device`; non-finite iff an element is."""
     if len(tensors) == 1 and tensors[0].dtype in _FLOAT64_SAFE \
             and tensors[0].device == torch.device(device):
@@ -44,7 +45,8 @@ def finite_norm(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return finite_norms([tensors], device)[0]
 
 
-def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device) -> list[torch.Tensor]:
+def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device: torch.device | str
+                 ) -> list[torch.Tensor]:
     """finite_norm of each group, from one fused `_foreach_norm` over all of them: one call
     instead of one per group is what a small model's step notices."""
     flat = [t for group in groups for t in group]
@@ -65,7 +67,7 @@ def finite_norms(groups: Sequence[Sequence[torch.Tensor]], device) -> list[torch
     return out
 
 
-def _mixed_norms(flat: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+def _mixed_norms(flat: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """Per-tensor float64 norms on `device` when dtypes or devices differ."""
     safe_index = [i for i, t in enumerate(flat) if t.dtype in _FLOAT64_SAFE]
     per_tensor: list = [None] * len(flat)
@@ -104,8 +106,15 @@ def batch_finite(batch_norm: float, leaves: Sequence[torch.Tensor]) -> bool:
     return math.isfinite(batch_norm) or not confirm_nonfinite(leaves)
 
 
-def confirm_norms(checks, norm: float, gnorm: float,
-                  state: list | None = None) -> tuple[float, float]:
+class NormSource(Protocol):
+    """What confirm_norms reads: a StepChecks, or Sentinel's scope."""
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
+    def grad_values(self) -> list[torch.Tensor]: ...
+
+
+def confirm_norms(checks: NormSource, norm: float, gnorm: float,
+                  state: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """(state norm, gradient norm) with a non-finite one replaced by the exact norm when no
     element is actually non-finite. `checks`: a StepChecks (or anything with its
     `state_tensors` and `grad_values`); `state`: the tensors the state norm was taken over
@@ -118,7 +127,7 @@ def confirm_norms(checks, norm: float, gnorm: float,
     return norm, gnorm
 
 
-def all_finite(tensors: Iterable[torch.Tensor], device) -> torch.Tensor:
+def all_finite(tensors: Iterable[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """A float64 0-dim tensor on `device`: 1.0 when every element is finite, else 0.0."""
     flags = [torch.isfinite(t).all().to(device) for t in tensors]
     if not flags:
@@ -169,7 +178,8 @@ class StepReadout:
 class StepChecks:
     """The step loop's checks on one model: state (parameters and float buffers) and gradients."""
 
-    def __init__(self, model: torch.nn.Module, device, params: list | None = None):
+    def __init__(self, model: torch.nn.Module, device: torch.device | str,
+                 params: list[torch.Tensor] | None = None) -> None:
         self.device = torch.device(device)
         self.params = list(params) if params is not None else list(model.parameters())
         buffers = list(model.buffers())

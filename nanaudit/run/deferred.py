@@ -17,7 +17,9 @@ decides together each step) keep the synchronous read; `choose_read` says which 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -42,12 +44,13 @@ class ReadMode:
         return SentinelRead(SentinelReadMode(self.mode), self.reason, self.sync_from)
 
 
-def skips_on_device(optimizer) -> bool:
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Can this optimizer skip its update on the device given a `found_inf` tensor?"""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def choose_read(requested: str, device: torch.device, optimizer, grad_scaler,
+def choose_read(requested: str, device: torch.device, optimizer: torch.optim.Optimizer | None,
+                grad_scaler: torch.amp.GradScaler | None,
                 distributed: bool, single_step: bool = True) -> ReadMode:
     """The read mode of a run: `requested` is the config's `sentinel_read` (auto | sync |
     deferred); auto defers on CUDA only, where there is a device queue to keep busy.
@@ -79,7 +82,7 @@ def choose_read(requested: str, device: torch.device, optimizer, grad_scaler,
 class DeviceSkip:
     """The sticky device flag: 1.0 once any step's readout held a non-finite value."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device) -> None:
         self.halt = torch.zeros((), dtype=torch.float32, device=device)
 
     def note(self, readout: torch.Tensor) -> None:
@@ -89,9 +92,10 @@ class DeviceSkip:
         torch.maximum(self.halt, (~torch.isfinite(readout.sum())).to(torch.float32),
                       out=self.halt)
 
-    def step(self, optimizer, step_fn) -> None:
+    def step(self, optimizer: Any, step_fn: Callable[[], object]) -> None:
         """Run the optimizer's step with the flag as its `found_inf`, as GradScaler.step does
-        for an optimizer with `_step_supports_amp_scaling`."""
+        for an optimizer with `_step_supports_amp_scaling` (an Optimizer, typed Any: the two
+        attributes are the fused kernels' protocol, not the class's)."""
         optimizer.grad_scale, optimizer.found_inf = None, self.halt
         try:
             step_fn()
@@ -108,7 +112,7 @@ class BufferKeeper:
     every buffer is copied: one device-side copy per slot, reused, no sync). The deferred read
     keeps two steps; the sync loop one per micro-batch of its window."""
 
-    def __init__(self, model: torch.nn.Module, slots: int = 2):
+    def __init__(self, model: torch.nn.Module, slots: int = 2) -> None:
         self.buffers = [b.detach() for b in model.buffers()]
         self._slots: list[list | None] = [None] * slots
         self._turn = 0
@@ -135,13 +139,17 @@ class BufferKeeper:
                 torch._foreach_copy_(self.buffers, saved)
 
 
+# What HostReader.send gives: the values themselves (CPU), or a pinned copy and its event.
+PendingRead = torch.Tensor | tuple[torch.Tensor, torch.cuda.Event]
+
+
 class HostReader:
     """Readouts copied to pinned host memory without blocking, read when they are needed."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def send(self, values: torch.Tensor):
+    def send(self, values: torch.Tensor) -> PendingRead:
         if not self.cuda:
             return values            # CPU ops are done when they return: nothing in flight
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -150,9 +158,9 @@ class HostReader:
         done.record()
         return host, done
 
-    def receive(self, handle) -> list[float]:
+    def receive(self, handle: PendingRead) -> list[float]:
         if not self.cuda:
-            return handle.tolist()
-        host, done = handle
+            return cast(torch.Tensor, handle).tolist()
+        host, done = cast(tuple[torch.Tensor, torch.cuda.Event], handle)
         done.synchronize()           # the one wait: long done unless the device is behind
         return host.tolist()

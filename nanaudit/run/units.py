@@ -24,16 +24,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from nanaudit.errors import call_user
 from nanaudit.run.step import ReplayHooks, StepState, scalar_loss
-from nanaudit.run.user_step import UserStep
+from nanaudit.run.user_step import StepSession, UserStep
 
 
-def unit_for(session) -> LossStep | UserStep:
+class LossSession(StepSession, Protocol):
+    """What the loss's step reads of the run's session (session.Session, which builds its
+    step unit here and so is not imported)."""
+
+    @property
+    def schedulers(self) -> dict[str, Any]: ...
+    @property
+    def loss_what(self) -> str: ...
+    def compute_loss(self, batch: Any) -> Any: ...
+
+
+def unit_for(session: LossSession) -> LossStep | UserStep:
     """The unit the run asks for: the user's own step, or the loss's (in windows)."""
     if session.step_fn is not None:
         return UserStep(session)
@@ -46,7 +57,7 @@ class LossStep:
 
     owns_update = False
 
-    def __init__(self, session, window: int = 1):
+    def __init__(self, session: LossSession, window: int = 1) -> None:
         self.session, self.window = session, window
         self._labels: tuple = (None, [])      # (the optimizers dict, [(label, optimizer)])
 
@@ -54,7 +65,9 @@ class LossStep:
     def name(self) -> str:
         return "accumulation window" if self.window > 1 else "standard step"
 
-    def forward_backward(self, batch: Any, *, before_backward=None, scale=None,
+    def forward_backward(self, batch: Any, *,
+                         before_backward: Callable[[], None] | None = None,
+                         scale: float | None = None,
                          zero_grad: Callable[[], None] | None = None) -> torch.Tensor:
         """One (micro-)batch's loss and backward; `zero_grad` None keeps the accumulated
         gradients (the later micro-batches of a window)."""
@@ -81,7 +94,7 @@ class LossStep:
                                      zero_grad=self.session.model.zero_grad)
 
 
-def forward_backward(session, batch: Any,
+def forward_backward(session: LossSession, batch: Any,
                      before_backward: Callable[[], None] | None = None,
                      scale: float | None = None,
                      zero_grad: Callable[[], None] | None = None,
@@ -109,7 +122,7 @@ def _keep() -> None:
     """zero_grad for a window's later micro-batches: their gradients add to the earlier ones."""
 
 
-def optimizer_label(name: str, optimizer) -> str:
+def optimizer_label(name: str, optimizer: torch.optim.Optimizer) -> str:
     return f"optimizer step of `{name}` ({type(optimizer).__name__})"
 
 
@@ -124,7 +137,7 @@ def step_schedulers(schedulers: dict, loss_value: float | None) -> None:
             call_user(what, scheduler.step)
 
 
-def lr_problem(session, only=None) -> str | None:
+def lr_problem(session: LossSession, only: torch.optim.Optimizer | None = None) -> str | None:
     """A learning rate no update should run with (non-finite or negative), named with the
     scheduler that set it; read from the host-side param groups (no sync for float lrs).
     `only`: check that optimizer alone."""
@@ -145,7 +158,8 @@ def lr_problem(session, only=None) -> str | None:
     return None
 
 
-def _scheduler_of(session, optimizer):
+def _scheduler_of(session: LossSession, optimizer: torch.optim.Optimizer
+                  ) -> tuple[str, Any] | None:
     for name, scheduler in session.schedulers.items():
         if getattr(scheduler, "optimizer", None) is optimizer:
             return name, scheduler
