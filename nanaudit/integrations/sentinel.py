@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +83,7 @@ from nanaudit.run.timeline import Timeline, report_timeline
 class NonFiniteError(RuntimeError):
     """A sentinel saw a non-finite value; `.report` holds the full nanaudit Report."""
 
-    def __init__(self, report: Report):
+    def __init__(self, report: Report) -> None:
         from nanaudit.report.text import finding_message, headline
         self.report = report
         self.finding: Finding | None = report.finding
@@ -95,7 +95,7 @@ class _BufferCopy:
     """The model's buffers and a copy of them from before the current step's first forward
     (on_finding="skip"): device copies, no host read."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
         self.tensors = list(model.buffers())
         self.saved = [b.detach().clone() for b in self.tensors]
 
@@ -114,7 +114,7 @@ class _Scope:
     """What one `check_update` looks at: every weight and float buffer of the model, and the
     gradients of the parameters the stepping optimizer owns (all of them by default)."""
 
-    def __init__(self, model: torch.nn.Module, params: list):
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.state = list(model.parameters()) + float_buffers(model)
 
@@ -137,11 +137,13 @@ class Sentinel:
     timeline keeps the first steps and the last `history` ones whole, and summarizes the steps
     between (run/timeline.py), so a loop of any length keeps it in bounded memory."""
 
-    def __init__(self, model: torch.nn.Module, optimizer=None,
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer | None]
+                 | None = None,
                  loss_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
                  scaler: Any = None, isolate_samples: bool = True, history: int = 1000,
                  max_skipped: int = 10, scale_floor: float = 1.0, output_dir: str | None = None,
-                 on_finding: str = "raise", max_bad_steps: int = 10):
+                 on_finding: str = "raise", max_bad_steps: int = 10) -> None:
         if on_finding not in ("raise", "skip"):
             raise ValueError(f"on_finding is 'raise' or 'skip', not {on_finding!r}")
         if isinstance(optimizer, (list, tuple)):
@@ -209,7 +211,7 @@ class Sentinel:
 
     # --- the check --------------------------------------------------------------------------
 
-    def check_update(self, step: int, optimizer=None) -> bool:
+    def check_update(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Check the window's micro-batches, the weights and the accumulated gradients before
         the optimizer step of `step`: one host read. Raises NonFiniteError before the update;
         returns whether the loop applies it (False: a bad step skipped, on_finding="skip")."""
@@ -281,7 +283,7 @@ class Sentinel:
                     write_sentinel_outputs(self, self.output_dir)
                 raise NonFiniteError(self.report)
 
-    def _scope(self, optimizer) -> _Scope:
+    def _scope(self, optimizer: torch.optim.Optimizer | None) -> _Scope:
         key = id(optimizer) if optimizer is not None else None
         if key not in self._scopes:
             if optimizer is None:
@@ -292,7 +294,8 @@ class Sentinel:
             self._scopes[key] = _Scope(self.model, params)
         return self._scopes[key]
 
-    def _classify(self, step, flags, losses, norm, gnorm, scale):
+    def _classify(self, step: int, flags: list[float], losses: list[float], norm: float,
+                  gnorm: float, scale: float | None) -> tuple[Trip | None, int | None]:
         """(Trip, index of the micro-batch it names, or None for a search) or (None, None)."""
         verdict = tripped_check(step, inputs_ok=[ok >= 1.0 for ok in flags],
                                 weights_finite=math.isfinite(norm),
@@ -316,7 +319,8 @@ class Sentinel:
             return None, None
         return Trip(step, Check.GRADIENT, last_loss, gnorm, note=collapsed), None
 
-    def _record(self, step, loss_value, gnorm, norm, started, scale) -> None:
+    def _record(self, step: int, loss_value: float, gnorm: float, norm: float, started: float,
+                scale: float | None) -> None:
         self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
                                             started, scale))
 
