@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -46,7 +47,10 @@ except ImportError:  # pragma: no cover - the older package name
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
 
 if TYPE_CHECKING:
-    from nanaudit.integrations.sentinel import Sentinel
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+
+    from nanaudit.integrations.sentinel import NonFiniteError, Sentinel
     from nanaudit.report.model import Report
 
 
@@ -54,7 +58,7 @@ class NanauditCallback(Callback):
     def __init__(self, report_path: str | None = None, output_dir: str | None = None,
                  isolate_samples: bool = True, max_skipped: int = 10, scale_floor: float = 1.0,
                  echo: bool = True, on_finding: str = "raise",
-                 max_bad_steps: int = MAX_BAD_STEPS):
+                 max_bad_steps: int = MAX_BAD_STEPS) -> None:
         super().__init__()
         if on_finding not in ("raise", "skip"):
             raise ValueError(f"on_finding must be 'raise' or 'skip', not {on_finding!r}")
@@ -73,7 +77,7 @@ class NanauditCallback(Callback):
 
     # --- setup ------------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from nanaudit.integrations.sentinel import Sentinel
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.sentinel = Sentinel(pl_module, list(trainer.optimizers), loss_fn=self._replay_loss,
@@ -85,31 +89,34 @@ class NanauditCallback(Callback):
         # What a finding names for ops outside every submodule: the user's step, not ours.
         self.loss_label = f"{cls.__module__}:{cls.__qualname__}.training_step"
 
-    def _replay_loss(self, model, batch):
+    def _replay_loss(self, model: torch.nn.Module, batch: Any) -> Any:
         """The replay's loss: the module's own training_step, under the precision plugin's
         autocast; under manual optimization the k-th manual_backward's loss, nothing stepped."""
         trainer = self._trainer
         assert self.sentinel is not None, "a replay runs after on_fit_start"
+        module = cast("LightningModule", model)     # the Sentinel replays pl_module
         micro = self.sentinel.replaying
         batch_idx = micro.index if micro is not None else self._batch_idx
         with trainer.precision_plugin.train_step_context():
-            if model.automatic_optimization:
-                return model.training_step(batch, batch_idx)
-            with _manual_replay(model, trainer) as losses:
-                model.training_step(batch, batch_idx)
+            if module.automatic_optimization:
+                return module.training_step(batch, batch_idx)
+            with _manual_replay(module, trainer) as losses:
+                module.training_step(batch, batch_idx)
             call = self._call_of.get(id(micro), len(losses) - 1)
             return losses[call] if 0 <= call < len(losses) else None
 
     # --- recording --------------------------------------------------------------------------
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self.sentinel is None:
             return
         self.sentinel.capture_rng()
         self._batch, self._batch_idx = batch, batch_idx
         self._backward_calls = 0
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
+                           loss: torch.Tensor) -> None:
         if self.sentinel is None or self._batch is None:
             return
         scaler = self.sentinel.scaler
@@ -126,7 +133,8 @@ class NanauditCallback(Callback):
 
     # --- the check --------------------------------------------------------------------------
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
         from nanaudit.integrations.sentinel import NonFiniteError
         if self.sentinel is None:
             return
@@ -140,7 +148,7 @@ class NanauditCallback(Callback):
         if not applied:
             self._hold_back(trainer, inner)
 
-    def _hold_back(self, trainer, optimizer) -> None:
+    def _hold_back(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
         """on_finding="skip": this step's update is left out. The hook runs inside Lightning's
         closure, inside `optimizer.step(closure)` (or before its GradScaler's step), so the
         call itself cannot be left out: its gradients are dropped instead, and a torch
@@ -158,7 +166,7 @@ class NanauditCallback(Callback):
             sys.stderr.write(f"nanaudit: skipped the update of step {trainer.global_step}"
                              f"{cause}\n")
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """on_finding="skip": the report of every bad step skipped (none raised)."""
         if self.sentinel is None or self.sentinel.bad_steps is None or \
                 not self.sentinel.bad_steps.count or self.sentinel.bad_steps.stopped:
@@ -167,14 +175,14 @@ class NanauditCallback(Callback):
         self._describe(trainer, report)
         self._write(report, None)
 
-    def _describe(self, trainer, report) -> None:
+    def _describe(self, trainer: Trainer, report: Report) -> None:
         report.config = {"path": None, "api": "lightning.NanauditCallback",
                          "precision": str(trainer.precision),
                          "accumulate_grad_batches": trainer.accumulate_grad_batches,
                          "gradient_clip_val": trainer.gradient_clip_val,
                          "epoch": trainer.current_epoch}
 
-    def _write(self, report, bundle: Any) -> None:
+    def _write(self, report: Report, bundle: Callable[[str], Path] | None) -> None:
         """The JSON at `report_path`; the reports in `output_dir`, after `bundle(text)` wrote
         the step's repro bundle there (None: no bundle, the weights have moved on)."""
         from nanaudit.report.formats import renderer_for
@@ -188,7 +196,8 @@ class NanauditCallback(Callback):
                 report.repro = str(bundle(text))
             write_reports(report, self.output_dir, echo=self.echo)
 
-    def _on_finding(self, trainer, pl_module, optimizer, error) -> None:
+    def _on_finding(self, trainer: Trainer, pl_module: LightningModule,
+                    optimizer: torch.optim.Optimizer, error: NonFiniteError) -> None:
         report = error.report
         finding = report.finding
         self.report = report
@@ -199,7 +208,8 @@ class NanauditCallback(Callback):
         self._write(report, lambda text: self._bundle(trainer, pl_module, optimizer, report,
                                                       text))
 
-    def _bundle(self, trainer, pl_module, optimizer, report, text: str) -> Path:
+    def _bundle(self, trainer: Trainer, pl_module: LightningModule,
+                optimizer: torch.optim.Optimizer, report: Report, text: str) -> Path:
         """The repro bundle of the step the Sentinel stopped at, in `output_dir`."""
         from nanaudit.integrations._output import precision_name, write_step_bundle
         finding = report.finding
@@ -224,11 +234,13 @@ class NanauditCallback(Callback):
 
 
 @contextlib.contextmanager
-def _manual_replay(model, trainer):
+def _manual_replay(model: LightningModule, trainer: Trainer
+                   ) -> Iterator[list[torch.Tensor]]:
     """During a manual-optimization replay: `manual_backward` records its loss instead of
     backpropagating, and the optimizers neither step nor zero their gradients."""
-    losses: list = []
-    model.manual_backward = lambda loss, *args, **kwargs: losses.append(loss)
+    losses: list[torch.Tensor] = []
+    model.manual_backward = (   # type: ignore[method-assign]  # patched for the replay only
+        lambda loss, *args, **kwargs: losses.append(loss))
     wrappers = model.optimizers(use_pl_optimizer=True)
     wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
     patched = []

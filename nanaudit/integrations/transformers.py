@@ -45,10 +45,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from nanaudit.integrations.held_step import HeldStep
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
@@ -56,6 +62,7 @@ from nanaudit.run.compiled import find_compiled
 
 if TYPE_CHECKING:
     from nanaudit.integrations.sentinel import Sentinel
+    from nanaudit.report.model import Report
 
 
 class NanauditCallback(TrainerCallback):
@@ -83,7 +90,8 @@ class NanauditCallback(TrainerCallback):
 
     # --- setup ------------------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         from nanaudit.integrations.sentinel import Sentinel
         trainer = _calling_trainer() or self.trainer
         if trainer is None:
@@ -116,7 +124,8 @@ class NanauditCallback(TrainerCallback):
         self._original = original
         callback = self
 
-        def compute_loss(model, inputs, *args, **kwargs):
+        def compute_loss(model: torch.nn.Module, inputs: dict[str, Any], *args: Any,
+                         **kwargs: Any) -> Any:
             if not (model.training and torch.is_grad_enabled()):
                 return original(model, inputs, *args, **kwargs)      # evaluation
             batch = dict(inputs)                 # BatchEncoding -> dict; compute_loss pops labels
@@ -133,7 +142,7 @@ class NanauditCallback(TrainerCallback):
         # An instance attribute shadows the class's method: the wrap `_unwrap` deletes.
         trainer.compute_loss = compute_loss  # type: ignore[method-assign]
 
-    def _replay_loss(self, model, batch):
+    def _replay_loss(self, model: torch.nn.Module, batch: Any) -> Any:
         """The Trainer's own compute_loss on the recorded inputs, under its autocast."""
         trainer = self.trainer
         assert trainer is not None and self._original is not None, \
@@ -145,7 +154,8 @@ class NanauditCallback(TrainerCallback):
             loss_model = self._loss_model if self._loss_model is not None else model
             return self._original(loss_model, dict(batch), **kwargs)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._unwrap()
         if self.sentinel is None or self.report is not None:
             return
@@ -160,7 +170,8 @@ class NanauditCallback(TrainerCallback):
 
     # --- the check --------------------------------------------------------------------------
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kwargs: Any) -> None:
         from nanaudit.integrations.sentinel import NonFiniteError
         if self.sentinel is None:
             return
@@ -184,15 +195,18 @@ class NanauditCallback(TrainerCallback):
                 sys.stderr.write(f"nanaudit: training stopped before the update of step "
                                  f"{state.global_step}; see {self._folder(args)}\n")
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         if self._held is not None:
             self._held.release()         # the Trainer has read that the step was skipped
             self._held = None
 
-    def _folder(self, args) -> Path:
-        return Path(self.output_dir or args.output_dir) / "nanaudit"
+    def _folder(self, args: TrainingArguments) -> Path:
+        # TrainingArguments.__post_init__ always sets output_dir (default "trainer_output").
+        return Path(self.output_dir or cast(str, args.output_dir)) / "nanaudit"
 
-    def _write(self, args, state, report, with_bundle: bool = True) -> None:
+    def _write(self, args: TrainingArguments, state: TrainerState, report: Report,
+               with_bundle: bool = True) -> None:
         from nanaudit.integrations._output import write_reports, write_step_bundle
         from nanaudit.report.formats import renderer_for
         self.report, self.exit_code = report, 1
@@ -221,7 +235,7 @@ class NanauditCallback(TrainerCallback):
         write_reports(report, folder, echo=self.echo)
 
 
-def _loss_recipe(trainer: Trainer, num_items) -> dict:
+def _loss_recipe(trainer: Trainer, num_items: torch.Tensor | int | None) -> dict[str, Any]:
     """How the bundle computes the loss without the Trainer: Trainer.compute_loss's default
     path (the model's loss, or your importable `compute_loss_func`), else why it cannot."""
     from nanaudit.integrations._output import callable_target
@@ -251,7 +265,7 @@ def _calling_trainer() -> Trainer | None:
     return None
 
 
-def _plain_number(value):
+def _plain_number(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return value
