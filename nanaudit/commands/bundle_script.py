@@ -16,6 +16,8 @@ cannot build the model or the loss by itself (the reason and the option to pass 
 
 `nanaudit replay` builds a bundle's model, loss and batch with this file's functions too.
 """
+from __future__ import annotations
+
 import argparse
 import contextlib
 import dataclasses
@@ -26,27 +28,32 @@ import json
 import os
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+Meta = dict[str, Any]                               # meta.json
+Resolve = Callable[[str], Any]                      # `module:attr` -> the object
+LossFn = Callable[[torch.nn.Module, Any], Any]      # fn(model, batch) -> the loss
 
 
 class Missing(Exception):
     """What the bundle cannot build by itself; the message says what to pass instead."""
 
 
-def read_meta(folder=HERE):
+def read_meta(folder: str | Path = HERE) -> Meta:
     return json.loads((Path(folder) / "meta.json").read_text(encoding="utf-8"))
 
 
-def load(name, folder=HERE):
+def load(name: str, folder: str | Path = HERE) -> Any:
     return torch.load(Path(folder) / name, map_location="cpu", weights_only=True)
 
 
-def import_roots(meta):
+def import_roots(meta: Meta) -> list[str]:
     """The folders the run imported your code from: the config's folder for `scan`; for a
     training run, the working folder and the root of each module the bundle names."""
     roots = [meta["base_dir"]] if meta.get("base_dir") else []
@@ -56,10 +63,10 @@ def import_roots(meta):
 class Importer:
     """Resolves `module.path:attr` and `file.py:attr` (relative to the first root)."""
 
-    def __init__(self, roots):
+    def __init__(self, roots: Sequence[str | Path]) -> None:
         self.roots = [Path(r) for r in roots]
 
-    def __call__(self, target):
+    def __call__(self, target: str) -> Any:
         module_part, attr = target.rsplit(":", 1)
         if module_part.endswith(".py"):
             path = Path(module_part)
@@ -81,7 +88,7 @@ class Importer:
                     raise
         else:
             module = importlib.import_module(module_part)
-        obj = module
+        obj: Any = module
         for part in attr.split("."):
             obj = getattr(obj, part)
         return obj
@@ -89,7 +96,7 @@ class Importer:
 
 # --- the model and the loss -----------------------------------------------------------------
 
-def build_model(meta, resolve, override=None):
+def build_model(meta: Meta, resolve: Resolve, override: str | None = None) -> torch.nn.Module:
     """The model, before its weights are loaded: `override` (a factory), the config's factory,
     or the recipe the training run recorded."""
     if override:
@@ -108,7 +115,7 @@ def build_model(meta, resolve, override=None):
                   f"weights are loaded into it)")
 
 
-def _recipe_class(recipe, what, resolve):
+def _recipe_class(recipe: dict[str, Any], what: str, resolve: Resolve) -> Any:
     if not recipe.get("class"):
         raise Missing(f"it cannot build {what}: {recipe.get('why')}; pass --model "
                       f"module:factory (a callable returning the model)")
@@ -119,7 +126,7 @@ def _recipe_class(recipe, what, resolve):
                       f"({type(exc).__name__}: {exc}); pass --model module:factory") from None
 
 
-def _module(model, target):
+def _module(model: object, target: str) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         # repro.py imports no nanaudit (errors.a_kind_of): its own article for the type.
         name = type(model).__name__
@@ -128,7 +135,7 @@ def _module(model, target):
     return model
 
 
-def build_loss(meta, resolve, override=None):
+def build_loss(meta: Meta, resolve: Resolve, override: str | None = None) -> LossFn:
     """fn(model, batch) -> the loss (a tensor, or a dict with "loss") as the step computed it."""
     if override:
         fn = resolve(override)
@@ -143,14 +150,15 @@ def build_loss(meta, resolve, override=None):
     recipe = meta.get("loss_recipe") or {}
     if recipe.get("kind") == "training_step":
         index = recipe.get("batch_idx", 0)
-        return lambda model, batch: model.training_step(batch, index)
+        # The model is a LightningModule, whose training_step computes the loss.
+        return lambda model, batch: cast(Any, model).training_step(batch, index)
     if recipe.get("kind") == "hf-trainer":
         return _trainer_loss(recipe, resolve)
     raise Missing(f"it cannot compute the loss: {recipe.get('why', 'nothing was recorded')}; "
                   f"pass --loss module:fn (called as fn(model, batch), returning the loss)")
 
 
-def _trainer_loss(recipe, resolve):
+def _trainer_loss(recipe: dict[str, Any], resolve: Resolve) -> LossFn:
     """transformers.Trainer.compute_loss without a Trainer: the model's own loss, or your
     `compute_loss_func(outputs, labels, num_items_in_batch=...)`."""
     func = None
@@ -163,7 +171,7 @@ def _trainer_loss(recipe, resolve):
                           f"({type(exc).__name__}: {exc}); pass --loss module:fn") from None
     count = recipe.get("num_items_in_batch")
 
-    def loss(model, batch):
+    def loss(model: torch.nn.Module, batch: Any) -> Any:
         inputs = dict(batch)
         labels = inputs.pop("labels") if func is not None and "labels" in inputs else None
         if recipe.get("model_accepts_loss_kwargs") and count is not None:
@@ -177,7 +185,8 @@ def _trainer_loss(recipe, resolve):
 
 # --- the batch --------------------------------------------------------------------------------
 
-def rebuild_batch(plain, node, resolve, roots=()):
+def rebuild_batch(plain: Any, node: dict[str, Any] | None, resolve: Resolve,
+                  roots: Sequence[str | Path] = ()) -> tuple[Any, list[str]]:
     """The batch with the user's container types back (BatchEncoding, dataclasses,
     namedtuples), from its plain form and the structure recorded in meta.json. A type that
     cannot be imported stays a plain container. Returns (batch, notes saying which)."""
@@ -185,7 +194,8 @@ def rebuild_batch(plain, node, resolve, roots=()):
     return _rebuild(plain, node, resolve, [Path(r) for r in roots], notes), notes
 
 
-def _rebuild(plain, node, resolve, roots, notes):
+def _rebuild(plain: Any, node: dict[str, Any] | None, resolve: Resolve, roots: list[Path],
+             notes: list[str]) -> Any:
     if not node:
         return plain
     below = node.get("children")
@@ -206,7 +216,8 @@ def _rebuild(plain, node, resolve, roots, notes):
     return plain
 
 
-def _batch_class(node, resolve, roots):
+def _batch_class(node: dict[str, Any], resolve: Resolve, roots: list[Path]
+                 ) -> tuple[Any, str | None]:
     if node.get("type") is None:
         return None, node.get("why", "it cannot be imported")
     try:
@@ -225,12 +236,12 @@ def _batch_class(node, resolve, roots):
     return cls, None
 
 
-def _inside(path, roots):
+def _inside(path: str | Path, roots: list[Path]) -> bool:
     path = Path(path).resolve()
     return any(root.resolve() in path.parents for root in roots)
 
 
-def _construct(cls, kind, plain):
+def _construct(cls: Any, kind: str, plain: Any) -> Any:
     if kind == "mapping" and isinstance(cls, type) and issubclass(cls, Mapping):
         return cls(plain)  # type: ignore[call-arg]  # a Mapping subclass, built from a dict
     if kind == "dataclass" and isinstance(cls, type) and dataclasses.is_dataclass(cls):
@@ -247,7 +258,7 @@ def _construct(cls, kind, plain):
     raise TypeError(f"it is not a {kind} type any more")
 
 
-def to_device(tree, device):
+def to_device(tree: Any, device: torch.device) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
     if isinstance(tree, dict):
@@ -259,7 +270,7 @@ def to_device(tree, device):
 
 # --- RNG ----------------------------------------------------------------------------------------
 
-def restore_rng(rng, device):
+def restore_rng(rng: dict[str, Any], device: torch.device) -> None:
     random.setstate(_tupled(rng["python"]))
     torch.set_rng_state(rng["torch_cpu"])
     if rng.get("cuda") is not None and device.type == "cuda":
@@ -269,13 +280,13 @@ def restore_rng(rng, device):
         numpy.random.set_state(numpy_state(rng["numpy"]))
 
 
-def numpy_state(saved):
+def numpy_state(saved: dict[str, Any]) -> tuple[Any, ...]:
     import numpy
     return (saved["name"], saved["keys"].numpy().astype(numpy.uint32), saved["pos"],
             saved["has_gauss"], saved["cached_gaussian"])
 
 
-def _tupled(value):
+def _tupled(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_tupled(v) for v in value)
     return value
@@ -283,7 +294,7 @@ def _tupled(value):
 
 # --- the run ------------------------------------------------------------------------------------
 
-def nonfinite(name, tensor):
+def nonfinite(name: str, tensor: torch.Tensor) -> str | None:
     t = tensor.detach()
     if t.is_sparse:
         t = t.coalesce().values()
@@ -293,7 +304,7 @@ def nonfinite(name, tensor):
             f"{int((t == float('-inf')).sum())} -inf of {t.numel()} {tuple(t.shape)} {t.dtype}")
 
 
-def leaves(tree, path="batch"):
+def leaves(tree: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
         yield path, tree
     elif isinstance(tree, dict):
@@ -304,7 +315,7 @@ def leaves(tree, path="batch"):
             yield from leaves(v, f"{path}[{i}]")
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", action="store_true", help="use rows.pt (the offending rows)")
     parser.add_argument("--device", default="cpu")
@@ -340,7 +351,8 @@ def main(argv=None):
     found += [line for line in (nonfinite(f"parameter {n}", p)
                                 for n, p in model.named_parameters()) if line]
     if not found:
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(meta.get("precision"))
+        dtypes: dict[str | None, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+        dtype = dtypes.get(meta.get("precision"))
         autocast = (torch.autocast(device.type, dtype=dtype) if dtype
                     else contextlib.nullcontext())
         with autocast:

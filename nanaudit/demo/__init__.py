@@ -2,9 +2,7 @@
 
 Batch 6 holds a reading whose sensors all dropped out (a row of zeros). The forward pass stays
 finite (sqrt(0) = 0), but the derivative of sqrt at 0 is infinite, so backward turns the
-gradients NaN: the case `detect_anomaly` blames on the wrong op and no sentinel on the loss sees.
-"""
-
+gradients NaN: the case `detect_anomaly` blames on the wrong op and no sentinel on the loss sees."""
 from collections.abc import Iterator
 
 import torch
