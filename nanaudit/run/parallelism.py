@@ -33,12 +33,15 @@ class Parallelism:
         """FSDP2: each rank holds its own shard of the weights (sharded.py)."""
         return self.pre_reduce is not None
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, device: torch.device,
+             parallelize: Callable[..., Any] | None = None) -> torch.nn.Module:
         """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
-        here (`distributed.fsdp`), its reduce-scatters flagged."""
-        if (self.options.fsdp or self.options.mesh) and not fsdp_modules(model):
-            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype,
-                        self.options.mesh)
+        here (`distributed.fsdp`, `mesh`, `tp` with the user's `parallelize` plan), its
+        reduce-scatters flagged."""
+        options = self.options
+        if (options.fsdp or options.mesh or options.tp > 1) and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, options.fsdp_param_dtype,
+                        options.mesh, options.tp, parallelize)
         modules = fsdp_modules(model)
         if modules:
             self.pre_reduce = PreReduceFlags()

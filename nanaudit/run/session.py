@@ -137,7 +137,8 @@ def build_session(config: Config, coordinator: Coordinator | None = None) -> Ses
         from nanaudit.run.compiled import compile_model
         compile_model(model, config.compile.arguments())
     # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
-    wrapped = coordinator.parallel.wrap(model, device) if coordinator is not None else model
+    wrapped = (coordinator.parallel.wrap(model, device, code.parallelize)
+               if coordinator is not None else model)
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     if checkpoint is not None:
