@@ -16,6 +16,7 @@ step as a multiple of a plain step, the replays sample isolation used, and the e
     python scripts/bench.py                 # the CPU workloads
     python scripts/bench.py --sizes         # overhead against model size
     python scripts/bench.py --quick         # a smoke run in well under a minute
+    python scripts/bench.py --keep-going    # also scan --keep-going's loop on clean steps
     python scripts/bench.py --device cuda --processes 4 --json bench-cuda.json
 """
 
@@ -39,10 +40,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanaudit.config.schema import WatchOptions
+from nanaudit.report.bad_steps import MAX_BAD_STEPS, BadStepLog
 from nanaudit.report.model import jsonable
 from nanaudit.run.loop import run_steps
 from nanaudit.run.session import Session
-from nanaudit.run.step import RngState, StepState, Trip
+from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip
 
 # --- workloads ------------------------------------------------------------------------------
 
@@ -154,14 +156,27 @@ def hook_checker(model, opt, loss, batches, device):
             h.remove()
 
 
-def nanaudit_scan(model, opt, loss, batches, device, watch=None, read="auto"):
+def nanaudit_scan(model, opt, loss, batches, device, watch=None, read="auto",
+                  keep_going=False):
     """nanaudit's own step loop (runner.run_steps) with its default sentinels and warnings
     (loss spike and gradient growth on the host, the update ratio every 10 steps)."""
     session = _session(model, opt, loss, batches, device, watch, read)
-    outcome = run_steps(session)
+    if keep_going:
+        def on_skip(trip, state):
+            raise AssertionError(f"the benchmark's steps are clean: {trip}")
+        outcome = run_steps(session, outcome=ScanOutcome(bad_steps=BadStepLog(MAX_BAD_STEPS)),
+                            on_skip=on_skip)
+    else:
+        outcome = run_steps(session)
     assert outcome.trip is None, outcome.trip
     _sync(device)
     return outcome
+
+
+def nanaudit_keep_going(model, opt, loss, batches, device):
+    """The default scan under --keep-going (a clean step's price; on CUDA it reads each step
+    synchronously, since a skip must come before the update)."""
+    return nanaudit_scan(model, opt, loss, batches, device, keep_going=True)
 
 
 def nanaudit_sync(model, opt, loss, batches, device):
@@ -197,11 +212,11 @@ def _sync(device):
 
 
 VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan, "nanaudit sync": nanaudit_sync,
-            "nanaudit deferred": nanaudit_deferred,
+            "nanaudit deferred": nanaudit_deferred, "keep-going": nanaudit_keep_going,
             "sentinels only": nanaudit_sentinels_only, "+activation watch": nanaudit_activations,
             "detect_anomaly": detect_anomaly, "hook .item() (HF)": hook_checker}
-NANAUDIT_VARIANTS = ("nanaudit", "nanaudit sync", "nanaudit deferred", "sentinels only",
-                     "+activation watch")
+NANAUDIT_VARIANTS = ("nanaudit", "nanaudit sync", "nanaudit deferred", "keep-going",
+                     "sentinels only", "+activation watch")
 
 
 def make_optimizer(model, kind: str):
@@ -413,6 +428,8 @@ def main(argv=None):
     parser.add_argument("--sizes", action="store_true", help="sweep transformer sizes")
     parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
+    parser.add_argument("--keep-going", action="store_true", help="add the keep-going variant "
+                        "(scan --keep-going's loop: a clean step's price)")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: time "
                         "this process's CPU time (a shared CPU machine; never for CUDA)")
@@ -441,7 +458,7 @@ def main(argv=None):
     workloads = {n: WORKLOADS[n] for n in names}
     if args.sizes_only:
         workloads = {}
-    variants = dict(VARIANTS)
+    variants = {k: v for k, v in VARIANTS.items() if k != "keep-going" or args.keep_going}
     if args.quick:
         workloads = {"transformer (small)": lambda: transformer(d=64, layers=1, ff=128, seq=16),
                      "tiny mlp": tiny_mlp}

@@ -102,16 +102,20 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
     if not path:
         return []
     from nanaudit.report.skip_list import skip_entries
+    if report.skip_list:            # kept going: every bad step's, past the findings kept whole
+        return _write_skip_list(path, report.skip_list)
     findings = report.findings or ([report.finding] if report.finding is not None else [])
     return _write_skip_list(path, skip_entries(findings))
 
 
-def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal) -> int:
-    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2)."""
+def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal,
+                     skips: bool = False) -> int:
+    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2).
+    `skips`: the command skips bad steps under --keep-going (else it says it does not)."""
     if max_bad_steps is not None and not keep_going:
         raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
                                "step stops the run)")
-    if keep_going:
+    if keep_going and not skips:
         # Said, not hidden: the options are recorded, the skipping is not built yet.
         terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
                          "the first bad step stops the run")
@@ -158,7 +162,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, skips=True)
     outputs.check(terminal, also={"--skip-list": skip_list_path},
                   folder=None if no_repro else repro_dir)
     skip_list_path = absolute(skip_list_path) if skip_list_path else None

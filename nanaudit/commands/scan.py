@@ -4,6 +4,8 @@ repro bundle), with the rank coordination of a torchrun job.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from nanaudit.commands.common import (
 )
 from nanaudit.config.schema import Config
 from nanaudit.errors import FindingInterrupted, NothingAuditedError
-from nanaudit.report.model import Report
+from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import RankStatus
 from nanaudit.report.vocabulary import Check, Status
 
@@ -55,9 +57,7 @@ def _join(config: Config) -> Any:
 
 def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any = None) -> None:
     from nanaudit.config.entrypoints import user_import_path
-    from nanaudit.localize.data_replay import trace_input
-    from nanaudit.localize.early_warnings import attach_warnings
-    from nanaudit.localize.findings import build_finding
+    from nanaudit.report.bad_steps import BadStepLog
     from nanaudit.run.loop import run_steps
     from nanaudit.run.session import build_session
     from nanaudit.run.step import ScanOutcome
@@ -67,9 +67,21 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any 
         report.device = str(session.device)
         if options.on_start:
             options.on_start(config.steps)
-        outcome = ScanOutcome()
+        outcome = ScanOutcome(bad_steps=BadStepLog(options.max_bad_steps)
+                              if options.keep_going else None)
+        samples = config.localize.samples if options.samples is None else options.samples
+
+        def localize(tripped: ScanOutcome) -> Finding | None:
+            # Keep-going traces every bad input at the end, in one read of the data.
+            return _localize(session, tripped, samples, report, coordinator,
+                             trace=tripped.bad_steps is None)
+        recorder = None
+        if outcome.bad_steps is not None:
+            from nanaudit.commands.bad_steps import BadStepRecorder
+            recorder = BadStepRecorder(outcome, localize, coordinator)
         try:
-            run_steps(session, config.steps, on_step=options.on_step, outcome=outcome)
+            run_steps(session, config.steps, on_step=options.on_step, outcome=outcome,
+                      on_skip=recorder.on_skip if recorder is not None else None)
         finally:
             # Kept when the user's code raises mid-run: the steps before it still count.
             report.steps_run = outcome.steps_run
@@ -86,28 +98,56 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any 
             report.status = Status.CLEAN
         else:
             report.status = Status.NONFINITE
-            if coordinator is not None and coordinator.sharded:
-                # FSDP2: every rank replays at once (its collectives need them all).
-                from nanaudit.localize.sharded_replay import rank_finding
-                report.finding = rank_finding(coordinator, coordinator.pre_reduce, session,
-                                              outcome)
-                attach_warnings(report.finding, outcome.warnings, session.precision.name)
-            elif _localizes_here(coordinator, outcome.trip):
-                # Replays run on the local module: no DDP, no collectives with waiting peers.
-                session.model = session.local_model
-                samples = config.localize.samples if options.samples is None else options.samples
-                try:
-                    report.finding = build_finding(session, outcome, samples)
-                    if outcome.trip.check == Check.INPUT:
-                        trace_input(session, outcome, report.finding)
-                except FindingInterrupted as stop:
-                    report.finding = stop.finding   # the op is named; the sample search was cut
-                    raise
-                report.finding.rank = outcome.trip.rank
-                attach_warnings(report.finding, outcome.warnings, session.precision.name)
-                _write_repro(session, outcome, report, options)
+            report.finding = localize(outcome)
+            if report.finding is not None and _localizes_here(coordinator, outcome.trip) and \
+                    not (coordinator is not None and coordinator.sharded):
+                with _on_local_model(session):
+                    _write_repro(session, outcome, report, options)
+        if recorder is not None:
+            from nanaudit.localize.data_replay import trace_input_findings
+            recorder.finish(report, report.finding if outcome.trip is not None else None,
+                            lambda inputs: trace_input_findings(session, outcome, inputs))
         if coordinator is not None:
             _merge_ranks(coordinator, report, session.model)
+
+
+def _localize(session: Any, outcome: Any, samples: bool, report: Report,
+              coordinator: Any, trace: bool = True) -> Finding | None:
+    """The finding of the outcome's trip: built by the rank the trip names (FSDP2: by every
+    rank at once, its collectives need them all); None on the other ranks. `trace`: name what
+    made a non-finite input now, in the data read again."""
+    from nanaudit.localize.data_replay import trace_input
+    from nanaudit.localize.early_warnings import attach_warnings
+    from nanaudit.localize.findings import build_finding
+    if coordinator is not None and coordinator.sharded:
+        from nanaudit.localize.sharded_replay import rank_finding
+        finding = rank_finding(coordinator, coordinator.pre_reduce, session, outcome)
+    elif _localizes_here(coordinator, outcome.trip):
+        try:
+            with _on_local_model(session):
+                finding = build_finding(session, outcome, samples)
+                if trace and outcome.trip.check == Check.INPUT:
+                    trace_input(session, outcome, finding)
+        except FindingInterrupted as stop:
+            report.finding = stop.finding   # the op is named; the sample search was cut
+            raise
+        finding.rank = outcome.trip.rank
+    else:
+        return None
+    attach_warnings(finding, outcome.warnings, session.precision.name)
+    return finding
+
+
+@contextmanager
+def _on_local_model(session: Any) -> Iterator[None]:
+    """Replays run on the local module: no DDP, no collectives with waiting peers. The
+    wrapper is put back after, for the steps a run that keeps going still takes."""
+    model = session.model
+    session.model = session.local_model
+    try:
+        yield
+    finally:
+        session.model = model
 
 
 def _write_repro(session: Any, outcome: Any, report: Report, options: ScanOptions) -> None:

@@ -23,11 +23,18 @@ A non-finite value stops training with `NonFiniteError(report)` before the bad u
   `report_path` writes the JSON alone. The bundle replays `training_step` without a Trainer
   (`nanaudit replay`), the module rebuilt from its `save_hyperparameters()`. Works with
   `lightning` and with the older `pytorch_lightning` package.
+- `on_finding="skip"` (with `max_bad_steps`, default 10): a bad step's update is left out and
+  training goes on (the gradients of that optimizer step are dropped, so the torch optimizer
+  updates nothing and its state does not move; the buffers are put back). Lightning runs its
+  schedulers and counts `global_step` as for a step its GradScaler skipped. Every bad step is
+  a finding of `callback.report` (`findings`), written to `report_path` / `output_dir` when
+  training ends; when skipping cannot help it raises `NonFiniteError` as "raise" does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,22 +43,29 @@ try:
 except ImportError:  # pragma: no cover - the older package name
     from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
 
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
+
 if TYPE_CHECKING:
     from nanaudit.integrations.sentinel import Sentinel
+    from nanaudit.report.model import Report
 
 
 class NanauditCallback(Callback):
     def __init__(self, report_path: str | None = None, output_dir: str | None = None,
                  isolate_samples: bool = True, max_skipped: int = 10, scale_floor: float = 1.0,
-                 echo: bool = True):
+                 echo: bool = True, on_finding: str = "raise",
+                 max_bad_steps: int = MAX_BAD_STEPS):
         super().__init__()
+        if on_finding not in ("raise", "skip"):
+            raise ValueError(f"on_finding must be 'raise' or 'skip', not {on_finding!r}")
+        self.on_finding, self.max_bad_steps = on_finding, max_bad_steps
         self.report_path = report_path
         self.output_dir = output_dir
         self.isolate_samples = isolate_samples
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
         self.echo = echo
         self.sentinel: Sentinel | None = None    # built at fit start
-        self.report = None
+        self.report: Report | None = None
         self._batch: Any = None
         self._batch_idx = 0
         self._backward_calls = 0       # manual_backward calls in this batch so far
@@ -64,7 +78,8 @@ class NanauditCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.sentinel = Sentinel(pl_module, list(trainer.optimizers), loss_fn=self._replay_loss,
                                  scaler=scaler, isolate_samples=self.isolate_samples,
-                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor)
+                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor,
+                                 on_finding=self.on_finding, max_bad_steps=self.max_bad_steps)
         self._trainer = trainer
         cls = type(pl_module)
         # What a finding names for ops outside every submodule: the user's step, not ours.
@@ -118,53 +133,94 @@ class NanauditCallback(Callback):
         inner = getattr(optimizer, "optimizer", optimizer)      # a LightningOptimizer
         scoped = inner if len(trainer.optimizers) > 1 else None
         try:
-            self.sentinel.check_update(trainer.global_step, optimizer=scoped)
+            applied = self.sentinel.check_update(trainer.global_step, optimizer=scoped)
         except NonFiniteError as error:
             self._on_finding(trainer, pl_module, inner, error)
             raise
+        if not applied:
+            self._hold_back(trainer, inner)
 
-    def _on_finding(self, trainer, pl_module, optimizer, error) -> None:
-        report = error.report
-        finding = report.finding
-        self.report = report
+    def _hold_back(self, trainer, optimizer) -> None:
+        """on_finding="skip": this step's update is left out. The hook runs inside Lightning's
+        closure, inside `optimizer.step(closure)` (or before its GradScaler's step), so the
+        call itself cannot be left out: its gradients are dropped instead, and a torch
+        optimizer skips every parameter whose `grad` is None (no update, no state change, no
+        step count). The Sentinel put the buffers back; Lightning goes on as after a step its
+        GradScaler skipped (the schedulers and `global_step` as it runs them)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        assert self.sentinel is not None
+        self.report = self.sentinel.report
+        if self.echo:
+            finding = self.report.findings[-1] if self.report is not None else None
+            cause = f": {finding.cause}" if finding is not None else ""
+            sys.stderr.write(f"nanaudit: skipped the update of step {trainer.global_step}"
+                             f"{cause}\n")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """on_finding="skip": the report of every bad step skipped (none raised)."""
+        if self.sentinel is None or self.sentinel.bad_steps is None or \
+                not self.sentinel.bad_steps.count or self.sentinel.bad_steps.stopped:
+            return
+        self.report = report = self.sentinel.make_report("nonfinite")
+        self._describe(trainer, report)
+        self._write(report, None)
+
+    def _describe(self, trainer, report) -> None:
         report.config = {"path": None, "api": "lightning.NanauditCallback",
                          "precision": str(trainer.precision),
                          "accumulate_grad_batches": trainer.accumulate_grad_batches,
                          "gradient_clip_val": trainer.gradient_clip_val,
                          "epoch": trainer.current_epoch}
-        if finding is not None and finding.batch_index is not None:
-            finding.qualify(f"epoch {trainer.current_epoch}, batch_idx {finding.batch_index}, "
-                            f"trainer.global_step {trainer.global_step}")
+
+    def _write(self, report, bundle: Any) -> None:
+        """The JSON at `report_path`; the reports in `output_dir`, after `bundle(text)` wrote
+        the step's repro bundle there (None: no bundle, the weights have moved on)."""
         from nanaudit.report.formats import renderer_for
         from nanaudit.report.output import write_atomic
         text = renderer_for("json").render(report)
         if self.report_path:
             write_atomic(self.report_path, text)
         if self.output_dir:
-            from nanaudit.integrations._output import (
-                precision_name,
-                write_reports,
-                write_step_bundle,
-            )
-            assert self.sentinel is not None and self.sentinel.tripped is not None, \
-                "a NonFiniteError comes from the sentinel's trip"
-            trip, state = self.sentinel.tripped
-            batch_idx = finding.batch_index if finding and finding.batch_index is not None \
-                else self._batch_idx
-            # Replayed without a Trainer: training_step alone computes the loss, unless it
-            # steps the optimizers itself.
-            loss = ({"kind": "training_step", "batch_idx": batch_idx}
-                    if pl_module.automatic_optimization else
-                    {"why": "training_step steps the optimizers itself (manual optimization), "
-                            "which needs the Trainer"})
-            bundle = write_step_bundle(
-                Path(self.output_dir) / f"repro-step{trip.step}", pl_module, optimizer, trip,
-                state, finding, text,
-                {"source": "lightning", "module": type(pl_module).__qualname__,
-                 "batch_index": batch_idx, "loss_label": self.loss_label, "loss_recipe": loss,
-                 "precision": precision_name(trainer.precision)})
-            report.repro = str(bundle)
+            from nanaudit.integrations._output import write_reports
+            if bundle is not None:
+                report.repro = str(bundle(text))
             write_reports(report, self.output_dir, echo=self.echo)
+
+    def _on_finding(self, trainer, pl_module, optimizer, error) -> None:
+        report = error.report
+        finding = report.finding
+        self.report = report
+        self._describe(trainer, report)
+        if finding is not None and finding.batch_index is not None:
+            finding.qualify(f"epoch {trainer.current_epoch}, batch_idx {finding.batch_index}, "
+                            f"trainer.global_step {trainer.global_step}")
+        self._write(report, lambda text: self._bundle(trainer, pl_module, optimizer, report,
+                                                      text))
+
+    def _bundle(self, trainer, pl_module, optimizer, report, text: str) -> Path:
+        """The repro bundle of the step the Sentinel stopped at, in `output_dir`."""
+        from nanaudit.integrations._output import precision_name, write_step_bundle
+        finding = report.finding
+        assert self.output_dir is not None, "a bundle is written in output_dir"
+        assert self.sentinel is not None and self.sentinel.tripped is not None, \
+            "a NonFiniteError comes from the sentinel's trip"
+        trip, state = self.sentinel.tripped
+        batch_idx = finding.batch_index if finding and finding.batch_index is not None \
+            else self._batch_idx
+        # Replayed without a Trainer: training_step alone computes the loss, unless it
+        # steps the optimizers itself.
+        loss = ({"kind": "training_step", "batch_idx": batch_idx}
+                if pl_module.automatic_optimization else
+                {"why": "training_step steps the optimizers itself (manual optimization), "
+                        "which needs the Trainer"})
+        return write_step_bundle(
+            Path(self.output_dir) / f"repro-step{trip.step}", pl_module, optimizer, trip,
+            state, finding, text,
+            {"source": "lightning", "module": type(pl_module).__qualname__,
+             "batch_index": batch_idx, "loss_label": self.loss_label, "loss_recipe": loss,
+             "precision": precision_name(trainer.precision)})
 
 
 @contextlib.contextmanager

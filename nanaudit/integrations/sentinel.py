@@ -65,11 +65,7 @@ from nanaudit.integrations.sentinel_ranks import (
     rank_trip,
     with_rank_flags,
 )
-from nanaudit.integrations.sentinel_replay import (
-    RecordedBatch,
-    replay_session,
-    search_window,
-)
+from nanaudit.integrations.sentinel_replay import RecordedBatch, ReplayTarget, localize_step
 from nanaudit.report.bad_steps import BadStepLog
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import BadStepAction, Check, Status
@@ -174,6 +170,8 @@ class Sentinel:
         self.replaying: RecordedBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
+        self._target = ReplayTarget(model, self.optimizer, loss_fn, self.device, scaler,
+                                    isolate_samples, self.ranks)
         # on_finding="skip": every bad step's finding, and the buffers before the step
         self.bad_steps = BadStepLog(max_bad_steps) if on_finding == "skip" else None
         self._buffers = _BufferCopy(model) if self.bad_steps is not None else None
@@ -322,69 +320,39 @@ class Sentinel:
         self.timeline.append(timeline_entry(step, loss_value, gnorm, norm, self.optimizer,
                                             started, scale))
 
-    def _replaying(self, micro: RecordedBatch) -> None:
+    def _replaying(self, micro: RecordedBatch | None) -> None:
         self.replaying = micro        # the integrations name the micro-batch being replayed
 
     # --- the report -------------------------------------------------------------------------
 
     def _finding(self, trip: Trip, window: list[RecordedBatch], where: int | None,
                  scale: float | None) -> Finding:
-        """The trip's finding, its replay on a forked RNG (the loop's streams stay its own)."""
-        cuda = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            return self._localize(trip, window, where, scale)
-
-    def _localize(self, trip: Trip, window: list[RecordedBatch], where: int | None,
-                  scale: float | None) -> Finding:
-        from nanaudit.localize.findings import build_finding, unreplayed_finding
-        from nanaudit.localize.producer import not_reached
-        session = replay_session(self.model, self.optimizer, self.loss_fn, self.device,
-                                 self.scaler)
-        note = None
-        if where is None and trip.check == Check.GRADIENT and window and self.loss_fn is not None \
-                and self.ranks is None:
-            where, note = search_window(self.model, self.loss_fn, session, trip, window, scale,
-                                        on_replay=self._replaying)
-        if where is None:
-            where = len(window) - 1 if window else None
-        micro = window[where] if where is not None else None
-        self.replaying = micro
-        state = StepState(trip.step, micro.batch if micro else None,
-                          micro.rng if micro else self._rng, scale)
-        self.tripped = (trip, state)         # for integrations writing a repro bundle
-        outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip,
-                              state=state)
-        if self.ranks is not None:
-            from nanaudit.localize.sharded_replay import rank_finding
-            finding = rank_finding(self.ranks.coord, self.ranks.flags, session, outcome,
-                                   self.loss_fn is not None)
-        elif trip.check in (Check.LOSS, Check.GRADIENT) and (self.loss_fn is None or micro is None):
-            finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
-                                               "loss_fn(model, batch))")
-        else:
-            finding = build_finding(session, outcome, self.isolate_samples)
-        if trip.check == Check.INPUT:
-            not_reached(finding)
-        if micro is not None and trip.check in (Check.INPUT, Check.LOSS, Check.GRADIENT):
-            finding.batch_index = micro.index
-            if len(window) > 1:
-                finding.micro_batch = where
-                finding.explain(f"micro-batch {where} of the {len(window)} accumulated for "
-                                f"optimizer step {trip.step} (batch index {micro.index})")
-        if note:
-            finding.explain(note)
+        """The trip's finding (sentinel_replay.localize_step); its state kept for the
+        integrations writing a repro bundle."""
+        outcome = ScanOutcome(steps_run=self.steps_checked, timeline=self.timeline, trip=trip)
+        finding, state = localize_step(self._target, outcome, window, where, scale, self._rng,
+                                       on_replay=self._replaying)
+        self.tripped = (trip, state)
         return finding
 
     def make_report(self, status: Status | str, finding: Finding | None = None,
                     duration_s: float = 0.0) -> Report:
         """The Report of this sentinel's run so far (integrations write a clean one at the end)."""
-        from nanaudit._version import __version__
-        timeline, summary = report_timeline(self.timeline)
-        report = Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
-                      torch_version=torch.__version__, device=str(self.device),
-                      status=Status(status), steps_run=self.steps_checked, command="sentinel",
-                      finding=finding, timeline=timeline, duration_s=duration_s,
-                      timeline_summary=summary)
-        if self.bad_steps is not None:
-            self.bad_steps.apply(report)     # kept going: every bad step's finding
-        return report
+        return sentinel_report(self.timeline, self.steps_checked, self.device, Status(status),
+                               finding, duration_s, self.bad_steps)
+
+
+def sentinel_report(timeline: Timeline, steps: int, device: torch.device, status: Status,
+                    finding: Finding | None, duration_s: float,
+                    bad_steps: BadStepLog | None) -> Report:
+    """The Report of a Sentinel's checks: its timeline, the finding, and (kept going) every
+    bad step's finding."""
+    from nanaudit._version import __version__
+    rows, summary = report_timeline(timeline)
+    report = Report(tool_version=__version__, config={"path": None, "api": "Sentinel"},
+                    torch_version=torch.__version__, device=str(device), status=status,
+                    steps_run=steps, command="sentinel", finding=finding, timeline=rows,
+                    duration_s=duration_s, timeline_summary=summary)
+    if bad_steps is not None:
+        bad_steps.apply(report)      # kept going: every bad step's finding
+    return report

@@ -1,7 +1,8 @@
 """Replaying a step `Sentinel` stopped: what it records of each micro-batch (`RecordedBatch`),
 the session over the user's own loop objects, and the search of an accumulation window for the
-micro-batch whose gradients went bad. Told what it needs (the model, the loss, a callback for
-the micro-batch being replayed), it reads nothing of the Sentinel.
+micro-batch whose gradients went bad, and the localization of a tripped step
+(`localize_step`). Told what it needs (a `ReplayTarget`, a callback for the micro-batch being
+replayed), it reads nothing of the Sentinel.
 
 The user's loop has no config, so the replay builds its Session from what the Sentinel holds,
 with the precision of a loop nanaudit does not drive: autocast is the user's (inside `loss_fn`
@@ -19,9 +20,10 @@ import torch
 
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.checks import confirm_nonfinite
-from nanaudit.run.step import RngState, StepState, Trip
+from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip
 
 if TYPE_CHECKING:
+    from nanaudit.report.model import Finding
     from nanaudit.run.session import Session
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -99,3 +101,70 @@ def _accumulated_reproduces(model: torch.nn.Module, loss_fn: LossFn,
         call_user("backward of the loss", (loss * scale if scale is not None else loss)
                   .backward)
     return confirm_nonfinite([p.grad.detach() for p in model.parameters() if p.grad is not None])
+
+
+@dataclass(frozen=True)
+class ReplayTarget:
+    """What the replays of a Sentinel's steps run on, fixed for its life."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    loss_fn: LossFn | None
+    device: torch.device
+    scaler: Any
+    isolate_samples: bool
+    ranks: Any                  # sentinel_ranks.Ranks under FSDP2 and torchrun, else None
+
+
+def localize_step(target: ReplayTarget, outcome: ScanOutcome, window: list[RecordedBatch],
+                  where: int | None, scale: float | None, rng: RngState,
+                  on_replay: Callable[[RecordedBatch | None], None]) -> tuple[Finding, StepState]:
+    """The finding of `outcome.trip` and the state its replay started from. The replay runs on
+    a forked RNG, so the loop's random streams stay its own. `where`: the micro-batch the read
+    named (None: search the window); `rng`: the state to start from without a micro-batch."""
+    cuda = [target.device] if target.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        return _localize(target, outcome, window, where, scale, rng, on_replay)
+
+
+def _localize(target: ReplayTarget, outcome: ScanOutcome, window: list[RecordedBatch],
+              where: int | None, scale: float | None, rng: RngState,
+              on_replay: Callable[[RecordedBatch | None], None]) -> tuple[Finding, StepState]:
+    from nanaudit.localize.findings import build_finding, unreplayed_finding
+    from nanaudit.localize.producer import not_reached
+    trip = outcome.trip
+    assert trip is not None, "a finding is built for a trip"
+    session = replay_session(target.model, target.optimizer, target.loss_fn, target.device,
+                             target.scaler)
+    note = None
+    if where is None and trip.check == Check.GRADIENT and window and \
+            target.loss_fn is not None and target.ranks is None:
+        where, note = search_window(target.model, target.loss_fn, session, trip, window, scale,
+                                    on_replay=on_replay)
+    if where is None:
+        where = len(window) - 1 if window else None
+    micro = window[where] if where is not None else None
+    on_replay(micro)
+    state = StepState(trip.step, micro.batch if micro else None, micro.rng if micro else rng,
+                      scale)
+    outcome.state = state
+    if target.ranks is not None:
+        from nanaudit.localize.sharded_replay import rank_finding
+        finding = rank_finding(target.ranks.coord, target.ranks.flags, session, outcome,
+                               target.loss_fn is not None)
+    elif trip.check in (Check.LOSS, Check.GRADIENT) and (target.loss_fn is None or micro is None):
+        finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
+                                           "loss_fn(model, batch))")
+    else:
+        finding = build_finding(session, outcome, target.isolate_samples)
+    if trip.check == Check.INPUT:
+        not_reached(finding)
+    if micro is not None and trip.check in (Check.INPUT, Check.LOSS, Check.GRADIENT):
+        finding.batch_index = micro.index
+        if len(window) > 1:
+            finding.micro_batch = where
+            finding.explain(f"micro-batch {where} of the {len(window)} accumulated for "
+                            f"optimizer step {trip.step} (batch index {micro.index})")
+    if note:
+        finding.explain(note)
+    return finding, state

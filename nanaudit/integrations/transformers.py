@@ -27,6 +27,16 @@ Step numbers: `step` is `state.global_step` at the check (the 0-based optimizer 
 `batch_index` counts the micro-batches fed to training since `train()` began (0-based);
 `micro_batch` is the position in the accumulation window. Under fp16 the accelerator's
 GradScaler is the Sentinel's scaler: a skipped step is not a finding unless the scale collapses.
+
+With `on_finding="skip"` (and `max_bad_steps`, default 10) a bad step is skipped and training
+goes on: the Sentinel localizes it and puts the buffers back, and the Trainer's one
+`optimizer.step()` of that step does nothing (held_step.py). The Trainer then handles it as
+it handles a step its GradScaler skipped: the learning-rate scheduler is not stepped (as
+DeepSpeed and Megatron do for a skipped step), `global_step` still counts it, the gradients
+are zeroed as usual. Each bad step is a finding of `callback.report` (`findings`), written to
+`<output_dir>/nanaudit/` at the end of training (exit_code 1). When skipping cannot help
+(`max_bad_steps` reached, or weights already non-finite) that step is held back too and
+training stops, as with "stop".
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from nanaudit.integrations.held_step import HeldStep
+from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.run.compiled import find_compiled
 
 if TYPE_CHECKING:
@@ -49,11 +61,14 @@ if TYPE_CHECKING:
 class NanauditCallback(TrainerCallback):
     def __init__(self, output_dir: str | None = None, on_finding: str = "raise",
                  isolate_samples: bool = True, max_skipped: int = 10, scale_floor: float = 1.0,
-                 echo: bool = True, trainer: Trainer | None = None):
-        if on_finding not in ("raise", "stop"):
-            raise ValueError(f"on_finding must be 'raise' or 'stop', not {on_finding!r}")
+                 echo: bool = True, trainer: Trainer | None = None,
+                 max_bad_steps: int = MAX_BAD_STEPS):
+        if on_finding not in ("raise", "stop", "skip"):
+            raise ValueError(f"on_finding must be 'raise', 'stop' or 'skip', not {on_finding!r}")
         self.output_dir = output_dir
         self.on_finding = on_finding
+        self.max_bad_steps = max_bad_steps
+        self._held: HeldStep | None = None
         self.isolate_samples = isolate_samples
         self.max_skipped, self.scale_floor = max_skipped, scale_floor
         self.echo = echo
@@ -85,7 +100,9 @@ class NanauditCallback(TrainerCallback):
         self.sentinel = Sentinel(model, trainer.optimizer, loss_fn=self._replay_loss,
                                  scaler=getattr(trainer.accelerator, "scaler", None),
                                  isolate_samples=self.isolate_samples,
-                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor)
+                                 max_skipped=self.max_skipped, scale_floor=self.scale_floor,
+                                 on_finding="skip" if self.on_finding == "skip" else "raise",
+                                 max_bad_steps=self.max_bad_steps)
         self._batches_seen = 0
         self._wrap_compute_loss(trainer)
 
@@ -130,8 +147,15 @@ class NanauditCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unwrap()
-        if self.sentinel is not None and self.report is None:
-            from nanaudit.integrations._output import write_reports
+        if self.sentinel is None or self.report is not None:
+            return
+        from nanaudit.integrations._output import write_reports
+        bad = self.sentinel.bad_steps
+        if bad is not None and bad.count:
+            # Every bad step was skipped: the report lists them; no bundle (the weights have
+            # moved on since those steps).
+            self._write(args, state, self.sentinel.make_report("nonfinite"), with_bundle=False)
+        else:
             write_reports(self.sentinel.make_report("clean"), self._folder(args), echo=False)
 
     # --- the check --------------------------------------------------------------------------
@@ -140,25 +164,35 @@ class NanauditCallback(TrainerCallback):
         from nanaudit.integrations.sentinel import NonFiniteError
         if self.sentinel is None:
             return
+        assert self.trainer is not None and self.trainer.model is not None
         try:
-            self.sentinel.check_update(state.global_step)
+            if not self.sentinel.check_update(state.global_step):
+                # Skipped (on_finding="skip"): the Sentinel put the buffers back.
+                self._held = HeldStep.hold(self.trainer)
         except NonFiniteError as error:
             self._write(args, state, error.report)
             if self.on_finding == "raise":
                 self._unwrap()                   # on_train_end does not run after a raise
                 raise
-            assert self.trainer is not None and self.trainer.model is not None
-            for p in self.trainer.model.parameters():
-                p.grad = None                   # the optimizer step updates nothing
+            if self.on_finding == "skip":
+                self._held = HeldStep.hold(self.trainer)    # skipping cannot help: stop
+            else:
+                for p in self.trainer.model.parameters():
+                    p.grad = None                # the optimizer step updates nothing
             control.should_training_stop = True
             if self.echo:
                 sys.stderr.write(f"nanaudit: training stopped before the update of step "
                                  f"{state.global_step}; see {self._folder(args)}\n")
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._held is not None:
+            self._held.release()         # the Trainer has read that the step was skipped
+            self._held = None
+
     def _folder(self, args) -> Path:
         return Path(self.output_dir or args.output_dir) / "nanaudit"
 
-    def _write(self, args, state, report) -> None:
+    def _write(self, args, state, report, with_bundle: bool = True) -> None:
         from nanaudit.integrations._output import write_reports, write_step_bundle
         from nanaudit.report.formats import renderer_for
         self.report, self.exit_code = report, 1
@@ -167,6 +201,9 @@ class NanauditCallback(TrainerCallback):
                          "fp16": args.fp16, "bf16": args.bf16,
                          "max_grad_norm": args.max_grad_norm, "epoch": state.epoch}
         folder = self._folder(args)
+        if not with_bundle:
+            write_reports(report, folder, echo=self.echo)
+            return
         trainer, sentinel = self.trainer, self.sentinel
         assert trainer is not None and trainer.model is not None, "on_train_begin found it"
         assert sentinel is not None and sentinel.tripped is not None, \

@@ -106,14 +106,24 @@ def trace_input(session: Session, outcome: ScanOutcome, finding: Finding) -> Non
     state = outcome.state
     if state is None or state.batch_index is None:
         return
-    index = state.batch_index
+    trace_input_findings(session, outcome,
+                         {state.batch_index: (batch_fingerprint(state.batch), finding)})
+
+
+def trace_input_findings(session: Session, outcome: ScanOutcome,
+                         inputs: dict[int, tuple[list, Finding]]) -> None:
+    """`scan`: name what made each input finding's value (data index -> the batch's
+    fingerprint and its finding), in one read of the data again from the run's start."""
     try:
-        changed = reread(session, {index: batch_fingerprint(state.batch)},
-                         {index: walk_input(session, finding)}, outcome.data_rng)
+        changed = reread(session, {i: fingerprint for i, (fingerprint, _) in inputs.items()},
+                         {i: walk_input(session, f) for i, (_, f) in inputs.items()},
+                         outcome.data_rng)
     except UserCodeError as error:
-        attach_unlocalized(finding, f"reading the data again raised: {error}")
+        for _, finding in inputs.values():
+            attach_unlocalized(finding, f"reading the data again raised: {error}")
         return
-    _unnamed(finding, index, changed)
+    for index, (_, finding) in inputs.items():
+        _unnamed(finding, index, changed)
 
 
 def _unnamed(finding: Finding, index: int, changed: list[int]) -> None:

@@ -132,12 +132,13 @@ class BadStepLog:
                         for (cause, op, file, line), g in groups])
 
     def apply(self, report: Report) -> None:
-        """The report's `finding` (the first bad step's), `findings` and `bad_steps`, and the
-        mark of each bad step the timeline keeps (its `bad`)."""
+        """The report's `finding` (the first bad step's), `findings`, `bad_steps` and
+        `skip_list`, and the mark of each bad step the timeline keeps (its `bad`)."""
         if not self.whole:
             return
         report.finding, report.findings = self.whole[0], list(self.whole)
         report.bad_steps = self.section()
+        report.skip_list = list(self.skip)
         report.timeline = [self._marked(entry) for entry in report.timeline]
 
     def _marked(self, entry: TimelineEntry) -> TimelineEntry:

@@ -325,6 +325,9 @@ class Report:
     # `finding` is the first of them) and the section that counts and summarizes them all.
     findings: list = field(default_factory=list)      # [Finding]
     bad_steps: BadSteps | None = None
+    # ... and every bad step's entry of the --skip-list file, past the findings kept whole
+    # too ([SkipEntry]; not in the JSON, which stays bounded).
+    skip_list: list = field(default_factory=list)
 
     SECTIONS = ("sentinel_read", "repro", "bisect", "distributed", "run", "timeline_summary",
                 "bad_steps")

@@ -19,7 +19,14 @@ from nanaudit.report.vocabulary import Check
 from nanaudit.run.batch import move
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepChecks, batch_finite, confirm_norms
-from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step import (
+    RngState,
+    StepState,
+    StepUndo,
+    Trip,
+    current_lr,
+    timeline_entry,
+)
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem, step_schedulers
 from nanaudit.run.user_step import UpdatePoint, UserRun
@@ -75,10 +82,12 @@ class GatedStep:
             return StepResult.of(None, None, updated)
         for put_back in reversed(run.undo):
             put_back()                   # the updates this call made before the bad one
-        return StepResult.of(seen.trip, StepState(
+        trip = seen.trip
+        return StepResult.tripped(ctx, trip, lambda: StepState(
             step, batch, rng, buffers=ctx.buffers.pairs(saved) if saved else None,
             batch_index=ctx.feed.fetched - 1,
-            halt_at=run.halted.index if run.halted else None, undo=run.undo), updated)
+            halt_at=run.halted.index if run.halted else None, undo=run.undo), updated,
+            lambda: StepUndo(RngState.capture(), ctx.buffers.pairs(saved) if saved else None))
 
     def _gate(self, step: int, point: UpdatePoint, seen: GateReads) -> bool:
         """The check before one optimizer step inside the user's step: its parameters as

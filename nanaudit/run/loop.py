@@ -25,7 +25,7 @@ from nanaudit.run.deferred_step import DeferredStep
 from nanaudit.run.feed import DATA_END, DataFeed
 from nanaudit.run.gated_step import GatedStep
 from nanaudit.run.session import Session
-from nanaudit.run.step import RngState, ScanOutcome, Trip
+from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.sync_step import SyncStep
 from nanaudit.run.watch_readout import WatchReadout
@@ -34,15 +34,21 @@ from nanaudit.run.watch_readout import WatchReadout
 def run_steps(session: Session, max_steps: int | None = None, update: bool = True,
               on_step: Callable[[int], None] | None = None, start_step: int = 0,
               stop_on_trip: bool = True, on_trip: Callable | None = None,
-              outcome: ScanOutcome | None = None) -> ScanOutcome:
+              outcome: ScanOutcome | None = None,
+              on_skip: Callable[[Trip, StepState], None] | None = None) -> ScanOutcome:
     """Run training steps until data ends, max_steps, or the first non-finite value.
 
     `start_step` skips that many batches first (resuming from a checkpoint). With
     `stop_on_trip=False` (bisect over a data set, no updates) every tripping batch is passed
     to `on_trip(trip, state)` and the loop goes on. Pass `outcome` to keep the timeline of the
-    steps that ran when user code raises.
+    steps that ran when user code raises; an outcome with a `bad_steps` log keeps going
+    (--keep-going): each bad step the check core skips is passed to `on_skip(trip, state)`,
+    which localizes it and records it in that log, and the step leaves no trace.
     """
     loop = StepLoop(session, update, outcome if outcome is not None else ScanOutcome())
+    if loop.ctx.outcome.bad_steps is not None and on_skip is None:
+        raise ValueError("a run that keeps going records each bad step: pass on_skip")
+    loop.on_skip = on_skip
     try:
         loop.run(max_steps, start_step, on_step, stop_on_trip, on_trip)
     except KeyboardInterrupt:
@@ -88,6 +94,7 @@ class StepLoop:
                                              and len(session.optimizers) <= 1
                                              and not session.schedulers))
         self.window = unit.window
+        self.on_skip: Callable[[Trip, StepState], None] | None = None
 
     def run(self, max_steps: int | None, start_step: int,
             on_step: Callable[[int], None] | None, stop_on_trip: bool,
@@ -95,6 +102,11 @@ class StepLoop:
         ctx, feed = self.ctx, self.ctx.feed
         if not stop_on_trip and self.read.mode == "deferred":
             self.read = ReadMode("sync", "every tripping batch is reported (bisect)")
+        elif ctx.outcome.bad_steps is not None and self.read.mode == "deferred":
+            # The deferred read learns of a bad step after the next one ran: too late to
+            # skip that step and leave no trace.
+            self.read = ReadMode("sync", "--keep-going: each step is read before its update, "
+                                         "so a bad one is skipped there")
         sync = SyncStep(ctx)
         deferred = (DeferredStep(ctx, sync, self.read) if self.read.mode == "deferred"
                     else None)
@@ -137,15 +149,31 @@ class StepLoop:
         match result.decision:
             case StepDecision.APPLY:
                 return True
-            # scan's strategies do not decide SKIP yet (keep-going is Sentinel's so far):
-            # were one to, the run stops there, as without --keep-going.
-            case StepDecision.STOP | StepDecision.SKIP if stop_on_trip:
-                self.ctx.outcome.trip, self.ctx.outcome.state = result.trip, result.state
+            case StepDecision.SKIP:
+                self._skip(result)
+                return True
+            case StepDecision.STOP if stop_on_trip:
+                outcome = self.ctx.outcome
+                outcome.trip, outcome.state = result.trip, result.state
+                outcome.stop_reason = result.stop_reason
                 return False
-            case StepDecision.STOP | StepDecision.SKIP:   # bisect: every tripping batch, go on
+            case StepDecision.STOP:   # bisect: every tripping batch, go on
                 if on_trip is not None:
                     on_trip(result.trip, result.state)
                 return True
+
+    def _skip(self, result: StepResult) -> None:
+        """A bad step under keep-going: its update never ran; it is localized and recorded
+        now (`on_skip`), then its RNG streams and buffers are put back (`StepUndo`), so the
+        next step starts as if this one had not been taken. The next step's first micro-batch
+        clears the gradients, as every step does; the schedulers were not stepped (a skipped
+        step is no step for them, as DeepSpeed and Megatron skip an overflowing one)."""
+        assert result.trip is not None and result.state is not None and result.undo is not None
+        assert self.on_skip is not None, "run_steps checks that a keep-going run has on_skip"
+        try:
+            self.on_skip(result.trip, result.state)
+        finally:
+            result.undo.restore()
 
     def _final_check(self) -> None:
         """The weights after the last update (the only read outside a step)."""
@@ -154,5 +182,6 @@ class StepLoop:
             final, _ = confirm_norms(ctx.checks, float(ctx.checks.state_norm()), 0.0)
             ctx.outcome.host_syncs += 1
             if not math.isfinite(final):
-                ctx.outcome.trip = Trip(ctx.outcome.steps_run - 1, Check.OPTIMIZER)
+                trip = ctx.outcome.trip = Trip(ctx.outcome.steps_run - 1, Check.OPTIMIZER)
+                ctx.outcome.stop_reason = ctx.decide(trip)[1]
         ctx.watches.finish(ctx.outcome.timeline)

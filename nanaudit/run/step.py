@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from nanaudit.errors import ConfigError, Problem
+from nanaudit.report.bad_steps import BadStepLog
 from nanaudit.report.model import TimelineEntry
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, StopReason
 from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.deferred import ReadMode
 from nanaudit.run.timeline import Timeline
@@ -182,6 +183,23 @@ class StepState:
         self.rng.restore()
 
 
+@dataclass(frozen=True)
+class StepUndo:
+    """What a skipped step (keep-going) puts back once its replays are done, so that it leaves
+    no trace: the RNG streams as the step itself left them (the replays draw nothing the run
+    sees) and the buffers as they were before the step's first forward. The parameters and
+    the optimizer state need nothing: the update never ran."""
+
+    rng: RngState
+    buffers: list | None = None   # [(live buffer, its value before the step's first forward)]
+
+    def restore(self) -> None:
+        if self.buffers:
+            with torch.no_grad():
+                torch._foreach_copy_([b for b, _ in self.buffers], [v for _, v in self.buffers])
+        self.rng.restore()
+
+
 @dataclass
 class ScanOutcome:
     steps_run: int = 0
@@ -193,6 +211,8 @@ class ScanOutcome:
     read_mode: ReadMode | None = None   # how the sentinels were read (sync or deferred)
     host_syncs: int = 0                 # blocking reads of device values the loop made
     data_rng: RngState | None = None    # the RNGs as the data was started (to read it again)
+    bad_steps: BadStepLog | None = None   # keep-going: the bad steps met so far (None: stop)
+    stop_reason: StopReason | None = None   # keep-going: why the trip stopped the run
 
 
 def scalar_loss(value: Any, entry_key: str = "loss") -> torch.Tensor:

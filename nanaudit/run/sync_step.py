@@ -23,7 +23,14 @@ from nanaudit.run.check.rank_row import RankTable, rank_row, readout_values
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import StepReadout, batch_finite, confirm_norms
 from nanaudit.run.precision import ScaleStep
-from nanaudit.run.step import RngState, StepState, Trip, current_lr, timeline_entry
+from nanaudit.run.step import (
+    RngState,
+    StepState,
+    StepUndo,
+    Trip,
+    current_lr,
+    timeline_entry,
+)
 from nanaudit.run.step_context import StepContext, StepResult
 from nanaudit.run.units import lr_problem
 
@@ -88,7 +95,10 @@ class SyncStep:
         updated = updated or applied
         if trip is None:
             return StepResult.of(None, None, updated)
-        return StepResult.of(trip, self._trip_state(trip, micros, scale), updated)
+        first = micros[0].buffers
+        return StepResult.tripped(
+            ctx, trip, lambda: self._trip_state(trip, micros, scale), updated,
+            lambda: StepUndo(RngState.capture(), ctx.buffers.pairs(first) if first else None))
 
     def _forward_backward(self, raws: list, first_index: int, step: int):
         """Every micro-batch's forward and backward, keeping what a replay of each needs;

@@ -1,6 +1,6 @@
 """--keep-going and --max-bad-steps for `scan` and `run`: parsed, validated (N >= 1, default
-10, --max-bad-steps alone is a usage error) and carried into the command's options. The
-skipping itself is not built yet: the run says so, and stops at its first bad step."""
+10, --max-bad-steps alone is a usage error) and carried into the command's options. `scan`
+skips bad steps; `run` says it does not yet, and stops at its first bad step."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_the_options_reach_the_command(received, command, tmp_path):
     assert result.code == 0, result.stderr
     options = received[command]
     assert (options.keep_going, options.max_bad_steps) == (True, 3)
-    assert "skipping a bad step is not built yet" in result.stderr
+    # scan skips bad steps (tests/commands/test_scan_keep_going.py); run says it does not yet.
+    assert ("skipping a bad step is not built yet" in result.stderr) == (command == "run")
 
 
 @pytest.mark.parametrize("command", ["scan", "run"])
@@ -66,32 +67,15 @@ def test_max_bad_steps_alone_or_below_one_is_a_usage_error(received, command, tm
     assert command not in received            # nothing ran
 
 
-def test_keep_going_does_not_yet_change_a_scan(tmp_path):
-    # Until the skipping is built, --keep-going runs as without it: the demo's bad step 6
-    # stops the scan, with one finding and no `findings` list.
+def test_keep_going_scans_past_the_demos_bad_step(tmp_path):
+    # The demo's bad step 6 is skipped, localized and recorded; the scan trains to its end
+    # (12 steps) and exits 1, with the finding also in `findings`.
     out = tmp_path / "report.json"
     result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--keep-going", "--quiet",
                      "--no-repro", "--json", out)
     import json
     body = json.loads(out.read_text())
-    assert result.code == 1 and body["finding"]["step"] == 6
-    assert "findings" not in body and "bad_steps" not in body
-
-
-def test_scan_writes_the_skip_list_of_its_bad_step(tmp_path):
-    path = tmp_path / "skip.json"
-    result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet", "--no-repro",
-                     "--skip-list", path)
-    import json
-    assert result.code == 1
-    assert json.loads(path.read_text()) == {"skip": [
-        {"batch": 6, "rows": [5], "sample_ids": None, "cause": "sqrt-domain", "step": 6}]}
-
-
-def test_an_unwritable_skip_list_is_exit_9_before_anything_runs(received, tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    for command, target in (("scan", "config.yaml"), ("run", "train.py")):
-        result = run_cli(command, "--skip-list", blocker / "skip.json", tmp_path / target)
-        assert result.code == 9 and "cannot write" in result.stderr
-    assert received == {}
+    assert result.code == 1 and body["finding"]["step"] == 6 and body["steps_run"] == 12
+    assert [(f["step"], f["action"]) for f in body["findings"]] == [(6, "skipped")]
+    assert body["bad_steps"]["skipped"] == 1
+    assert "not built yet" not in result.stderr

@@ -82,6 +82,10 @@ CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_cl
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
                "ddp_dying_rank", "fsdp_backward_nan", "hsdp_backward_nan", "fsdp_tp_forward_nan"}
+# Scanned with --keep-going: every bad step's (step, where, cause, rows), all skipped.
+KEEP_GOING = {"keep_going": [(3, "input", "nonfinite-input", [2]),
+                             (5, "backward", "sqrt-domain", [6]),
+                             (8, "forward", "log-domain", [1])]}
 SHARED_SOURCE = {"llama_fp16_massive_activation": "transformers/models/llama/modeling_llama.py",
                  "amp_scale_collapse": "mixed_precision.py",
                  "fp16_activation_growth": "mixed_precision.py"}
@@ -90,7 +94,8 @@ SHARED_SOURCE = {"llama_fp16_massive_activation": "transformers/models/llama/mod
 def test_every_example_has_an_expectation():
     from test_setups import SETUPS, SETUPS_CLEAN  # the training-setup examples' own file
     names = {p.stem for p in (ROOT / "configs" / "examples").glob("*.yaml")}
-    assert names == set(EXPECTED) | CLEAN | DISTRIBUTED | set(SETUPS) | SETUPS_CLEAN
+    assert names == set(EXPECTED) | CLEAN | DISTRIBUTED | set(SETUPS) | SETUPS_CLEAN | \
+        set(KEEP_GOING)
 
 
 def test_every_distributed_example_and_example_script_is_run_by_a_test():
@@ -165,3 +170,17 @@ def test_rows_without_per_sample_values_keep_the_json_as_it_was(tmp_path):
     row = result.finding["sample_rows"][0]
     assert sorted(row) == ["index", "leaves"]
     assert dict(row["leaves"])['batch["attention_mask"]']["value"] == [0.0] * 10
+
+
+@pytest.mark.parametrize("name", sorted(KEEP_GOING))
+def test_keep_going_example_skips_every_bad_step(name, tmp_path):
+    result = scan(ROOT / "configs" / "examples" / f"{name}.yaml", "--keep-going",
+                  tmp_path=tmp_path)
+    assert result.code == 1 and result.report["status"] == "nonfinite"
+    report = result.report
+    assert report["steps_run"] == 12              # trained to the data's end
+    assert [(f["step"], f["where"], f["cause"], f["samples"]) for f in report["findings"]] == \
+        KEEP_GOING[name]
+    assert {f["action"] for f in report["findings"]} == {"skipped"}
+    assert report["finding"] == report["findings"][0]
+    assert report["bad_steps"]["skipped"] == 3 and report["bad_steps"]["stopped"] is None

@@ -288,3 +288,72 @@ def test_a_compiled_module_is_audited_in_its_own_names():
     assert f.tensors and not [n for n in f.tensors if "_orig_mod" in n]
     assert "layer.weight" in f.tensors
     assert f.compiled.outcome == "eager" and f.compiled.backend == "aot_eager"
+
+
+class NormedRegressor(lightning.LightningModule):
+    """Regressor's log-likelihood behind a BatchNorm (running statistics a skip must put
+    back), with Adam (moments and step counts a skip must leave) and a per-step StepLR."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                       torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.net(x) - torch.log(y)).pow(2).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2),
+                                 "interval": "step"}}
+
+
+def test_skip_leaves_the_bad_step_out_and_trains_on(tmp_path):
+    # Row 9 has a zero target (log(0)): batch 2 of 16 (rows 8..11).
+    model = NormedRegressor()
+    callback = NanauditCallback(on_finding="skip", echo=False, output_dir=str(tmp_path))
+    trainer = _trainer(callback)
+    trainer.fit(model, _loader(bad_row=9))
+    assert trainer.global_step == 16                     # went on to the end
+    # The same training by hand: no update at batch 2, its BatchNorm statistics put back;
+    # the scheduler steps every step, as Lightning runs it.
+    ref = NormedRegressor()
+    optimizer = torch.optim.Adam(ref.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    for index, batch in enumerate(_loader(bad_row=9)):
+        saved = [b.clone() for b in ref.buffers()]
+        optimizer.zero_grad()
+        ref.training_step(batch, index).backward()
+        if index == 2:
+            with torch.no_grad():
+                for b, s in zip(ref.buffers(), saved):
+                    b.copy_(s)
+        else:
+            optimizer.step()
+        scheduler.step()
+    for (name, got), (_, want) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(got, want), name
+    steps = {int(s["step"]) for s in trainer.optimizers[0].state_dict()["state"].values()}
+    assert steps == {15}                                   # one step of 16 skipped
+    report = callback.report
+    (f,) = report.findings
+    assert (f.step, f.batch_index, f.op, f.cause, f.samples, f.action) == (
+        2, 2, "aten.log.default", "log-domain", [1], "skipped")
+    body = json.loads((tmp_path / "nanaudit.json").read_text())
+    assert body["status"] == "nonfinite" and [g["step"] for g in body["findings"]] == [2]
+
+
+def test_skip_stops_when_skipping_cannot_help():
+    model = NormedRegressor()
+    callback = NanauditCallback(on_finding="skip", echo=False, max_bad_steps=2)
+    loader = _loader(bad_row=0, batch_size=2, n=16)
+    loader.dataset.tensors[1][:] = 0.0                   # every target 0: a bad shard
+    with pytest.raises(NonFiniteError) as raised:
+        _trainer(callback).fit(model, loader)
+    report = raised.value.report
+    assert [(f.step, f.action) for f in report.findings] == [
+        (0, "skipped"), (1, "skipped"), (2, "stopped")]
+    assert report.findings[-1].stop_reason == "max-bad-steps"

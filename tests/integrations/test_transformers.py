@@ -260,3 +260,52 @@ def test_bench_trainer_quick_writes_ratios_and_own_time(tmp_path, capsys, monkey
     assert not hasattr(Sentinel.check_update, "__wrapped__") and (
         Sentinel.check_update.__name__ == "check_update"), "the timing wrappers are removed"
     sys.modules.pop("bench_trainer", None)
+
+
+class _Watch(transformers.TrainerCallback):
+    """The weights before and after each optimizer step, and the learning rate it used."""
+
+    def __init__(self):
+        self.before: dict = {}
+        self.after: dict = {}
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.before[state.global_step] = {n: p.detach().clone()
+                                          for n, p in model.named_parameters()}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after[state.global_step - 1] = {n: p.detach().clone()
+                                             for n, p in model.named_parameters()}
+
+
+def test_trainer_skips_a_bad_step_and_trains_on(tmp_path):
+    # Row 21 (a zero target: log(0)) is row 1 of batch 5, micro-batch 1 of optimizer step 2.
+    callback, watch = NanauditCallback(echo=False, on_finding="skip"), _Watch()
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1.0,
+                                  lr_scheduler_type="linear"),
+        train_dataset=Rows(zero_target=21), compute_loss_func=log_target_loss,
+        callbacks=[callback, watch])
+    trainer.train()                                   # no raise: it went on
+    assert trainer.state.global_step == 6
+    # The skipped step changed no weight; the steps around it did.
+    for name, value in watch.before[2].items():
+        assert torch.equal(value, watch.after[2][name]), name
+    assert not torch.equal(watch.before[3]["classifier.weight"],
+                           watch.after[3]["classifier.weight"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    # AdamW stepped 5 times of 6; the scheduler was not stepped for the skipped step.
+    steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+    assert steps == {5}
+    assert trainer.lr_scheduler.last_epoch == 5
+    report = callback.report
+    assert callback.exit_code == 1 and report.status == "nonfinite"
+    (f,) = report.findings
+    assert (f.step, f.batch_index, f.micro_batch, f.op, f.cause, f.action) == (
+        2, 5, 1, "aten.log.default", "log-domain", "skipped")
+    body = json.loads((tmp_path / "nanaudit" / "nanaudit.json").read_text())
+    assert [g["step"] for g in body["findings"]] == [2]
+    assert "compute_loss" not in trainer.__dict__
+    from nanaudit.integrations.held_step import HeldStep
+    step = trainer.optimizer.__dict__.get("step")
+    assert not isinstance(getattr(step, "__self__", None), HeldStep), "its own step is back"

@@ -27,8 +27,9 @@ class StepDecision(Enum):
 
 
 # A non-finite weight, buffer or optimizer state is there before the step: skipping the
-# update leaves it in place, so every later step would trip on it too.
-_STATE_CHECKS = (Check.PARAMETER, Check.OPTIMIZER)
+# update leaves it in place, so every later step would trip on it too. So is a learning rate
+# no update may run with: a skipped step does not step the scheduler that set it.
+_STATE_CHECKS = (Check.PARAMETER, Check.OPTIMIZER, Check.SCHEDULE)
 
 
 def keep_going(check: Check | None, skipped: int,

@@ -1,0 +1,67 @@
+"""`scan --keep-going` under two ranks (gloo, CPU): a backward NaN made by rank 1's batch at
+step 2 reaches every rank's gradients through DDP's all-reduce; every rank skips that step
+from the one exchange, the finding names rank 1, the run trains to its end and the replicas
+stay equal. FSDP2 likewise, its ranks replaying together."""
+
+import json
+import math
+import shutil
+import textwrap
+
+import pytest
+import torch
+from helpers import ROOT, launch_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+EXAMPLES = ROOT / "configs" / "examples"
+
+
+def test_every_rank_skips_the_same_step_and_the_replicas_stay_equal(tmp_path, monkeypatch):
+    shutil.copy(ROOT / "tests" / "e2e" / "keep_going_ddp.py", tmp_path)
+    ddp = EXAMPLES / "ddp.py"
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        model: {ddp}:magnitude_model
+        data: {{entrypoint: "{ddp}:shard", args: {{poison_rank: 1, poison_step: 2,
+                                                  poison_row: 6, zero_row: true}}}}
+        loss: keep_going_ddp.py:mse_saving
+        optimizer: {{class: torch.optim.SGD, lr: 0.01}}
+        seed: 0
+        device: cpu
+        distributed: {{backend: gloo, timeout_s: 60}}
+        """))
+    monkeypatch.setenv("KEEP_GOING_STATES", str(tmp_path))
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--keep-going",
+                                   "--no-repro", "--json", out], 2, 120)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [6, 6]
+    (finding,) = report["findings"]
+    assert (finding["step"], finding["rank"], finding["where"], finding["cause"],
+            finding["action"]) == (2, 1, "backward", "sqrt-domain", "skipped")
+    assert report["finding"] == finding
+    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        assert torch.isfinite(states[0][key]).all(), key
+        assert torch.equal(states[0][key], states[1][key]), key
+
+
+def test_fsdp2_ranks_replay_and_skip_the_same_step_together(tmp_path):
+    # FSDP2: the backward NaN of rank 1's batch at step 2 reaches both ranks' gradient shards
+    # through the reduce-scatter; every rank replays at once (the finding is the same on each)
+    # and skips the step; the run trains to its end.
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", EXAMPLES / "fsdp_backward_nan.yaml",
+                                   "--keep-going", "--no-repro", "--json", out], 2, 120)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    assert [(r["steps_run"], r["status"]) for r in report["distributed"]["ranks"]] == [
+        (6, "nonfinite"), (6, "nonfinite")]
+    (finding,) = report["findings"]
+    assert (finding["step"], finding["rank"], finding["where"], finding["cause"],
+            finding["action"]) == (2, 1, "backward", "sqrt-domain", "skipped")
+    after = [e for e in report["timeline"] if e["step"] > 2]
+    assert after and all(math.isfinite(e["param_norm"]) and math.isfinite(e["loss"])
+                         for e in after)
