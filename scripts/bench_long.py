@@ -17,6 +17,7 @@ size.
 
     python scripts/bench_long.py                    # 100,000 steps, 3 rounds
     python scripts/bench_long.py --steps 20000 --rounds 1
+    python scripts/bench_long.py --variants plain,run,run-kg   # run with --keep-going too
     python scripts/bench_long.py --million          # also: one 1,000,000-step run of
                                                     # `run` and `scan` (bounded memory/report)
 """
@@ -92,8 +93,9 @@ def command(variant: str, folder: Path, steps: int) -> list[str]:
     report = str(folder / f"{variant}.json")
     if variant == "plain":
         return [sys.executable, str(folder / "tiny_script.py"), str(steps)]
-    if variant == "run":
-        return [sys.executable, "-m", "nanaudit", "run", "-q", "--json", report,
+    if variant in ("run", "run-kg"):     # run-kg: with --keep-going (clean steps: no cost)
+        keep = ["--keep-going"] if variant == "run-kg" else []
+        return [sys.executable, "-m", "nanaudit", "run", "-q", *keep, "--json", report,
                 str(folder / "tiny_script.py"), str(steps)]
     return [sys.executable, "-m", "nanaudit", "scan", "-q", "--json", report,
             str(folder / "tiny.yaml"), "--steps", str(steps)]
@@ -130,7 +132,7 @@ def bench(folder: Path, variants: list[str], steps: int, few: int, rounds: int) 
             runs[variant]["few"].append(measure(variant, folder, few))
             runs[variant]["long"].append(measure(variant, folder, steps))
             last = runs[variant]["long"][-1]
-            print(f"  round {round_ + 1}: {variant:5s} {last['wall_s']:7.1f} s", flush=True)
+            print(f"  round {round_ + 1}: {variant:6s} {last['wall_s']:7.1f} s", flush=True)
     table = {}
     for variant in variants:
         long, short = runs[variant]["long"], runs[variant]["few"]
@@ -156,7 +158,7 @@ def show(table: dict, steps: int) -> None:
     for variant, row in table.items():
         report = (f"{row['report_bytes'] / 1024:.0f} KiB ({row['kept']} + {row['summarized']})"
                   if row.get("report_bytes") else "-")
-        print(f"{variant:5s} | {row['wall_s']:.1f} s | {row['step_ms_wall']:.3f} / "
+        print(f"{variant:6s} | {row['wall_s']:.1f} s | {row['step_ms_wall']:.3f} / "
               f"{row['step_ms_cpu']:.3f} ms | {row['fixed_ms_wall']:.3f} / "
               f"{row['fixed_ms_cpu']:.3f} ms | {row['peak_rss_mb']:.0f} MB | {report}")
     if "run" in table and "scan" in table:

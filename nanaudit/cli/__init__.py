@@ -108,17 +108,11 @@ def _write_bad_steps_skip_list(path: str | None, report: Report) -> list[str]:
     return _write_skip_list(path, skip_entries(findings))
 
 
-def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None, terminal: Terminal,
-                     skips: bool = False) -> int:
-    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2).
-    `skips`: the command skips bad steps under --keep-going (else it says it does not)."""
+def _bad_steps_limit(keep_going: bool, max_bad_steps: int | None) -> int:
+    """--max-bad-steps' value; given without --keep-going it is a usage error (exit 2)."""
     if max_bad_steps is not None and not keep_going:
         raise click.UsageError("--max-bad-steps needs --keep-going (without it the first bad "
                                "step stops the run)")
-    if keep_going and not skips:
-        # Said, not hidden: the options are recorded, the skipping is not built yet.
-        terminal.warning("--keep-going is recorded, but skipping a bad step is not built yet: "
-                         "the first bad step stops the run")
     return MAX_BAD_STEPS if max_bad_steps is None else max_bad_steps
 
 
@@ -162,7 +156,7 @@ def scan(config: Path, steps: int | None, device: str | None, seed: int | None,
     from nanaudit.commands.scan import scan as run_scan
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console or not is_rank_zero())
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal, skips=True)
+    limit = _bad_steps_limit(keep_going, max_bad_steps)
     outputs.check(terminal, also={"--skip-list": skip_list_path},
                   folder=None if no_repro else repro_dir)
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
@@ -312,7 +306,7 @@ def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | Non
     from nanaudit.script.target import ScriptOptions, ScriptTarget, rank_path
     outputs = Requested.from_options(formats)
     terminal = Terminal(quiet or outputs.quiets_console)
-    limit = _bad_steps_limit(keep_going, max_bad_steps, terminal)
+    limit = _bad_steps_limit(keep_going, max_bad_steps)
     outputs.check(terminal, also={"--skip-list": skip_list_path})
     skip_list_path = absolute(skip_list_path) if skip_list_path else None
     if script_args[:1] == ("-m",) and len(script_args) > 1:

@@ -9,6 +9,8 @@ from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
 from nanaudit.run.distributed import Coordinator
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.inprocess import bad_step_finding
+from nanaudit.script.keep_going import KeepGoing
 from nanaudit.script.ranks import merge_ranks
 from nanaudit.script.runner import audit_script, record
 from nanaudit.script.target import ScriptOptions, ScriptTarget, script_rank
@@ -27,6 +29,9 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
     report = base_report(target.display, None)
     report.config, report.command = summary(target, options), "run"
     auditor = ScriptAuditor(rank=script_rank())
+    if options.keep_going:
+        auditor.keep = KeepGoing(options.max_bad_steps,
+                                 lambda trip: bad_step_finding(auditor, options, trip))
 
     def body() -> None:
         try:

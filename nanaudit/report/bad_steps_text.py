@@ -15,6 +15,8 @@ WHY_STOPPED = {
     StopReason.MAX_BAD_STEPS: "--max-bad-steps ({limit}) bad steps were skipped already",
     StopReason.NONFINITE_STATE: "the weights, buffers or optimizer state were non-finite "
                                 "before the step, so skipping it changes nothing",
+    StopReason.CANNOT_SKIP: "its update could not be held back, or holding it back could not "
+                            "help (the finding says why)",
 }
 
 

@@ -149,3 +149,6 @@ class StopReason(Word):
     MAX_BAD_STEPS = "max-bad-steps"       # --max-bad-steps steps were skipped already
     NONFINITE_STATE = "nonfinite-state"   # the weights, buffers or optimizer state were
                                           # non-finite before the step: skipping changes nothing
+    CANNOT_SKIP = "cannot-skip"           # the update cannot be held back (a hand-written one,
+                                          # a closure's optimizer that already moved the
+                                          # weights, a script that raised, a collapsed scale)

@@ -54,6 +54,7 @@ class LossTap:
         self.on_loss, self.before, self.after, self.on_scale = on_loss, before, after, on_scale
         self.trained = trained
         self.raised_in_backward = False   # the last differentiation raised (where it raised)
+        self.muted = False                # nanaudit's own replay differentiates: not heard
         self._depth = 0
         self._scaled: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._restore: list[Callable[[], None]] = []
@@ -109,7 +110,7 @@ class LossTap:
         return pair[1] if pair is not None and pair[0] is loss else loss
 
     def _differentiating(self, losses: Any, differentiate: Callable[[], Any]) -> Any:
-        if self._depth:
+        if self._depth or self.muted:
             return differentiate()              # inside a backward: not a loss of the step
         for t in tensors_of(losses):
             if t.numel() == 1 and (t.is_floating_point() or t.is_complex()):

@@ -23,8 +23,10 @@ Nothing in the script changes. What is installed, and what each tells the audito
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -71,6 +73,7 @@ class ScriptHooks:
         self._compiled = CompiledCalls(self)
         self.entry: Any = None        # what the script called for the step's first call
         self._zero_wrapped: set[int] = set()     # DeepSpeed ZeRO optimizers wrapped
+        self.scaler: Any = None       # the GradScaler whose `step` is running (it steps)
 
     @property
     def raised_in_backward(self) -> bool:
@@ -102,6 +105,24 @@ class ScriptHooks:
         for restore in reversed(self._restore):
             restore()
         self._restore = []
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """nanaudit's own replay of a step inside the script (--keep-going localizes a skipped
+        step at its trip): its model calls and backward are not the script's, so none of them
+        is heard; the hooks wait as they did before."""
+        waiting = self.waiting
+        self.stop_waiting()
+        self.tap.muted = self._tap.muted = True
+        try:
+            yield
+        finally:
+            self.tap.muted = self._tap.muted = False
+            if waiting:
+                self._forward_handle = None
+                after_return = self._after_return
+                self.await_forward()
+                self._after_return = after_return
 
     def await_forward(self) -> None:
         """Listen for the next outermost module call (after a step or a backward)."""
@@ -208,11 +229,15 @@ class ScriptHooks:
     def _wrap_scaler_step(self) -> None:
         """A step the GradScaler skipped: no post-hook ran during its `step`."""
         from torch.amp import GradScaler
-        original, listener, tap = GradScaler.step, self.listener, self.tap
+        original, listener, tap, hooks = GradScaler.step, self.listener, self.tap, self
 
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             before = listener.stepped()
-            result = original(scaler, optimizer, *args, **kwargs)
+            hooks.scaler = scaler
+            try:
+                result = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                hooks.scaler = None
             if listener.stepped() == before and scaler.is_enabled():
                 listener.scaler_skipped(optimizer, scaler)
                 tap.close()              # a skipped step that did not trip: not replayed

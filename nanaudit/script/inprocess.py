@@ -29,7 +29,7 @@ from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Check, RerunStatus, Where
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
-from nanaudit.script.findings import trip_notes
+from nanaudit.script.findings import first_run_finding, trip_notes
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions, script_rank
 from nanaudit.script.trip import ScriptTrip
@@ -45,7 +45,7 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
                         timeline: Any) -> tuple[Rerun | None, Finding | None]:
     """(the replay's record, the finding it names; None: fall back to the re-run, the record's
     note says why). An input or error trip is the re-run's alone: no record."""
-    if trip.check not in (Check.LOSS, Check.GRADIENT):
+    if trip.check not in (Check.LOSS, Check.GRADIENT) and not trip.in_buffers:
         return None, None
     started = time.perf_counter()
     try:
@@ -60,6 +60,33 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
     finding.localized_by = IN_PROCESS
     return Rerun(steps=1, duration_s=took, status=RerunStatus.REPRODUCED, ops_traced=ops,
                  precision=precision), finding
+
+
+def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> Finding:
+    """The finding of a step --keep-going skips, localized at the trip in-process; a step the
+    replay cannot name (an input trip, a replay that did not reproduce, torchrun) keeps the
+    first run's finding, saying why: a skipped step is never re-run."""
+    trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
+    finding = first_run_finding(trip)
+    finding.element = finding.element or trip.element   # a sharded tensor's bad element
+    if not trip.needs_rerun:
+        return finding
+    if script_rank() is not None:
+        # Every rank has the trip (the one exchange gave them the same verdict) and skips.
+        finding.explain("not localized: the in-process replay is not built under torchrun, "
+                        "and a step the run skipped and went on from is never re-run")
+        return finding
+    replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
+    if localized is not None:
+        localized = adopt(localized, trip)
+        localized.element = localized.element or trip.element
+        return localized
+    why = (replay.note if replay is not None and replay.note else
+           "the batch was non-finite before the model got it: only a re-run traces the data "
+           "code that made it" if trip.check == Check.INPUT else "the step was not replayed")
+    finding.explain(f"not localized: {why} (a step the run skipped and went on from is never "
+                    f"re-run)")
+    return finding
 
 
 def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
@@ -104,7 +131,8 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
     params = _params(calls)
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
-    with auditor.hooks.tap.record.replaying(params), torch.enable_grad():
+    with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
+            torch.enable_grad():
         tracer = OpTracer(calls[0].module)
         try:
             with tracer:
@@ -178,7 +206,14 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
     """Walk back from the replay's bad loss (or gradients) to the op that made it."""
     batch = leading_size(calls[0].args, calls[0].kwargs)
     names: list[str] = []
-    if trip.check == Check.LOSS:
+    if trip.in_buffers:
+        # Buffers the replayed forward made non-finite: walked back from the first bad one.
+        bad = auditor.buffers.nonfinite()
+        if not bad:
+            return None, ops, "the in-process replay's buffers came out finite"
+        names = [n for n, _ in bad]
+        loc = walk_from_sink(tracer.trace, bad[0][1], Where.FORWARD, timeline, names)
+    elif trip.check == Check.LOSS:
         sinks = [again for _first, again in pairs if not math.isfinite(float(again.detach()))]
         if not sinks:
             return None, ops, "the in-process replay's losses came out finite"

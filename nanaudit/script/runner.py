@@ -11,7 +11,7 @@ import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.localize.early_warnings import attach_warnings
-from nanaudit.report.model import Report, SampleSearch
+from nanaudit.report.model import Finding, Report, SampleSearch
 from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Check, Status
 from nanaudit.run.timeline import report_timeline
@@ -50,8 +50,8 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     report.run.first_run = FirstRun(steps=auditor.timeline.steps,
                                     duration_s=round(time.perf_counter() - started, 3),
                                     host_reads=auditor.host_reads, skipped=auditor.skipped)
-    trip = auditor.trip
-    if trip is None:
+    trip, keep = auditor.trip, auditor.keep
+    if trip is None and (keep is None or not keep.log.count):
         if auditor.step == 0:
             did = (f"after calling backward {auditor.ledger.backwards} time(s) but never stepping "
                    f"the optimizer it built, nor clearing the gradients with `zero_grad()` "
@@ -69,6 +69,20 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         report.status = Status.CLEAN
         return None
     report.status = Status.NONFINITE
+    if trip is not None:
+        finding = _localize_stop(target, options, report, auditor, trip, before)
+        if keep is not None:
+            keep.ended(finding, trip)
+    record(report, auditor)      # under --keep-going: every bad step's finding
+    attach_timeline_warnings(report, trip, auditor)
+    return script_error
+
+
+def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
+                   auditor: ScriptAuditor, trip: ScriptTrip,
+                   before: FolderState | None) -> Finding:
+    """The finding of the step the run stopped at, in `report.finding` (and returned)."""
+    assert report.run is not None
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     report.finding = first_run_finding(trip)
     if trip.needs_rerun:
@@ -78,13 +92,16 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
                                                            auditor.timeline)
         if localized is not None:
             report.finding = adopt(localized, trip)
+        elif auditor.keep is not None and auditor.keep.log.skipped:
+            report.finding.explain("not re-run: the run skipped bad steps before this one, and "
+                                   "a re-run from the start would apply their updates")
         else:
             report.run.rerun, report.finding = localize_by_rerun(
                 target, options, trip, auditor.timeline, report.finding, before)
+    assert report.finding is not None
     if report.finding.element is None:      # a sharded tensor's bad element, by global index
         report.finding.element = trip.element
-    attach_timeline_warnings(report, trip, auditor)
-    return script_error
+    return report.finding
 
 
 def record(report: Report, auditor: ScriptAuditor) -> None:
@@ -96,6 +113,8 @@ def record(report: Report, auditor: ScriptAuditor) -> None:
         report.run = ScriptRun()
     if auditor.rank is not None:
         report.run.rank = auditor.rank
+    if auditor.keep is not None:
+        auditor.keep.log.apply(report)      # nothing until a bad step
 
 
 def attach_timeline_warnings(report: Report, trip: ScriptTrip | None,

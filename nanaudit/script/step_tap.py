@@ -32,6 +32,7 @@ class StepTap:
         self._hooked: dict[int, Any] = {}   # id(module) -> its forward hook's handle
         self._pending: ModelCall | None = None
         self._restore: list = []
+        self.muted = False                # nanaudit's own replay calls the model: not heard
 
     def install(self) -> None:
         if not self.enabled:
@@ -83,7 +84,7 @@ class StepTap:
 
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         call = self._pending
-        if call is None or call.module is not module:
+        if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
         self._pending = None
         call.output = output

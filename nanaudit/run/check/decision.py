@@ -32,14 +32,22 @@ class StepDecision(Enum):
 _STATE_CHECKS = (Check.PARAMETER, Check.OPTIMIZER, Check.SCHEDULE)
 
 
-def keep_going(check: Check | None, skipped: int,
-               max_bad_steps: int) -> tuple[StepDecision, StopReason | None]:
+def keep_going(check: Check | None, skipped: int, max_bad_steps: int,
+               skippable: bool = True,
+               in_forward: bool = False) -> tuple[StepDecision, StopReason | None]:
     """The decision under keep-going for a step whose trip (if any) names `check`, after
-    `skipped` bad steps were skipped: (decision, why the run stops, or None)."""
+    `skipped` bad steps were skipped: (decision, why the run stops, or None). `skippable`
+    False: the front end cannot hold this step's update back (a hand-written update has no
+    optimizer call to leave out; a closure's later evaluation comes after its optimizer moved
+    the weights; the script raised), so the step stops the run. `in_forward`: a PARAMETER
+    trip of buffers this step's own forward made non-finite, which go back with the step's
+    buffers: not state from before the step."""
     if check is None:
         return StepDecision.APPLY, None
-    if check in _STATE_CHECKS:
+    if check in _STATE_CHECKS and not (in_forward and check == Check.PARAMETER):
         return StepDecision.STOP, StopReason.NONFINITE_STATE
+    if not skippable:
+        return StepDecision.STOP, StopReason.CANNOT_SKIP
     if skipped >= max_bad_steps:
         return StepDecision.STOP, StopReason.MAX_BAD_STEPS
     return StepDecision.SKIP, None

@@ -1,0 +1,197 @@
+"""The step checks of `nanaudit run`'s auditor (script/auditor.py hears the hooks and acts on
+what these decide): at each optimizer step ONE host read of the step's values (readout.py: its
+inputs' finiteness, the weights as the previous update left them, the window's losses, the
+gradients' norm, the floating buffers' peaks) and the trip it makes, named by the one rule every
+checker uses (run/check/verdict.py; under torchrun from every rank's flags); and, after the
+script, the losses no check read and the weights the last updates left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from nanaudit.config.schema import AmpOptions
+from nanaudit.report.model import TimelineEntry
+from nanaudit.report.vocabulary import Check
+from nanaudit.run.check.decision import StepDecision
+from nanaudit.run.check.scaler import ScalerWatch
+from nanaudit.run.check.scope import BufferScope
+from nanaudit.run.check.verdict import tripped_check
+from nanaudit.run.checks import confirm_nonfinite, exact_norm
+from nanaudit.run.rank_checks import RankChecks
+from nanaudit.script.ledger import Ledger
+from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, read_step
+from nanaudit.script.rerun_window import RerunWindow
+from nanaudit.script.step_log import StepLog
+from nanaudit.script.step_values import same_value
+from nanaudit.script.trip import ScriptTrip, float_kind
+from nanaudit.script.trip_namer import TripNamer
+
+
+class StepChecks:
+    """What one script run's checks read and found (the timeline, the trip); the auditor
+    subclasses it with the hooks' event handlers."""
+
+    def __init__(self, rerun_step: int | None = None, rank: int | None = None,
+                 expected_losses: dict[int, float | None] | None = None, tracer: Any = None,
+                 rerun_evaluation: int = 0, rerun_skips: int = 0):
+        self.step = 0                    # optimizer steps completed
+        self.log = StepLog()             # the timeline, and the early warnings read off it
+        self.timeline = self.log.timeline
+        self.trip: ScriptTrip | None = None
+        self.rank = rank
+        self.host_reads = 0
+        self.device = ""
+        # A GradScaler's skipped tries (not steps), and when they collapse: the check core's
+        # rule, as scan's and Sentinel's, at their defaults (a script has no amp: options).
+        amp = AmpOptions()
+        self.scaler_watch = ScalerWatch(amp.scale_floor, amp.max_skipped, options="")
+        self.buffers = BufferScope()     # the floating buffers of the modules it called
+        # The re-run's traced window (the tracer class handed in: the cheap path never imports
+        # the expensive one) and the first run's losses, to stop a re-run that left it.
+        self.window = RerunWindow(rerun_step, rerun_evaluation, tracer, rerun_skips)
+        self.expected_losses = expected_losses      # the first run's, by step
+        self._inbox = StepInbox()
+        self._evaluation = 0             # closure calls checked in the current step
+        self.ledger = Ledger()
+        self.namer = TripNamer(self.ledger, rank)
+        self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
+        self.ranks: RankChecks | None = None     # torchrun: the script's process group
+
+    def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
+        """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
+        loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
+        evaluations in the same step add no timeline entry."""
+        self.ledger.stepped[id(optimizer)] = optimizer
+        if self.window.arms_at(self.step, self._evaluation):
+            self.window.reached(optimizer)
+            return StepDecision.STOP
+        scope = self._scopes.of(optimizer)
+        if scope is None:
+            return StepDecision.APPLY
+        self.device = scope.device_name
+        grads = scope.grads()
+        inbox, self._inbox = self._inbox, StepInbox()
+        # Under torchrun every rank's flags (its buffers' among them) join the read: the ranks
+        # decide together.
+        buffers = self.buffers.tensors() if self.buffers else None
+        read = read_step(inbox, scope, grads,
+                         self.ranks.table if self.ranks is not None else None, buffers)
+        if not read.buffers_ok and not confirm_nonfinite(buffers or []):
+            read = dataclasses.replace(read, buffers_ok=True)   # an L2 norm overflowed
+        self.host_reads += 1
+        loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
+        assert norm is not None and grad_norm is not None
+        if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
+            grad_norm = exact_norm(scope.local(grads))  # a float32 sum of squares overflowed
+        if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
+            norm = exact_norm(scope.local(scope.params))
+        entry = self._entry(optimizer, loss, grad_norm, norm)
+        if evaluation == 0:
+            self.log.append(entry)
+            if self._left_first_run(loss):
+                return StepDecision.STOP       # a re-run that already differs: no use going on
+        if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
+                and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
+            return StepDecision.APPLY          # all finite: no check can trip
+        trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
+                              grad_norm, scope.params, inbox.inputs)
+        if trip is not None:
+            trip.evaluation = evaluation
+            if evaluation:
+                # The step shows the evaluation that went bad.
+                self.log.replace_last(entry)
+            self.trip = trip
+        return StepDecision.of(trip)
+
+    def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
+               norm: float | None, **fields: Any) -> TimelineEntry:
+        return self.log.entry(self.step, optimizer, loss, grad_norm, norm, **fields)
+
+    def early_warnings(self) -> list:
+        """The early warnings of the run so far (all of it: call at its end)."""
+        return self.log.early_warnings()
+
+    def _left_first_run(self, loss: float | None) -> bool:
+        expected = self.expected_losses
+        if expected is None or self.step not in expected:
+            return False
+        return not same_value(expected[self.step], loss)
+
+    def _classify(self, optimizer: Any, read: StepRead, norm: float, loss: float,
+                  grad_norm: float, params: list, inputs: list) -> ScriptTrip | None:
+        """The step's trip, by the one rule every checker names what tripped with (under
+        torchrun from every rank's flags: the same trip on every rank, naming the rank whose
+        own value went bad; the details are that rank's)."""
+        updated_at = self.ledger.updated_at.get(id(optimizer))
+        if self.ranks is not None:
+            verdict = self.ranks.verdict(self.step, read.table, updated_at)
+        else:
+            verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
+                                    weights_finite=math.isfinite(norm), updated_at=updated_at,
+                                    loss_finite=math.isfinite(loss),
+                                    grads_finite=math.isfinite(grad_norm),
+                                    buffers_finite=read.buffers_ok)
+        if verdict is None:
+            return None
+        trip = self.namer.from_verdict(self.step, verdict, optimizer, loss, grad_norm, params,
+                                       inputs, self.buffers)
+        if self.ranks is not None:
+            trip.rank = verdict.part
+        return trip
+
+    def parameter_name(self, p: torch.Tensor) -> str:
+        return self.ledger.name(p)
+
+    def finish(self) -> None:
+        """After the script returned: a loss that reached backward with no step after it (a
+        script that skips its update or exits on seeing a NaN loss), then the parameters the
+        last updates left (one read each)."""
+        self._unstepped_losses()
+        if self.trip is None:
+            self._last_updates()
+
+    def _last_updates(self) -> None:
+        self.host_reads += bool(self.ledger.stepped)
+        self.trip = self.namer.last_updates(self.step)
+
+    def _unstepped_losses(self) -> None:
+        """The losses and inputs no check read: non-finite, they are this step's finding (a
+        loss nanaudit saw non-finite is never part of a clean run)."""
+        inbox, self._inbox = self._inbox, StepInbox()
+        if not inbox.losses or self.window.armed is not None:
+            return
+        if (read := self._bad_losses(inbox)) is None:
+            return
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self.log.append(self._entry(last, read.loss, None, None))
+        self.trip = self._loss_trip(inbox, read)
+
+    def _bad_losses(self, inbox: StepInbox) -> StepRead | None:
+        """One host read of the losses and inputs no optimizer check read; None: all finite."""
+        read = read_step(inbox)
+        self.host_reads += 1
+        if read.inputs_ok and (read.loss is None or math.isfinite(read.loss)):
+            return None
+        return read
+
+    def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
+        """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
+        loss = read.loss if read.loss is not None else 0.0
+        if not read.inputs_ok:
+            return self.namer.input_trip(self.step, inbox.inputs, loss, None)
+        return self.namer.trip(self.step, Check.LOSS, float_kind(loss), [], loss=loss)
+
+    @property
+    def optimizer_count(self) -> int:
+        """The optimizers the script stepped (its own update counts as one)."""
+        return len(self.ledger.stepped)
+
+    @property
+    def skipped(self) -> int:
+        """The tries a GradScaler skipped (not steps)."""
+        return self.scaler_watch.skipped
