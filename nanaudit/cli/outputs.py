@@ -16,6 +16,7 @@ from nanaudit.cli.process import code_of, exit_with
 from nanaudit.cli.streams import STDERR, reserve_stdout, write_stderr, write_stdout
 from nanaudit.cli.terminal import Terminal
 from nanaudit.exitcodes import ExitCode
+from nanaudit.report.vocabulary import Status
 
 if TYPE_CHECKING:
     from nanaudit.report.model import Report
@@ -185,7 +186,7 @@ class Requested:
                 failed.append(problem)
         if not terminal.quiet:
             terminal.show(lambda console: print_report(report, console))
-        elif report.status == "error" and report.error:
+        elif report.status == Status.ERROR and report.error:
             terminal.error(report.error.message)
         return failed
 

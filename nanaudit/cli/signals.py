@@ -21,6 +21,7 @@ from nanaudit.cli.process import exit_with, main_thread
 from nanaudit.cli.streams import release_stdout
 from nanaudit.cli.terminal import Terminal
 from nanaudit.exitcodes import STOP_SIGNALS, stopped_by
+from nanaudit.report.vocabulary import Status
 
 if TYPE_CHECKING:
     from nanaudit.report.model import Report
@@ -75,7 +76,7 @@ class Stop:
         """A signal that arrived after the run's own handling (localizing, or at the very
         end) still marks the report partial: what the user stopped is not a clean result."""
         from nanaudit.commands.common import mark_interrupted
-        if self.signal_name is not None and report.status != "error":
+        if self.signal_name is not None and report.status != Status.ERROR:
             mark_interrupted(report, self.signal_name)
 
 

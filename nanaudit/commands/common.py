@@ -39,15 +39,15 @@ class ScanOptions:
 
 
 def exit_code(report: Report) -> ExitCode:
-    if report.status == "clean":
+    if report.status == Status.CLEAN:
         if report.warnings and report.config.get("fail_on") == "warning":
             return ExitCode.WARNING
         return ExitCode.CLEAN
-    if report.status == "nonfinite":
+    if report.status == Status.NONFINITE:
         return ExitCode.NONFINITE
     if report.error is not None:
         return ExitCode(report.error.exit_code)
-    return ExitCode.INTERRUPTED if report.status == "interrupted" else ExitCode.INTERNAL
+    return ExitCode.INTERRUPTED if report.status == Status.INTERRUPTED else ExitCode.INTERNAL
 
 
 def early_report(target: Any, command: str, signal_name: str) -> Report:

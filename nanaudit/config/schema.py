@@ -137,6 +137,8 @@ class DistributedOptions:
     fsdp: bool = False                # shard with FSDP2 (fully_shard per block) instead of DDP
     fsdp_param_dtype: str = "fp32"    # FSDP2's MixedPrecisionPolicy param_dtype (fp32: none)
     mesh: dict | None = None          # HSDP: {dp_replicate: R, dp_shard: S}, R x S = world size
+    tp: int = 1                       # tensor parallel: ranks per TP group, R x S x tp = world
+    parallelize: str | None = None    # the TP plan `module:fn(model, tp_mesh)` (needed by tp > 1)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -230,6 +232,7 @@ class UserCode:
     step: Entrypoint | None = None
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
+    parallelize: Entrypoint | None = None
 
 
 @dataclass(frozen=True)
@@ -298,8 +301,10 @@ class Config:
                           loss_key=code.key, loss_args=dict(code.args))
 
     def user_code(self) -> UserCode:
+        plan = self.distributed.parallelize
         return UserCode(self.base_dir, self.model, self.data, self.loss, self.step,
-                        self.optimizer, self.scheduler)
+                        self.optimizer, self.scheduler,
+                        Entrypoint(plan, "distributed.parallelize") if plan else None)
 
     @property
     def base_dir(self) -> Path:

@@ -6,6 +6,7 @@ default, so the rest of the file is still checked.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -223,7 +224,41 @@ def distributed(value: Any, problems: Problems) -> DistributedOptions:
         fsdp_param_dtype=values.choice(raw.get("fsdp_param_dtype", d.fsdp_param_dtype),
                                        "distributed.fsdp_param_dtype", FSDP_PARAM_DTYPES,
                                        problems),
-        mesh=mesh_dims(raw.get("mesh"), problems))
+        mesh=mesh_dims(raw.get("mesh"), problems),
+        **tensor_parallel(raw, problems))
+
+
+def tensor_parallel(raw: Mapping[str, Any], problems: Problems) -> dict[str, Any]:
+    """`distributed.tp: 2` with `distributed.parallelize: module:fn`: the user's plan
+    (torchtitan's `parallelize_module` with ColwiseParallel / RowwiseParallel, which no config key
+    could name for every model) is applied on the TP sub-mesh before FSDP2 shards the rest."""
+    tp = values.positive_int(raw.get("tp", 1), "distributed.tp", problems) or 1
+    plan = raw.get("parallelize")
+    if plan is not None and (not isinstance(plan, str) or ":" not in plan):
+        problems.append(Problem("distributed.parallelize", "expected `module.path:function` or "
+                                f"`file.py:function`, got {plan!r}"))
+        plan = None
+    if tp > 1 and plan is None and "parallelize" not in raw:
+        problems.append(Problem("distributed.parallelize", f"distributed.tp is {tp}: name the "
+                                "tensor-parallel plan, a function `fn(model, tp_mesh)` that "
+                                "calls parallelize_module"))
+    return {"tp": tp, "parallelize": plan}
+
+
+def mesh_world_problems(dims: Mapping[str, int] | None, tp: int,
+                        world_size: int) -> list[Problem]:
+    """The mesh (`distributed.mesh` x `distributed.tp`) covers the ranks torchrun started;
+    the problem names the key that made the product (tp when set, else the mesh)."""
+    sizes = {**(dims or {}), **({"tp": tp} if tp > 1 else {})}
+    ranks = math.prod(sizes.values())
+    key = "distributed.tp" if tp > 1 else "distributed.mesh"
+    if dims and ranks != world_size:
+        named = " x ".join(f"{name} {size}" for name, size in sizes.items())
+        return [Problem(key, f"{named} is {ranks} ranks, but torchrun started {world_size}")]
+    if not dims and world_size % tp:
+        return [Problem(key, f"tp {tp} does not divide the {world_size} ranks torchrun "
+                        "started (the data-parallel ranks are world size / tp)")]
+    return []
 
 
 def mesh_dims(value: Any, problems: Problems) -> dict | None:

@@ -33,6 +33,7 @@ ROLES: dict[str, tuple[tuple[str, ...], str]] = {
     "loss": (("model", "batch"), "the loss `fn(model, batch, **args) -> scalar tensor`"),
     "step": (("model", "batch", "optimizer"),
              "the step `fn(model, batch, optimizer, **args) -> loss or {name: loss}`"),
+    "parallelize": (("model", "tp_mesh"), "the tensor-parallel plan `fn(model, tp_mesh)`"),
 }
 """How nanaudit calls each entrypoint key: its positional arguments, and how messages name it."""
 
@@ -52,6 +53,7 @@ class Callables:
     step: Callable | None = None
     optimizer: Callable | None = None
     scheduler: Callable | None = None
+    parallelize: Callable | None = None
 
 
 @dataclass

@@ -103,7 +103,7 @@ class Blamer:
         if source.how == "written":
             lead = "" if op_base(event.op) in WRITES else "created outside torch ops: "
             text = (f"{lead}{describe(source)}, and it reached the "
-                    f"{'loss' if chain[-1].phase == 'forward' else 'gradient'} without being "
+                    f"{'loss' if chain[-1].phase == Where.FORWARD else 'gradient'} without being "
                     f"masked out again: no op along the way turned it back into a finite value")
             return Blame(event, chain, Diagnosis(Cause.UNKNOWN, text, fix_for(Cause.UNKNOWN)))
         return Blame(event, chain, as_diagnosis(source.reason) if source.reason is not None
@@ -197,7 +197,7 @@ def _onward(source: Source, downstream: list, nan_maker: Any) -> str:
         return how_nan(nan_maker)
     if downstream:
         return (f"; the {signed(source.event.out_kinds)} reached the "
-                f"{'loss' if downstream[-1].phase == 'forward' else 'gradient'} through "
+                f"{'loss' if downstream[-1].phase == Where.FORWARD else 'gradient'} through "
                 f"{', '.join(passed_through(downstream[:6]))}")
     return ""
 

@@ -22,7 +22,7 @@ from nanaudit.report.sections import (
     ScriptRun,
     UserCodeFailure,
 )
-from nanaudit.report.text import module_label, warning_line
+from nanaudit.report.text import describe_coordinate, module_label, warning_line
 
 
 def _section(anchor: str, title: str, body: str) -> str:
@@ -111,13 +111,18 @@ def ranks_section(section: DistributedRun | None, finding_rank: int | None) -> s
             f"{esc(section.host)}.</p>")
     if section.note:
         lead += f'<p class="muted">{esc(section.note)}</p>'
+    ranks = section.ranks or []
+    # The mesh column only where a rank has a coordinate: a DDP run's table keeps its shape.
+    meshed = any(r.mesh for r in ranks)
     rows = [[str(r.rank) + (' <span class="bad">(finding)</span>' if r.rank == finding_rank
                             else ""),
              f'<span class="{_status_class(r.status)}">{esc(r.status)}</span>',
              str(r.steps_run), esc(r.device), esc(r.host), str(r.warnings)]
-            for r in section.ranks or []]
-    body = table(("rank", "status", "steps", "device", "host", "warnings"), rows,
-                 numeric=(2, 5)) if rows else ""
+            + ([esc(describe_coordinate(r.mesh)) if r.mesh else ""] if meshed else [])
+            for r in ranks]
+    headers = ("rank", "status", "steps", "device", "host", "warnings") + (
+        ("mesh",) if meshed else ())
+    body = table(headers, rows, numeric=(2, 5)) if rows else ""
     return _section("ranks", "Ranks", lead + body)
 
 

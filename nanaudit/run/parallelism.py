@@ -33,12 +33,15 @@ class Parallelism:
         """FSDP2: each rank holds its own shard of the weights (sharded.py)."""
         return self.pre_reduce is not None
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, device: torch.device,
+             parallelize: Callable[..., Any] | None = None) -> torch.nn.Module:
         """DDP around the model; or FSDP2: the model the factory sharded itself, or sharded
-        here (`distributed.fsdp`), its reduce-scatters flagged."""
-        if (self.options.fsdp or self.options.mesh) and not fsdp_modules(model):
-            shard_model(model, device, self.world_size, self.options.fsdp_param_dtype,
-                        self.options.mesh)
+        here (`distributed.fsdp`, `mesh`, `tp` with the user's `parallelize` plan), its
+        reduce-scatters flagged."""
+        options = self.options
+        if (options.fsdp or options.mesh or options.tp > 1) and not fsdp_modules(model):
+            shard_model(model, device, self.world_size, options.fsdp_param_dtype,
+                        options.mesh, options.tp, parallelize)
         modules = fsdp_modules(model)
         if modules:
             self.pre_reduce = PreReduceFlags()
@@ -54,21 +57,31 @@ class Parallelism:
         ddp.register_comm_hook(self, _flag_then_allreduce)
         return ddp
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel group: the `tp` ranks of a group (the mesh's last,
+        innermost dimension) see the same batches, as tensor parallelism needs."""
+        return self.rank // self.options.tp
+
+    @property
+    def data_world(self) -> int:
+        return self.world_size // self.options.tp
+
     def shard(self, data: Any, sharded_by_user: bool) -> Any:
-        """This rank's part of the data: the user's own shard, a DistributedSampler for a
-        DataLoader, or every world_size-th batch of any other iterable."""
+        """This rank's group's part of the data: the user's own shard, a DistributedSampler
+        for a DataLoader, or every data_world-th batch of any other iterable."""
         if sharded_by_user:
             return data
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
         if isinstance(data, DataLoader) and data.batch_size is not None:
             sampler: DistributedSampler[Any] = DistributedSampler(
-                data.dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False,
+                data.dataset, num_replicas=self.data_world, rank=self.data_rank, shuffle=False,
                 drop_last=data.drop_last)
             return DataLoader(data.dataset, batch_size=data.batch_size, sampler=sampler,
                               collate_fn=data.collate_fn, num_workers=data.num_workers,
                               drop_last=data.drop_last, pin_memory=data.pin_memory)
-        return itertools.islice(data, self.rank, None, self.world_size)
+        return itertools.islice(data, self.data_rank, None, self.data_world)
 
     def own_gradient_flag(self, grad_norm: Callable[[], torch.Tensor]) -> torch.Tensor:
         """1.0 when this rank's own gradients (before averaging) held a non-finite value;

@@ -137,7 +137,8 @@ def build_session(config: Config, coordinator: Coordinator | None = None) -> Ses
         from nanaudit.run.compiled import compile_model
         compile_model(model, config.compile.arguments())
     # Wrapped before the optimizers are built: FSDP2 replaces the parameters with its shards.
-    wrapped = coordinator.parallel.wrap(model, device) if coordinator is not None else model
+    wrapped = (coordinator.parallel.wrap(model, device, code.parallelize)
+               if coordinator is not None else model)
     optimizers = build_optimizers(config, code, model)
     schedulers = build_schedulers(config, code, optimizers)
     if checkpoint is not None:
@@ -151,7 +152,8 @@ def build_session(config: Config, coordinator: Coordinator | None = None) -> Ses
         what = f"data factory `{config.data.target}`"
         kwargs = dict(config.data.args)
         if shards_itself and coordinator is not None:
-            kwargs.update(rank=coordinator.rank, world_size=coordinator.world_size)
+            parallel = coordinator.parallel    # a tensor-parallel group shares its batches
+            kwargs.update(rank=parallel.data_rank, world_size=parallel.data_world)
         data = call_user(what, data_fn, **kwargs)
         if not _is_iterable(data):
             raise ConfigError([Problem(config.data.key, f"`{config.data.target}` returned a "

@@ -20,14 +20,14 @@ back from.
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from nanaudit.errors import ConfigError, Problem
+from nanaudit.config.sections import mesh_world_problems
+from nanaudit.errors import ConfigError
 
 
 def _dtensor_class() -> Any:
@@ -94,23 +94,29 @@ def fsdp_modules(module: torch.nn.Module) -> list:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, world_size: int,
-                param_dtype: str, dims: dict | None = None) -> None:
+                param_dtype: str, dims: dict | None = None, tp: int = 1,
+                parallelize: Callable[..., Any] | None = None) -> None:
     """`distributed.fsdp`: shard the user's model with FSDP2 as torchtitan does, each block on
     its own (every module of every ModuleList), then the root; `param_dtype` bf16 or fp16 runs
     forward and backward in it and reduces the gradients in float32. `dims` (HSDP's
     `distributed.mesh`, {name: size}): over that 2-D mesh, replicated over its first dimension,
-    sharded over its second."""
+    sharded over its second. `tp` > 1: the user's `parallelize(model, mesh["tp"])` (their
+    ColwiseParallel / RowwiseParallel plan) runs first on the mesh's last dimension, and FSDP2
+    shards over the data-parallel dimensions before it, torchtitan's order."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    dims = dims or {}
-    if dims and math.prod(dims.values()) != world_size:
-        sizes = " x ".join(f"{name} {size}" for name, size in dims.items())
-        raise ConfigError([Problem("distributed.mesh", f"{sizes} is {math.prod(dims.values())}"
-                                   f" ranks, but torchrun started {world_size}")])
-    mesh = init_device_mesh(device.type, tuple(dims.values()) or (world_size,),
-                            mesh_dim_names=tuple(dims) or None)
+    problems = mesh_world_problems(dims, tp, world_size)
+    if problems:
+        raise ConfigError(problems)
+    sizes = dict(dims or ({"dp_shard": world_size // tp} if tp > 1 else {}))
+    sizes.update({"tp": tp} if tp > 1 else {})
+    mesh = init_device_mesh(device.type, tuple(sizes.values()) or (world_size,),
+                            mesh_dim_names=tuple(sizes) or None)
+    if tp > 1 and parallelize is not None:
+        parallelize(model, mesh["tp"])
+        mesh = mesh[tuple(name for name in sizes if name != "tp")]
     blocks = [block for module in model.modules() if isinstance(module, torch.nn.ModuleList)
               for block in module]
     for block in blocks:

@@ -68,7 +68,7 @@ class SyncStep:
         # here) and this step's gradients, in one fused reduction.
         state = ctx.checks.state_before(micros[0].buffers)
         readout = ctx.checks.step_readout(loss, leaves, state)
-        read, table, extras = self._read(readout, loss, last)
+        read, table, extras = self._read(readout, loss, last, leaves)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
         # The common case, all finite, needs nothing confirmed or classified.
         all_finite = math.isfinite(batch_norm + norm + loss_value + gnorm)
@@ -125,8 +125,8 @@ class SyncStep:
             total = total + more.detach()
         return micros, leaves, total / len(losses)
 
-    def _read(self, readout: StepReadout, loss: torch.Tensor, last: bool
-              ) -> tuple[list[float], RankTable | None, ReadoutExtras]:
+    def _read(self, readout: StepReadout, loss: torch.Tensor, last: bool,
+              leaves: list[torch.Tensor]) -> tuple[list[float], RankTable | None, ReadoutExtras]:
         """The one host sync of the step: the fixed values, the exchanged rank table (torchrun)
         and the watches' sampled values, in one tensor. Returns (the values read, the rank
         table or None, what the watches appended)."""
@@ -134,7 +134,7 @@ class SyncStep:
         parts = [readout.values]
         if ctx.coord is not None:
             exhausted = ctx.feed.fetch_ahead(last)
-            row = rank_row(readout_values(readout, loss),
+            row = rank_row(readout_values(readout, loss, leaves),
                            ctx.coord.parallel.own_gradient_flag(readout.grad_norm),
                            exhausted=exhausted)
             parts.append(ctx.coord.exchange(row).reshape(-1))

@@ -200,3 +200,22 @@ def test_scan_with_an_hsdp_mesh_names_the_rank_of_a_backward_value(tmp_path):
         "sqrt-domain", [6], {"gain": "dp_replicate=Replicate(), dp_shard=Shard(dim=0)"})
     assert [r["mesh"] for r in json.loads(out.read_text())["distributed"]["ranks"]] == [
         {"dp_replicate": i, "dp_shard": j} for i in range(2) for j in range(2)]
+
+
+def test_scan_with_fsdp_and_tp_names_the_tp_rank_whose_column_slice_made_the_value(tmp_path):
+    """`distributed.tp: 2` applies the config's plan (fsdp_tp:plan) on the tp dimension; the
+    two tp ranks of a data-parallel group share its batches, and the value made in tp rank 1's
+    columns of `up` is named there, not on the peer that received it through `down`."""
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "fsdp_tp_forward_nan.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
+            f["samples"]) == (
+        3, {"dp_replicate": 0, "dp_shard": 1, "tp": 1}, 3, "forward", "aten.pow.Tensor_Scalar",
+        "blocks.0", "dtype-overflow", [2])
+    assert [r["mesh"] for r in report["distributed"]["ranks"]] == [
+        {"dp_replicate": 0, "dp_shard": i, "tp": j} for i in range(2) for j in range(2)]

@@ -273,3 +273,21 @@ def test_chromium_renders_the_page_and_runs_no_injected_markup(tmp_path):
     assert EVIL_MODULE in text and EVIL_KEY in text
     # The page's own script ran under its policy: the download button was shown.
     assert '<button id="download" type="button">' in done.stdout
+
+
+def test_the_ranks_table_shows_each_rank_mesh_coordinate_escaped():
+    report = finding_report()
+    report.finding.rank = 1
+    mesh = [{"dp_shard": 0, "tp": 0}, {"dp_shard": 0, "<tp>": 1}]
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0, ranks=[
+                                            RankStatus(i, "nonfinite", 7, "cpu", "h", 0, mesh[i])
+                                            for i in range(2)])
+    page = render_html(report)
+    assert "<th>mesh</th>" in page
+    assert "<td>dp_shard=0, tp=0</td>" in page and "<td>dp_shard=0, &lt;tp&gt;=1</td>" in page
+    report.distributed = DistributedRun(rank=0, world_size=2, backend="gloo", host="h",
+                                        local_rank=0, ranks=[
+                                            RankStatus(i, "clean", 7, "cpu", "h", 0)
+                                            for i in range(2)])
+    assert "<th>mesh</th>" not in render_html(report)

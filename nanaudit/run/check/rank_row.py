@@ -52,13 +52,24 @@ def rank_row(values: torch.Tensor, own_gradients: torch.Tensor,
     return torch.cat([1.0 - values[:1], bad[1:], own])
 
 
-def readout_values(readout: StepReadout, loss: torch.Tensor) -> torch.Tensor:
-    """The step loop's values for `rank_row` from its readout (the state norm covers its
-    floating buffers: the buffers' column stays finite)."""
-    batch = readout.values[1:1 + readout.n_batch].sum(dtype=torch.float64)
-    zero = batch.new_zeros(())
-    return torch.stack([torch.isfinite(batch).to(torch.float64), readout.state_norm(),
-                        loss.detach().to(batch).reshape(()), readout.grad_norm(), zero])
+def readout_values(readout: StepReadout, loss: torch.Tensor,
+                   leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The step loop's values for `rank_row` from its readout and its batch's leaves (the state
+    norm covers its floating buffers: the buffers' column stays finite)."""
+    zero = readout.values.new_zeros((), dtype=torch.float64)
+    return torch.stack([inputs_finite(leaves, zero), readout.state_norm(),
+                        loss.detach().to(zero).reshape(()), readout.grad_norm(), zero])
+
+
+def inputs_finite(leaves: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """1.0 when every element of the batch's floating leaves is finite, else 0.0, on `like`'s
+    device. Element-wise, not from the readout's batch norm: a float32 sum of squares
+    overflows on finite values past about 1e19, and a rank's flag is never confirmed later
+    the way a single process confirms a non-finite norm (checks.batch_finite)."""
+    flags = [torch.isfinite(t).all() for t in leaves if t.is_floating_point() and t.numel()]
+    if not flags:
+        return like + 1.0
+    return torch.stack(flags).all().to(like)
 
 
 @dataclass(frozen=True)

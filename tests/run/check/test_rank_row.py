@@ -48,9 +48,25 @@ def test_the_loops_readout_fills_the_same_row():
     loss = model(torch.ones(1, 3)).sum()
     loss.backward()
     readout = checks.step_readout(loss, [batch])
-    row = rank_row(readout_values(readout, loss), torch.zeros((), dtype=torch.float64))
+    row = rank_row(readout_values(readout, loss, [batch]), torch.zeros((), dtype=torch.float64))
     assert row.tolist() == _row(input=1.0)
     assert RankTable.size(3) == 3 * WIDTH
+
+
+def test_a_large_finite_batch_is_not_flagged_on_a_rank():
+    # 1e20 squared is past float32's largest value: the readout's batch norm is inf, yet every
+    # element is finite. A rank's flag is final (no later element-wise confirmation), so the
+    # row must not take it from that norm.
+    model = torch.nn.Linear(3, 2)
+    checks = StepChecks(model, "cpu")
+    batch = torch.full((2, 3), 1e20)
+    loss = model(torch.ones(1, 3)).sum()
+    loss.backward()
+    readout = checks.step_readout(loss, [batch])
+    assert not math.isfinite(readout.read(readout.values.tolist())[0])
+    row = rank_row(readout_values(readout, loss, [batch, torch.tensor([1, 2])]),
+                   torch.zeros((), dtype=torch.float64))
+    assert row.tolist() == _row()
 
 
 def test_the_first_rank_whose_own_value_went_bad_is_named():
