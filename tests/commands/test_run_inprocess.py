@@ -70,25 +70,7 @@ def test_a_script_seeded_from_os_urandom_is_localized_at_the_trip():
 def test_a_loss_skipped_before_backward_is_a_finding_with_its_op(tmp_path):
     # The commonest hand-written guard: the step's loss is -inf, the script skips it. Before,
     # nanaudit saw no loss reach backward and reported a clean run (exit 0).
-    path = write(tmp_path, """
-        import torch
-        from torch import nn
-
-        torch.manual_seed(0)
-        model = nn.Linear(4, 3)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(6):
-            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-            probs = model(x).softmax(-1)
-            if step == 3:
-                probs = probs * (torch.arange(8) != 5).float()[:, None]
-            loss = -torch.log(probs.gather(1, y[:, None])).mean()
-            if not torch.isfinite(loss):
-                continue
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    """)
+    path = ROOT / "tests" / "e2e" / "scripts" / "guarded_loss.py"
     report = audit(path)
     f = report.finding
     assert exit_code(report) == 1 and report.status == "nonfinite"
@@ -98,7 +80,7 @@ def test_a_loss_skipped_before_backward_is_a_finding_with_its_op(tmp_path):
     assert "skipped it before backward" in f.explanation
     in_process(report)
     # The same guard on the script's last step: the loss is read when the script ends.
-    last = write(tmp_path, path.read_text().replace("step == 3", "step == 5"), "last.py")
+    last = write(tmp_path, path.read_text().replace("BAD = 3", "BAD = 5"), "last.py")
     assert (audit(last).finding.step, audit(last).finding.op) == (5, "aten.log.default")
 
 

@@ -23,6 +23,7 @@ from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 LOOP = ROOT / "tests" / "e2e" / "scripts" / "keep_going_loop.py"
 DDP = ROOT / "tests" / "e2e" / "scripts" / "keep_going_ddp.py"
+GUARDED = ROOT / "tests" / "e2e" / "scripts" / "guarded_loss.py"
 
 
 def reference(tmp_path: Path, *args: str) -> tuple[dict, str]:
@@ -230,27 +231,7 @@ def test_a_loss_the_scripts_own_guard_skipped_is_recorded_and_the_next_update_ap
     # `if not torch.isfinite(loss): continue`: the script left step 3 out itself; the update
     # nanaudit checks next is the next batch's, and must run (the weights end as without
     # nanaudit), while step 3's loss is still a localized finding.
-    path = write(tmp_path, """
-        import sys
-        import torch
-        from torch import nn
-
-        torch.manual_seed(0)
-        model = nn.Linear(4, 3)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(6):
-            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-            probs = model(x).softmax(-1)
-            if step == 3:
-                probs = probs * (torch.arange(8) != 5).float()[:, None]
-            loss = -torch.log(probs.gather(1, y[:, None])).mean()
-            if not torch.isfinite(loss):
-                continue
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        torch.save(model.state_dict(), sys.argv[1])
-    """)
+    path = GUARDED
     argv = sys.argv
     sys.argv = [str(path), str(tmp_path / "plain.pt")]
     try:
