@@ -77,6 +77,7 @@ from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import all_finite, confirm_norms, dense_values, finite_norms
 from nanaudit.run.sharded import local_shards
 from nanaudit.run.step import RngState, ScanOutcome, StepState, Trip, timeline_entry
+from nanaudit.run.step_record import BufferCopy
 from nanaudit.run.timeline import Timeline, report_timeline
 
 
@@ -89,25 +90,6 @@ class NonFiniteError(RuntimeError):
         self.finding: Finding | None = report.finding
         detail = finding_message(report.finding) if report.finding else ""
         super().__init__(f"{headline(report)}\n{detail}".strip())
-
-
-class _BufferCopy:
-    """The model's buffers and a copy of them from before the current step's first forward
-    (on_finding="skip"): device copies, no host read."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.tensors = list(model.buffers())
-        self.saved = [b.detach().clone() for b in self.tensors]
-
-    def save(self) -> None:
-        if self.tensors:
-            with torch.no_grad():
-                torch._foreach_copy_(self.saved, self.tensors)
-
-    def restore(self) -> None:
-        if self.tensors:
-            with torch.no_grad():
-                torch._foreach_copy_(self.tensors, self.saved)
 
 
 class _Scope:
@@ -176,7 +158,7 @@ class Sentinel:
                                     isolate_samples, self.ranks)
         # on_finding="skip": every bad step's finding, and the buffers before the step
         self.bad_steps = BadStepLog(max_bad_steps) if on_finding == "skip" else None
-        self._buffers = _BufferCopy(model) if self.bad_steps is not None else None
+        self._buffers = BufferCopy(model) if self.bad_steps is not None else None
 
     @property
     def skipped(self) -> int:

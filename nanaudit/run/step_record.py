@@ -58,7 +58,7 @@ class ModelCall:
         _set_rng_states(self.rng)
 
 
-class _Buffers:
+class BufferCopy:
     """A module's buffers (running statistics, batch norm's count of batches) and the copies
     they are saved into (allocated once per module: walking a large model's buffers each step
     would cost more than the rest)."""
@@ -72,6 +72,10 @@ class _Buffers:
         if self.tensors:
             with torch.no_grad():
                 torch._foreach_copy_(self.saved, self.tensors)
+
+    def restore(self) -> None:
+        """The buffers as they were when last saved."""
+        self.put(self.saved)
 
     def put(self, values: list[torch.Tensor]) -> None:
         if self.tensors:
@@ -96,7 +100,7 @@ class StepRecord:
     def __init__(self) -> None:
         self.calls: list[ModelCall] = []
         self._rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self._buffers: _Buffers | None = None
+        self._buffers: BufferCopy | None = None
 
     @property
     def open(self) -> bool:
@@ -109,7 +113,7 @@ class StepRecord:
         if not self.calls:
             self._rng = rng
             if self._buffers is None or self._buffers.module is not module:
-                self._buffers = _Buffers(module)
+                self._buffers = BufferCopy(module)
             self._buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         self.calls.append(call)
@@ -131,7 +135,7 @@ class StepRecord:
     def restore_buffers(self) -> None:
         """The buffers as they were before the window's first forward."""
         if self._buffers is not None:
-            self._buffers.put(self._buffers.saved)
+            self._buffers.restore()
 
     @contextlib.contextmanager
     def replaying(self, params: list[torch.Tensor]) -> Iterator[None]:
