@@ -85,3 +85,23 @@ def test_first_bad_element_names_the_local_and_global_index():
             "down.weight.grad", [2, 5], [2, 13])
         assert first_bad_element("plain", torch.full((2,), float("nan"))) is None
     on_fake_mesh(3, check)
+
+
+def test_the_rank_whose_partial_input_gradient_went_bad_first_made_a_backward_value():
+    from nanaudit.run.mesh import own_gradients
+    # ranks 2 and 3 (one tp group) both hold bad gradients before the reduction (1.0); rank
+    # 3's partial input gradient went bad first (1 + 2), rank 2's never: rank 3 made it
+    assert own_gradients([0.0, 0.0, 1.0, 3.0]) == [True, True, True, False]
+    # TP alone: no reduction flag at all, the partial gradient alone names the maker
+    assert own_gradients([0.0, 2.0]) == [True, False]
+    # no bad partial gradient: each set flag is its rank's own
+    assert own_gradients([1.0, 0.0, 1.0]) == [False, True, False]
+
+
+def test_partial_flags_rank_a_bad_partial_gradient_above_the_reductions_flag():
+    flags = PartialFlags()
+    flag = torch.tensor(1.0, dtype=torch.float64)
+    assert float(flags.take_gradients(flag)) == 1.0       # none noted: the flag as it was
+    flags._gradients = [torch.tensor([0.0, 1.0]), torch.tensor([float("nan"), 1.0])]
+    assert float(flags.take_gradients(flag * 0)) == 2.0   # the 2nd of 2 (2 - 1), plus 1
+    assert float(flags.take_gradients(flag * 0)) == 0.0   # taken: reset
