@@ -10,7 +10,7 @@ the run's (FSDP2 over a TP model gives its parameters the whole ("dp", "tp") mes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,31 @@ def first_bad_element(name: str, t: torch.Tensor) -> ShardElement | None:
         return None
     local = [int(i) for i in bad[0].tolist()]
     return ShardElement(tensor=name, local_index=local, global_index=list(global_index(t, local)))
+
+
+def first_element(named: Iterable[tuple[str, torch.Tensor | None]]) -> ShardElement | None:
+    """The first bad element of the first sharded tensor among `named` ((name, tensor), in
+    order; None entries skipped) whose shard on this rank holds one. A host read per tensor:
+    after a trip only."""
+    for name, t in named:
+        element = first_bad_element(name, t) if t is not None else None
+        if element is not None:
+            return element
+    return None
+
+
+def tensor_element(model: torch.nn.Module, gradients: bool) -> ShardElement | None:
+    """The first bad element of `model`'s sharded parameters (`gradients`: of their
+    gradients, named `NAME.grad`), on this rank: what `scan` and `Sentinel` name, as
+    `nanaudit run` does from its trip."""
+    return first_element((f"{name}.grad", p.grad) if gradients else (name, p)
+                         for name, p in model.named_parameters())
+
+
+def output_element(op: str, made: Sequence[torch.Tensor]) -> ShardElement | None:
+    """The first bad element of the creating op's output where the op ran on DTensors and its
+    output is sharded (`made`: the bad tensors it made, the tracer's): named `OP output`."""
+    return first_element((f"{op} output", t) for t in made)
 
 
 def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:

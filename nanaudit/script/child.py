@@ -12,7 +12,7 @@ from pathlib import Path
 from nanaudit.errors import UserCodeError
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
-from nanaudit.localize.sharded_replay import made_here
+from nanaudit.localize.sharded_replay import created_element, made_here
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check, Where
@@ -95,6 +95,7 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
     if rank is not None and not made_here(loc):
         result.received = True          # under torchrun: it arrived from a peer
         return
+    loc.element = created_element(armed.tracer, event)
     finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
                              tensors=names or [])
     finding.rank = rank
