@@ -39,7 +39,13 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
-from nanaudit.run.mesh import MeshView, name_on_mesh, output_element, tensor_element
+from nanaudit.run.mesh import (
+    MeshView,
+    PartialFlags,
+    name_on_mesh,
+    output_element,
+    tensor_element,
+)
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
@@ -60,16 +66,24 @@ def created_element(tracer: OpTracer, event: OpEvent) -> ShardElement | None:
     return output_element(event.op, made_by(tracer, {event.index}))
 
 
-def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
-    """localize() for one rank of an FSDP2 run (see the module docstring)."""
+def rank_localizer(flags: PreReduceFlags,
+                   partials: PartialFlags | None = None) -> Callable[..., Localization]:
+    """localize() for one rank of an FSDP2 run (see the module docstring); `partials`: the
+    run's TP flags, which compute nothing while the replay traces."""
+    def tracing(on: bool) -> None:
+        flags.tracing = on
+        if partials is not None:
+            partials.tracing = on
+
     def localize_rank(session: Session, state: StepState, trip: Trip,
                       timeline: Any) -> Localization:
-        flags.tracing, flags.sinks = True, []
+        flags.sinks = []
+        tracing(True)
         try:
             with preserved_buffers(session.model):
                 tracer, loss = traced_replay(session, state)
         finally:
-            flags.tracing = False
+            tracing(False)
         trace = tracer.trace
         sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
@@ -92,7 +106,8 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
 
 
 def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
-                 outcome: ScanOutcome, replayable: bool = True) -> Finding:
+                 outcome: ScanOutcome, replayable: bool = True,
+                 partials: PartialFlags | None = None) -> Finding:
     """Every rank's finding of the trip, the same on every rank: for a loss or gradient trip
     every rank replays at once and the finding of the rank whose own op made the value is
     taken; for an input or a weights' shard, the finding of the rank the flags named. Called
@@ -105,7 +120,7 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
     finding, made = None, False
     if trip.check in (Check.LOSS, Check.GRADIENT):
         if replayable:
-            finding = build_finding(session, outcome, False, rank_localizer(flags))
+            finding = build_finding(session, outcome, False, rank_localizer(flags, partials))
             made = finding.reproduced is True and finding.op is not None
         elif trip.rank in (None, coord.rank):
             finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "

@@ -66,3 +66,22 @@ def test_tp_alone_names_the_rank_of_a_backward_value_from_its_flags(tmp_path):
     assert codes == [1, 1], outputs
     f = report["finding"]
     assert (f["rank"], f["mesh"], f["step"], f["where"]) == (1, {"tp": 1}, 2, "backward")
+
+
+def test_scan_names_the_tp_rank_whose_column_wise_backward_made_the_value(tmp_path):
+    """scan's step loop reads the same partial gradients (configs/examples/tp_backward.py), and
+    each rank's finding names its own first bad element of a sharded gradient, as run's does."""
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "tp_backward_nan.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"],
+                                  nproc=RANKS, timeout_s=240)
+    assert codes == [1] * RANKS, outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["module"],
+            f["cause"], f["samples"]) == (
+        3, {"dp_replicate": 0, "dp_shard": 1, "tp": 1}, 2, "backward", "aten.sqrt.default",
+        "blocks.0", "sqrt-domain", [5])
+    # rank 3's own shard of a sharded gradient: `stem` (8 rows, sharded over dp_shard alone)
+    # rows 4-7, so its local row 0 is the whole gradient's row 4
+    assert f["element"] == {"tensor": "stem.weight.grad", "local_index": [0, 0],
+                            "global_index": [4, 0]}

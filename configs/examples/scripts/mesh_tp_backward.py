@@ -16,7 +16,7 @@ Layouts:
            on the dp sub-mesh; the two tp ranks of a dp group share its batch
   tp       tensor parallel alone over ("tp",) of 2 ranks, one batch for both
 
-Fault (--fault backward): row 5 of the last dp group's batch at step 2 holds -100 in feature 0
+Fault (--fault backward): row 5 of the last dp group's batch at step 2 holds -10 in feature 0
 (global rank 3 under fsdp-tp, rank 1 under tp, made it; --fault none: a clean run).
 """
 
@@ -101,7 +101,7 @@ def main():
     for step in range(args.steps):
         x = torch.rand(8, WIDTH, generator=g) + 0.5
         if group == groups - 1 and step == 2 and args.fault == "backward":
-            x[5, 0] = -100.0
+            x[5, 0] = -10.0
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
