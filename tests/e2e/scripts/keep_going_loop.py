@@ -5,7 +5,8 @@ to: no update on a bad step (under a GradScaler, the scale backed off as after a
 the model's buffers put back as they were before the step's first forward.
 
     python keep_going_loop.py OUT [--shape plain|accumulate|scaler|closure|two]
-        [--bad STEP:KIND,...] [--steps N] [--device cpu|cuda] [--autocast] [--reference]
+        [--bad STEP:KIND,...] [--steps N] [--device cpu|cuda] [--autocast] [--init-scale S]
+        [--deterministic] [--reference]
 
 KIND: `forward` (log of a negative input in the model), `backward` (sqrt(0) in the loss code:
 finite forward, non-finite gradient) or `loss` (log(0) in the loss code). Writes OUT (the model,
@@ -30,6 +31,7 @@ parser.add_argument("--reference", action="store_true")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--autocast", action="store_true")
 parser.add_argument("--init-scale", type=float, default=1e38)
+parser.add_argument("--deterministic", action="store_true")
 args = parser.parse_args()
 BAD = {int(s): kind for s, kind in (item.split(":") for item in args.bad.split(",") if item)}
 DEVICE = torch.device(args.device).type
@@ -41,6 +43,7 @@ class Log(nn.Module):
         return torch.log(x)
 
 
+torch.use_deterministic_algorithms(args.deterministic)
 torch.manual_seed(0)
 model = nn.Sequential(Log(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.ReLU(),
                       nn.Linear(8, 1)).to(args.device)
