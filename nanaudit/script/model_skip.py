@@ -113,14 +113,14 @@ class ModelSkip:
             self.shifted = self.shifted or key in self.drawing
             # The hooks (nanaudit's and the script's) still run: only `forward` is replaced.
             saved = module.__dict__.get("forward")
-            module.forward = lambda *a, **k: stand_in(form)  # type: ignore[method-assign]
+            module.forward = lambda *a, **k: stand_in(form)
             try:
                 return self._original(module, *args, **kwargs)
             finally:
                 if saved is None:
                     del module.forward
                 else:
-                    module.forward = saved  # type: ignore[method-assign]
+                    module.forward = saved
         finally:
             self._depth -= 1
 

@@ -49,7 +49,7 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         options.on_rerun(trip.step)
     started = time.perf_counter()
     model = ModelRun()
-    if trip.check == Check.INPUT and script_rank() is None:
+    if options.skip_model and trip.check == Check.INPUT and script_rank() is None:
         result, log_tail, folder_note, model = _without_model(target, options, trip, timeline,
                                                               before, started)
     if not model.skipped:
