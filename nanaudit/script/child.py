@@ -117,7 +117,7 @@ def rerun(spec: RerunSpec) -> RerunResult:
     result = RerunResult()
     skip = None
     if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead
-        window = auditor.window = DataWindow(spec.step, OpTracer)
+        window = auditor.window = DataWindow(spec.step, OpTracer, spec.trace_from)
         if spec.skip_model:
             skip = window.skip = ModelSkip(spec.step, lambda: auditor.step).install()
         window.start()

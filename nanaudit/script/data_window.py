@@ -34,8 +34,11 @@ class DataWindow(RerunWindow):
     """Where the re-run of an input trip traces the script's data code (see the module
     docstring); `inputs` are step N's non-finite data inputs once reached."""
 
-    def __init__(self, step: int, tracer: Any):
+    def __init__(self, step: int, tracer: Any, trace_from: int = 0):
         super().__init__(step, 0, tracer)
+        # The data code of steps 1 to trace_from - 1 runs untraced (the cheap re-run's first
+        # try: an op found there names the producer; a gap sends it to a traced re-run).
+        self.trace_from = trace_from
         self.data_tracer = tracer(torch.nn.Module())    # no model yet: modules named by type
         self.tap = LoaderTap()
         self.inputs: list | None = None
@@ -59,21 +62,31 @@ class DataWindow(RerunWindow):
         self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
         if self.skip is not None:
             self.skip.stretch_started()
-        self.data_tracer.__enter__()
+        if self._traces(step):
+            self.data_tracer.__enter__()
         self._on = True
+
+    def _traces(self, step: int) -> bool:
+        return step == 0 or step >= self.trace_from
 
     def leave_data_code(self) -> None:
         if not self._on:
             return
-        self.data_tracer.__exit__(None, None, None)
-        # The model call that ends the stretch was pushed before the window saw it; its pop
-        # comes after the tracer stopped listening.
-        self.data_tracer.modules.stack.clear()
         self._on = False
-        if self.step is not None and self._stretch < self.step:
-            forget_finite(self.data_tracer.trace, self._since)
+        if self._traces(self._stretch):
+            self.data_tracer.__exit__(None, None, None)
+            # The model call that ends the stretch was pushed before the window saw it; its
+            # pop comes after the tracer stopped listening.
+            self.data_tracer.modules.stack.clear()
+            if self.step is not None and self._stretch < self.step:
+                forget_finite(self.data_tracer.trace, self._since)
         if self.skip is not None and not self.skip.stretch_ended():
             raise StepHalted()       # the data drew from a stream the model's skip shifted
+
+    def unchecked(self, step: int) -> bool:
+        """Without the model (model_skip.py) the steps before N are not the first run's: their
+        checks would compare nothing (step N's batch is compared by its fingerprint)."""
+        return self.skip is not None and self.step is not None and step < self.step
 
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and self.localized is None
@@ -99,7 +112,9 @@ class DataWindow(RerunWindow):
         super().close()
 
     def traced(self) -> str:
-        return (f"the script's own code from its start to step {self.step}'s first model call "
+        span = (f"from its start to its first model call and from step {self.trace_from}'s "
+                f"data on" if self.trace_from > 1 else "from its start")
+        return (f"the script's own code {span} to step {self.step}'s first model call "
                 f"(outside its models' forward and backward passes and its optimizer steps)")
 
     def localize(self, result: RerunResult) -> None:

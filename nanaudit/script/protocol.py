@@ -30,7 +30,8 @@ class RerunSpec:
     losses: tuple[tuple[int, float | None], ...]
     skips: int = 0        # a scale collapse: the skipped try of the step that collapsed it
     buffers: bool = False     # the step's forward made floating buffers non-finite
-    skip_model: bool = False  # an input trip: stand in for the model before the step
+    skip_model: bool = False  # an input trip: stand in for the model before the step ...
+    trace_from: int = 0       # ... and trace the data code of set-up and from this step only
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from nanaudit.config.schema import DistributedOptions
 from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.output import in_flight
 from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import Check, CompiledOutcome, RerunStatus
+from nanaudit.report.vocabulary import Check, CompiledOutcome, ProducerKind, RerunStatus
 from nanaudit.run.distributed import current
 from nanaudit.script import protocol
 from nanaudit.script.data_window import ModelRun, same_inputs, unusable
@@ -105,17 +105,25 @@ def _without_model(target: ScriptTarget, options: ScriptOptions, trip: ScriptTri
                    timeline: Sequence[TimelineEntry], before: FolderState | None,
                    started: float) -> tuple[RerunResult | None, str, str | None, ModelRun]:
     """The re-run of an input trip with the model stood in for before the bad step
-    (model_skip.py), and whether its finding can be used (data_window.unusable): if not, the
-    caller re-runs in full, and the report says why."""
-    result, log_tail, folder_note = run_child(target, options, trip, timeline, before,
-                                              skip_model=True)
-    why = unusable(trip, result)
-    if why is None:
-        assert result is not None
-        return result, log_tail, folder_note, ModelRun(True, result.stood_in,
-                                                       computed=result.computed)
-    return result, log_tail, folder_note, ModelRun(
-        False, note=why, tried_s=round(time.perf_counter() - started, 3))
+    (model_skip.py), first tracing only the set-up's and the last steps' data code: an op found
+    there made the value (its inputs were finite); anything else may lie in the untraced
+    steps, traced then in a second try. When the data depends on the model
+    (data_window.unusable) the caller re-runs in full, and the report says why."""
+    tries = [max(trip.step - 1, 0), 0] if trip.step > 2 else [0]
+    for trace_from in tries:
+        result, log_tail, folder_note = run_child(target, options, trip, timeline, before,
+                                                  skip_model=True, trace_from=trace_from)
+        why = unusable(trip, result)
+        if why is not None:
+            return result, log_tail, folder_note, ModelRun(
+                False, note=why, tried_s=round(time.perf_counter() - started, 3))
+        assert result is not None and result.finding is not None
+        producer = result.finding.producer
+        if trace_from == tries[-1] or (producer is not None and
+                                       producer.made_by == ProducerKind.TORCH_OP):
+            return result, log_tail, folder_note, ModelRun(True, result.stood_in,
+                                                           computed=result.computed)
+    raise AssertionError("the last try returns")
 
 
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:
@@ -153,7 +161,8 @@ def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
 
 def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
               timeline: Sequence[TimelineEntry], before: FolderState | None = None,
-              skip_model: bool = False) -> tuple[RerunResult | None, str, str | None]:
+              skip_model: bool = False, trace_from: int = 0,
+              ) -> tuple[RerunResult | None, str, str | None]:
     """Run `python -m nanaudit.script.child SPEC RESULT` in a scratch copy of the folder
     (scratch.py), in the same environment; (its result or None, the tail of its output, what
     the report says of the folder it ran in)."""
@@ -162,7 +171,7 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
         if target.path is not None:
             target = replace(target, path=inside(target.path, before, scratch))
         result, tail = _child(target, options, trip, timeline, Path(folder), scratch.folder,
-                              skip_model)
+                              skip_model, trace_from)
         if result is not None and result.finding is not None:
             result.finding = relocated(result.finding, scratch, os.getcwd())
         return result, tail, scratch.note
@@ -170,11 +179,11 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
 
 def _child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
            timeline: Sequence[TimelineEntry], folder: Path, cwd: str,
-           skip_model: bool) -> tuple[RerunResult | None, str]:
+           skip_model: bool, trace_from: int) -> tuple[RerunResult | None, str]:
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation, skips=trip.skips, buffers=trip.in_buffers,
                      losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step),
-                     skip_model=skip_model)
+                     skip_model=skip_model, trace_from=trace_from)
     env = rerun_environment()          # torchrun: every rank re-runs, together
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:
