@@ -41,6 +41,31 @@ STANDARDIZED = """
             torch.save(model.state_dict(), "best.pt")
 """
 
+# The value is made at step 2 (a recalibration on a batch with a constant feature: 1/0) and
+# reaches the training batch from step 6 on: the cheap re-run's first try, tracing only the
+# last steps' data code, finds no op that made it, and its second try traces it all.
+RECALIBRATED = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.ones(4)
+    for step in range(10):
+        raw = torch.randn(8, 4, generator=g)
+        if step == 2:
+            held = torch.randn(16, 4, generator=g)
+            held[:, 1] = 1.0                       # a constant feature in the held-out batch
+            scale = torch.ones(4) / held.std(0)
+        x = raw * scale if step >= 6 else raw
+        loss = (model(x) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
 # An environment stepped by the model's actions: the rows whose action passed 1.0 are done,
 # their feature 2 set to 0; once every row is done the standardization divides 0 by 0. Without
 # the model (its output stood in for) no row is ever done.
@@ -116,6 +141,17 @@ def test_the_rerun_of_the_loops_standardization_does_not_compute_the_model(tmp_p
     assert rerun["model_skipped"] is True and rerun["stood_in"] == 5
     assert "model_note" not in rerun and rerun["duration_s"] > 0
     assert "did not compute the model before the bad step" in f["explanation"]
+
+
+@pytest.mark.slow
+def test_a_value_made_steps_before_the_batch_is_traced_from_the_start(tmp_path):
+    path = _write(tmp_path, RECALIBRATED)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f, rerun = report.finding, report.run.rerun
+    assert (f.step, f.where, f.op, f.cause) == (6, "input", "aten.div.Tensor", "div-by-zero")
+    assert f.source.line == _line(path, "held.std(0)") and f.producer.made_by == "torch-op"
+    assert f.producer.traced.startswith("the script's own code from its start to step 6")
+    assert rerun.status == "reproduced" and rerun.model_skipped is True
 
 
 @pytest.mark.slow
