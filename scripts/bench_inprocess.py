@@ -15,6 +15,7 @@ replay's own duration from the JSON report.
 
     python scripts/bench_inprocess.py                       # N = 1,000 10,000 100,000
     python scripts/bench_inprocess.py --steps 1000 10000 --rounds 1 --no-rerun-variant
+    python scripts/bench_inprocess.py --device cuda          # the same loop on the GPU
 
 `--producer`: a data-code producer instead: the loop's own standardization of each batch
 `(raw - raw.mean(0)) / raw.std(0)` divides 0 by 0 at step N (a constant feature), so the batch is
@@ -52,11 +53,11 @@ from torch import nn
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-bad, width = int(sys.argv[1]), int(sys.argv[2])
+bad, width, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                      nn.Linear(width, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-x = torch.randn(64, 64)
+                      nn.Linear(width, 1)).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+x = torch.randn(64, 64, device=device)
 for step in range(bad + 1):
     batch = x.clone()
     if step == bad:
@@ -71,9 +72,9 @@ for step in range(bad + 1):
 
 # The data-code producer: the same model, a fresh batch from the loop's own generator each step,
 # standardized by the loop; at step N a constant feature makes its std 0.
-PRODUCER_LOOP = LOOP.split("x = torch.randn(64, 64)")[0] + '''g = torch.Generator().manual_seed(0)
+PRODUCER_LOOP = LOOP.split("x = torch.randn(64, 64")[0] + '''g = torch.Generator().manual_seed(0)
 for step in range(bad + 1):
-    raw = torch.randn(64, 64, generator=g)
+    raw = torch.randn(64, 64, generator=g).to(device)
     if step == bad:
         raw[:, 7] = 3.0
     batch = (raw - raw.mean(0)) / raw.std(0)
@@ -90,8 +91,7 @@ FULL = ("import sys; from pathlib import Path; from nanaudit.commands.run import
         "r = run_script(ScriptTarget(path=sys.argv[2], args=tuple(sys.argv[3:])), "
         "ScriptOptions(skip_model=False)); Path(sys.argv[1]).write_text(JsonRenderer().render(r))")
 
-# The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N; a
-# learning rate of 1e-6 (the loop's linear loss diverges near step 1,000 at 1e-4 under DDP).
+# The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N.
 DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -100,12 +100,12 @@ rank = dist.get_rank()
 """).replace("optimizer = torch.optim.SGD(model.parameters()",
              "model = DistributedDataParallel(model)\n"
              "optimizer = torch.optim.SGD(model.parameters()").replace(
-    "lr=1e-4", "lr=1e-6").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
 
-def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list[str]:
-    script = [str(folder / "loop.py"), str(bad), str(width)]
+def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
+            device: str = "cpu") -> list[str]:
+    script = [str(folder / "loop.py"), str(bad), str(width), device]
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2"] if ddp else [sys.executable])
     if variant == "plain":
@@ -118,10 +118,10 @@ def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list
 
 
 def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
-            producer: bool = False) -> dict:
+            device: str = "cpu", producer: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started, cpu = time.perf_counter(), _children_cpu()
-    code = subprocess.run(command(variant, folder, bad, width, ddp), cwd=folder, env=env,
+    code = subprocess.run(command(variant, folder, bad, width, ddp, device), cwd=folder, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           check=False).returncode
     result: dict = {"wall_s": time.perf_counter() - started, "cpu_s": _children_cpu() - cpu}
@@ -163,6 +163,8 @@ def main() -> None:
                         help="leave out the --rerun variant (it runs the script twice)")
     parser.add_argument("--ddp", action="store_true",
                         help="the loop under DDP on two gloo ranks, launched by torchrun")
+    parser.add_argument("--device", default="cpu", help="where the loop runs (cuda: the GPU; "
+                        "the plain script then syncs only at its end, `run` once a step)")
     parser.add_argument("--producer", action="store_true",
                         help="a data-code producer (the loop's standardization) instead")
     args = parser.parse_args()
@@ -177,7 +179,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for variant in variants:
                     runs[variant].append(measure(variant, folder, bad, args.width, args.ddp,
-                                                 args.producer))
+                                                 args.device, args.producer))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
             print(f"bad step {bad:,}: plain {plain:.2f} s, {plain_cpu:.2f} s CPU "
