@@ -128,7 +128,8 @@ def test_the_rerun_of_the_loops_standardization_does_not_compute_the_model(tmp_p
     monkeypatch.chdir(tmp_path)
     path = _write(tmp_path, STANDARDIZED)
     out = tmp_path / "report.json"
-    result = run_cli("run", "--json", out, "--quiet", str(path))
+    html = tmp_path / "report.html"
+    result = run_cli("run", "--json", out, "--html", html, "--quiet", str(path))
     report = json.loads(out.read_text())
     f, rerun = report["finding"], report["run"]["rerun"]
     assert result.code == 1
@@ -141,6 +142,7 @@ def test_the_rerun_of_the_loops_standardization_does_not_compute_the_model(tmp_p
     assert rerun["model_skipped"] is True and rerun["stood_in"] == 5
     assert "model_note" not in rerun and rerun["duration_s"] > 0
     assert "did not compute the model before the bad step" in f["explanation"]
+    assert "not computed before the bad step (5 call(s) stood in for)" in html.read_text()
 
 
 @pytest.mark.slow
