@@ -20,6 +20,10 @@ replay's own duration from the JSON report.
 (`--standalone --nproc-per-node 2`); the zero row is in rank 1's batch alone, so the value is
 rank 1's own (its gradients before the all-reduce), and `run` replays rank 1's step on its
 local module while rank 0 waits for the finding.
+
+`--fsdp`: the same under FSDP2 (`fully_shard` on each Linear and the root, over a 1-D gloo mesh
+of two ranks); the value is rank 1's own gradients before the reduce-scatter, and `run` has
+every rank replay the step together (its all-gathers and reduce-scatters need both).
 """
 
 from __future__ import annotations
@@ -74,6 +78,18 @@ rank = dist.get_rank()
     "lr=1e-4", "lr=1e-6").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
+# The FSDP2 loop: the DDP loop with each Linear and the root sharded instead of DDP's wrapper.
+FSDP_LOOP = DDP_LOOP.replace(
+    "from torch.nn.parallel import DistributedDataParallel\n",
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.fsdp import fully_shard\n").replace(
+    "model = DistributedDataParallel(model)\n",
+    "mesh = init_device_mesh('cpu', (dist.get_world_size(),))\n"
+    "for layer in model:\n"
+    "    if isinstance(layer, nn.Linear):\n"
+    "        fully_shard(layer, mesh=mesh)\n"
+    "fully_shard(model, mesh=mesh)\n")
+
 
 def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list[str]:
     script = [str(folder / "loop.py"), str(bad), str(width)]
@@ -117,16 +133,20 @@ def main() -> None:
                         help="leave out the --rerun variant (it runs the script twice)")
     parser.add_argument("--ddp", action="store_true",
                         help="the loop under DDP on two gloo ranks, launched by torchrun")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the loop under FSDP2 on two gloo ranks, launched by torchrun")
     args = parser.parse_args()
+    ranks = args.ddp or args.fsdp
     variants = ["plain", "run"] + ([] if args.no_rerun_variant else ["rerun"])
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
         folder = Path(name)
-        (folder / "loop.py").write_text(DDP_LOOP if args.ddp else LOOP)
+        (folder / "loop.py").write_text(
+            FSDP_LOOP if args.fsdp else DDP_LOOP if args.ddp else LOOP)
         for bad in args.steps:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
-                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp))
+                    runs[variant].append(measure(variant, folder, bad, args.width, ranks))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             print(f"bad step {bad:,}: plain {plain:.2f} s ({plain / (bad + 1) * 1000:.2f} ms a "
                   f"step, with start-up)")
