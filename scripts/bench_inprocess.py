@@ -28,6 +28,10 @@ given next to the wall time: on a loaded machine they are the steadier figure.
 (`--standalone --nproc-per-node 2`); the zero row is in rank 1's batch alone, so the value is
 rank 1's own (its gradients before the all-reduce), and `run` replays rank 1's step on its
 local module while rank 0 waits for the finding.
+
+`--fsdp`: the same under FSDP2 (`fully_shard` on each Linear and the root, over a 1-D gloo mesh
+of two ranks); the value is rank 1's own gradients before the reduce-scatter, and `run` has
+every rank replay the step together (its all-gathers and reduce-scatters need both).
 """
 
 from __future__ import annotations
@@ -102,6 +106,18 @@ rank = dist.get_rank()
              "optimizer = torch.optim.SGD(model.parameters()").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
+# The FSDP2 loop: the DDP loop with each Linear and the root sharded instead of DDP's wrapper.
+FSDP_LOOP = DDP_LOOP.replace(
+    "from torch.nn.parallel import DistributedDataParallel\n",
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.fsdp import fully_shard\n").replace(
+    "model = DistributedDataParallel(model)\n",
+    "mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))\n"
+    "for layer in model:\n"
+    "    if isinstance(layer, nn.Linear):\n"
+    "        fully_shard(layer, mesh=mesh)\n"
+    "fully_shard(model, mesh=mesh)\n")
+
 
 def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
             device: str = "cpu") -> list[str]:
@@ -163,14 +179,18 @@ def main() -> None:
                         help="leave out the --rerun variant (it runs the script twice)")
     parser.add_argument("--ddp", action="store_true",
                         help="the loop under DDP on two gloo ranks, launched by torchrun")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the loop under FSDP2 on two gloo ranks, launched by torchrun")
     parser.add_argument("--device", default="cpu", help="where the loop runs (cuda: the GPU; "
                         "the plain script then syncs only at its end, `run` once a step)")
     parser.add_argument("--producer", action="store_true",
                         help="a data-code producer (the loop's standardization) instead")
     args = parser.parse_args()
+    ranks = args.ddp or args.fsdp
     other = "full" if args.producer else "rerun"
     variants = ["plain", "run"] + ([] if args.no_rerun_variant else [other])
-    loop = PRODUCER_LOOP if args.producer else DDP_LOOP if args.ddp else LOOP
+    loop = (PRODUCER_LOOP if args.producer else FSDP_LOOP if args.fsdp else
+            DDP_LOOP if args.ddp else LOOP)
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
         folder = Path(name)
         (folder / "loop.py").write_text(loop)
@@ -178,7 +198,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
-                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp,
+                    runs[variant].append(measure(variant, folder, bad, args.width, ranks,
                                                  args.device, args.producer))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])

@@ -51,6 +51,7 @@ class RankChecks:
         self.rank = coord.rank
         self.flags = PreReduceFlags()
         self.sharded = False              # FSDP2: each rank holds its own shard of the weights
+        self.fsdp: list = []              # the model's FSDP2 modules (replayed together)
         self._seen: set[int] = set()      # the outermost modules looked into
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
@@ -90,6 +91,7 @@ class RankChecks:
         if modules:
             self.flags.install(modules)
             self.sharded = True
+            self.fsdp.extend(modules)
 
     def table(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's row of flags, exchanged, from this rank's step values [inputs finite,
