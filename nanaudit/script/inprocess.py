@@ -17,6 +17,7 @@ from __future__ import annotations
 import linecache
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
+# A replay's (finding or None, ops traced, the creating op's precision or why it named none).
+Replayed = tuple[Finding | None, int, str | None]
 
 
 class NotReplayable(Exception):
@@ -61,10 +64,16 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
 def _localized_here(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
                     timeline: Any) -> tuple[Rerun | None, Finding | None]:
     """`localize_in_process` in this process alone."""
+    return timed_replay(lambda: _replayed(auditor, _window(auditor, options, trip), trip,
+                                          timeline))
+
+
+def timed_replay(replayed: Callable[[], Replayed]) -> tuple[Rerun | None, Finding | None]:
+    """(the record, the finding) of `replayed()`: (the finding or None, the ops traced, the
+    creating op's precision or why it named none); NotReplayable is a skipped record."""
     started = time.perf_counter()
     try:
-        calls = _window(auditor, options, trip)
-        finding, ops, precision = _replayed(auditor, calls, trip, timeline)
+        finding, ops, precision = replayed()
     except NotReplayable as why:
         return Rerun(status=RerunStatus.SKIPPED, note=str(why)), None
     took = round(time.perf_counter() - started, 3)
@@ -110,24 +119,34 @@ def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
 
 
 def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
-    if not options.rerun:
-        raise NotReplayable("--no-rerun: the step is not replayed")
-    if options.force_rerun:
-        raise NotReplayable("--rerun: localized by re-running the script from the start")
+    replay_allowed(options)
     calls = auditor.hooks.tap.record.calls
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
     for call in calls:
-        if call.output is None:
-            raise NotReplayable("the model's output was not heard (a compiled call)")
-        if call.code.overflowed:
-            raise NotReplayable("the code between the model and backward is too long to record")
-        if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
-            raise NotReplayable("the script differentiates with torch.autograd.grad")
+        replayable(call)
     return calls
 
 
-def _params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
+def replay_allowed(options: ScriptOptions) -> None:
+    """NotReplayable when the options rule the in-process replay out."""
+    if not options.rerun:
+        raise NotReplayable("--no-rerun: the step is not replayed")
+    if options.force_rerun:
+        raise NotReplayable("--rerun: localized by re-running the script from the start")
+
+
+def replayable(call: ModelCall) -> None:
+    """NotReplayable when the record of `call` cannot be run again."""
+    if call.output is None:
+        raise NotReplayable("the model's output was not heard")
+    if call.code.overflowed:
+        raise NotReplayable("the code between the model and backward is too long to record")
+    if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
+        raise NotReplayable("the script differentiates with torch.autograd.grad")
+
+
+def window_params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
     seen: dict[int, torch.nn.Parameter] = {}
     for call in calls:
         for p in call.module.parameters():
@@ -138,14 +157,14 @@ def _params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
               timeline: Any) -> tuple[Finding | None, int, str | None]:
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
-    params = _params(calls)
+    params = window_params(calls)
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
     with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
             torch.enable_grad():
         tracer = OpTracer(local_module(calls[0].module))
         try:
             with tracer:
-                pairs = [pair for i, call in enumerate(calls) for pair in _replay_call(
+                pairs = [pair for i, call in enumerate(calls) for pair in replay_call(
                     tracer, call, skipped if i == len(calls) - 1 else None)]
         except NotReplayable:
             raise
@@ -153,24 +172,31 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
             raise NotReplayable(f"the in-process replay raised {type(exc).__name__}: "
                                 f"{str(exc)[:200]}") from None
         ops = tracer.trace.ops_seen
-        mismatch = _mismatch(pairs)
+        mismatch = loss_mismatch(pairs)
         if mismatch is not None:
             return None, ops, mismatch
         return _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
 
 
-def _replay_call(tracer: OpTracer, call: ModelCall,
-                 skipped: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Replay one micro-batch; [(the first run's loss, the replay's)]."""
+def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
+                env: dict[int, torch.Tensor] | None = None,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
+    filled with the replay's tensor for each the first run's model and loss code made (by id)."""
     call.seed_replay()
-    with autocast(call.autocast):
-        output = local_module(call.module)(*call.args, **call.kwargs)
-    env = {id(a): b for a, b in zip(tree_flatten(call.output)[0], tree_flatten(output)[0])
-           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)}
+    env = {} if env is None else env
 
     def at(where: tuple[str, int, str] | None) -> None:
         REPLAYED_LINE.set(_line(where))
     try:
+        at(call.where)          # the script's model call: the line of a torch module's ops
+        with autocast(call.autocast):
+            # `_call_impl`: the module's own forward and hooks, eagerly also when the script
+            # compiled it (`module.compile()` calls its compiled code from `__call__`).
+            output = local_module(call.module)._call_impl(*call.args, **call.kwargs)
+        env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
+                                             tree_flatten(output)[0])
+                    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)})
         replay(call.code, env, at)
     finally:
         REPLAYED_LINE.set(None)
@@ -199,7 +225,7 @@ def _line(where: tuple[str, int, str] | None) -> SourceLine | None:
     return SourceLine(file, line, linecache.getline(file, line).strip(), function)
 
 
-def _mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+def loss_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     for i, (first, again) in enumerate(pairs):
         a, b = float(first.detach()), float(again.detach())
         if not same_value(a, b):

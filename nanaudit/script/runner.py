@@ -16,6 +16,7 @@ from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.error_replay import localize_error
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.inprocess import adopt, localize_in_process
 from nanaudit.script.rerun import localize_by_rerun
@@ -88,8 +89,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
     if trip.needs_rerun:
         # At the trip, in this process (its cost one step's); the re-run from the start where
         # that cannot name the op (inprocess.py says why).
-        report.run.replay, localized = localize_in_process(auditor, options, trip,
-                                                           auditor.timeline)
+        localize = localize_error if trip.check == Check.ERROR else localize_in_process
+        report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
         if localized is not None:
             report.finding = adopt(localized, trip)
         elif auditor.keep is not None and auditor.keep.log.skipped:
