@@ -173,13 +173,26 @@ class ScriptHooks:
                         entry: Any) -> bool:
         """A compiled module's call, heard before its compiled code (the hook is already
         removed): the step's first call when it trains; `entry` is what the script called (a
-        `torch.compile` wrapper of `module`). True when taken."""
+        `torch.compile` wrapper of `module`). True when taken (or left unheard, as a second
+        model call of a micro-batch is: no wait after it)."""
         if not self._trains(module):
             return False
+        if self._after_return:
+            self._after_return = False
+            if not self.hear_skipped_loss():
+                return True     # a second model call of the micro-batch: unheard, as below
         self.entry = entry
         self._next_call(module, entry, args, kwargs)
         self.listener.first_call(module, args, kwargs)
         return True
+
+    def outside_record(self, call: Any) -> Any:
+        """`call()` with the step record's loss-code mode popped (compiled code runs so)."""
+        return self.tap.paused(call)
+
+    def compiled_returned(self, module: torch.nn.Module, output: Any) -> None:
+        """A compiled step call returned (compiled_calls.py): the tap's model return."""
+        self.tap.returned(module, output)
 
     def _next_call(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
         """The step record's next micro-batch."""

@@ -10,7 +10,13 @@ tripped) before it names anything; when it does not, or cannot run, it says why 
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
 as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun (DDP)
 the rank that made the value replays its own step on its local module and every rank gets its
-finding (rank_replay.py)."""
+finding (rank_replay.py).
+
+A compiled model's step call is replayed eagerly (the module's own `_call_impl`, its output
+heard as the compiled call returned, compiled_calls.py); a loss the eager replay does not
+reproduce is a value only the compiled program makes: the re-run's compiled replay names it
+(compiled_rerun.py: that replay needs the call's output gradients from a traced step and runs
+the user's backend again, and is kept there). An error trip is error_replay.py's."""
 
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from nanaudit.localize.findings import created_rows, event_precision, rows_searc
 from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
-from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import Check, RerunStatus, Where
+from nanaudit.report.sections import CompiledReplay, Rerun
+from nanaudit.report.vocabulary import Check, CompiledOutcome, RerunStatus, Where
+from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import first_run_finding, trip_notes
@@ -172,10 +179,18 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
             raise NotReplayable(f"the in-process replay raised {type(exc).__name__}: "
                                 f"{str(exc)[:200]}") from None
         ops = tracer.trace.ops_seen
+        compiled = find_compiled(calls[0].entry) or find_compiled(calls[0].module)
         mismatch = loss_mismatch(pairs)
+        if mismatch is not None and compiled is not None:
+            mismatch = (f"{mismatch}; the model is compiled ({compiled.backend_name}) and was "
+                        f"replayed eagerly: a value only the compiled program makes is named by "
+                        f"the re-run's compiled replay")
         if mismatch is not None:
             return None, ops, mismatch
-        return _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        named = _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        if named[0] is not None and compiled is not None:   # the eager replay reproduced it
+            named[0].compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
+        return named
 
 
 def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
