@@ -23,6 +23,7 @@ from nanaudit.script.rerun import localize_by_rerun
 from nanaudit.script.scratch import FolderState
 from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
+from nanaudit.script.update_replay import localize_update
 
 
 def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
@@ -99,6 +100,9 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         else:
             report.run.rerun, report.finding = localize_by_rerun(
                 target, options, trip, auditor.timeline, report.finding, before)
+    elif trip.check == Check.OPTIMIZER and options.rerun:
+        # The update's inputs are gone; its rule is evaluated from the state it left.
+        report.run.replay = localize_update(auditor, trip, report.finding)
     assert report.finding is not None
     if report.finding.element is None:      # a sharded tensor's bad element, by global index
         report.finding.element = trip.element
