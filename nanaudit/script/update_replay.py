@@ -17,8 +17,8 @@ read) and the rule that made the value is named: a non-finite learning rate; a z
 (eps 0 over a zero second moment, an element no gradient has reached) making 0/0 or x/0; a
 quotient that overflowed; or a finite update whose sum with the weight overflowed. A term that
 cannot have made the value the run saw is not believed. Other optimizers, SGD without momentum
-(its update is the gradient, overwritten since) and a hand-written update keep the first run's
-finding, and the record says why."""
+(its update is the gradient, overwritten since), a sharded (DTensor) parameter and a
+hand-written update keep the first run's finding, and the record says why."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import torch
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
+from nanaudit.run.sharded import is_sharded
 from nanaudit.script.inprocess import IN_PROCESS
 from nanaudit.script.trip import ScriptTrip
 
@@ -46,6 +47,9 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
         return Rerun(status=RerunStatus.SKIPPED, note="the update was the script's own (no "
                      "optimizer state to evaluate it from)")
     optimizer, group, param, name = found
+    if is_sharded(param):
+        return Rerun(status=RerunStatus.SKIPPED, note="the update rule is not evaluated on a "
+                     "sharded (DTensor) parameter: its elements live on several ranks")
     index = _first_bad(param)
     rule = _rule(optimizer, group, optimizer.state.get(param, {}), param, index)
     if rule is None:
@@ -63,10 +67,13 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
 def _bad_parameter(auditor: Any, trip: ScriptTrip) -> tuple[Any, dict, torch.Tensor, str] | None:
     """(the optimizer, its group, the parameter, its name) of the first bad parameter."""
     wanted = trip.tensors[0] if trip.tensors else None
-    for optimizer in auditor.ledger.stepped.values():
-        for group in getattr(optimizer, "param_groups", []):
+    optimizers = [o for o in auditor.ledger.stepped.values()
+                  if isinstance(o, torch.optim.Optimizer)]     # not the script's own update
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
             for p in group["params"]:
-                if auditor.parameter_name(p) == wanted and not bool(torch.isfinite(p).all()):
+                if auditor.parameter_name(p) == wanted and (
+                        is_sharded(p) or not bool(torch.isfinite(p).all())):
                     return optimizer, group, p, wanted
     return None
 
