@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.sharded_replay import created_element
 from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
@@ -279,6 +280,7 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
         loc = walk_from_sink(tracer.trace, bad[0][1], Where.BACKWARD, timeline, names)
     if not loc.reproduced or loc.event is None:
         return None, ops, "the in-process replay named no op that made the value"
+    loc.element = created_element(tracer, loc.event)
     finding = traced_finding(loc, trip.step, tensor=names[0] if names else "loss",
                              tensors=names)
     rows = created_rows(tracer, loc.event, batch)
