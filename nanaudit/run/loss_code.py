@@ -80,7 +80,8 @@ def _is_user_file(name: str) -> bool:
     return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
 
 
-def _caller() -> tuple[str, int, str] | None:
+def user_caller() -> tuple[str, int, str] | None:
+    """The innermost user frame calling in: (file, line, function); None when there is none."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if _is_user_file(frame.f_code.co_filename):
@@ -167,7 +168,7 @@ class LossCodeRecorder(TorchFunctionMode):
         if not _computes(func):
             return out
         if len(code.ops) < MAX_OPS:
-            code.ops.append(RecordedOp(func, args, kwargs, out, _caller(), autocast_state()))
+            code.ops.append(RecordedOp(func, args, kwargs, out, user_caller(), autocast_state()))
         else:
             code.overflowed = True
         return out

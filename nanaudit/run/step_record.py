@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.loss_code import LossCode, autocast_state
+from nanaudit.run.loss_code import LossCode, autocast_state, user_caller
 
 
 class ModelCall:
     """One micro-batch: the model call the script made (`entry`: what it called, a compile
     wrapper of `module`), its output (None until it returned), its loss code, the unscaled
     losses that reached backward, the RNG states as it began, and whether its loss was
-    skipped before backward (the script's guard). Slotted: one is made a micro-batch."""
+    skipped before backward (the script's guard), and the user's line that called the model
+    (a replayed op of a module of torch's names it). Slotted: one is made a micro-batch."""
 
     __slots__ = (
         "args",
@@ -41,6 +42,7 @@ class ModelCall:
         "output",
         "rng",
         "skipped",
+        "where",
     )
 
     def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
@@ -52,6 +54,7 @@ class ModelCall:
         self.rng = rng
         self.skipped = False
         self.autocast = autocast_state()     # the autocast regions the call ran in
+        self.where = user_caller()
 
     def seed_replay(self) -> None:
         """The RNG streams as this call began (the data code between calls drew on them)."""

@@ -54,6 +54,8 @@ class ScriptAuditor(StepChecks):
         self.hooks = ScriptHooks(self, record=rerun_step is None)
         self._state_step: int | None = None      # id of an optimizer creating its state
         self.keep: KeepGoing | None = None       # --keep-going: skip bad steps, go on
+        # An error trip: the non-finite tensors the script's frames held (error_replay.py).
+        self.error_values: list[torch.Tensor] = []
 
     def install(self) -> ScriptAuditor:
         self.hooks.install()
@@ -251,7 +253,7 @@ class ScriptAuditor(StepChecks):
         if self.trip is not None:
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip
-        bad = nonfinite_locals(exc)
+        bad = nonfinite_locals(exc, held=self.error_values)
         if not bad:
             return None
         self.trip = self.namer.trip(

@@ -13,10 +13,12 @@ dynamo runs: `OptimizedModule.__call__` (what `torch.compile(model)` returns) an
 step's first call, the wrapper takes the call as that first call (in the user's module, with
 its keyword arguments) and removes the global hook before the compiled code runs; a call that
 is not the training forward (an evaluation under `no_grad`) runs without the hook too, and the
-wait resumes after it. Between steps dynamo sees exactly the hooks the user's own run has:
-none. `torch.compile` and `Module.compile` are wrapped to install this when the script first
-compiles (dynamo is not imported for a script that never compiles), and everything is restored
-on exit.
+wait resumes after it. The step's call's output is handed to the hooks when it returns, still
+outside the compiled code (the step record's loss code starts there), and a compiled call runs
+with the loss code's recording mode popped. Between steps dynamo sees exactly the hooks the
+user's own run has: none. `torch.compile` and `Module.compile` are wrapped to install this
+when the script first compiles (dynamo is not imported for a script that never compiles), and
+everything is restored on exit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Waiting(Protocol):
     def await_forward(self) -> None: ...
     def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                         entry: Any) -> bool: ...
+    def compiled_returned(self, module: torch.nn.Module, output: Any) -> None: ...
+    def outside_record(self, call: Callable[[], Any]) -> Any: ...
 
 
 class CompiledCalls:
@@ -94,12 +98,20 @@ class CompiledCalls:
 
     def _calling(self, module: torch.nn.Module, entry: Any, call: Callable[..., Any],
                  args: tuple, kwargs: dict) -> Any:
+        waiting = self.hooks.waiting
         resume = self._entering(module, entry, args, kwargs)
         try:
-            return call(*args, **kwargs)
+            # Never under the step record's mode (a compiled call inside the loss code, as a
+            # second model's): dynamo would trace it, break its graph and guard on it.
+            output = self.hooks.outside_record(lambda: call(*args, **kwargs))
         finally:
             if resume:
                 self.hooks.await_forward()
+        if waiting and not resume:
+            # The step's call returned, outside the compiled code: its output, for the step
+            # record (the module's forward hook never runs for a compiled call).
+            self.hooks.compiled_returned(module, output)
+        return output
 
     def _wrap_optimized_module(self) -> None:
         if self._class_wrapped:

@@ -88,7 +88,7 @@ class ScriptHooks:
                          register_optimizer_step_post_hook(self._post_step)]
         self._tap.install()
         self.tap.install()
-        self._wrap_scaler_step()
+        self._restore.append(_wrap_scaler_step(self))
         self._wrap_optimizer_init()
         self._compiled.install()
         self.await_forward()
@@ -173,13 +173,26 @@ class ScriptHooks:
                         entry: Any) -> bool:
         """A compiled module's call, heard before its compiled code (the hook is already
         removed): the step's first call when it trains; `entry` is what the script called (a
-        `torch.compile` wrapper of `module`). True when taken."""
+        `torch.compile` wrapper of `module`). True when taken (or left unheard, as a second
+        model call of a micro-batch is: no wait after it)."""
         if not self._trains(module):
             return False
+        if self._after_return:
+            self._after_return = False
+            if not self.hear_skipped_loss():
+                return True     # a second model call of the micro-batch: unheard, as below
         self.entry = entry
         self._next_call(module, entry, args, kwargs)
         self.listener.first_call(module, args, kwargs)
         return True
+
+    def outside_record(self, call: Any) -> Any:
+        """`call()` with the step record's loss-code mode popped (compiled code runs so)."""
+        return self.tap.paused(call)
+
+    def compiled_returned(self, module: torch.nn.Module, output: Any) -> None:
+        """A compiled step call returned (compiled_calls.py): the tap's model return."""
+        self.tap.returned(module, output)
 
     def _next_call(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
         """The step record's next micro-batch."""
@@ -226,25 +239,6 @@ class ScriptHooks:
         self.listener.after_update(optimizer)
         self.await_forward()
 
-    def _wrap_scaler_step(self) -> None:
-        """A step the GradScaler skipped: no post-hook ran during its `step`."""
-        from torch.amp import GradScaler
-        original, listener, tap, hooks = GradScaler.step, self.listener, self.tap, self
-
-        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            before = listener.stepped()
-            hooks.scaler = scaler
-            try:
-                result = original(scaler, optimizer, *args, **kwargs)
-            finally:
-                hooks.scaler = None
-            if listener.stepped() == before and scaler.is_enabled():
-                listener.scaler_skipped(optimizer, scaler)
-                tap.close()              # a skipped step that did not trip: not replayed
-            return result
-        GradScaler.step = step  # type: ignore[method-assign,assignment]
-        self._restore.append(lambda: setattr(GradScaler, "step", original))
-
     def _wrap_deepspeed(self, engine: Any) -> None:
         """The engine's ZeRO optimizer, once: a step it skips is checked (deepspeed_zero.py)."""
         zero = zero_optimizer(engine)
@@ -272,3 +266,24 @@ class ScriptHooks:
             original(optimizer, *args, **kwargs)
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
+
+
+def _wrap_scaler_step(hooks: ScriptHooks) -> Any:
+    """`GradScaler.step` wrapped (a step the GradScaler skipped: no post-hook ran during its
+    `step`); returns what restores it."""
+    from torch.amp import GradScaler
+    original, listener, tap = GradScaler.step, hooks.listener, hooks.tap
+
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = listener.stepped()
+        hooks.scaler = scaler
+        try:
+            result = original(scaler, optimizer, *args, **kwargs)
+        finally:
+            hooks.scaler = None
+        if listener.stepped() == before and scaler.is_enabled():
+            listener.scaler_skipped(optimizer, scaler)
+            tap.close()              # a skipped step that did not trip: not replayed
+        return result
+    GradScaler.step = step  # type: ignore[method-assign,assignment]
+    return lambda: setattr(GradScaler, "step", original)

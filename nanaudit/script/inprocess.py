@@ -10,13 +10,20 @@ tripped) before it names anything; when it does not, or cannot run, it says why 
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
 as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun the
 rank that made the value replays its own step on its local module (DDP), or every rank replays
-the step together (FSDP2), and every rank gets the finding (rank_replay.py)."""
+the step together (FSDP2), and every rank gets the finding (rank_replay.py).
+
+A compiled model's step call is replayed eagerly (the module's own `_call_impl`, its output
+heard as the compiled call returned, compiled_calls.py); a loss the eager replay does not
+reproduce is a value only the compiled program makes: the re-run's compiled replay names it
+(compiled_rerun.py: that replay needs the call's output gradients from a traced step and runs
+the user's backend again, and is kept there). An error trip is error_replay.py's."""
 
 from __future__ import annotations
 
 import linecache
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +35,9 @@ from nanaudit.localize.sharded_replay import created_element
 from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
-from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import Check, RerunStatus, Where
+from nanaudit.report.sections import CompiledReplay, Rerun
+from nanaudit.report.vocabulary import Check, CompiledOutcome, RerunStatus, Where
+from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import first_run_finding, trip_notes
@@ -44,6 +52,8 @@ from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
+# A replay's (finding or None, ops traced, the creating op's precision or why it named none).
+Replayed = tuple[Finding | None, int, str | None]
 
 
 class NotReplayable(Exception):
@@ -77,10 +87,16 @@ def _refusal(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> str | No
 def _localized_here(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
                     timeline: Any) -> tuple[Rerun | None, Finding | None]:
     """`localize_in_process` in this process alone."""
+    return timed_replay(lambda: _replayed(auditor, _window(auditor, options, trip), trip,
+                                          timeline))
+
+
+def timed_replay(replayed: Callable[[], Replayed]) -> tuple[Rerun | None, Finding | None]:
+    """(the record, the finding) of `replayed()`: (the finding or None, the ops traced, the
+    creating op's precision or why it named none); NotReplayable is a skipped record."""
     started = time.perf_counter()
     try:
-        calls = _window(auditor, options, trip)
-        finding, ops, precision = _replayed(auditor, calls, trip, timeline)
+        finding, ops, precision = replayed()
     except NotReplayable as why:
         return Rerun(status=RerunStatus.SKIPPED, note=str(why)), None
     took = round(time.perf_counter() - started, 3)
@@ -126,24 +142,34 @@ def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
 
 
 def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
-    if not options.rerun:
-        raise NotReplayable("--no-rerun: the step is not replayed")
-    if options.force_rerun:
-        raise NotReplayable("--rerun: localized by re-running the script from the start")
+    replay_allowed(options)
     calls = auditor.hooks.tap.record.calls
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
     for call in calls:
-        if call.output is None:
-            raise NotReplayable("the model's output was not heard (a compiled call)")
-        if call.code.overflowed:
-            raise NotReplayable("the code between the model and backward is too long to record")
-        if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
-            raise NotReplayable("the script differentiates with torch.autograd.grad")
+        replayable(call)
     return calls
 
 
-def _params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
+def replay_allowed(options: ScriptOptions) -> None:
+    """NotReplayable when the options rule the in-process replay out."""
+    if not options.rerun:
+        raise NotReplayable("--no-rerun: the step is not replayed")
+    if options.force_rerun:
+        raise NotReplayable("--rerun: localized by re-running the script from the start")
+
+
+def replayable(call: ModelCall) -> None:
+    """NotReplayable when the record of `call` cannot be run again."""
+    if call.output is None:
+        raise NotReplayable("the model's output was not heard")
+    if call.code.overflowed:
+        raise NotReplayable("the code between the model and backward is too long to record")
+    if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
+        raise NotReplayable("the script differentiates with torch.autograd.grad")
+
+
+def window_params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
     seen: dict[int, torch.nn.Parameter] = {}
     for call in calls:
         for p in call.module.parameters():
@@ -154,14 +180,14 @@ def _params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
               timeline: Any) -> tuple[Finding | None, int, str | None]:
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
-    params = _params(calls)
+    params = window_params(calls)
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
     with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
             torch.enable_grad():
         tracer = OpTracer(local_module(calls[0].module))
         try:
             with tracer:
-                pairs = [pair for i, call in enumerate(calls) for pair in _replay_call(
+                pairs = [pair for i, call in enumerate(calls) for pair in replay_call(
                     tracer, call, skipped if i == len(calls) - 1 else None)]
         except NotReplayable:
             raise
@@ -169,24 +195,39 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
             raise NotReplayable(f"the in-process replay raised {type(exc).__name__}: "
                                 f"{str(exc)[:200]}") from None
         ops = tracer.trace.ops_seen
-        mismatch = _mismatch(pairs)
+        compiled = find_compiled(calls[0].entry) or find_compiled(calls[0].module)
+        mismatch = loss_mismatch(pairs)
+        if mismatch is not None and compiled is not None:
+            mismatch = (f"{mismatch}; the model is compiled ({compiled.backend_name}) and was "
+                        f"replayed eagerly: a value only the compiled program makes is named by "
+                        f"the re-run's compiled replay")
         if mismatch is not None:
             return None, ops, mismatch
-        return _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        named = _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        if named[0] is not None and compiled is not None:   # the eager replay reproduced it
+            named[0].compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
+        return named
 
 
-def _replay_call(tracer: OpTracer, call: ModelCall,
-                 skipped: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Replay one micro-batch; [(the first run's loss, the replay's)]."""
+def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
+                env: dict[int, torch.Tensor] | None = None,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
+    filled with the replay's tensor for each the first run's model and loss code made (by id)."""
     call.seed_replay()
-    with autocast(call.autocast):
-        output = local_module(call.module)(*call.args, **call.kwargs)
-    env = {id(a): b for a, b in zip(tree_flatten(call.output)[0], tree_flatten(output)[0])
-           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)}
+    env = {} if env is None else env
 
     def at(where: tuple[str, int, str] | None) -> None:
         REPLAYED_LINE.set(_line(where))
     try:
+        at(call.where)          # the script's model call: the line of a torch module's ops
+        with autocast(call.autocast):
+            # `_call_impl`: the module's own forward and hooks, eagerly also when the script
+            # compiled it (`module.compile()` calls its compiled code from `__call__`).
+            output = local_module(call.module)._call_impl(*call.args, **call.kwargs)
+        env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
+                                             tree_flatten(output)[0])
+                    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)})
         replay(call.code, env, at)
     finally:
         REPLAYED_LINE.set(None)
@@ -215,7 +256,7 @@ def _line(where: tuple[str, int, str] | None) -> SourceLine | None:
     return SourceLine(file, line, linecache.getline(file, line).strip(), function)
 
 
-def _mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+def loss_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     for i, (first, again) in enumerate(pairs):
         a, b = float(first.detach()), float(again.detach())
         if not same_value(a, b):

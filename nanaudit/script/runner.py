@@ -16,12 +16,14 @@ from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Cause, Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.error_replay import localize_error
 from nanaudit.script.findings import divergence_fix, first_run_finding
 from nanaudit.script.inprocess import adopt, localize_in_process
 from nanaudit.script.rerun import localize_by_rerun
 from nanaudit.script.scratch import FolderState
 from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
+from nanaudit.script.update_replay import localize_update
 
 
 def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
@@ -88,8 +90,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
     if trip.needs_rerun:
         # At the trip, in this process (its cost one step's); the re-run from the start where
         # that cannot name the op (inprocess.py says why).
-        report.run.replay, localized = localize_in_process(auditor, options, trip,
-                                                           auditor.timeline)
+        localize = localize_error if trip.check == Check.ERROR else localize_in_process
+        report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
         if localized is not None:
             report.finding = adopt(localized, trip)
         elif auditor.keep is not None and auditor.keep.log.skipped:
@@ -98,6 +100,9 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         else:
             report.run.rerun, report.finding = localize_by_rerun(
                 target, options, trip, auditor.timeline, report.finding, before)
+    elif trip.check == Check.OPTIMIZER and options.rerun:
+        # The update's inputs are gone; its rule is evaluated from the state it left.
+        report.run.replay = localize_update(auditor, trip, report.finding)
     assert report.finding is not None
     if report.finding.element is None:      # a sharded tensor's bad element, by global index
         report.finding.element = trip.element

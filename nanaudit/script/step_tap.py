@@ -87,6 +87,22 @@ class StepTap:
         if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
         self._pending = None
+        self._start_code(call, output)
+
+    def paused(self, call: Any) -> Any:
+        """`call()` outside the loss code's recording."""
+        return self._recorder.paused(call)
+
+    def returned(self, module: torch.nn.Module, output: Any) -> None:
+        """A compiled call of the micro-batch returned (heard outside its compiled code)."""
+        call = self.record.last
+        if (not self.enabled or self.muted or call is None or call.module is not module
+                or call.output is not None):
+            return                  # heard already: an in-place compile ran the forward hook
+        self._pending = None
+        self._start_code(call, output)
+
+    def _start_code(self, call: ModelCall, output: Any) -> None:
         call.output = output
         self._recorder.start(call.code)
         if self.on_return is not None:

@@ -92,11 +92,13 @@ def float_kind(value: float) -> str:
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str]]:
+def nonfinite_locals(exc: BaseException, limit: int = 32,
+                     held: list[torch.Tensor] | None = None) -> list[tuple[str, str]]:
     """[(description, kind)] of the floating tensors holding NaN or Inf among the local
     variables of the frames an exception passed through, innermost first (the op that raised
     is closest to the bad value), nanaudit's own frames left out; at most `limit` checked.
-    Without any, the value anomaly mode's error names (`anomaly_output`)."""
+    Without any, the value anomaly mode's error names (`anomaly_output`). `held`, when given,
+    gets the bad tensors themselves, in the same order (the in-process replay maps them)."""
     frames, tb = [], exc.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -120,6 +122,8 @@ def nonfinite_locals(exc: BaseException, limit: int = 32) -> list[tuple[str, str
             if not bool(torch.isfinite(value.detach()).all()):
                 where = f"{frame.f_code.co_name} ({os.path.basename(path)}:{frame.f_lineno})"
                 bad.append((f"`{name}` in {where}", value_kind(value.detach())))
+                if held is not None:
+                    held.append(value)
     return bad or anomaly_output(exc)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nanaudit.commands.run import run_script
-from nanaudit.script.target import ScriptTarget
+from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 pytestmark = pytest.mark.slow
 
@@ -190,9 +190,14 @@ def test_a_clean_compiled_run_gets_no_graph_break_recompilation_or_warning_from_
     assert report.status == "clean" and [e.step for e in report.timeline] == list(range(5))
 
 
+def _rerun(path: Path):
+    """The re-run from the start (`--rerun`); the in-process replay is tested below."""
+    return run_script(ScriptTarget(path=str(path)), ScriptOptions(force_rerun=True))
+
+
 def test_a_compiled_forward_value_is_named_in_the_users_modules_and_parameters(tmp_path):
     path = _write(tmp_path, LOG_ZERO)
-    report = run_script(ScriptTarget(path=str(path)))
+    report = _rerun(path)
     f = report.finding
     assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
     assert f.module == "" and f.samples == [5]
@@ -204,7 +209,7 @@ def test_a_compiled_forward_value_is_named_in_the_users_modules_and_parameters(t
 
 def test_a_compiled_backward_only_value_is_named_with_its_forward_op_and_user_line(tmp_path):
     path = _write(tmp_path, SQRT_ZERO)
-    report = run_script(ScriptTarget(path=str(path)))
+    report = _rerun(path)
     f = report.finding
     assert (f.step, f.where, f.cause) == (2, "backward", "sqrt-domain")
     assert f.forward_op == "aten.sqrt.default" and f.module == "length"
@@ -219,8 +224,41 @@ def test_a_value_only_the_compiled_program_makes_is_the_reruns_compiled_only(tmp
     f = report.finding
     assert (f.step, f.where, f.cause) == (2, "forward", "compiled-only")
     assert report.run.rerun.status == "compiled-only"
+    # The eager replay at the trip made a finite loss: not believed, the re-run named it.
+    assert report.run.replay.status == "not-reproduced"
+    assert "compiled (" in report.run.replay.note and "replayed eagerly" in report.run.replay.note
     assert (f.compiled.stage, f.compiled.node, f.compiled.decomposed_from) == (
         "decompositions", "exp", "aten._log_softmax.default")
     assert (f.op, f.module) == ("aten.exp.default", "0") and f.value == "inf"
     assert f.source.line == _line(path, "return F.log_softmax(")
     assert "transient" not in f.explanation and "non-deterministic" not in f.explanation
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_compiled_models_trip_is_replayed_eagerly_in_process(tmp_path, in_place):
+    # The step's compiled call is heard returning (outside its compiled code), so its loss
+    # code is recorded; the module's own forward replays it eagerly at the trip, no re-run.
+    code = LOG_ZERO if not in_place else LOG_ZERO.replace(
+        'model = torch.compile(Net(), backend="aot_eager")',
+        'model = Net()\n    model.compile(backend="aot_eager")')
+    path = _write(tmp_path, code)
+    report = run_script(ScriptTarget(path=str(path)))
+    f = report.finding
+    assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
+    assert f.module == "" and f.samples == [5]
+    assert f.source.line == _line(path, "return (torch.log(")
+    assert f.compiled.outcome == "eager" and f.compiled.backend == "aot_eager"
+    assert f.localized_by == "in-process" and report.run.rerun is None
+    assert report.run.replay.status == "reproduced" and report.run.replay.steps == 1
+    assert not [n for n in f.tensors if "_orig_mod" in n]
+
+
+def test_a_compiled_backward_only_value_is_replayed_in_process(tmp_path):
+    path = _write(tmp_path, SQRT_ZERO)
+    report = run_script(ScriptTarget(path=str(path)))
+    f = report.finding
+    assert (f.step, f.where, f.cause) == (2, "backward", "sqrt-domain")
+    assert f.forward_op == "aten.sqrt.default" and f.module == "length"
+    assert f.source.line == _line(path, "return torch.sqrt(")
+    assert f.compiled.outcome == "eager" and "gain" in f.tensors
+    assert f.localized_by == "in-process" and report.run.rerun is None

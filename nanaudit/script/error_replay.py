@@ -1,0 +1,150 @@
+"""`nanaudit run`'s in-process localization of an error trip: the script raised with non-finite
+values in its frames (`torch.multinomial` on NaN probabilities, BCELoss refusing a NaN input,
+the script's own `assert torch.isfinite(loss)`). The step record (run/step_record.py) holds the
+window's model calls up to the raise and the loss code each recorded until then: they are
+replayed under the op tracer as a loss trip's are (inprocess.py; a call whose loss reached
+backward, with its backward), and the value the script's frames held is walked back to the op
+that made it. Its cost is one step's, whatever the step's number.
+
+The replay must reproduce what the first run saw before it names anything: each finished
+micro-batch's loss; the exception, of the same type, when the first run raised inside what the
+replay runs (the model's forward, which never returned, or a recorded backward) and none
+elsewhere; and the frames' tensors the model or the loss code made, non-finite again. The sink
+walked back from is the first of those (the innermost frame's); else the non-finite tensors in
+the replay's own exception frames (a forward that raised); else the last non-finite value the
+tracer saw, as the re-run names it (child.localize_raised). A value the replay does not make at
+all was made by the data code, which only the re-run traces: it falls back, saying why. Under
+torchrun an error stops one rank while its peers wait in a collective: the ranks are re-run
+together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.walk import walk_from_sink
+from nanaudit.report.model import Finding
+from nanaudit.report.sections import Rerun
+from nanaudit.report.vocabulary import Where
+from nanaudit.run.step_record import ModelCall
+from nanaudit.script.inprocess import (
+    NotReplayable,
+    Replayed,
+    loss_mismatch,
+    replay_allowed,
+    replay_call,
+    replayable,
+    timed_replay,
+    window_params,
+)
+from nanaudit.script.rank_replay import local_module
+from nanaudit.script.step_values import leading_size
+from nanaudit.script.target import ScriptOptions
+from nanaudit.script.trip import ScriptTrip, nonfinite_locals
+
+
+def localize_error(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
+                   timeline: Any) -> tuple[Rerun | None, Finding | None]:
+    """(the replay's record, the finding it names; None: fall back to the re-run, the record's
+    note says why)."""
+    return timed_replay(lambda: _replayed(auditor, _window(auditor, options, trip), trip,
+                                          timeline))
+
+
+def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
+    replay_allowed(options)
+    if auditor.ranks is not None:
+        raise NotReplayable("under torchrun an error stops one rank while its peers wait in a "
+                            "collective: the ranks are re-run together")
+    calls = list(auditor.hooks.tap.record.calls)
+    if not calls:
+        raise NotReplayable(f"the script raised before any model call of step {trip.step}")
+    for call in calls[:-1]:
+        replayable(call)
+    if calls[-1].output is not None:       # else its forward raised: replayed up to the raise
+        replayable(calls[-1])
+    return calls
+
+
+def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: Any) -> Replayed:
+    """(the finding or None, the ops traced, the creating op's precision or why not)."""
+    env: dict[int, torch.Tensor] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    raised: Exception | None = None
+    with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(window_params(calls)), \
+            torch.enable_grad():
+        tracer = OpTracer(local_module(calls[0].module))
+        with tracer:
+            try:
+                for call in calls:
+                    pairs += replay_call(tracer, call, None, env)
+            except NotReplayable:
+                raise
+            except Exception as exc:        # the script's own code raising again: verified
+                raised = exc
+        ops = tracer.trace.ops_seen
+        why = loss_mismatch(pairs) or _other_raise(raised, calls[-1], trip)
+        if why is not None:
+            return None, ops, why
+        sink = _sink(tracer, env, auditor.error_values, raised)
+        if isinstance(sink, str):
+            return None, ops, sink
+        return _named(tracer, sink, calls[-1], trip, timeline, ops)
+
+
+def _other_raise(raised: Exception | None, last: ModelCall, trip: ScriptTrip) -> str | None:
+    """Why the replay's exception (or its lack) is not the first run's; None: it is."""
+    kind = trip.error.split(":", 1)[0]
+    inside = last.output is None or trip.where == Where.BACKWARD
+    if raised is None:
+        return (f"the in-process replay of the step did not raise the run's {kind}"
+                if inside else None)
+    said = f"{type(raised).__name__}: {str(raised)[:200]}"
+    if not inside:
+        return (f"the in-process replay raised {said} in code where the run raised nothing")
+    if type(raised).__name__ != kind:
+        return f"the in-process replay raised {said} where the run raised {trip.error}"
+    return None
+
+
+def _sink(tracer: OpTracer, env: dict[int, torch.Tensor], held: list[torch.Tensor],
+          raised: Exception | None) -> torch.Tensor | str:
+    """The replay's non-finite value to walk back from (see the module docstring), or why
+    there is none."""
+    trace = tracer.trace
+    mapped = [env[id(t)] for t in held if id(t) in env]
+    if any(not kinds_of(t) for t in mapped):
+        return ("the in-process replay made finite a tensor the script's frames held "
+                "non-finite: a non-deterministic op, or state the step reads outside the "
+                "model's parameters and buffers")
+    again: list[torch.Tensor] = []
+    if raised is not None:
+        nonfinite_locals(raised, held=again)
+    kept = list(reversed(tracer.kept_tensors()))
+    for sink in [*mapped, *again, *kept]:
+        if trace.producer_of(sink) is not None and kinds_of(sink):
+            return sink
+    return ("no op of the replayed model or loss code made the non-finite value the script "
+            "held: the data code made it")
+
+
+def _named(tracer: OpTracer, sink: torch.Tensor, last: ModelCall, trip: ScriptTrip,
+           timeline: Any, ops: int) -> Replayed:
+    trace = tracer.trace
+    producer = trace.producer_of(sink)
+    assert producer is not None
+    loc = walk_from_sink(trace, sink, trace.events[producer].phase, timeline, None)
+    if not loc.reproduced or loc.event is None:
+        return None, ops, "the in-process replay named no op that made the value"
+    finding = traced_finding(loc, trip.step, tensor="loss", tensors=[])
+    finding.tensor = trip.tensors[0] if trip.tensors else None    # the frame's, as the run saw
+    batch = leading_size(last.args, last.kwargs)
+    rows = created_rows(tracer, loc.event, batch)
+    finding.sample_search = rows_search(loc.event.op, rows, batch)
+    if rows and batch is not None and len(rows) < batch:
+        finding.samples = rows
+    return finding, ops, event_precision(loc.event)

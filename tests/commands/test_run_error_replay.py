@@ -1,0 +1,96 @@
+"""`nanaudit run` localizes an error trip (the script raised with non-finite values in its
+frames) in the process that raised: the window's model calls and loss code up to the raise,
+replayed under the tracer and verified against the run (the same exception), no second run."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT
+from test_run_inprocess import audit, in_process, line_of, write
+
+from nanaudit.commands.common import exit_code
+
+POLICY = ROOT / "tests" / "e2e" / "scripts" / "raising_policy.py"
+DCGAN = ROOT / "tests" / "e2e" / "scripts" / "dcgan_loop.py"
+
+
+@pytest.mark.parametrize(("mode", "error", "op", "cause", "line", "samples"), [
+    # torch.multinomial refuses the NaN the loss code's division by the annealed 0 made.
+    ("sample", "RuntimeError: probability tensor contains", "aten.div.Tensor", "div-by-zero",
+     "torch.softmax(policy(obs) / temperature", None),
+    # The script's own assert on the loss a zeroed row's log made -inf.
+    ("assert", "AssertionError: loss diverged", "aten.log.default", "log-domain",
+     "loss = -torch.log(probs[:, 0])", [2]),
+    # Raised inside the model's forward (Categorical's argument check): the replay raises it
+    # again, and the value in its frames is walked back.
+    ("forward", "ValueError: Expected parameter logits", "aten.div.Tensor", "div-by-zero",
+     "logits = self.net(obs) / self.temperature", None),
+])
+def test_an_error_trip_is_replayed_in_process(tmp_path, mode, error, op, cause, line, samples):
+    log = tmp_path / "train_log.txt"
+    report = audit(POLICY, mode, str(log))
+    f = report.finding
+    assert exit_code(report) == 1 and report.error.exception == error.split(":")[0]
+    assert (f.step, f.where, f.op, f.cause, f.samples) == (3, "forward", op, cause, samples)
+    assert f.source.file == str(POLICY) and f.source.line == line_of(POLICY, line)
+    assert f.explanation.endswith(f"the script then raised {error}") or \
+        f"the script then raised {error}" in f.explanation
+    assert f.tensor == f.tensors[0] and f.tensors      # what the script's frames held
+    in_process(report)
+    # The script's own log: its three good steps, written once (nothing ran it again).
+    assert log.read_text().splitlines() == [
+        line for line in log.read_text().splitlines() if line.startswith("step ")]
+    assert [x.split()[1] for x in log.read_text().splitlines()] == ["0", "1", "2"]
+
+
+def test_a_raise_in_a_forward_the_model_wraps_names_the_same_op_as_the_rerun():
+    # pytorch/examples dcgan at lr 1e30: the discriminator's weights reach 1e30, its next
+    # forward overflows, BCELoss raises on the NaN (the e2e test pins the re-run's finding).
+    report = audit(DCGAN, "--lr=1e30")
+    f = report.finding
+    assert exit_code(report) == 1 and report.error.exception == "RuntimeError"
+    assert (f.step, f.where, f.op, f.module, f.source.line) == (1, "forward",
+                                                                "aten.addmm.default", "2", 45)
+    assert any(s.name == "mat2" and s.max >= 1e29 for s in f.inputs)
+    assert f.explanation.endswith("the script then raised RuntimeError: all elements of input "
+                                  "should be between 0 and 1")
+    in_process(report)
+
+
+def test_an_error_the_replay_does_not_raise_again_is_not_believed(tmp_path):
+    # The forward divides by a countdown of its own calls: the replay is its fifth call, not
+    # the fourth that divided by 0, so it raises nothing; the re-run from the start names it.
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class Countdown(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 3)
+                self.calls = 0
+
+            def forward(self, x):
+                self.calls += 1
+                logits = self.lin(x) / (4 - self.calls)
+                return torch.distributions.Categorical(logits=logits, validate_args=True)
+
+        torch.manual_seed(0)
+        model = Countdown()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(6):
+            dist = model(torch.randn(8, 4))
+            loss = -dist.log_prob(dist.sample()).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    """)
+    report = audit(path)
+    replay = report.run.replay
+    assert replay.status == "not-reproduced"
+    assert replay.note == "the in-process replay of the step did not raise the run's ValueError"
+    assert report.run.rerun.status == "reproduced"
+    f = report.finding
+    assert (f.step, f.op, f.cause, f.localized_by) == (3, "aten.div.Tensor", "div-by-zero",
+                                                       "re-run")
+    assert f.source.line == line_of(path, "logits = self.lin(x) / (4 - self.calls)")

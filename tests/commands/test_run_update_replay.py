@@ -1,0 +1,48 @@
+"""`nanaudit run` explains an update trip (finite gradients, the optimizer's step made a weight
+non-finite) at the trip, from the optimizer's state after the step: the element, the rows and
+the rule that made it, with no re-run and nothing copied on clean steps."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT
+from test_run_inprocess import audit
+
+from nanaudit.commands.common import exit_code
+
+SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "update_trip.py"
+
+
+@pytest.mark.parametrize(("case", "said"), [
+    # Embedding rows no batch reached: Adam's second moment is 0 there, and eps is 0.
+    ("adam-eps", "at 0.weight[1, 0] (rows [1, 4, 5, 6, 7, 8, 9] of 0.weight's 10 hold "
+                 "non-finite values): Adam's update (t = 1) divides exp_avg 0 by sqrt(exp_avg_sq "
+                 "0) / sqrt(1 - beta2^t) + eps 0 = 0: 0/0 = NaN"),
+    ("adam-inf-lr", "at 0.weight[0, 0] (rows [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] of 0.weight's 10 "
+                    "hold non-finite values): the learning rate is inf"),
+    # SGD's momentum buffer after the step is its update: lr x buffer past float32's range.
+    ("sgd-overflow", "at 0.weight[0, 0] (rows [0, 2, 3] of 0.weight's 10 hold non-finite "
+                     "values): lr 1e+38 x momentum buffer"),
+])
+def test_an_update_trip_is_explained_from_the_optimizers_state(tmp_path, case, said):
+    log = tmp_path / "log.txt"
+    report = audit(SCRIPT, case, str(log))
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.cause, f.tensor) == (0, "optimizer", "optimizer-update",
+                                                    "0.weight")
+    assert said in f.explanation
+    assert f.localized_by == "in-process" and report.run.rerun is None
+    assert report.run.replay.status == "reproduced" and report.run.replay.steps == 1
+    assert log.read_text() == "step 0\n"        # the script's own log, once
+
+
+def test_an_optimizer_whose_rule_is_not_evaluated_keeps_the_first_runs_finding(tmp_path):
+    report = audit(SCRIPT, "rmsprop")
+    f = report.finding
+    assert (f.step, f.where, f.cause, f.localized_by) == (0, "optimizer", "optimizer-update",
+                                                          None)
+    assert report.run.replay.status == "skipped" and report.run.rerun is None
+    assert report.run.replay.note.startswith("the update rule of RMSprop is not evaluated")
+    # --no-rerun: not evaluated either.
+    assert audit(SCRIPT, "adam-eps", rerun=False).run.replay is None

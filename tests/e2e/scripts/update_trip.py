@@ -1,0 +1,33 @@
+"""Updates that make finite weights non-finite from finite gradients, the shapes of public
+reports: Adam with eps=0 over embedding rows no batch has reached (their second moment is 0:
+0/0), a learning rate a scheduler or a flag made inf, SGD whose momentum step overflows
+float32, and RMSprop with eps=0 (its rule is not evaluated in-process). Usage:
+update_trip.py adam-eps|adam-inf-lr|sgd-overflow|rmsprop [LOG_PATH]."""
+
+import sys
+
+import torch
+from torch import nn
+
+case = sys.argv[1]
+log = open(sys.argv[2], "a") if len(sys.argv) > 2 else None
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+params = model.parameters()
+if case == "adam-eps":
+    optimizer = torch.optim.Adam(params, lr=1e-2, eps=0.0)
+elif case == "adam-inf-lr":
+    optimizer = torch.optim.Adam(params, lr=float("inf"))
+elif case == "sgd-overflow":
+    optimizer = torch.optim.SGD(params, lr=1e38, momentum=0.9)
+else:
+    optimizer = torch.optim.RMSprop(params, lr=1e-2, eps=0.0)
+for step in range(4):
+    tokens = torch.tensor([0, 2, 3, 2, 0, 3])          # rows 1 and 4..9 are never looked up
+    loss = model(tokens).pow(2).mean() * (1e3 if case == "sgd-overflow" else 1.0)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if log is not None:
+        log.write(f"step {step}\n")
+        log.flush()
