@@ -28,8 +28,10 @@ from nanaudit.errors import is_own_file
 
 MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_BACKWARD = frozenset((torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad))
 _stack_depth, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_push, _pop = torch._C._push_on_torch_function_stack, torch._C._pop_torch_function_stack
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 @functools.lru_cache(maxsize=4096)
@@ -41,7 +43,8 @@ def _computes(func: Any) -> bool:
 
 class RecordedOp(NamedTuple):
     """One torch call of the loss code; `where`: the user's (file, line, function). A tuple:
-    made on every step, a frozen dataclass's `__init__` would cost more than the rest."""
+    made on every step, and made with `tuple.__new__` there (`_op`): even a NamedTuple's own
+    `__new__` is a Python call."""
 
     func: Any
     args: tuple
@@ -49,6 +52,10 @@ class RecordedOp(NamedTuple):
     out: Any
     where: tuple[str, int, str] | None
     autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
+
+
+def _op(values: tuple) -> RecordedOp:
+    return tuple.__new__(RecordedOp, values)
 
 
 class LossCode:
@@ -80,11 +87,12 @@ def _is_user_file(name: str) -> bool:
     return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
 
 
-def _caller() -> tuple[str, int, str] | None:
-    frame: FrameType | None = sys._getframe(2)
+def _caller(frame: FrameType | None) -> tuple[str, int, str] | None:
+    """The user's (file, line, function) of the first user frame from `frame` outwards."""
     while frame is not None:
-        if _is_user_file(frame.f_code.co_filename):
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+        code = frame.f_code
+        if _is_user_file(code.co_filename):
+            return code.co_filename, frame.f_lineno, code.co_name
         frame = frame.f_back
     return None
 
@@ -93,7 +101,7 @@ def autocast_state() -> tuple:
     """((device, dtype), ...) of the autocast regions enabled now (CPU, and CUDA once it is
     initialized): a replay runs each call in the same ones. One C call when none is (the
     common case: this runs for every recorded op)."""
-    if not torch._C._is_any_autocast_enabled():
+    if not _any_autocast():
         return ()
     devices = ("cpu", "cuda") if torch.cuda.is_initialized() else ("cpu",)
     return tuple((d, torch.get_autocast_dtype(d)) for d in devices
@@ -117,9 +125,10 @@ class LossCodeRecorder(TorchFunctionMode):
         self.pushed = False
 
     def start(self, code: LossCode) -> None:
-        self.stop()
+        if self.pushed:
+            self.stop()
         self.code = code
-        torch._C._push_on_torch_function_stack(self)
+        _push(self)
         self.pushed = True
 
     def reached_backward(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -129,16 +138,16 @@ class LossCodeRecorder(TorchFunctionMode):
             self.code.roots.append((func, args, kwargs))
         self.stop()
 
-    def paused(self, call: Any) -> Any:
-        """`call()` with the mode popped (an optimizer's `zero_grad` between the loss and
-        backward: nothing of the loss, and a torch call per parameter)."""
+    def paused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """`call(*args, **kwargs)` with the mode popped (an optimizer's `zero_grad` between the
+        loss and backward: nothing of the loss, and a torch call per parameter)."""
         if not self.pushed or not self._innermost():
-            return call()
-        torch._C._pop_torch_function_stack()
+            return call(*args, **kwargs)
+        _pop()
         try:
-            return call()
+            return call(*args, **kwargs)
         finally:
-            torch._C._push_on_torch_function_stack(self)
+            _push(self)
 
     def _innermost(self) -> bool:
         depth = _stack_depth()
@@ -147,15 +156,16 @@ class LossCodeRecorder(TorchFunctionMode):
     def stop(self) -> None:
         """Pop the mode, when it is the innermost one (the script's own modes stay)."""
         self.code = None
-        if not self.pushed:
-            return
-        if self._innermost():
-            torch._C._pop_torch_function_stack()
+        if self.pushed and self._innermost():
+            _pop()
             self.pushed = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        # The leave-on price: every op of every step's loss code passes here, so the record
+        # is made inline (no helper calls when no autocast region is on).
+        if kwargs is None:
+            kwargs = {}
         code = self.code
         if code is None:
             return func(*args, **kwargs)
@@ -166,8 +176,10 @@ class LossCodeRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not _computes(func):
             return out
-        if len(code.ops) < MAX_OPS:
-            code.ops.append(RecordedOp(func, args, kwargs, out, _caller(), autocast_state()))
+        ops = code.ops
+        if len(ops) < MAX_OPS:
+            ops.append(_op((func, args, kwargs, out, _caller(sys._getframe(1)),
+                            autocast_state() if _any_autocast() else ())))
         else:
             code.overflowed = True
         return out

@@ -49,7 +49,8 @@ class StepTap:
 
         @functools.wraps(backward)
         def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            recorder.reached_backward(backward, (tensor, *args), kwargs)
+            if recorder.pushed:         # else: no loss code is being recorded
+                recorder.reached_backward(backward, (tensor, *args), kwargs)
             return backward(tensor, *args, **kwargs)
         torch.Tensor.backward = reaching  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(torch.Tensor, "backward", backward))
@@ -59,7 +60,9 @@ class StepTap:
 
         @functools.wraps(original)
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            return recorder.paused(lambda: original(owner, *args, **kwargs))
+            if recorder.pushed:
+                return recorder.paused(original, owner, *args, **kwargs)
+            return original(owner, *args, **kwargs)
         return zero_grad
 
     def remove(self) -> None:
@@ -75,7 +78,9 @@ class StepTap:
         """A micro-batch's outermost module call (before its forward)."""
         if not self.enabled:
             return
-        self.stop()
+        self._pending = None
+        if self._recorder.pushed:
+            self._recorder.stop()
         call = self.record.called(module, entry, args, kwargs)
         if entry is module:         # a compiled call never meets the module's hooks
             self._pending = call
