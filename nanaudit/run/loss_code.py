@@ -43,8 +43,8 @@ def _computes(func: Any) -> bool:
 
 class RecordedOp(NamedTuple):
     """One torch call of the loss code; `where`: the user's (file, line, function). A tuple:
-    made on every step, and made with `tuple.__new__` there (`_op`): even a NamedTuple's own
-    `__new__` is a Python call."""
+    made on every step, and made with `tuple.__new__` there: even a NamedTuple's own `__new__`
+    is a Python call."""
 
     func: Any
     args: tuple
@@ -54,8 +54,7 @@ class RecordedOp(NamedTuple):
     autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
 
 
-def _op(values: tuple) -> RecordedOp:
-    return tuple.__new__(RecordedOp, values)
+_new = tuple.__new__
 
 
 class LossCode:
@@ -85,16 +84,6 @@ class LossCode:
 def _is_user_file(name: str) -> bool:
     path = os.path.abspath(name)
     return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
-
-
-def _caller(frame: FrameType | None) -> tuple[str, int, str] | None:
-    """The user's (file, line, function) of the first user frame from `frame` outwards."""
-    while frame is not None:
-        code = frame.f_code
-        if _is_user_file(code.co_filename):
-            return code.co_filename, frame.f_lineno, code.co_name
-        frame = frame.f_back
-    return None
 
 
 def autocast_state() -> tuple:
@@ -177,11 +166,16 @@ class LossCodeRecorder(TorchFunctionMode):
         if not _computes(func):
             return out
         ops = code.ops
-        if len(ops) < MAX_OPS:
-            ops.append(_op((func, args, kwargs, out, _caller(sys._getframe(1)),
-                            autocast_state() if _any_autocast() else ())))
-        else:
+        if len(ops) >= MAX_OPS:
             code.overflowed = True
+            return out
+        frame: FrameType | None = sys._getframe(1)      # the user's line
+        while frame is not None and not _is_user_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        where = (None if frame is None else
+                 (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        ops.append(_new(RecordedOp, (func, args, kwargs, out, where,
+                                     autocast_state() if _any_autocast() else ())))
         return out
 
 

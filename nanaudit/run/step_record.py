@@ -130,9 +130,11 @@ class StepRecord:
         rng = _rng_states()
         if not self.calls:
             self._rng = rng
-            if self._buffers is None or self._buffers.module is not module:
-                self._buffers = BufferCopy(module)
-            self._buffers.save()
+            buffers = self._buffers
+            if buffers is None or buffers.module is not module:
+                buffers = self._buffers = BufferCopy(module)
+            if buffers.tensors:
+                buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         self.calls.append(call)
         return call
