@@ -130,7 +130,8 @@ class LossCodeRecorder(TorchFunctionMode):
     def paused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         """`call(*args, **kwargs)` with the mode popped (an optimizer's `zero_grad` between the
         loss and backward: nothing of the loss, and a torch call per parameter)."""
-        if not self.pushed or not self._innermost():
+        depth = _stack_depth()         # innermost: the script's own modes stay
+        if not self.pushed or not depth or _stack_at(depth - 1) is not self:
             return call(*args, **kwargs)
         _pop()
         try:
@@ -138,14 +139,13 @@ class LossCodeRecorder(TorchFunctionMode):
         finally:
             _push(self)
 
-    def _innermost(self) -> bool:
-        depth = _stack_depth()
-        return bool(depth) and _stack_at(depth - 1) is self
-
     def stop(self) -> None:
         """Pop the mode, when it is the innermost one (the script's own modes stay)."""
         self.code = None
-        if self.pushed and self._innermost():
+        if not self.pushed:
+            return
+        depth = _stack_depth()
+        if depth and _stack_at(depth - 1) is self:
             _pop()
             self.pushed = False
 

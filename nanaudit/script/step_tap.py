@@ -99,9 +99,9 @@ class StepTap:
 
     def loss(self, loss: torch.Tensor) -> None:
         """An unscaled loss reaching backward: the current micro-batch's."""
-        last = self.record.last
-        if self.enabled and last is not None:
-            last.losses.append(loss)
+        calls = self.record.calls
+        if calls:                   # none when not enabled
+            calls[-1].losses.append(loss)
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -121,7 +121,8 @@ class StepTap:
     def stop(self) -> None:
         """The loss code ended (a model call, an optimizer step, the script's end)."""
         self._pending = None
-        self._recorder.stop()
+        if self._recorder.pushed:   # else there is nothing to stop (most calls: a clean step)
+            self._recorder.stop()
 
     def close(self) -> None:
         """The window was checked: drop it."""
