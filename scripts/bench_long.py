@@ -12,8 +12,8 @@ Each variant is also run for a few steps, so that start-up (imports, building th
 drops out: the per-step cost is (T(N) - T(few)) / (N - few), and the fixed cost is that
 minus plain python's. Reported per variant: the median wall time of the N-step runs, the
 per-step cost and fixed cost (from wall time, and from the process's CPU time, which a busy
-machine disturbs less), the peak RSS (`os.wait4`'s rusage of that child) and the JSON report's
-size.
+machine disturbs less), the peak RSS of the few-step and of the N-step runs (`os.wait4`'s
+rusage of that child: memory is flat when the two are equal) and the JSON report's size.
 
     python scripts/bench_long.py                    # 100,000 steps, 3 rounds
     python scripts/bench_long.py --steps 20000 --rounds 1
@@ -138,6 +138,7 @@ def bench(folder: Path, variants: list[str], steps: int, few: int, rounds: int) 
         long, short = runs[variant]["long"], runs[variant]["few"]
         row = {"wall_s": statistics.median(r["wall_s"] for r in long),
                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in long),
+               "peak_rss_few_mb": statistics.median(r["peak_rss_mb"] for r in short),
                "report_bytes": long[-1].get("report_bytes"), "kept": long[-1].get("kept"),
                "summarized": long[-1].get("summarized")}
         for clock in ("wall_s", "cpu_s"):
@@ -154,13 +155,15 @@ def bench(folder: Path, variants: list[str], steps: int, few: int, rounds: int) 
 
 def show(table: dict, steps: int) -> None:
     print(f"\n{steps} steps | wall (median) | per step wall / cpu | fixed cost wall / cpu "
-          f"| peak RSS | JSON report (entries kept + steps summarized)")
+          f"| peak RSS (few steps -> {steps}: flat when equal) "
+          f"| JSON report (entries kept + steps summarized)")
     for variant, row in table.items():
         report = (f"{row['report_bytes'] / 1024:.0f} KiB ({row['kept']} + {row['summarized']})"
                   if row.get("report_bytes") else "-")
         print(f"{variant:6s} | {row['wall_s']:.1f} s | {row['step_ms_wall']:.3f} / "
               f"{row['step_ms_cpu']:.3f} ms | {row['fixed_ms_wall']:.3f} / "
-              f"{row['fixed_ms_cpu']:.3f} ms | {row['peak_rss_mb']:.0f} MB | {report}")
+              f"{row['fixed_ms_cpu']:.3f} ms | {row['peak_rss_few_mb']:.0f} -> "
+              f"{row['peak_rss_mb']:.0f} MB | {report}")
     if "run" in table and "scan" in table:
         run, scan = table["run"], table["scan"]
         ratios = [f"{run[f'fixed_ms_{c}'] / scan[f'fixed_ms_{c}']:.2f}x ({c})"

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import os
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -28,8 +28,10 @@ from nanaudit.errors import is_own_file
 
 MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_BACKWARD = frozenset((torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad))
 _stack_depth, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_push, _pop = torch._C._push_on_torch_function_stack, torch._C._pop_torch_function_stack
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 @functools.lru_cache(maxsize=4096)
@@ -41,7 +43,8 @@ def _computes(func: Any) -> bool:
 
 class RecordedOp(NamedTuple):
     """One torch call of the loss code; `where`: the user's (file, line, function). A tuple:
-    made on every step, a frozen dataclass's `__init__` would cost more than the rest."""
+    made on every step, and made with `tuple.__new__` there: even a NamedTuple's own `__new__`
+    is a Python call."""
 
     func: Any
     args: tuple
@@ -49,6 +52,9 @@ class RecordedOp(NamedTuple):
     out: Any
     where: tuple[str, int, str] | None
     autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
+
+
+_new = tuple.__new__
 
 
 class LossCode:
@@ -80,21 +86,17 @@ def _is_user_file(name: str) -> bool:
     return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
 
 
-def user_caller() -> tuple[str, int, str] | None:
-    """The innermost user frame calling in: (file, line, function); None when there is none."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if _is_user_file(frame.f_code.co_filename):
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
-        frame = frame.f_back
-    return None
+def user_frame(site: list[tuple[CodeType, int]]) -> tuple[str, int, str] | None:
+    """The innermost user frame of `site` (frames' code and line, innermost first)."""
+    return next(((code.co_filename, line, code.co_name) for code, line in site
+                 if _is_user_file(code.co_filename)), None)
 
 
 def autocast_state() -> tuple:
     """((device, dtype), ...) of the autocast regions enabled now (CPU, and CUDA once it is
     initialized): a replay runs each call in the same ones. One C call when none is (the
     common case: this runs for every recorded op)."""
-    if not torch._C._is_any_autocast_enabled():
+    if not _any_autocast():
         return ()
     devices = ("cpu", "cuda") if torch.cuda.is_initialized() else ("cpu",)
     return tuple((d, torch.get_autocast_dtype(d)) for d in devices
@@ -118,9 +120,10 @@ class LossCodeRecorder(TorchFunctionMode):
         self.pushed = False
 
     def start(self, code: LossCode) -> None:
-        self.stop()
+        if self.pushed:
+            self.stop()
         self.code = code
-        torch._C._push_on_torch_function_stack(self)
+        _push(self)
         self.pushed = True
 
     def reached_backward(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -130,33 +133,34 @@ class LossCodeRecorder(TorchFunctionMode):
             self.code.roots.append((func, args, kwargs))
         self.stop()
 
-    def paused(self, call: Any) -> Any:
-        """`call()` with the mode popped (an optimizer's `zero_grad` between the loss and
-        backward: nothing of the loss, and a torch call per parameter)."""
-        if not self.pushed or not self._innermost():
-            return call()
-        torch._C._pop_torch_function_stack()
+    def paused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """`call(*args, **kwargs)` with the mode popped (an optimizer's `zero_grad` between the
+        loss and backward: nothing of the loss, and a torch call per parameter)."""
+        depth = _stack_depth()         # innermost: the script's own modes stay
+        if not self.pushed or not depth or _stack_at(depth - 1) is not self:
+            return call(*args, **kwargs)
+        _pop()
         try:
-            return call()
+            return call(*args, **kwargs)
         finally:
-            torch._C._push_on_torch_function_stack(self)
-
-    def _innermost(self) -> bool:
-        depth = _stack_depth()
-        return bool(depth) and _stack_at(depth - 1) is self
+            _push(self)
 
     def stop(self) -> None:
         """Pop the mode, when it is the innermost one (the script's own modes stay)."""
         self.code = None
         if not self.pushed:
             return
-        if self._innermost():
-            torch._C._pop_torch_function_stack()
+        depth = _stack_depth()
+        if depth and _stack_at(depth - 1) is self:
+            _pop()
             self.pushed = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        # The leave-on price: every op of every step's loss code passes here, so the record
+        # is made inline (no helper calls when no autocast region is on).
+        if kwargs is None:
+            kwargs = {}
         code = self.code
         if code is None:
             return func(*args, **kwargs)
@@ -167,10 +171,17 @@ class LossCodeRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not _computes(func):
             return out
-        if len(code.ops) < MAX_OPS:
-            code.ops.append(RecordedOp(func, args, kwargs, out, user_caller(), autocast_state()))
-        else:
+        ops = code.ops
+        if len(ops) >= MAX_OPS:
             code.overflowed = True
+            return out
+        frame: FrameType | None = sys._getframe(1)      # the user's line
+        while frame is not None and not _is_user_file(frame.f_code.co_filename):
+            frame = frame.f_back
+        where = (None if frame is None else
+                 (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        ops.append(_new(RecordedOp, (func, args, kwargs, out, where,
+                                     autocast_state() if _any_autocast() else ())))
         return out
 
 

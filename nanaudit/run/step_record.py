@@ -16,12 +16,20 @@ what skipping a step needs (keep-going)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from nanaudit.run.loss_code import LossCode, autocast_state, user_caller
+from nanaudit.run.loss_code import LossCode, autocast_state, user_frame
+
+_any_autocast = torch._C._is_any_autocast_enabled
+_cpu_state = torch.default_generator.get_state
+# How many frames above a model call are kept to find the script's line in, should a replay ask
+# (the hook, torch's call machinery, wrappers such as DDP's, then the script).
+_SITE_DEPTH = 16
 
 
 class ModelCall:
@@ -32,6 +40,7 @@ class ModelCall:
     (a replayed op of a module of torch's names it). Slotted: one is made a micro-batch."""
 
     __slots__ = (
+        "_site",
         "args",
         "autocast",
         "code",
@@ -42,7 +51,6 @@ class ModelCall:
         "output",
         "rng",
         "skipped",
-        "where",
     )
 
     def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
@@ -53,8 +61,21 @@ class ModelCall:
         self.losses: list[torch.Tensor] = []
         self.rng = rng
         self.skipped = False
-        self.autocast = autocast_state()     # the autocast regions the call ran in
-        self.where = user_caller()
+        # the autocast regions the call ran in (one C call when none is: the common case)
+        self.autocast = autocast_state() if _any_autocast() else ()
+        # The frames' code and line, read now (attribute reads, no call: this is every step's
+        # price); which of them is the script's is found only when a replay asks (`where`).
+        frame: FrameType | None = sys._getframe(1)
+        site: list[tuple[CodeType, int]] = []
+        while frame is not None and len(site) < _SITE_DEPTH:
+            site.append((frame.f_code, frame.f_lineno))
+            frame = frame.f_back
+        self._site = site
+
+    @property
+    def where(self) -> tuple[str, int, str] | None:
+        """The script's line that made this call: (file, line, function); None if not seen."""
+        return user_frame(self._site)
 
     def seed_replay(self) -> None:
         """The RNG streams as this call began (the data code between calls drew on them)."""
@@ -70,28 +91,42 @@ class BufferCopy:
         self.module = module
         self.tensors = list(module.buffers())
         self.saved = [b.detach().clone() for b in self.tensors]
+        # A copy into buffers that autograd does not track needs no `no_grad()` (a context
+        # manager's enter and exit, each step); one that does (rare) keeps it.
+        self._tracked = any(b.requires_grad for b in self.tensors)
 
     def save(self) -> None:
-        if self.tensors:
-            with torch.no_grad():
-                torch._foreach_copy_(self.saved, self.tensors)
+        self._copy(self.saved, self.tensors)
 
     def restore(self) -> None:
         """The buffers as they were when last saved."""
         self.put(self.saved)
 
     def put(self, values: list[torch.Tensor]) -> None:
-        if self.tensors:
+        self._copy(self.tensors, values)
+
+    def _copy(self, into: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        if not into:
+            return
+        if self._tracked:
             with torch.no_grad():
-                torch._foreach_copy_(self.tensors, values)
+                torch._foreach_copy_(into, values)
+        else:
+            torch._foreach_copy_(into, values)
 
 
-def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-    return torch.default_generator.get_state(), cuda
+_RngStates = tuple[torch.Tensor, "list[torch.Tensor] | tuple[()]"]
 
 
-def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+def _rng_states() -> _RngStates:
+    """The CPU generator's state (a 5 KB copy, ~1 us: the only per-step RNG cost on CPU) and
+    every initialized CUDA generator's."""
+    if torch.cuda.is_initialized():
+        return _cpu_state(), torch.cuda.get_rng_state_all()
+    return _cpu_state(), ()
+
+
+def _set_rng_states(states: _RngStates) -> None:
     torch.set_rng_state(states[0])
     if states[1]:
         torch.cuda.set_rng_state_all(states[1])
@@ -102,7 +137,7 @@ class StepRecord:
 
     def __init__(self) -> None:
         self.calls: list[ModelCall] = []
-        self._rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._rng: _RngStates | None = None
         self._buffers: BufferCopy | None = None
 
     @property
@@ -115,9 +150,11 @@ class StepRecord:
         rng = _rng_states()
         if not self.calls:
             self._rng = rng
-            if self._buffers is None or self._buffers.module is not module:
-                self._buffers = BufferCopy(module)
-            self._buffers.save()
+            buffers = self._buffers
+            if buffers is None or buffers.module is not module:
+                buffers = self._buffers = BufferCopy(module)
+            if buffers.tensors:
+                buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         self.calls.append(call)
         return call

@@ -49,7 +49,8 @@ class StepTap:
 
         @functools.wraps(backward)
         def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            recorder.reached_backward(backward, (tensor, *args), kwargs)
+            if recorder.pushed:         # else: no loss code is being recorded
+                recorder.reached_backward(backward, (tensor, *args), kwargs)
             return backward(tensor, *args, **kwargs)
         torch.Tensor.backward = reaching  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(torch.Tensor, "backward", backward))
@@ -59,7 +60,9 @@ class StepTap:
 
         @functools.wraps(original)
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            return recorder.paused(lambda: original(owner, *args, **kwargs))
+            if recorder.pushed:
+                return recorder.paused(original, owner, *args, **kwargs)
+            return original(owner, *args, **kwargs)
         return zero_grad
 
     def remove(self) -> None:
@@ -75,7 +78,9 @@ class StepTap:
         """A micro-batch's outermost module call (before its forward)."""
         if not self.enabled:
             return
-        self.stop()
+        self._pending = None
+        if self._recorder.pushed:
+            self._recorder.stop()
         call = self.record.called(module, entry, args, kwargs)
         if entry is module:         # a compiled call never meets the module's hooks
             self._pending = call
@@ -87,7 +92,11 @@ class StepTap:
         if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
         self._pending = None
-        self._start_code(call, output)
+        # _start_code's body, inline: this runs every step (tests/run/test_leave_on_price.py)
+        call.output = output
+        self._recorder.start(call.code)
+        if self.on_return is not None:
+            self.on_return()
 
     def paused(self, call: Any) -> Any:
         """`call()` outside the loss code's recording."""
@@ -110,9 +119,9 @@ class StepTap:
 
     def loss(self, loss: torch.Tensor) -> None:
         """An unscaled loss reaching backward: the current micro-batch's."""
-        last = self.record.last
-        if self.enabled and last is not None:
-            last.losses.append(loss)
+        calls = self.record.calls
+        if calls:                   # none when not enabled
+            calls[-1].losses.append(loss)
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -132,7 +141,8 @@ class StepTap:
     def stop(self) -> None:
         """The loss code ended (a model call, an optimizer step, the script's end)."""
         self._pending = None
-        self._recorder.stop()
+        if self._recorder.pushed:   # else there is nothing to stop (most calls: a clean step)
+            self._recorder.stop()
 
     def close(self) -> None:
         """The window was checked: drop it."""
