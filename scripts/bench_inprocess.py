@@ -15,6 +15,7 @@ replay's own duration from the JSON report.
 
     python scripts/bench_inprocess.py                       # N = 1,000 10,000 100,000
     python scripts/bench_inprocess.py --steps 1000 10000 --rounds 1 --no-rerun-variant
+    python scripts/bench_inprocess.py --device cuda          # the same loop on the GPU
 
 `--ddp`: the same loop under DDP on two gloo ranks, every variant launched by torchrun
 (`--standalone --nproc-per-node 2`); the zero row is in rank 1's batch alone, so the value is
@@ -44,11 +45,11 @@ from torch import nn
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-bad, width = int(sys.argv[1]), int(sys.argv[2])
+bad, width, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                      nn.Linear(width, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-x = torch.randn(64, 64)
+                      nn.Linear(width, 1)).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+x = torch.randn(64, 64, device=device)
 for step in range(bad + 1):
     batch = x.clone()
     if step == bad:
@@ -61,8 +62,7 @@ for step in range(bad + 1):
     optimizer.step()
 '''
 
-# The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N; a
-# learning rate of 1e-6 (the loop's linear loss diverges near step 1,000 at 1e-4 under DDP).
+# The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N.
 DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -71,12 +71,12 @@ rank = dist.get_rank()
 """).replace("optimizer = torch.optim.SGD(model.parameters()",
              "model = DistributedDataParallel(model)\n"
              "optimizer = torch.optim.SGD(model.parameters()").replace(
-    "lr=1e-4", "lr=1e-6").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
 
-def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list[str]:
-    script = [str(folder / "loop.py"), str(bad), str(width)]
+def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
+            device: str = "cpu") -> list[str]:
+    script = [str(folder / "loop.py"), str(bad), str(width), device]
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2"] if ddp else [sys.executable])
     if variant == "plain":
@@ -86,10 +86,11 @@ def command(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> list
             str(folder / f"{variant}.json"), *script]
 
 
-def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool) -> dict:
+def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
+            device: str = "cpu") -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started = time.perf_counter()
-    code = subprocess.run(command(variant, folder, bad, width, ddp), cwd=folder, env=env,
+    code = subprocess.run(command(variant, folder, bad, width, ddp, device), cwd=folder, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           check=False).returncode
     result: dict = {"wall_s": time.perf_counter() - started}
@@ -117,6 +118,8 @@ def main() -> None:
                         help="leave out the --rerun variant (it runs the script twice)")
     parser.add_argument("--ddp", action="store_true",
                         help="the loop under DDP on two gloo ranks, launched by torchrun")
+    parser.add_argument("--device", default="cpu", help="where the loop runs (cuda: the GPU; "
+                        "the plain script then syncs only at its end, `run` once a step)")
     args = parser.parse_args()
     variants = ["plain", "run"] + ([] if args.no_rerun_variant else ["rerun"])
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
@@ -126,7 +129,8 @@ def main() -> None:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
-                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp))
+                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp,
+                                                 args.device))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             print(f"bad step {bad:,}: plain {plain:.2f} s ({plain / (bad + 1) * 1000:.2f} ms a "
                   f"step, with start-up)")

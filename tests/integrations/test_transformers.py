@@ -309,3 +309,24 @@ def test_trainer_skips_a_bad_step_and_trains_on(tmp_path):
     from nanaudit.integrations.held_step import HeldStep
     step = trainer.optimizer.__dict__.get("step")
     assert not isinstance(getattr(step, "__self__", None), HeldStep), "its own step is back"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fp16 training)")
+def test_trainer_fp16_on_cuda_skips_a_bad_step_and_the_scaler_trains_on(tmp_path):
+    # The Trainer's own fp16 GradScaler (CUDA): the skipped step is marked to the scaler as an
+    # overflow, so its `update()` runs; the weights do not move on that step, the run goes on.
+    callback, watch = NanauditCallback(echo=False, on_finding="skip"), _Watch()
+    trainer = transformers.Trainer(
+        model=_bert(), args=_args(tmp_path, use_cpu=False, fp16=True, max_grad_norm=1.0),
+        train_dataset=Rows(zero_target=9), compute_loss_func=log_target_loss,
+        callbacks=[callback, watch])
+    trainer.train()
+    assert trainer.state.global_step == 6
+    for name, value in watch.before[2].items():       # row 9: row 1 of batch 2 (rows 8..11)
+        assert torch.equal(value, watch.after[2][name]), name
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    scaler = trainer.accelerator.scaler
+    assert scaler is not None and 0 < scaler.get_scale() < float("inf")
+    (f,) = callback.report.findings
+    assert (f.step, f.batch_index, f.op, f.cause, f.action) == (
+        2, 2, "aten.log.default", "log-domain", "skipped")

@@ -260,6 +260,8 @@ def test_lightning_script_fp16_overflow():
                                                          "penalty", "dtype-overflow")
     assert f.source.line == line_of(path, "h.half().pow(2)") and f.samples == [2]
     assert f.reproduced is True and "65504" in f.explanation
+    # Lightning's `optimizer.step(closure)`: the closure's step replayed in-process (issue 35).
+    assert f.localized_by == "in-process" and report.run.rerun is None
     clean = script("lightning_fp16_penalty.py", "--poison-sample", "-1", "--max-steps", "4")
     assert clean.status == "clean" and clean.steps_run == 4
 
@@ -275,6 +277,7 @@ def test_trainer_script_poisoned_sample():
                                                          "normalize", "div-by-zero")
     assert f.source.line == line_of(path, "return x / x.norm(")
     assert f.reproduced is True and len(f.samples) == 1
+    assert f.localized_by == "in-process" and report.run.rerun is None
     clean = script("trainer_zero_sample.py", "--poison-sample", "-1", "--max-steps", "3")
     assert clean.status == "clean" and clean.steps_run == 3
 
@@ -289,6 +292,7 @@ def test_accelerate_script_backward_finding_names_the_forward_op():
                                                                  "aten.sqrt.default", "length",
                                                                  "sqrt-domain")
     assert f.source.line == line_of(path, "return torch.sqrt(") and f.tensors == ["proj.weight"]
+    assert f.localized_by == "in-process" and report.run.rerun is None
     # Accelerate's wrapped optimizer steps the real one once: one check per step, not two.
     clean = script("accelerate_zero_norm.py", "--poison-sample", "-1", "--epochs", "2")
     assert clean.status == "clean" and clean.steps_run == 16

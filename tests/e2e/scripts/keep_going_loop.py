@@ -5,12 +5,15 @@ to: no update on a bad step (under a GradScaler, the scale backed off as after a
 the model's buffers put back as they were before the step's first forward.
 
     python keep_going_loop.py OUT [--shape plain|accumulate|scaler|closure|two]
-        [--bad STEP:KIND,...] [--steps N] [--reference]
+        [--bad STEP:KIND,...] [--steps N] [--device cpu|cuda] [--autocast] [--init-scale S]
+        [--deterministic] [--reference]
 
 KIND: `forward` (log of a negative input in the model), `backward` (sqrt(0) in the loss code:
 finite forward, non-finite gradient) or `loss` (log(0) in the loss code). Writes OUT (the model,
 optimizers and scale) and OUT.log (one line a step: the step, the learning rate, a draw of the
-script's RNG after it)."""
+script's RNG after it). `--device cuda` runs it on the GPU (Dropout then draws from the CUDA
+generator, which nanaudit's replay must leave as the script had it); `--autocast` runs the
+model's forward under float16 autocast (with the `scaler` shape: a real fp16 GradScaler)."""
 
 import argparse
 import json
@@ -25,8 +28,13 @@ parser.add_argument("--shape", default="plain",
 parser.add_argument("--bad", default="")
 parser.add_argument("--steps", type=int, default=9)
 parser.add_argument("--reference", action="store_true")
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--autocast", action="store_true")
+parser.add_argument("--init-scale", type=float, default=1e38)
+parser.add_argument("--deterministic", action="store_true")
 args = parser.parse_args()
 BAD = {int(s): kind for s, kind in (item.split(":") for item in args.bad.split(",") if item)}
+DEVICE = torch.device(args.device).type
 MICRO = 2 if args.shape == "accumulate" else 1
 
 
@@ -35,9 +43,10 @@ class Log(nn.Module):
         return torch.log(x)
 
 
+torch.use_deterministic_algorithms(args.deterministic)
 torch.manual_seed(0)
 model = nn.Sequential(Log(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.ReLU(),
-                      nn.Linear(8, 1))
+                      nn.Linear(8, 1)).to(args.device)
 if args.shape == "two":
     optimizers = [torch.optim.Adam(model[1].parameters(), lr=0.01),
                   torch.optim.SGD([*model[2].parameters(), *model[5].parameters()], lr=0.05,
@@ -47,7 +56,7 @@ elif args.shape == "closure":
 else:
     optimizers = [torch.optim.Adam(model.parameters(), lr=0.01)]
 scheduler = torch.optim.lr_scheduler.StepLR(optimizers[0], 3, 0.5)
-scaler = torch.amp.GradScaler("cpu", init_scale=1e38) if args.shape == "scaler" else None
+scaler = torch.amp.GradScaler(DEVICE, init_scale=args.init_scale) if args.shape == "scaler" else None
 
 
 def batch(step, micro):
@@ -61,11 +70,12 @@ def batch(step, micro):
         gate = torch.zeros(())
     elif kind == "loss":
         scale = torch.zeros(())
-    return x, y, gate, scale
+    return tuple(t.to(args.device) for t in (x, y, gate, scale))
 
 
 def loss_of(x, y, gate, scale):
-    pred = model(x)
+    with torch.autocast(DEVICE, dtype=torch.float16, enabled=args.autocast):
+        pred = model(x).float()
     return ((pred - y) ** 2).mean() + torch.sqrt(gate * pred.pow(2).mean()) - torch.log(scale)
 
 
@@ -107,7 +117,9 @@ with open(args.out + ".log", "w") as log:
                 for b, s in zip(model.buffers(), saved):
                     b.copy_(s)
         scheduler.step()
-        log.write(json.dumps({"step": step, "lr": scheduler.get_last_lr()[0],
-                              "draw": torch.rand(()).item()}) + "\n")
+        line = {"step": step, "lr": scheduler.get_last_lr()[0], "draw": torch.rand(()).item()}
+        if DEVICE == "cuda":                 # the GPU's stream too (Dropout draws from it)
+            line["cuda_draw"] = torch.rand((), device=args.device).item()
+        log.write(json.dumps(line) + "\n")
 torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
             "scale": scaler.get_scale() if scaler is not None else None}, args.out)
