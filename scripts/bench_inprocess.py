@@ -17,10 +17,21 @@ replay's own duration from the JSON report.
     python scripts/bench_inprocess.py --steps 1000 10000 --rounds 1 --no-rerun-variant
     python scripts/bench_inprocess.py --device cuda          # the same loop on the GPU
 
+`--producer`: a data-code producer instead: the loop's own standardization of each batch
+`(raw - raw.mean(0)) / raw.std(0)` divides 0 by 0 at step N (a constant feature), so the batch is
+non-finite before the model sees it and only a re-run of the script's data code names the op.
+Its variants: `plain`; `run` (the re-run stands in for the model before step N); `full` (the
+same with the model computed, ScriptOptions(skip_model=False), as before). CPU seconds are
+given next to the wall time: on a loaded machine they are the steadier figure.
+
 `--ddp`: the same loop under DDP on two gloo ranks, every variant launched by torchrun
 (`--standalone --nproc-per-node 2`); the zero row is in rank 1's batch alone, so the value is
 rank 1's own (its gradients before the all-reduce), and `run` replays rank 1's step on its
 local module while rank 0 waits for the finding.
+
+`--fsdp`: the same under FSDP2 (`fully_shard` on each Linear and the root, over a 1-D gloo mesh
+of two ranks); the value is rank 1's own gradients before the reduce-scatter, and `run` has
+every rank replay the step together (its all-gathers and reduce-scatters need both).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,6 +74,27 @@ for step in range(bad + 1):
     optimizer.step()
 '''
 
+# The data-code producer: the same model, a fresh batch from the loop's own generator each step,
+# standardized by the loop; at step N a constant feature makes its std 0.
+PRODUCER_LOOP = LOOP.split("x = torch.randn(64, 64")[0] + '''g = torch.Generator().manual_seed(0)
+for step in range(bad + 1):
+    raw = torch.randn(64, 64, generator=g).to(device)
+    if step == bad:
+        raw[:, 7] = 3.0
+    batch = (raw - raw.mean(0)) / raw.std(0)
+    loss = model(batch).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+# `full`: `nanaudit run` with the producer's re-run computing the model (no CLI flag for it).
+FULL = ("import sys; from pathlib import Path; from nanaudit.commands.run import run_script; "
+        "from nanaudit.report.json import JsonRenderer; "
+        "from nanaudit.script.target import ScriptOptions, ScriptTarget; "
+        "r = run_script(ScriptTarget(path=sys.argv[2], args=tuple(sys.argv[3:])), "
+        "ScriptOptions(skip_model=False)); Path(sys.argv[1]).write_text(JsonRenderer().render(r))")
+
 # The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N.
 DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
 import torch.distributed as dist
@@ -73,6 +106,18 @@ rank = dist.get_rank()
              "optimizer = torch.optim.SGD(model.parameters()").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
+# The FSDP2 loop: the DDP loop with each Linear and the root sharded instead of DDP's wrapper.
+FSDP_LOOP = DDP_LOOP.replace(
+    "from torch.nn.parallel import DistributedDataParallel\n",
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.fsdp import fully_shard\n").replace(
+    "model = DistributedDataParallel(model)\n",
+    "mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))\n"
+    "for layer in model:\n"
+    "    if isinstance(layer, nn.Linear):\n"
+    "        fully_shard(layer, mesh=mesh)\n"
+    "fully_shard(model, mesh=mesh)\n")
+
 
 def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
             device: str = "cpu") -> list[str]:
@@ -81,32 +126,48 @@ def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
                "--nproc-per-node", "2"] if ddp else [sys.executable])
     if variant == "plain":
         return [*launch, *script]
+    if variant == "full":
+        return [sys.executable, "-c", FULL, str(folder / "full.json"), *script]
     flags = ["--rerun"] if variant == "rerun" else []
     return [*launch, "-m", "nanaudit", "run", "-q", *flags, "--json",
             str(folder / f"{variant}.json"), *script]
 
 
 def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", producer: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _children_cpu()
     code = subprocess.run(command(variant, folder, bad, width, ddp, device), cwd=folder, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           check=False).returncode
-    result: dict = {"wall_s": time.perf_counter() - started}
-    expected = 0 if variant == "plain" else 1
+    result: dict = {"wall_s": time.perf_counter() - started, "cpu_s": _children_cpu() - cpu}
+    expected = 1 if variant in ("run", "rerun") else 0
     if code != expected:
         raise SystemExit(f"{variant} (bad step {bad}) exited with {code}, not {expected}")
     if variant != "plain":
         report = json.loads((folder / f"{variant}.json").read_text())
         finding, run = report["finding"], report["run"]
-        assert finding["step"] == bad and finding["forward_op"] == "aten.sqrt.default", finding
+        if producer:
+            assert (finding["step"], finding["where"], finding["op"]) == (
+                bad, "input", "aten.div.Tensor"), finding
+            rerun = run["rerun"]
+            assert variant != "run" or rerun.get("model_skipped") is True, rerun
+            result["stood_in"] = rerun.get("stood_in")
+        else:
+            assert finding["step"] == bad and finding["forward_op"] == "aten.sqrt.default", \
+                finding
         assert not ddp or finding["rank"] == 1, finding
         result["localized_by"] = finding.get("localized_by")
         result["replay_s"] = (run.get("replay") or {}).get("duration_s")
         result["rerun_s"] = (run.get("rerun") or {}).get("duration_s")
         result["first_run_s"] = run["first_run"]["duration_s"]
     return result
+
+
+def _children_cpu() -> float:
+    """The CPU seconds (user and system) of the finished child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -118,29 +179,43 @@ def main() -> None:
                         help="leave out the --rerun variant (it runs the script twice)")
     parser.add_argument("--ddp", action="store_true",
                         help="the loop under DDP on two gloo ranks, launched by torchrun")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the loop under FSDP2 on two gloo ranks, launched by torchrun")
     parser.add_argument("--device", default="cpu", help="where the loop runs (cuda: the GPU; "
                         "the plain script then syncs only at its end, `run` once a step)")
+    parser.add_argument("--producer", action="store_true",
+                        help="a data-code producer (the loop's standardization) instead")
     args = parser.parse_args()
-    variants = ["plain", "run"] + ([] if args.no_rerun_variant else ["rerun"])
+    ranks = args.ddp or args.fsdp
+    other = "full" if args.producer else "rerun"
+    variants = ["plain", "run"] + ([] if args.no_rerun_variant else [other])
+    loop = (PRODUCER_LOOP if args.producer else FSDP_LOOP if args.fsdp else
+            DDP_LOOP if args.ddp else LOOP)
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
         folder = Path(name)
-        (folder / "loop.py").write_text(DDP_LOOP if args.ddp else LOOP)
+        (folder / "loop.py").write_text(loop)
         for bad in args.steps:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
-                    runs[variant].append(measure(variant, folder, bad, args.width, args.ddp,
-                                                 args.device))
+                    runs[variant].append(measure(variant, folder, bad, args.width, ranks,
+                                                 args.device, args.producer))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
-            print(f"bad step {bad:,}: plain {plain:.2f} s ({plain / (bad + 1) * 1000:.2f} ms a "
-                  f"step, with start-up)")
+            plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
+            print(f"bad step {bad:,}: plain {plain:.2f} s, {plain_cpu:.2f} s CPU "
+                  f"({plain / (bad + 1) * 1000:.2f} ms a step, with start-up)")
             for variant in variants[1:]:
                 wall = statistics.median(r["wall_s"] for r in runs[variant])
+                cpu = statistics.median(r["cpu_s"] for r in runs[variant])
                 last = runs[variant][-1]
-                took = last["replay_s"] if variant == "run" else last["rerun_s"]
+                took = last["rerun_s"] if args.producer or variant == "rerun" else \
+                    last["replay_s"]
+                stood = (f", {last['stood_in']} model calls stood in for"
+                         if last.get("stood_in") else "")
                 print(f"  {variant:6} {wall:.2f} s = {wall / plain:.2f}x plain, "
-                      f"+{wall - plain:.2f} s; named by {last['localized_by']} "
-                      f"(its localization {took} s; first run {last['first_run_s']} s)")
+                      f"+{wall - plain:.2f} s; CPU {cpu:.2f} s = {cpu / plain_cpu:.2f}x plain; "
+                      f"named by {last['localized_by']} (its localization {took} s{stood}; "
+                      f"first run {last['first_run_s']} s)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ skipped steps (which the check core's keep-going rule reads), is the same.
 
 Naming what made a non-finite input reads the data again from its start; for every bad input
 that is done once, after the loop, for all of them together, so a skip costs the same at
-step 10 and at step 100,000.
+step 10 and at step 100,000. Under torchrun the rank whose batch it was traces it, and every
+rank's log then takes the traced finding.
 """
 
 from __future__ import annotations
@@ -71,9 +72,23 @@ class BadStepRecorder:
                 self._note_input(finding, outcome.state)
         if self.inputs and not outcome.interrupted:     # a stopped run reads no more data
             trace(self.inputs)
+        self._share_traced()
         self.log.apply(report)
         if self.log.count and report.status == Status.CLEAN:
             report.status = Status.NONFINITE
+
+    def _share_traced(self) -> None:
+        """Under torchrun each input finding is traced by the rank whose batch it was: every
+        rank's log takes the traced findings, so each rank's report names what made them. The
+        logs are the same on every rank, so every rank gathers here, or none."""
+        coord = self.coordinator
+        if coord is None or not any(f.where == Where.INPUT for f in self.log.whole):
+            return
+        from nanaudit.run.rank_checks import gather_by_store
+        traced = {finding.step: finding for _, finding in self.inputs.values()}
+        for theirs in gather_by_store(coord, "traced-inputs", traced,
+                                      timeout_s=coord.options.timeout_s):
+            self.log.adopt(theirs)
 
     def _note_input(self, finding: Finding, state: StepState) -> None:
         """A whole finding of a non-finite input, to be traced in the data read again."""

@@ -121,7 +121,8 @@ def _localize(session: Any, outcome: Any, samples: bool, report: Report,
     from nanaudit.localize.findings import build_finding
     if coordinator is not None and coordinator.sharded:
         from nanaudit.localize.sharded_replay import rank_finding
-        finding = rank_finding(coordinator, coordinator.pre_reduce, session, outcome)
+        finding = rank_finding(coordinator, coordinator.pre_reduce, session, outcome,
+                               partials=coordinator.parallel.partials)
     elif _localizes_here(coordinator, outcome.trip):
         try:
             with _on_local_model(session):

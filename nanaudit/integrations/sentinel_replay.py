@@ -151,7 +151,7 @@ def _localize(target: ReplayTarget, outcome: ScanOutcome, window: list[RecordedB
     if target.ranks is not None:
         from nanaudit.localize.sharded_replay import rank_finding
         finding = rank_finding(target.ranks.coord, target.ranks.flags, session, outcome,
-                               target.loss_fn is not None)
+                               target.loss_fn is not None, target.ranks.partials)
     elif trip.check in (Check.LOSS, Check.GRADIENT) and (target.loss_fn is None or micro is None):
         finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
                                            "loss_fn(model, batch))")

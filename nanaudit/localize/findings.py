@@ -208,7 +208,7 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
         forward_op=event.forward.op if event.phase == Where.BACKWARD and event.forward else None,
         module=module_name(event, loss_name), source=event.source, inputs=input_stats(event),
         forward_inputs=forward_input_stats(event) if event.phase == Where.BACKWARD else [],
-        reproduced=True, tensors=tensors, tensor=tensor,
+        reproduced=True, tensors=tensors, tensor=tensor, element=loc.element,
         chain=[_chain_link(e, loss_name) for e in loc.chain or []])
 
 

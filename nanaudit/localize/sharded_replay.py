@@ -9,7 +9,9 @@ own op made the value (run/rank_checks.origin_entry).
 
 One replay per rank and no sample search (a search replays sub-batches a number of times only
 the searching rank knows, and every replay needs every rank): the rows are read off the
-creating op's output (findings.created_rows).
+creating op's output (findings.created_rows), and so is the global index of its first bad element
+where that output is a sharded DTensor (`created_element`). Each rank also names its own first bad
+element of a sharded weight or gradient (`tensor_element`), as `nanaudit run` does.
 """
 
 from __future__ import annotations
@@ -19,22 +21,31 @@ from typing import Any
 
 import torch
 
-from nanaudit.localize.events import kinds_of
+from nanaudit.localize.events import OpEvent, kinds_of
 from nanaudit.localize.findings import (
     build_finding,
     created_rows,
+    made_by,
     rows_search,
     unreplayed_finding,
 )
 from nanaudit.localize.ops import is_collective
 from nanaudit.localize.replay import preserved_buffers, traced_replay
+from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
+from nanaudit.report.sections import ShardElement
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
-from nanaudit.run.mesh import MeshView, name_on_mesh
+from nanaudit.run.mesh import (
+    MeshView,
+    PartialFlags,
+    name_on_mesh,
+    output_element,
+    tensor_element,
+)
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
@@ -48,16 +59,31 @@ def made_here(loc: Localization) -> bool:
     return event is not None and not event.untracked and not is_collective(event.op)
 
 
-def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
-    """localize() for one rank of an FSDP2 run (see the module docstring)."""
+def created_element(tracer: OpTracer, event: OpEvent) -> ShardElement | None:
+    """The first bad element of the creating op's output where that output is a sharded
+    DTensor (a tensor-parallel layer's own op), by its index in this rank's shard and in the
+    whole tensor; None for an op on plain (or local) tensors."""
+    return output_element(event.op, made_by(tracer, {event.index}))
+
+
+def rank_localizer(flags: PreReduceFlags,
+                   partials: PartialFlags | None = None) -> Callable[..., Localization]:
+    """localize() for one rank of an FSDP2 run (see the module docstring); `partials`: the
+    run's TP flags, which compute nothing while the replay traces."""
+    def tracing(on: bool) -> None:
+        flags.tracing = on
+        if partials is not None:
+            partials.tracing = on
+
     def localize_rank(session: Session, state: StepState, trip: Trip,
                       timeline: Any) -> Localization:
-        flags.tracing, flags.sinks = True, []
+        flags.sinks = []
+        tracing(True)
         try:
             with preserved_buffers(session.model):
                 tracer, loss = traced_replay(session, state)
         finally:
-            flags.tracing = False
+            tracing(False)
         trace = tracer.trace
         sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
@@ -73,23 +99,28 @@ def rank_localizer(flags: PreReduceFlags) -> Callable[..., Localization]:
             return Localization(False, ops_traced=trace.ops_seen)     # a peer's value
         size = infer_layout(state.batch, session.options.batch_dim).size
         loc.rows = created_rows(tracer, loc.event, size)
+        loc.element = created_element(tracer, loc.event)
         loc.sample_search = rows_search(loc.event.op, loc.rows, size)
         return loc
     return localize_rank
 
 
 def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
-                 outcome: ScanOutcome, replayable: bool = True) -> Finding:
+                 outcome: ScanOutcome, replayable: bool = True,
+                 partials: PartialFlags | None = None) -> Finding:
     """Every rank's finding of the trip, the same on every rank: for a loss or gradient trip
     every rank replays at once and the finding of the rank whose own op made the value is
     taken; for an input or a weights' shard, the finding of the rank the flags named. Called
     by every rank (`replayable`: the loss can be replayed, alike on every rank)."""
     trip = outcome.trip
     assert trip is not None, "a finding is built for a trip"
+    # this rank's bad element of a sharded weight or gradient, before a replay makes them again
+    element = None if trip.check == Check.INPUT else tensor_element(
+        session.model, gradients=trip.check not in (Check.PARAMETER, Check.OPTIMIZER))
     finding, made = None, False
     if trip.check in (Check.LOSS, Check.GRADIENT):
         if replayable:
-            finding = build_finding(session, outcome, False, rank_localizer(flags))
+            finding = build_finding(session, outcome, False, rank_localizer(flags, partials))
             made = finding.reproduced is True and finding.op is not None
         elif trip.rank in (None, coord.rank):
             finding = unreplayed_finding(trip, "pass `loss_fn=` to Sentinel (called as "
@@ -98,6 +129,7 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
         finding, made = build_finding(session, outcome, False), trip.rank == coord.rank
     if finding is not None:
         finding.rank = coord.rank
+        finding.element = finding.element or element
     gathered = gather_by_store(coord, "finding", (finding, made))
     chosen = origin_entry([f for f, _ in gathered], [m for _, m in gathered], trip.rank)
     chosen = chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")

@@ -149,6 +149,11 @@ class BadStepLog:
         return BadStepEntry(**{f.name: getattr(entry, f.name) for f in fields(TimelineEntry)},
                             bad=action)
 
+    def adopt(self, traced: dict[int, Finding]) -> None:
+        """The whole findings of these steps, as another rank completed them (it traced what
+        made a non-finite input), in place of this rank's copies."""
+        self.whole = [traced.get(finding.step, finding) for finding in self.whole]
+
     def contains(self, step: int) -> bool:
         """Whether `step` was a bad step, as far as the bounded spans still list it."""
         return any(start <= step <= end for start, end in self._steps.spans) or \

@@ -146,6 +146,11 @@ def script_section(run: ScriptRun | None) -> str:
         traced = f", {rerun.ops_traced} op(s) traced" if rerun.ops_traced is not None else ""
         precision = f", {rerun.precision}" if rerun.precision else ""
         facts.append(("re-run", f"{rerun.status}{done}{traced}{precision}"))
+        if rerun.model_skipped:
+            facts.append(("model", f"not computed before the bad step ({rerun.stood_in} "
+                                   f"call(s) stood in for)"))
+        elif rerun.model_note:
+            facts.append(("model", f"computed: {rerun.model_note}"))
         if rerun.note:
             facts.append(("note", rerun.note))
         if rerun.log_tail:

@@ -244,8 +244,16 @@ class Rerun:
     log_tail: str | None = None     # failed: the end of its output
     ops_traced: int | None = None   # reproduced: the ops of the traced step
     precision: str | None = None    # reproduced: the creating op's, fp16 | bf16 | fp32
+    # An input trip (the data code made the batch): whether the steps before it ran without
+    # computing the model, the model calls stood in for, and else why the model was computed
+    # (the re-run without it tried first, for `model_try_s`, and could not be used).
+    model_skipped: bool | None = None
+    stood_in: int | None = None
+    model_note: str | None = None
+    model_try_s: float | None = None
 
-    OMIT_WHEN_NONE = ("steps", "duration_s", "note", "log_tail", "ops_traced", "precision")
+    OMIT_WHEN_NONE = ("steps", "duration_s", "note", "log_tail", "ops_traced", "precision",
+                      "model_skipped", "stood_in", "model_note", "model_try_s")
 
 
 @dataclass

@@ -17,7 +17,9 @@ checks hook. Two things follow, and both are here:
 * what is valid under ZeRO-3: each rank's partition of a parameter (`ds_tensor`) is padded to
   an equal size, and the padding of the last rank's is `torch.empty`, never written: whatever
   memory held (a NaN at times). The optimizer's flat fp32 groups are those partitions end to
-  end, so the step's read takes only their valid parts (`valid_parts`), never the padding.
+  end, so the step's read takes only their valid parts (`valid_spans`), never the padding, and
+  the same parts of each group's gradient (`narrow_parts`: a view has no `.grad` of its own, so
+  reading the parts' own gradients found none, and the gradient norm read 0).
 * the skipped step: DeepSpeed returns from `step()` without an update, so no optimizer hook ran.
   `wrap_zero_step` wraps the engine's ZeRO optimizer (on the instance, undone on exit) so that a
   step which took no update is told to the listener, which checks it: a finding, never a
@@ -109,28 +111,49 @@ def skipped_loss_scale(zero: Any) -> float | None:
     return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else None
 
 
-def valid_parts(optimizer: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`params` (an optimizer's, in order), each flat ZeRO-3 fp32 group replaced by views of
-    its valid parts (each parameter's partition without its padding); `params` itself for
-    any other optimizer. Views of the group's own storage, which DeepSpeed updates in place."""
+# Per tensor of an optimizer's groups: None (the whole tensor is valid), or the (offset, length)
+# of each valid part of a flat ZeRO-3 fp32 group along its one dimension.
+Spans = list[list[tuple[int, int]] | None]
+
+
+def valid_spans(optimizer: Any, params: list[torch.Tensor]) -> Spans:
+    """Where the valid values of `params` (an optimizer's, in order) lie: each flat ZeRO-3
+    fp32 group's valid parts (each parameter's partition without its padding), None for any
+    other tensor (and every tensor of any other optimizer)."""
     zero = _ZERO3_OF.get(id(optimizer))
     if zero is None:
-        return params
+        return [None] * len(params)
     flats = getattr(zero, "fp32_partitioned_groups_flat", [])
     paddings = getattr(zero, "groups_padding", [])
     partitions = getattr(zero, "fp16_partitioned_groups", [])
-    parts: list[torch.Tensor] = []
+    spans: Spans = []
     for p in params:
         group = next((i for i, flat in enumerate(flats) if flat is p), None)
         if group is None:
-            parts.append(p)
+            spans.append(None)
             continue
-        offset = 0
+        parts, offset = [], 0
         for partition, pad in zip(partitions[group], paddings[group]):
             size = partition.numel()
             if size - pad > 0:
-                parts.append(p.detach().narrow(0, offset, size - pad))
+                parts.append((offset, size - pad))
             offset += size
+        spans.append(parts)
+    return spans
+
+
+def narrow_parts(tensors: list[torch.Tensor | None], spans: Spans) -> list[torch.Tensor]:
+    """The valid parts of `tensors` by `spans` (valid_spans of the tensors whose values, or
+    gradients, these are): views of their own storage, which DeepSpeed updates in place. A
+    None tensor (a gradient not set) gives none."""
+    parts: list[torch.Tensor] = []
+    for t, span in zip(tensors, spans):
+        if t is None:
+            continue
+        if span is None:
+            parts.append(t)
+        else:
+            parts.extend(t.detach().narrow(0, offset, length) for offset, length in span)
     return parts
 
 
@@ -138,7 +161,7 @@ _ZERO3_OF: dict[int, Any] = {}     # id(torch optimizer) -> its ZeRO-3 optimizer
 
 
 def note_zero3(engine: Any) -> None:
-    """Remember the engine's ZeRO-3 optimizer by its torch optimizer (for `valid_parts`)."""
+    """Remember the engine's ZeRO-3 optimizer by its torch optimizer (for `valid_spans`)."""
     zero = zero_optimizer(engine)
     if zero is not None and zero_stage(engine) == 3:
         _ZERO3_OF[id(zero.optimizer)] = zero

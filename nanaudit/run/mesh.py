@@ -10,7 +10,7 @@ the run's (FSDP2 over a TP model gives its parameters the whole ("dp", "tp") mes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,31 @@ def first_bad_element(name: str, t: torch.Tensor) -> ShardElement | None:
     return ShardElement(tensor=name, local_index=local, global_index=list(global_index(t, local)))
 
 
+def first_element(named: Iterable[tuple[str, torch.Tensor | None]]) -> ShardElement | None:
+    """The first bad element of the first sharded tensor among `named` ((name, tensor), in
+    order; None entries skipped) whose shard on this rank holds one. A host read per tensor:
+    after a trip only."""
+    for name, t in named:
+        element = first_bad_element(name, t) if t is not None else None
+        if element is not None:
+            return element
+    return None
+
+
+def tensor_element(model: torch.nn.Module, gradients: bool) -> ShardElement | None:
+    """The first bad element of `model`'s sharded parameters (`gradients`: of their
+    gradients, named `NAME.grad`), on this rank: what `scan` and `Sentinel` name, as
+    `nanaudit run` does from its trip."""
+    return first_element((f"{name}.grad", p.grad) if gradients else (name, p)
+                         for name, p in model.named_parameters())
+
+
+def output_element(op: str, made: Sequence[torch.Tensor]) -> ShardElement | None:
+    """The first bad element of the creating op's output where the op ran on DTensors and its
+    output is sharded (`made`: the bad tensors it made, the tracer's): named `OP output`."""
+    return first_element((f"{op} output", t) for t in made)
+
+
 def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
     """Give `finding` its origin rank's mesh coordinate and its sharded tensors' placements
     (a run on no mesh, or no finding: nothing)."""
@@ -118,16 +143,24 @@ def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
 
 class PartialFlags:
     """Notes, on the device and with no host read, how early in the step this rank's own
-    partial outputs first held a non-finite value before tensor parallel's all-reduce made
-    them every tp peer's: a forward hook, run before TP's own output hook (`prepend`), on each
-    module that holds DTensor parameters, reads the output a row-wise layer leaves `Partial`
-    (this rank's partial sum). Every rank of a tp group runs the same all-reduces in the same
-    order, and a value that arrived from a peer shows only in later ones: the rank whose bad
-    partial came first made it. While a replay traces the hook computes nothing."""
+    partial sums first held a non-finite value before tensor parallel's all-reduce made them
+    every tp peer's, in each direction:
+
+    * forward: a forward hook, run before TP's own output hook (`prepend`), on each module that
+      holds DTensor parameters, reads the output a row-wise layer leaves `Partial`;
+    * backward: a forward pre-hook, run after TP's input hook (which made the input a DTensor),
+      hooks the gradient of each DTensor input: a column-wise layer's input gradient is
+      `Partial` (this rank's columns' share) until the backward of TP's input redistribution
+      all-reduces it over the tp group.
+
+    Every rank of a tp group runs the same all-reduces in the same order, and a value that
+    arrived from a peer shows only in later ones: the rank whose bad partial came first made
+    it. While a replay traces the hooks compute nothing."""
 
     def __init__(self) -> None:
         self.hooked: set[int] = set()
-        self._extremes: list[torch.Tensor] = []   # each partial output's least and greatest
+        self._extremes: list[torch.Tensor] = []    # each partial output's least and greatest
+        self._gradients: list[torch.Tensor] = []   # each partial input gradient's
         self.tracing = False
 
     def install(self, model: torch.nn.Module) -> None:
@@ -137,25 +170,56 @@ class PartialFlags:
                 continue
             self.hooked.add(id(module))
             module.register_forward_hook(self._note, prepend=True)
+            module.register_forward_pre_hook(self._hook_inputs)
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.tracing or not is_sharded(output):
+        if not self.tracing:
+            _note_partial(self._extremes, output)
+
+    def _hook_inputs(self, module: torch.nn.Module, args: Any) -> None:
+        if self.tracing:
             return
-        if any(p.is_partial() for p in output.placements):
-            local = output._local_tensor.detach()
-            # least and greatest are finite iff every element is (NaN propagates)
-            self._extremes.append(torch.stack(torch.aminmax(local)) if local.numel()
-                                  else torch.zeros(2, dtype=local.dtype, device=local.device))
+        for arg in args:
+            if is_sharded(arg) and arg.requires_grad:
+                arg.register_hook(self._note_gradient)
+
+    def _note_gradient(self, grad: torch.Tensor) -> None:
+        if not self.tracing:
+            _note_partial(self._gradients, grad)
 
     def take(self, device: torch.device) -> torch.Tensor:
         """How early this step's first non-finite partial output came (float64, on the
         device): n - i for the i-th of n, 0.0 when none was."""
         extremes, self._extremes = self._extremes, []
-        if not extremes:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        bad = ~torch.isfinite(torch.stack([e.to(device) for e in extremes])).all(dim=1)
-        earliness = torch.arange(len(extremes), 0, -1, device=device, dtype=torch.float64)
-        return (bad.to(torch.float64) * earliness).max()
+        return _earliness(extremes, device)
+
+    def take_gradients(self, own: torch.Tensor) -> torch.Tensor:
+        """This rank's own-gradients column (check/rank_row.py) from `own`, its flag from the
+        reductions (1.0: bad before one), and how early its first non-finite partial input
+        gradient came (e, as `take`): 1 + e when one was bad, ranking it above a plain flag
+        (`own_gradients` reads it back), else `own`. On the device, no host read."""
+        gradients, self._gradients = self._gradients, []
+        early = _earliness(gradients, own.device)
+        return torch.where(early > 0, early + 1.0, own)
+
+
+def _note_partial(into: list[torch.Tensor], t: Any) -> None:
+    """Append the least and greatest of this rank's part of `t` when it is a DTensor left
+    `Partial` (finite iff every element is: NaN propagates)."""
+    if not is_sharded(t) or not any(p.is_partial() for p in t.placements):
+        return
+    local = t._local_tensor.detach()
+    into.append(torch.stack(torch.aminmax(local)) if local.numel()
+                else torch.zeros(2, dtype=local.dtype, device=local.device))
+
+
+def _earliness(extremes: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """n - i for the first non-finite of n noted pairs (the i-th), 0.0 when none is."""
+    if not extremes:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    bad = ~torch.isfinite(torch.stack([e.to(device) for e in extremes])).all(dim=1)
+    earliness = torch.arange(len(extremes), 0, -1, device=device, dtype=torch.float64)
+    return (bad.to(torch.float64) * earliness).max()
 
 
 def own_losses(loss_ok: list[bool], earliness: list[float]) -> list[bool]:
@@ -167,3 +231,16 @@ def own_losses(loss_ok: list[bool], earliness: list[float]) -> list[bool]:
     if first <= 0:
         return loss_ok
     return [ok or e < first for ok, e in zip(loss_ok, earliness)]
+
+
+def own_gradients(column: list[float]) -> list[bool]:
+    """Per rank, are its own gradients free of a value its own backward made (`column`: each
+    rank's PartialFlags.take_gradients)? When a rank's partial input gradient went bad before
+    tensor parallel's backward all-reduce (a value above 1.0), the makers are the ranks whose
+    bad one came first, their reductions' flag set or not (TP alone reduces nothing else);
+    every other rank's bad gradients arrived through that all-reduce. Otherwise a set flag is
+    the rank's own."""
+    first = max(column, default=0.0)
+    if first <= 1.0:
+        return [not value > 0 for value in column]
+    return [value < first for value in column]

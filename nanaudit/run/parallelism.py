@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
+from nanaudit.run.mesh import MeshView, PartialFlags
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules, shard_model
 
 
@@ -27,6 +28,7 @@ class Parallelism:
         self.options, self.rank, self.world_size = options, rank, world_size
         self.local_grad_bad: torch.Tensor | None = None   # DDP: set by the comm hook
         self.pre_reduce: PreReduceFlags | None = None     # FSDP2: the reduce-scatters' flags
+        self.partials: PartialFlags | None = None         # TP: the partial sums' (mesh.py)
 
     @property
     def sharded(self) -> bool:
@@ -42,6 +44,9 @@ class Parallelism:
         if (options.fsdp or options.mesh or options.tp > 1) and not fsdp_modules(model):
             shard_model(model, device, self.world_size, options.fsdp_param_dtype,
                         options.mesh, options.tp, parallelize)
+        if MeshView.of(model) is not None:
+            self.partials = PartialFlags()
+            self.partials.install(model)
         modules = fsdp_modules(model)
         if modules:
             self.pre_reduce = PreReduceFlags()
@@ -84,8 +89,17 @@ class Parallelism:
         return itertools.islice(data, self.data_rank, None, self.data_world)
 
     def own_gradient_flag(self, grad_norm: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """1.0 when this rank's own gradients (before averaging) held a non-finite value;
+        """1.0 when this rank's own gradients (before averaging) held a non-finite value
+        (under TP, above 1.0 when a partial input gradient did, mesh.PartialFlags);
         `grad_norm` gives the gradients' norm on the device when there is no DDP hook."""
+        flag = self._reduction_flag(grad_norm)
+        return self.partials.take_gradients(flag) if self.partials is not None else flag
+
+    def partial_flag(self, device: torch.device) -> torch.Tensor | None:
+        """TP: how early this step's first bad partial output came (None: no TP)."""
+        return self.partials.take(device) if self.partials is not None else None
+
+    def _reduction_flag(self, grad_norm: Callable[[], torch.Tensor]) -> torch.Tensor:
         if self.pre_reduce is not None:      # FSDP2: before the reduce-scatter
             return self.pre_reduce.take(grad_norm().device)
         if self.local_grad_bad is None:      # no DDP: the gradients are the local ones

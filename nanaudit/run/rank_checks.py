@@ -2,17 +2,17 @@
 alike at the same step and the rank whose own value went bad is named: for a program that
 joined a process group itself (`nanaudit run`'s script, `Sentinel` in the user's FSDP2 loop).
 
-Each rank's row (check/rank_row.py, the one layout of every front end): its batch, its
-weights (its own shards under FSDP), its loss, its own gradients before the reduce-scatter
-mixed them (FSDP: sharded.PreReduceFlags), its gradients as reduced, its own partial sums
-before tensor parallel's all-reduce (mesh.PartialFlags: a rank whose bad partial came after a
-tp peer's received it from it) and its buffers, exchanged in one small all-reduce
-(distributed.py) and read with the step's values. Every rank gets the same table, so every
-rank stops at the same step before the update, and the verdict (the rule every checker uses)
-names the first rank whose own value went bad. The table names no rank for gradients that are
-only bad after the reduction (every rank's own were finite), nor, under DDP, for the weights
-and gradients every rank shares: a replay, where each rank's tracer sees only its own ops,
-tells those apart.
+Each rank's row (check/rank_row.py, the one layout of every front end): its batch, its weights
+(its own shards under FSDP), its loss, its own gradients before the reduce-scatter mixed them
+(FSDP: sharded.PreReduceFlags), its gradients as reduced, its own partial sums before tensor
+parallel's all-reduce, forward and backward (mesh.PartialFlags: a rank whose bad partial came
+after a tp peer's received it from it) and its buffers, exchanged in one small all-reduce
+(distributed.py) and read with the step's values. Every rank gets the same table, so every rank
+stops at the same step before the update, and the verdict (the rule every checker uses) names
+the first rank whose own value went bad. The table names no rank for gradients that are only
+bad after the reduction (every rank's own were finite), nor, under DDP, for the weights and
+gradients every rank shares: a replay, where each rank's tracer sees only its own ops, tells
+those apart.
 
 After a trip, each rank's finding is gathered through the rendezvous store (the program may
 have destroyed its process group) and the origin's chosen by one rule (`origin_entry`).
@@ -51,6 +51,7 @@ class RankChecks:
         self.rank = coord.rank
         self.flags = PreReduceFlags()
         self.sharded = False              # FSDP2: each rank holds its own shard of the weights
+        self.fsdp: list = []              # the model's FSDP2 modules (replayed together)
         self._seen: set[int] = set()      # the outermost modules looked into
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
@@ -90,13 +91,15 @@ class RankChecks:
         if modules:
             self.flags.install(modules)
             self.sharded = True
+            self.fsdp.extend(modules)
 
     def table(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's row of flags, exchanged, from this rank's step values [inputs finite,
         weights' norm, loss, gradients' norm, buffers' peak] (no host read here). Each rank
         updates its own buffers' running statistics: the rank whose forward made one bad is
         named."""
-        row = rank_row(values, self.flags.take(values.device), self.partials.take(values.device))
+        own = self.partials.take_gradients(self.flags.take(values.device))
+        row = rank_row(values, own, self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
 
     def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:

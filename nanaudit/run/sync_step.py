@@ -134,9 +134,10 @@ class SyncStep:
         parts = [readout.values]
         if ctx.coord is not None:
             exhausted = ctx.feed.fetch_ahead(last)
+            parallel = ctx.coord.parallel
             row = rank_row(readout_values(readout, loss, leaves),
-                           ctx.coord.parallel.own_gradient_flag(readout.grad_norm),
-                           exhausted=exhausted)
+                           parallel.own_gradient_flag(readout.grad_norm),
+                           parallel.partial_flag(readout.values.device), exhausted=exhausted)
             parts.append(ctx.coord.exchange(row).reshape(-1))
         extra, extras = ctx.watches.extra_readout()
         values = torch.cat(parts + extra) if len(parts) + len(extra) > 1 else parts[0]

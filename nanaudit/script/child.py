@@ -12,7 +12,7 @@ from pathlib import Path
 from nanaudit.errors import UserCodeError
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
-from nanaudit.localize.sharded_replay import made_here
+from nanaudit.localize.sharded_replay import created_element, made_here
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check, Where
@@ -21,6 +21,7 @@ from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.compiled_rerun import compiled_rerun_finding, eager_section
 from nanaudit.script.data_window import DataWindow
+from nanaudit.script.model_skip import ModelSkip
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed
 from nanaudit.script.target import execute, script_rank
@@ -95,6 +96,7 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
     if rank is not None and not made_here(loc):
         result.received = True          # under torchrun: it arrived from a peer
         return
+    loc.element = created_element(armed.tracer, event)
     finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
                              tensors=names or [])
     finding.rank = rank
@@ -106,14 +108,31 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
 
 
 def rerun(spec: RerunSpec) -> RerunResult:
-    auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=dict(spec.losses),
+    # Without the model its losses are not the first run's: none to compare (the bad batch's
+    # fingerprint is compared instead, by the parent).
+    losses = None if spec.skip_model else dict(spec.losses)
+    auditor = ScriptAuditor(rerun_step=spec.step, expected_losses=losses,
                             rerun_evaluation=spec.evaluation, rerun_skips=spec.skips,
                             tracer=OpTracer,
                             rank=script_rank())
     result = RerunResult()
+    skip = None
     if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead
-        auditor.window = DataWindow(spec.step, OpTracer)
-        auditor.window.start()
+        window = auditor.window = DataWindow(spec.step, OpTracer, spec.trace_from)
+        if spec.skip_model:
+            skip = window.skip = ModelSkip(spec.step, lambda: auditor.step).install()
+        window.start()
+    try:
+        _run(auditor, spec, result)
+    finally:
+        if skip is not None:
+            skip.remove()
+            result.stood_in, result.computed = skip.stood_in, skip.computed
+            result.abandoned = skip.abandoned
+    return result
+
+
+def _run(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
     try:
         try:
             execute(spec.target, auditor, spec.seed)
@@ -142,7 +161,6 @@ def rerun(spec: RerunSpec) -> RerunResult:
         result.error = RerunFailure.of(exc)
     result.timeline = auditor.timeline
     result.trip = auditor.trip
-    return result
 
 
 def main(spec_path: str, result_path: str) -> int:

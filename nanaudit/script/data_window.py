@@ -13,6 +13,7 @@ that made it, or says it was already non-finite when it reached torch (localize/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from nanaudit.localize.producer import DataCode, forget_finite, name_producer
 from nanaudit.report.vocabulary import Check
 from nanaudit.run.intercept import StepHalted
 from nanaudit.script.findings import first_run_finding
+from nanaudit.script.model_skip import ModelSkip
 from nanaudit.script.protocol import RerunResult
 from nanaudit.script.rerun_window import Armed, RerunWindow
 from nanaudit.script.step_values import data_inputs, leading_size
@@ -32,8 +34,11 @@ class DataWindow(RerunWindow):
     """Where the re-run of an input trip traces the script's data code (see the module
     docstring); `inputs` are step N's non-finite data inputs once reached."""
 
-    def __init__(self, step: int, tracer: Any):
+    def __init__(self, step: int, tracer: Any, trace_from: int = 0):
         super().__init__(step, 0, tracer)
+        # The data code of steps 1 to trace_from - 1 runs untraced (the cheap re-run's first
+        # try: an op found there names the producer; a gap sends it to a traced re-run).
+        self.trace_from = trace_from
         self.data_tracer = tracer(torch.nn.Module())    # no model yet: modules named by type
         self.tap = LoaderTap()
         self.inputs: list | None = None
@@ -41,6 +46,8 @@ class DataWindow(RerunWindow):
         self._on = self._tapped = False
         self._since = 0                  # the first forward record of the open stretch
         self._stretch = 0                # the step whose data code is traced now
+        # The cheap re-run (model_skip.py): told of each stretch, to see the data's RNG draws.
+        self.skip: ModelSkip | None = None
 
     def start(self) -> None:
         """The script starts: its set-up is data code too."""
@@ -53,19 +60,33 @@ class DataWindow(RerunWindow):
             return
         self.tap.batches.clear()
         self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
-        self.data_tracer.__enter__()
+        if self.skip is not None:
+            self.skip.stretch_started()
+        if self._traces(step):
+            self.data_tracer.__enter__()
         self._on = True
+
+    def _traces(self, step: int) -> bool:
+        return step == 0 or step >= self.trace_from
 
     def leave_data_code(self) -> None:
         if not self._on:
             return
-        self.data_tracer.__exit__(None, None, None)
-        # The model call that ends the stretch was pushed before the window saw it; its pop
-        # comes after the tracer stopped listening.
-        self.data_tracer.modules.stack.clear()
         self._on = False
-        if self.step is not None and self._stretch < self.step:
-            forget_finite(self.data_tracer.trace, self._since)
+        if self._traces(self._stretch):
+            self.data_tracer.__exit__(None, None, None)
+            # The model call that ends the stretch was pushed before the window saw it; its
+            # pop comes after the tracer stopped listening.
+            self.data_tracer.modules.stack.clear()
+            if self.step is not None and self._stretch < self.step:
+                forget_finite(self.data_tracer.trace, self._since)
+        if self.skip is not None and not self.skip.stretch_ended():
+            raise StepHalted()       # the data drew from a stream the model's skip shifted
+
+    def unchecked(self, step: int) -> bool:
+        """Without the model (model_skip.py) the steps before N are not the first run's: their
+        checks would compare nothing (step N's batch is compared by its fingerprint)."""
+        return self.skip is not None and self.step is not None and step < self.step
 
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and self.localized is None
@@ -83,6 +104,7 @@ class DataWindow(RerunWindow):
         raise StepHalted()
 
     def close(self) -> None:
+        self.skip = None                 # the run is over: nothing left to abandon
         self.leave_data_code()
         if self._tapped:
             self._tapped = False
@@ -90,7 +112,9 @@ class DataWindow(RerunWindow):
         super().close()
 
     def traced(self) -> str:
-        return (f"the script's own code from its start to step {self.step}'s first model call "
+        span = (f"from its start to its first model call and from step {self.trace_from}'s "
+                f"data on" if self.trace_from > 1 else "from its start")
+        return (f"the script's own code {span} to step {self.step}'s first model call "
                 f"(outside its models' forward and backward passes and its optimizer steps)")
 
     def localize(self, result: RerunResult) -> None:
@@ -98,6 +122,7 @@ class DataWindow(RerunWindow):
         if self.inputs is None or self.step is None:
             return
         fields = input_fields(self.inputs)
+        result.fingerprint = fields["fingerprint"]
         finding = first_run_finding(ScriptTrip(step=self.step, check=Check.INPUT, **fields))
         result.ops_traced = self.data_tracer.trace.ops_seen
         leaf = dict(self.inputs)[fields["tensors"][0]]
@@ -119,3 +144,56 @@ def same_inputs(trip: ScriptTrip, result: RerunResult) -> str | None:
         return (f"the re-run's non-finite inputs of step {trip.step} were {found.tensors} in "
                 f"rows {found.samples}, the first run's {trip.tensors} in rows {trip.rows}")
     return None
+
+
+def unusable(trip: ScriptTrip, result: RerunResult | None) -> str | None:
+    """Why the re-run of an input trip without the model (model_skip.py) cannot name its
+    producer; None when it can: it reached step N with the first run's bad batch, bit for bit
+    (so the data code made the same batch without the model)."""
+    if result is None or result.error is not None:
+        message = result.error.message if result is not None and result.error else \
+            "it wrote no result"
+        return f"the re-run without the model failed: {message}"
+    if result.abandoned is not None:
+        return result.abandoned
+    if result.trip is not None:
+        return (f"on the model's stand-in a check tripped at step {result.trip.step}, before "
+                f"the bad step")
+    if not result.reached or result.finding is None:
+        return (f"without the model the data code gave no non-finite batch at step "
+                f"{trip.step}: it depends on the model (its outputs, losses or weights)")
+    if trip.fingerprint is None or result.fingerprint != trip.fingerprint:
+        return (f"without the model the data code gave another batch at step {trip.step} than "
+                f"the first run: it depends on the model (its outputs, losses or weights)")
+    return None
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """Whether the re-run of an input trip computed the model before the bad step: `skipped`
+    (the model's calls stood in for, `computed` the first of each form), or computed after a
+    try without it that could not be used (`note` says why; it took `tried_s`)."""
+
+    skipped: bool = False
+    stood_in: int | None = None
+    computed: int | None = None
+    note: str | None = None
+    tried_s: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The report's Rerun fields (none for a re-run that never tried without it)."""
+        if not self.skipped and self.note is None:
+            return {}
+        return {"model_skipped": self.skipped, "stood_in": self.stood_in,
+                "model_note": self.note, "model_try_s": self.tried_s}
+
+    def said(self, steps: int, took: float) -> str | None:
+        """The finding's clause on what the re-run cost and how it ran."""
+        if self.skipped:
+            return (f"named by a re-run of {steps} step(s) in {took:.1f} s that did not compute "
+                    f"the model before the bad step ({self.stood_in} call(s) stood in for, "
+                    f"{self.computed} computed): the data code does not depend on it")
+        if self.note is not None:
+            return (f"named by a re-run of {steps} step(s) that computed the model ({took:.1f} s, "
+                    f"{self.tried_s or 0.0:.1f} s of them a first try without it): {self.note}")
+        return None

@@ -8,9 +8,9 @@ from the roots the script differentiated. The parameters and optimizer state are
 The replay must reproduce what the first run saw (each micro-batch's loss, and the check that
 tripped) before it names anything; when it does not, or cannot run, it says why and the caller
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
-as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun (DDP)
-the rank that made the value replays its own step on its local module and every rank gets its
-finding (rank_replay.py)."""
+as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun the
+rank that made the value replays its own step on its local module (DDP), or every rank replays
+the step together (FSDP2), and every rank gets the finding (rank_replay.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.sharded_replay import created_element
 from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
@@ -32,7 +33,12 @@ from nanaudit.report.vocabulary import Check, RerunStatus, Where
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.findings import first_run_finding, trip_notes
-from nanaudit.script.rank_replay import local_module, replayed_on_ranks
+from nanaudit.script.rank_replay import (
+    local_module,
+    made_on_this_rank,
+    own_gradient,
+    replayed_on_ranks,
+)
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
@@ -53,9 +59,19 @@ def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
     ranks = auditor.ranks
     if ranks is None:
         return _localized_here(auditor, options, trip, timeline)
-    # torchrun: the origin's replay, shared with every rank (rank_replay.py).
+    # torchrun: the origin's replay (FSDP2: every rank's), shared with every rank.
     return replayed_on_ranks(ranks, trip.rank,
-                             lambda: _localized_here(auditor, options, trip, timeline))
+                             lambda: _localized_here(auditor, options, trip, timeline),
+                             lambda: _refusal(auditor, options, trip))
+
+
+def _refusal(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> str | None:
+    """Why this process cannot replay the window (None: it can)."""
+    try:
+        _window(auditor, options, trip)
+    except NotReplayable as why:
+        return str(why)
+    return None
 
 
 def _localized_here(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
@@ -78,7 +94,7 @@ def _localized_here(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
 
 def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> Finding:
     """The finding of a step --keep-going skips, localized at the trip in-process; a step the
-    replay cannot name (an input trip, a replay that did not reproduce, FSDP2) keeps the
+    replay cannot name (an input trip, a replay that did not reproduce) keeps the
     first run's finding, saying why: a skipped step is never re-run."""
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     finding = first_run_finding(trip)
@@ -235,9 +251,13 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
         if not bad or not set(trip.tensors) & {n for n, _ in bad}:
             return None, ops, "the in-process replay's gradients came out finite"
         names = [n for n, _ in bad]
-        loc = walk_from_sink(tracer.trace, bad[0][1], Where.BACKWARD, timeline, names)
-    if not loc.reproduced or loc.event is None:
+        sink = own_gradient(auditor.ranks, bad[0][1])    # FSDP2: before the reduce-scatter
+        if sink is None:
+            return None, ops, "this rank's own gradients came out finite in the replay"
+        loc = walk_from_sink(tracer.trace, sink, Where.BACKWARD, timeline, names)
+    if not loc.reproduced or loc.event is None or not made_on_this_rank(auditor.ranks, loc):
         return None, ops, "the in-process replay named no op that made the value"
+    loc.element = created_element(tracer, loc.event)
     finding = traced_finding(loc, trip.step, tensor=names[0] if names else "loss",
                              tensors=names)
     rows = created_rows(tracer, loc.event, batch)

@@ -30,6 +30,8 @@ class RerunSpec:
     losses: tuple[tuple[int, float | None], ...]
     skips: int = 0        # a scale collapse: the skipped try of the step that collapsed it
     buffers: bool = False     # the step's forward made floating buffers non-finite
+    skip_model: bool = False  # an input trip: stand in for the model before the step ...
+    trace_from: int = 0       # ... and trace the data code of set-up and from this step only
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class RerunResult:
     trip: ScriptTrip | None = None       # the re-run tripped before the step: it left the run
     received: bool = False               # torchrun: the value reached this rank from a peer
     error: RerunFailure | None = None
+    fingerprint: str | None = None       # an input trip: the first bad input's (trip.py)
+    stood_in: int | None = None          # model_skip.py: the model calls not computed ...
+    computed: int | None = None          # ... and those computed before the step
+    abandoned: str | None = None         # why the re-run without the model was given up
 
 
 def write(path: Path, record: RerunSpec | RerunResult) -> None:

@@ -1,16 +1,22 @@
-"""`nanaudit run`'s in-process replay under torchrun (DDP): the rank that made the value replays
+"""`nanaudit run`'s in-process replay under torchrun. DDP: the rank that made the value replays
 its own step on its local module (the DDP wrapper's `.module`: no gradient all-reduce, no peer
 waited on), so its gradients are its own, from before the reduction that mixed them into every
-rank's; then every rank gets the finding through the rendezvous store, bounded by the
+rank's. FSDP2 (one data-parallel mesh dimension): every rank replays the same step together,
+since each forward all-gathers the weights and each backward reduce-scatters the gradients with
+every peer; the step's own reduce-scatter wrapper (run/sharded.PreReduceFlags) keeps each
+rank's own gradients before the reduce-scatter as the values its walk starts from, and a walk
+that ends at a collective is a peer's value (localize/sharded_replay.made_here), as in the
+re-run. Then every rank gets the finding through the rendezvous store, bounded by the
 distributed timeout (a peer that died is a DistributedError, exit 8, never a hang).
 
 When the step's flags named no rank (DDP's gradients are checked as reduced: each rank's own
 are not flagged), every rank replays its own step, and the one whose replay traced the value to
 its own op is the origin (`origin_entry`, the rule scan uses). The decision to fall back to the
-re-run is taken from the gathered entries, so every rank takes it alike.
+re-run is taken from the gathered entries, so every rank takes it alike; under FSDP2 whether to
+replay at all is gathered first (one rank that cannot would leave its peers in a collective).
 
-Sharded models (FSDP2, DeepSpeed ZeRO) and tensor-parallel meshes are not replayed here: their
-forward's all-gathers need every rank at once, and they keep the re-run together."""
+DeepSpeed ZeRO and meshes of more than one dimension (HSDP, tensor parallel) are not replayed
+here: they keep the re-run together."""
 
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ from collections.abc import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.sharded_replay import made_here
+from nanaudit.localize.walk import Localization
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
@@ -33,25 +42,37 @@ def local_module(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
+def replayed_together(ranks: RankChecks | None) -> bool:
+    """FSDP2 over one mesh dimension: every rank replays the step at once."""
+    return ranks is not None and bool(ranks.fsdp) and (
+        ranks.mesh is None or len(ranks.mesh.shape) == 1)
+
+
 def not_replayed_here(ranks: RankChecks) -> str | None:
     """Why the ranks' step is not replayed in-process (None: it is)."""
-    if ranks.sharded:
-        return ("the in-process replay is not built for a sharded model (FSDP2, DeepSpeed "
-                "ZeRO), whose forward gathers every rank's shards")
-    if ranks.mesh is not None:
-        return ("the in-process replay is not built for a device mesh (tensor parallel), "
-                "whose forward joins its peers' collectives")
+    if ranks.sharded and not ranks.fsdp:
+        return ("the in-process replay is not built for DeepSpeed ZeRO, whose forward gathers "
+                "every rank's partition of the weights")
+    if ranks.mesh is not None and not replayed_together(ranks):
+        return ("the in-process replay is not built for a device mesh of several dimensions "
+                "(HSDP, tensor parallel), whose forward joins its peers' collectives")
     return None
 
 
-def replayed_on_ranks(ranks: RankChecks, origin: int | None,
-                      replay_here: Callable[[], Replayed]) -> Replayed:
+def replayed_on_ranks(ranks: RankChecks, origin: int | None, replay_here: Callable[[], Replayed],
+                      refusal: Callable[[], str | None]) -> Replayed:
     """(the replay's record, the origin's finding) on every rank: replayed by `origin` (every
-    rank when None), gathered by all."""
+    rank when None, and always under FSDP2), gathered by all. `refusal()`: why this rank
+    cannot replay its window (None: it can)."""
     why = not_replayed_here(ranks)
+    together = replayed_together(ranks)
+    if why is None and together:
+        why = next((r for r in gather_by_store(ranks.coord, "replay-refusal", refusal()) if r),
+                   None)
     if why is not None:
         return Rerun(status=RerunStatus.SKIPPED, note=why), None
-    mine: Replayed = replay_here() if origin in (None, ranks.rank) else (None, None)
+    mine: Replayed = (_together(ranks, replay_here) if together else
+                      replay_here() if origin in (None, ranks.rank) else (None, None))
     if mine[1] is not None:
         mine[1].rank = ranks.rank
     entries = gather_by_store(ranks.coord, "in-process-replay", mine)
@@ -62,3 +83,36 @@ def replayed_on_ranks(ranks: RankChecks, origin: int | None,
     # No rank's replay named the op: the origin's record says why (the re-run follows).
     record = entries[origin][0] if origin is not None else None
     return record or next((r for r, _f in entries if r is not None), None), None
+
+
+def _together(ranks: RankChecks, replay_here: Callable[[], Replayed]) -> Replayed:
+    """This rank's part of the FSDP2 replay every rank runs at once. The reduce-scatter
+    wrapper keeps this rank's own gradients (and computes no flag: the next step's exchange
+    sees none of the replay); afterwards every FSDP module is resharded as the trip left it
+    (the replay's backward reshards; a forward replayed without backward would leave the
+    root's weights gathered)."""
+    ranks.flags.sinks = []
+    ranks.tracing(True)
+    try:
+        return replay_here()
+    finally:
+        ranks.tracing(False)
+        ranks.flags.sinks = []
+        for module in ranks.fsdp:
+            module.reshard()
+
+
+def own_gradient(ranks: RankChecks | None, reduced: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a rank's replay walks back from: under FSDP2 the first non-finite input of
+    its reduce-scatters, its own (None: its own were finite, the value came from a peer);
+    elsewhere `reduced` (DDP's local module reduces nothing)."""
+    if not replayed_together(ranks):
+        return reduced
+    assert ranks is not None
+    return next((sink for sink in ranks.flags.sinks if kinds_of(sink)), None)
+
+
+def made_on_this_rank(ranks: RankChecks | None, loc: Localization) -> bool:
+    """Under FSDP2 a walk that ends at a collective's output is a peer's value; elsewhere every
+    op a rank's replay traced is its own."""
+    return not replayed_together(ranks) or made_here(loc)

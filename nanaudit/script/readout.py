@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from nanaudit.run.checks import PackLayout, dense_values, finite_norms
-from nanaudit.run.deepspeed_zero import valid_parts
+from nanaudit.run.deepspeed_zero import Spans, narrow_parts, valid_spans
 from nanaudit.run.sharded import local_shards
 from nanaudit.script.step_values import loss_factor, window_loss
 
@@ -80,11 +80,14 @@ class WeightsScope:
     read live each step, never through aliases made once: a script may give one new storage
     (`p.data = p.data * mask`), which an alias would not follow."""
 
-    def __init__(self, params: list[torch.Tensor], source: list[torch.Tensor] | None = None):
+    def __init__(self, params: list[torch.Tensor], source: list[torch.Tensor] | None = None,
+                 spans: Spans | None = None):
         self.params = params
         # what the optimizer's groups hold: `params` unless only parts of them are valid
-        # (DeepSpeed ZeRO-3's padded partitions, run/deepspeed_zero.valid_parts)
+        # (DeepSpeed ZeRO-3's padded partitions, run/deepspeed_zero.valid_spans), and where
+        # those parts lie (their gradients are the same parts of the groups' gradients)
         self.source = source if source is not None else params
+        self.spans = spans
         self.device = params[0].device
         self.device_name = str(self.device)
         self.sharded = any(s is not p for s, p in zip(local_shards(params), params))
@@ -112,6 +115,8 @@ class WeightsScope:
     def grads(self) -> list[torch.Tensor]:
         """The gradients that are set, each as a dense tensor of its values (a sparse one's
         coalesced values)."""
+        if self.spans is not None:       # ZeRO-3: the valid parts of each group's gradient
+            return narrow_parts(list(map(_GRAD, self.source)), self.spans)
         grads = list(filter(_IS_SET, map(_GRAD, self.params)))
         if set(map(_LAYOUT, grads)) <= _DENSE:
             return grads
@@ -157,10 +162,18 @@ class OptimizerScopes:
         params = WeightsScope.params_of(optimizer)
         scope = self._scopes.get(id(optimizer))
         if scope is None or not scope.holds(params):
-            scope = WeightsScope(valid_parts(optimizer, params), params) if params else None
+            scope = _scope_of(optimizer, params) if params else None
             if scope is not None:
                 self._scopes[id(optimizer)] = scope
         return scope
+
+
+def _scope_of(optimizer: Any, params: list[torch.Tensor]) -> WeightsScope:
+    """The scope of `params`, an optimizer's: only their valid parts where some are padded."""
+    spans = valid_spans(optimizer, params)
+    if all(span is None for span in spans):
+        return WeightsScope(params)
+    return WeightsScope(narrow_parts(list(params), spans), params, spans)
 
 
 @dataclass(frozen=True, slots=True)

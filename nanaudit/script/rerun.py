@@ -18,10 +18,10 @@ from nanaudit.config.schema import DistributedOptions
 from nanaudit.report.model import Finding, TimelineEntry
 from nanaudit.report.output import in_flight
 from nanaudit.report.sections import Rerun
-from nanaudit.report.vocabulary import CompiledOutcome, RerunStatus
+from nanaudit.report.vocabulary import Check, CompiledOutcome, ProducerKind, RerunStatus
 from nanaudit.run.distributed import current
 from nanaudit.script import protocol
-from nanaudit.script.data_window import same_inputs
+from nanaudit.script.data_window import ModelRun, same_inputs, unusable
 from nanaudit.script.findings import not_deterministic, number, trip_notes
 from nanaudit.script.inprocess import RE_RUN
 from nanaudit.script.protocol import RerunResult, RerunSpec
@@ -48,7 +48,12 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     if options.on_rerun is not None:
         options.on_rerun(trip.step)
     started = time.perf_counter()
-    result, log_tail, folder_note = run_child(target, options, trip, timeline, before)
+    model = ModelRun()
+    if options.skip_model and trip.check == Check.INPUT and script_rank() is None:
+        result, log_tail, folder_note, model = _without_model(target, options, trip, timeline,
+                                                              before, started)
+    if not model.skipped:
+        result, log_tail, folder_note = run_child(target, options, trip, timeline, before)
     if folder_note is not None:
         finding.explain(folder_note)
     took = round(time.perf_counter() - started, 3)
@@ -57,14 +62,16 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     def ran(status: RerunStatus, note: str | None = None, log_tail: str | None = None,
             ops_traced: int | None = None, precision: str | None = None) -> Rerun:
         return Rerun(steps=steps, duration_s=took, status=status, note=note, log_tail=log_tail,
-                     ops_traced=ops_traced, precision=precision)
+                     ops_traced=ops_traced, precision=precision, **model.fields())
     if result is None or result.error is not None:
         message = result.error.message if result is not None and result.error else \
             "it wrote no result"
         note = f"the re-run failed: {message}"
         finding.explain(note)
         return ran(RerunStatus.FAILED, note=note, log_tail=log_tail), finding
-    mismatch = compare_losses(timeline, result, trip.step) or same_inputs(trip, result)
+    # Without the model its losses differ by design: its batch's fingerprint was compared.
+    mismatch = None if model.skipped else \
+        compare_losses(timeline, result, trip.step) or same_inputs(trip, result)
     if mismatch is not None:
         not_deterministic(finding, mismatch)
         return ran(RerunStatus.NONDETERMINISTIC, note=mismatch), finding
@@ -76,6 +83,9 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
         return ran(status, note=note), finding
     localized = result.finding
     localized.localized_by = RE_RUN
+    said = model.said(steps, took)
+    if said is not None:
+        localized.explain(said)
     if folder_note is not None:
         localized.explain(folder_note)
     localized.tensors = localized.tensors or finding.tensors
@@ -89,6 +99,31 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
         status, localized.value = RerunStatus.COMPILED_ONLY, finding.value   # as the run saw it
     return ran(status, ops_traced=result.ops_traced, precision=result.precision), localized
+
+
+def _without_model(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
+                   timeline: Sequence[TimelineEntry], before: FolderState | None,
+                   started: float) -> tuple[RerunResult | None, str, str | None, ModelRun]:
+    """The re-run of an input trip with the model stood in for before the bad step
+    (model_skip.py), first tracing only the set-up's and the last steps' data code: an op found
+    there made the value (its inputs were finite); anything else may lie in the untraced
+    steps, traced then in a second try. When the data depends on the model
+    (data_window.unusable) the caller re-runs in full, and the report says why."""
+    tries = [max(trip.step - 1, 0), 0] if trip.step > 2 else [0]
+    for trace_from in tries:
+        result, log_tail, folder_note = run_child(target, options, trip, timeline, before,
+                                                  skip_model=True, trace_from=trace_from)
+        why = unusable(trip, result)
+        if why is not None:
+            return result, log_tail, folder_note, ModelRun(
+                False, note=why, tried_s=round(time.perf_counter() - started, 3))
+        assert result is not None and result.finding is not None
+        producer = result.finding.producer
+        if trace_from == tries[-1] or (producer is not None and
+                                       producer.made_by == ProducerKind.TORCH_OP):
+            return result, log_tail, folder_note, ModelRun(True, result.stood_in,
+                                                           computed=result.computed)
+    raise AssertionError("the last try returns")
 
 
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:
@@ -126,6 +161,7 @@ def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
 
 def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
               timeline: Sequence[TimelineEntry], before: FolderState | None = None,
+              skip_model: bool = False, trace_from: int = 0,
               ) -> tuple[RerunResult | None, str, str | None]:
     """Run `python -m nanaudit.script.child SPEC RESULT` in a scratch copy of the folder
     (scratch.py), in the same environment; (its result or None, the tail of its output, what
@@ -134,18 +170,20 @@ def run_child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
         scratch = prepare(before, Path(folder) / "work")
         if target.path is not None:
             target = replace(target, path=inside(target.path, before, scratch))
-        result, tail = _child(target, options, trip, timeline, Path(folder), scratch.folder)
+        result, tail = _child(target, options, trip, timeline, Path(folder), scratch.folder,
+                              skip_model, trace_from)
         if result is not None and result.finding is not None:
             result.finding = relocated(result.finding, scratch, os.getcwd())
         return result, tail, scratch.note
 
 
 def _child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
-           timeline: Sequence[TimelineEntry], folder: Path,
-           cwd: str) -> tuple[RerunResult | None, str]:
+           timeline: Sequence[TimelineEntry], folder: Path, cwd: str,
+           skip_model: bool, trace_from: int) -> tuple[RerunResult | None, str]:
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation, skips=trip.skips, buffers=trip.in_buffers,
-                     losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step))
+                     losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step),
+                     skip_model=skip_model, trace_from=trace_from)
     env = rerun_environment()          # torchrun: every rank re-runs, together
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:

@@ -46,6 +46,11 @@ class RerunWindow:
     def leave_data_code(self) -> None:
         """A module call or an update starts: the script's own code is left."""
 
+    def unchecked(self, step: int) -> bool:
+        """Whether step `step` goes unchecked: a re-run's steps are checked, to compare them
+        with the first run's (except a cheap re-run's, data_window.py)."""
+        return False
+
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and evaluation == self.evaluation
 

@@ -70,6 +70,9 @@ class StepChecks:
         if self.window.arms_at(self.step, self._evaluation):
             self.window.reached(optimizer)
             return StepDecision.STOP
+        if self.window.unchecked(self.step):
+            self._inbox = StepInbox()          # nothing of such a step is compared
+            return StepDecision.APPLY
         scope = self._scopes.of(optimizer)
         if scope is None:
             return StepDecision.APPLY

@@ -55,6 +55,7 @@ class ScriptOptions:
     on_rerun: Callable[[int], None] | None = None   # told the step the re-run goes to
     keep_going: bool = False          # skip a bad step's update and go on (--keep-going) ...
     max_bad_steps: int = MAX_BAD_STEPS   # ... at most this many; the next one stops the run
+    skip_model: bool = True           # an input trip's re-run tries without the model first
 
 
 class Hooks(Protocol):

@@ -3,6 +3,7 @@ non-finite tensors in the frames of an exception the script raised."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class ScriptTrip:
     state: list = field(default_factory=list)      # optimizer-state entries holding the value
     unreached: bool = False             # a loss the script computed and skipped before backward
     element: ShardElement | None = None  # a sharded tensor's first bad element (run/mesh.py)
+    fingerprint: str | None = None      # input trips: the first bad input's bytes, hashed
 
     @property
     def in_buffers(self) -> bool:
@@ -62,12 +64,25 @@ class ScriptTrip:
 
 def input_fields(inputs: list) -> dict:
     """What an input trip records of the first call's floating inputs [(name, tensor)]: the
-    kind of the first bad value, the bad inputs' names and shapes, and their bad rows."""
+    kind of the first bad value, the bad inputs' names and shapes, their bad rows, and the
+    first bad input's fingerprint (a re-run's batch is the first run's when it matches)."""
     from nanaudit.run.batch import nonfinite_rows
     bad = [(n, t) for n, t in inputs if not bool(torch.isfinite(t).all())]
     rows = sorted({r for _, t in bad for r in nonfinite_rows(t, 0 if t.dim() else None)})
     return {"value": value_kind(bad[0][1]) if bad else "nan", "tensors": [n for n, _ in bad],
-            "rows": rows, "input_shapes": [list(t.shape) for _, t in bad]}
+            "rows": rows, "input_shapes": [list(t.shape) for _, t in bad],
+            "fingerprint": fingerprint(bad[0][1]) if bad else None}
+
+
+def fingerprint(tensor: torch.Tensor) -> str | None:
+    """A hash of a tensor's dtype, shape and bytes (one read to the host, at a trip only);
+    None for a tensor subclass (a DTensor's bytes are its shard's)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_meta:
+        return None
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(data.tobytes())
+    return digest.hexdigest()[:32]
 
 
 def float_kind(value: float) -> str:

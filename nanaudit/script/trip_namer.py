@@ -12,7 +12,7 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import Tripped
 from nanaudit.run.checks import confirm_nonfinite, finite_norms, value_kind
-from nanaudit.run.mesh import first_bad_element
+from nanaudit.run.mesh import first_element
 from nanaudit.run.optimizer_state import nonfinite_state
 from nanaudit.run.sharded import local_shards, nonfinite_shards
 from nanaudit.script.ledger import Ledger, describe_optimizer
@@ -73,7 +73,7 @@ class TripNamer:
                              [name(p) for p, _ in bad])
             trip.step = verdict.step
             trip.state = nonfinite_state(optimizer, [p for p, _ in bad], name, self.rank)
-            trip.element = first_bad_element(name(bad[0][0]), bad[0][0]) if bad else None
+            trip.element = first_element((name(p), p) for p, _ in bad)
         else:
             with_grad = [p for p in params if p.grad is not None]
             bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
@@ -81,8 +81,7 @@ class TripNamer:
                     else value_kind(bad[0][1]) if bad else "nan")
             trip = self.trip(step, verdict.check, kind, [name(p) for p, _ in bad],
                              loss=loss, grad_norm=grad_norm)
-            trip.element = (first_bad_element(f"{name(bad[0][0])}.grad", bad[0][0].grad)
-                            if bad else None)
+            trip.element = first_element((f"{name(p)}.grad", p.grad) for p, _ in bad)
         trip.optimizer = describe_optimizer(optimizer)
         return trip
 

@@ -65,3 +65,47 @@ def test_fsdp2_ranks_replay_and_skip_the_same_step_together(tmp_path):
     after = [e for e in report["timeline"] if e["step"] > 2]
     assert after and all(math.isfinite(e["param_norm"]) and math.isfinite(e["loss"])
                          for e in after)
+
+
+# Rank 1's data code standardizes a batch with a constant feature at step 2: 0/0 before the
+# model. Rank 1 traces what made it (its own data, read again); every rank's report says so.
+STANDARDIZED_SHARD = """
+    import torch
+
+    def shard(rank=0, world_size=1, steps=5, rows=8):
+        g = torch.Generator().manual_seed(1000 + rank)
+        for step in range(steps):
+            x = torch.randn(rows, 8, generator=g)
+            y = x[:, :1] * 2.0
+            if rank == 1 and step == 2:
+                x[:, 3] = 4.0                 # a constant feature in rank 1's batch
+            yield {"x": (x - x.mean(0)) / x.std(0), "y": y}
+"""
+
+
+def test_every_ranks_report_names_what_made_a_peers_skipped_input(tmp_path):
+    (tmp_path / "data.py").write_text(textwrap.dedent(STANDARDIZED_SHARD))
+    ddp = EXAMPLES / "ddp.py"
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        model: {ddp}:magnitude_model
+        data: data:shard
+        loss: {ddp}:mse
+        optimizer: {{class: torch.optim.SGD, lr: 0.01}}
+        seed: 0
+        device: cpu
+        distributed: {{backend: gloo, timeout_s: 60}}
+        """))
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--keep-going",
+                                   "--no-repro", "--json", out], 2, 120)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())          # rank 0's
+    assert [r["steps_run"] for r in report["distributed"]["ranks"]] == [5, 5]
+    (finding,) = report["findings"]
+    assert (finding["step"], finding["rank"], finding["where"], finding["action"]) == (
+        2, 1, "input", "skipped")
+    assert (finding["op"], finding["cause"]) == ("aten.div.Tensor", "div-by-zero")
+    assert finding["producer"]["made_by"] == "torch-op"
+    assert finding["source"]["line"] == 11 and finding["source"]["file"].endswith("data.py")
+    assert report["finding"] == finding

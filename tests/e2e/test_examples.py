@@ -81,7 +81,8 @@ CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_cl
 # Run under two ranks in test_distributed.py (and as one process there too), FSDP in test_fsdp.py.
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
-               "ddp_dying_rank", "fsdp_backward_nan", "hsdp_backward_nan", "fsdp_tp_forward_nan"}
+               "ddp_dying_rank", "fsdp_backward_nan", "hsdp_backward_nan", "fsdp_tp_forward_nan",
+               "tp_backward_nan"}
 # Scanned with --keep-going: every bad step's (step, where, cause, rows), all skipped.
 KEEP_GOING = {"keep_going": [(3, "input", "nonfinite-input", [2]),
                              (5, "backward", "sqrt-domain", [6]),
@@ -103,7 +104,8 @@ def test_every_distributed_example_and_example_script_is_run_by_a_test():
     # the tests that launch them live in other files: each must be named in one.
     here = ROOT / "tests"
     launchers = (here / "e2e" / "test_distributed.py").read_text() + \
-        (here / "e2e" / "test_fsdp.py").read_text() + (here / "e2e" / "test_mesh.py").read_text()
+        (here / "e2e" / "test_fsdp.py").read_text() + (here / "e2e" / "test_mesh.py").read_text() \
+        + (here / "e2e" / "test_mesh_tp_backward.py").read_text()
     # Named as "name.yaml" or as a bare "name" in a parametrize list.
     assert [n for n in sorted(DISTRIBUTED) if f"\"{n}" not in launchers] == []
     sources = "".join(p.read_text() for p in here.rglob("test_*.py")

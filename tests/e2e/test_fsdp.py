@@ -14,9 +14,9 @@ SCRIPTS = ROOT / "configs" / "examples" / "scripts"
 SCRIPT = SCRIPTS / "fsdp_faults.py"
 
 
-def run(tmp_path, *script_args):
+def run(tmp_path, *script_args, flags=()):
     out = tmp_path / "report.json"
-    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", *flags, "--json", out, SCRIPT,
                                    *script_args])
     reports = [json.loads(path.read_text()) if path.exists() else None
                for path in (out, tmp_path / "report.rank1.json")]
@@ -28,7 +28,9 @@ def line_of(text: str) -> int:
 
 
 def test_forward_value_names_the_rank_whose_batch_made_it(tmp_path):
-    codes, (rank0, rank1), outputs = run(tmp_path, "--fault", "forward")
+    # --rerun: the re-run from the start, every rank together (without it every rank replays
+    # the step in-process: test_fsdp_inprocess.py, and the backward case below).
+    codes, (rank0, rank1), outputs = run(tmp_path, "--fault", "forward", flags=["--rerun"])
     assert codes == [1, 1], outputs
     f = rank0["finding"]
     assert (f["rank"], f["step"], f["where"], f["op"], f["cause"], f["samples"]) == (

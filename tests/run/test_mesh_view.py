@@ -85,3 +85,68 @@ def test_first_bad_element_names_the_local_and_global_index():
             "down.weight.grad", [2, 5], [2, 13])
         assert first_bad_element("plain", torch.full((2,), float("nan"))) is None
     on_fake_mesh(3, check)
+
+
+def test_the_rank_whose_partial_input_gradient_went_bad_first_made_a_backward_value():
+    from nanaudit.run.mesh import own_gradients
+    # ranks 2 and 3 (one tp group) both hold bad gradients before the reduction (1.0); rank
+    # 3's partial input gradient went bad first (1 + 2), rank 2's never: rank 3 made it
+    assert own_gradients([0.0, 0.0, 1.0, 3.0]) == [True, True, True, False]
+    # TP alone: no reduction flag at all, the partial gradient alone names the maker
+    assert own_gradients([0.0, 2.0]) == [True, False]
+    # no bad partial gradient: each set flag is its rank's own
+    assert own_gradients([1.0, 0.0, 1.0]) == [False, True, False]
+
+
+def test_partial_flags_rank_a_bad_partial_gradient_above_the_reductions_flag():
+    flags = PartialFlags()
+    flag = torch.tensor(1.0, dtype=torch.float64)
+    assert float(flags.take_gradients(flag)) == 1.0       # none noted: the flag as it was
+    flags._gradients = [torch.tensor([0.0, 1.0]), torch.tensor([float("nan"), 1.0])]
+    assert float(flags.take_gradients(flag * 0)) == 2.0   # the 2nd of 2 (2 - 1), plus 1
+    assert float(flags.take_gradients(flag * 0)) == 0.0   # taken: reset
+
+
+def test_scan_and_sentinel_name_the_first_bad_element_of_a_sharded_weight_or_gradient():
+    # what rank_finding gives scan's and Sentinel's finding on each rank (run's from its trip)
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from nanaudit.report.sections import ShardElement
+    from nanaudit.run.mesh import tensor_element
+
+    def check(mesh):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+        with torch.no_grad():      # `0` column-wise (rows on tp), `1` row-wise (columns on tp)
+            for layer, dim in ((model[0], 0), (model[1], 1)):
+                layer.weight = torch.nn.Parameter(distribute_tensor(
+                    layer.weight.detach(), mesh, [Replicate(), Shard(dim)], src_data_rank=None))
+        for layer in model:
+            layer.weight.grad = layer.weight.detach() * 0
+        assert tensor_element(model, gradients=True) is None
+        assert tensor_element(model, gradients=False) is None
+        model[1].weight.grad._local_tensor[3, 2] = float("inf")    # rank 1 holds columns 8-15
+        assert tensor_element(model, gradients=True) == ShardElement(
+            "1.weight.grad", [3, 2], [3, 10])
+        model[1].bias.grad = torch.full((8,), float("nan"))     # not sharded: no element
+        model[0].weight._local_tensor[0, 1] = float("nan")      # rows 8-15 on tp rank 1
+        assert tensor_element(model, gradients=False) == ShardElement("0.weight", [0, 1], [8, 1])
+    on_fake_mesh(1, check)
+
+
+def test_an_op_output_that_is_a_sharded_dtensor_names_its_global_element():
+    # a column-wise layer's own matmul leaves its output Shard(-1) over tp: tp rank 1's local
+    # column 5 is the whole tensor's column 13
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from nanaudit.report.sections import ShardElement
+    from nanaudit.run.mesh import output_element
+
+    def check(mesh):
+        out = distribute_tensor(torch.zeros(4, 16), mesh, [Replicate(), Shard(1)],
+                                src_data_rank=None)
+        plain = torch.full((4, 8), float("nan"))                # a local tensor: no element
+        assert output_element("aten.mm.default", [plain, out]) is None
+        out._local_tensor[2, 5] = float("inf")
+        assert output_element("aten.mm.default", [plain, out]) == ShardElement(
+            "aten.mm.default output", [2, 5], [2, 13])
+    on_fake_mesh(3, check)

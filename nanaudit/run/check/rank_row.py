@@ -20,7 +20,7 @@ import torch
 
 from nanaudit.run.check.verdict import Tripped, rank_verdict
 from nanaudit.run.checks import StepReadout
-from nanaudit.run.mesh import own_losses
+from nanaudit.run.mesh import own_gradients, own_losses
 
 
 class Column(IntEnum):
@@ -32,7 +32,8 @@ class Column(IntEnum):
     LOSS = 2             # its loss
     GRADIENTS = 3        # its gradients as reduced (FSDP: its shard of them)
     BUFFERS = 4          # its floating buffers as its forward left them
-    OWN_GRADIENTS = 5    # its own gradients, before the reduction mixed every rank's
+    OWN_GRADIENTS = 5    # its own gradients, before the reduction mixed every rank's (TP:
+                         # above 1.0, how early a partial input gradient went bad, mesh.py)
     PARTIALS = 6         # TP: its partial sums before the all-reduce (mesh.PartialFlags)
     EXHAUSTED = 7        # its data ran out: every rank stops after this step
 
@@ -116,5 +117,7 @@ class RankTable:
         return rank_verdict(step, inputs_ok=self.ok(Column.INPUT), weights_finite=weights,
                             updated_at=updated_at,
                             loss_finite=own_losses(self.ok(Column.LOSS), partials),
-                            own_grads_ok=self.ok(Column.OWN_GRADIENTS), reduced_ok=reduced,
+                            own_grads_ok=own_gradients(
+                                [row[Column.OWN_GRADIENTS] for row in self.rows]),
+                            reduced_ok=reduced,
                             buffers_finite=self.ok(Column.BUFFERS))

@@ -1,0 +1,47 @@
+"""DeepSpeed ZeRO-3's flat fp32 groups as `nanaudit run`'s step check reads them, without
+DeepSpeed: each group is every parameter's partition end to end, each padded to an equal size
+with memory never written. The read takes the valid parts of the weights and the same parts of
+the group's gradient; the parts are views, which have no `.grad` of their own, so the gradient
+norm read 0 while DeepSpeed skipped the step for a NaN gradient."""
+
+from types import SimpleNamespace
+
+import torch
+
+from nanaudit.run.deepspeed_zero import note_zero3
+from nanaudit.script.readout import OptimizerScopes
+
+
+def zero3_optimizer(flat: torch.Tensor) -> torch.optim.Optimizer:
+    """A torch optimizer over `flat`, known as a ZeRO-3 group of two partitions of 4 elements,
+    the first padded by 1 and the second by 3 (valid: elements 0-2 and 4)."""
+    optimizer = torch.optim.SGD([flat], lr=0.1)
+    zero = SimpleNamespace(optimizer=optimizer, fp32_partitioned_groups_flat=[flat],
+                           groups_padding=[[1, 3]],
+                           fp16_partitioned_groups=[[torch.empty(4), torch.empty(4)]])
+    note_zero3(SimpleNamespace(optimizer=zero, zero_optimization_stage=lambda: 3))
+    return optimizer
+
+
+def test_zero3_gradients_are_read_from_the_valid_parts_of_the_group_gradient():
+    flat = torch.nn.Parameter(torch.zeros(8))
+    optimizer = zero3_optimizer(flat)
+    flat.grad = torch.tensor([1.0, 2.0, 2.0, float("nan"), 4.0, float("nan"), 0.0, 7.0])
+    scope = OptimizerScopes().of(optimizer)
+    assert [t.tolist() for t in scope.params] == [[0.0, 0.0, 0.0], [0.0]]
+    assert [g.tolist() for g in scope.grads()] == [[1.0, 2.0, 2.0], [4.0]]   # padding skipped
+    flat.grad = torch.full((8,), 3.0)       # DeepSpeed gives each sub-group step a new grad
+    flat.grad[4] = float("inf")
+    assert [g.tolist() for g in scope.grads()] == [[3.0, 3.0, 3.0], [float("inf")]]
+    _, grad_norms, _ = scope.norm_parts(scope.grads(), [])
+    assert not torch.isfinite(torch.stack(grad_norms)).all()
+    flat.grad = None
+    assert scope.grads() == []
+
+
+def test_any_other_optimizer_reads_its_parameters_gradients_whole():
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.tensor([1.0, float("nan"), 0.0])
+    scope = OptimizerScopes().of(torch.optim.SGD([weight], lr=0.1))
+    assert scope.params == [weight] and len(scope.grads()) == 1
+    assert scope.grads()[0] is weight.grad
