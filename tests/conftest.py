@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+
+# The suite computes single-threaded, in its workers and in every process they start (the
+# variable is inherited; read at torch's import, which comes later). Its models are tiny, so a
+# second intra-op thread buys nothing, while with more busy processes than cores (CI: 3 workers
+# on 2 cores, each starting ranks) OpenMP's threads spin waiting for each other and burn the
+# CPU the other tests need: `scripts/bench.py --quick` took 47 s of CPU with the default
+# threads on a busy 2-core machine and 7 s with one. A run that sets it keeps its own value.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -72,17 +72,26 @@ INTERRUPTED_CASE = LINEAR_CASE + (
     "        yield b\n")
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: where a launch's ranks meet (env:// rendezvous)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
     """Start `python ARGV...` as `nproc` ranks with torchrun's environment
     variables (env:// rendezvous on a free port); return each rank's exit code and
-    (stdout, stderr). Every rank is killed past `timeout_s`: no test hangs."""
+    (stdout, stderr). Every rank is killed past `timeout_s`: no test hangs.
+
+    Each rank pays an interpreter and a torch import (seconds of CPU): where several runs
+    can share the ranks, give them one launch (tests/e2e/count_collectives.py's `--then`
+    runs command lines in turn in the same processes, each at its own `free_port()`)."""
     import os
-    import socket
     import subprocess
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
