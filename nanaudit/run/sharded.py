@@ -141,13 +141,12 @@ class PreReduceFlags:
             if id(module) in self.wrapped:
                 continue
             self.wrapped.add(id(module))
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", [])
+            groups = fsdp_param_groups(module._get_fsdp_state())
             if len(groups) != 1:
                 continue            # no parameters, or several meshes: FSDP refuses a custom one
             inner = getattr(groups[0], "_reduce_scatter_comm", None)
-            if inner is None:
-                continue
+            if inner is None or not hasattr(module, "set_custom_reduce_scatter"):
+                continue            # a torch whose FSDP2 takes no custom reduce-scatter
             module.set_custom_reduce_scatter(_flagging_comm(self, inner))
 
     def note(self, unsharded: torch.Tensor) -> None:
@@ -166,6 +165,16 @@ class PreReduceFlags:
             return torch.zeros((), dtype=torch.float64, device=device)
         finite = torch.isfinite(torch.stack(extremes)).all()
         return (~finite).to(device=device, dtype=torch.float64)
+
+
+def fsdp_param_groups(state: Any) -> list:
+    """An FSDP module's parameter groups: torch 2.13 keeps a list (`_fsdp_param_groups`, one per
+    mesh), torch 2.11 one group or None (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    single = getattr(state, "_fsdp_param_group", None)
+    return [] if single is None else [single]
 
 
 def _flagging_comm(flags: PreReduceFlags, inner: Any) -> Any:

@@ -58,11 +58,13 @@ def test_keep_going_on_cuda_skips_three_kinds_without_a_trace(tmp_path):
 def test_keep_going_with_a_float16_grad_scaler_under_autocast(tmp_path, monkeypatch,
                                                                deterministic):
     # A real fp16 GradScaler: its own overflow skips are not findings; a step nanaudit holds
-    # back leaves the scale as an overflow would, and the weights equal the reference's. With
+    # back leaves the scale as an overflow would, and the weights equal the reference's. (A
+    # backward-only NaN under a GradScaler is the scaler's own skip, not nanaudit's: it leaves
+    # the forward's buffers, so the bad kinds here are a loss and a forward value.) With
     # `deterministic`, the loop (reference and audited alike) asks torch for deterministic
     # kernels, which tells a GPU's run-to-run variation apart from a trace the skip left.
     args = ["--device", "cuda", "--shape", "scaler", "--autocast", "--init-scale", "65536",
-            "--bad", "3:loss,6:backward"]
+            "--bad", "3:loss,6:forward"]
     if deterministic:
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         args.append("--deterministic")
