@@ -36,3 +36,13 @@ def test_bench_quick_writes_table_and_json(tmp_path):
             "sync", "deferred")                  # the CPU default, and the fused SGD deferring
     assert body["replay"]["op"] == "aten.log.default"
     assert body["replay"]["isolation_replays"] >= 1
+
+
+def test_device_checks_script_parses_and_refuses_an_unknown_part(tmp_path):
+    # scripts/device_checks.sh is run on a GPU machine only; here: it parses, and a part it does
+    # not know is exit 2 with its name, before anything runs.
+    script = ROOT / "scripts" / "device_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "no-such-part"],
+                          capture_output=True, text=True, check=False, timeout=30)
+    assert done.returncode == 2 and "unknown part: no-such-part" in done.stderr
