@@ -60,7 +60,7 @@ torch.manual_seed(0)
 bad, width, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                       nn.Linear(width, 1)).to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-8)
 x = torch.randn(64, 64, device=device)
 for step in range(bad + 1):
     batch = x.clone()
@@ -94,6 +94,9 @@ FULL = ("import sys; from pathlib import Path; from nanaudit.commands.run import
         "from nanaudit.script.target import ScriptOptions, ScriptTarget; "
         "r = run_script(ScriptTarget(path=sys.argv[2], args=tuple(sys.argv[3:])), "
         "ScriptOptions(skip_model=False)); Path(sys.argv[1]).write_text(JsonRenderer().render(r))")
+
+# The loop's loss is linear in the output, so its weights drift until the forward overflows, after
+# about 1/lr steps (near step 99,000 at lr 1e-6): 1e-8 keeps 100,000 steps finite but the bad one.
 
 # The DDP loop: the same model, step and batch on each rank, rank 1's row 5 zero at step N.
 DDP_LOOP = LOOP.replace("torch.manual_seed(0)\n", """torch.manual_seed(0)
