@@ -80,6 +80,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def line_of(path: Path, text: str) -> int:
+    """The 1-based number of the first line of `path` holding `text`."""
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def rank_reports(out: Path, nproc: int) -> list:
+    """Each rank's JSON report of a `--json OUT` run under torchrun (rank 0 writes OUT, rank r
+    OUT's folder's report.rank<r>.json), None for a rank that wrote none."""
+    paths = [out] + [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(1, nproc)]
+    return [json.loads(p.read_text()) if p.exists() else None for p in paths]
+
+
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
     """Start `python ARGV...` as `nproc` ranks with torchrun's environment
     variables (env:// rendezvous on a free port); return each rank's exit code and

@@ -44,7 +44,7 @@ class CompiledModel:
         return self.backend_name == "inductor"
 
 
-def _dynamo_context(module: Any) -> Any:
+def dynamo_context(module: Any) -> Any:
     """The dynamo context that compiles `module`'s calls, or None when they are not compiled."""
     context = getattr(module, "dynamo_ctx", None)
     if context is not None and hasattr(module, "_orig_mod"):
@@ -82,7 +82,7 @@ def find_compiled(model: Any) -> CompiledModel | None:
     submodule the user compiled), or None for an eager model."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     for module in modules:
-        context = _dynamo_context(module)
+        context = dynamo_context(module)
         if context is None:
             continue
         try:

@@ -199,6 +199,8 @@ class PartialFlags:
         gradient came (e, as `take`): 1 + e when one was bad, ranking it above a plain flag
         (`own_gradients` reads it back), else `own`. On the device, no host read."""
         gradients, self._gradients = self._gradients, []
+        if not gradients:           # no tensor-parallel layer noted one: no kernel to launch
+            return own
         early = _earliness(gradients, own.device)
         return torch.where(early > 0, early + 1.0, own)
 

@@ -115,10 +115,10 @@ class BufferCopy:
             torch._foreach_copy_(into, values)
 
 
-_RngStates = tuple[torch.Tensor, "list[torch.Tensor] | tuple[()]"]
+RngStates = tuple[torch.Tensor, "list[torch.Tensor] | tuple[()]"]
 
 
-def _rng_states() -> _RngStates:
+def rng_states() -> RngStates:
     """The CPU generator's state (a 5 KB copy, ~1 us: the only per-step RNG cost on CPU) and
     every initialized CUDA generator's."""
     if torch.cuda.is_initialized():
@@ -126,7 +126,7 @@ def _rng_states() -> _RngStates:
     return _cpu_state(), ()
 
 
-def _set_rng_states(states: _RngStates) -> None:
+def _set_rng_states(states: RngStates) -> None:
     torch.set_rng_state(states[0])
     if states[1]:
         torch.cuda.set_rng_state_all(states[1])
@@ -137,7 +137,7 @@ class StepRecord:
 
     def __init__(self) -> None:
         self.calls: list[ModelCall] = []
-        self._rng: _RngStates | None = None
+        self._rng: RngStates | None = None
         self._buffers: BufferCopy | None = None
 
     @property
@@ -147,7 +147,7 @@ class StepRecord:
     def called(self, module: torch.nn.Module, entry: Any, args: tuple,
                kwargs: dict) -> ModelCall:
         """A micro-batch's model call; the window's first takes the RNG states and buffers."""
-        rng = _rng_states()
+        rng = rng_states()
         if not self.calls:
             self._rng = rng
             buffers = self._buffers
@@ -182,7 +182,7 @@ class StepRecord:
         """The window's start for a replay (RNG streams, buffers, `params` without gradients);
         afterwards the state the trip left, gradients included."""
         assert self._rng is not None, "a window with a call"
-        now_rng = _rng_states()
+        now_rng = rng_states()
         buffers = self._buffers
         now_buffers = [b.detach().clone() for b in buffers.tensors] if buffers else []
         grads = [p.grad for p in params]

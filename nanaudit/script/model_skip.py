@@ -31,20 +31,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from nanaudit.run.compiled import dynamo_context
+from nanaudit.run.step_record import RngStates, rng_states
+
 Signature = tuple
 
 
-def rng_states() -> list[torch.Tensor]:
-    """The global generators' states: the CPU one, and the current CUDA device's once CUDA is
-    up (a read of a few KB, on the re-run only)."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return states
-
-
-def same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+def same_states(a: RngStates, b: RngStates) -> bool:
+    """Two reads of the generators (step_record.rng_states) found them where they were."""
+    return (torch.equal(a[0], b[0]) and len(a[1]) == len(b[1])
+            and all(map(torch.equal, a[1], b[1])))
 
 
 def signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> Signature:
@@ -52,7 +48,7 @@ def signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> Signature:
     structure with each tensor's shape, dtype and device (other leaves by value)."""
     leaves, spec = tree_flatten((args, kwargs))
     return (id(module), module.training, repr(spec), tuple(
-        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
+        (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor)
         else (type(x).__name__, x if isinstance(x, (int, float, bool, str, type(None)))
               else None) for x in leaves))
 
@@ -64,9 +60,10 @@ def trains(module: torch.nn.Module) -> bool:
 
 
 def compiled(module: torch.nn.Module) -> bool:
-    """A torch.compile wrapper (its attributes are its module's): computed, never stood in
-    for (the module inside it is then called at depth 1, computed too)."""
-    return type(module).__name__ == "OptimizedModule"
+    """A module whose calls are compiled (`torch.compile(model)`, `model.compile()`, Lightning's
+    `from_compiled`): computed, never stood in for (the module a wrapper holds is then called at
+    depth 1, computed too)."""
+    return dynamo_context(module) is not None
 
 
 class ModelSkip:
@@ -82,7 +79,7 @@ class ModelSkip:
         self.shifted = False             # a stood-in call would have drawn from the RNG
         self.abandoned: str | None = None
         self._depth = 0
-        self._stretch: list[torch.Tensor] | None = None
+        self._stretch: RngStates | None = None
         self._original: Any = None
 
     def install(self) -> ModelSkip:

@@ -92,7 +92,6 @@ class StepTap:
         if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
         self._pending = None
-        # _start_code's body, inline: this runs every step (tests/run/test_leave_on_price.py)
         call.output = output
         self._recorder.start(call.code)
         if self.on_return is not None:
@@ -109,10 +108,7 @@ class StepTap:
                 or call.output is not None):
             return                  # heard already: an in-place compile ran the forward hook
         self._pending = None
-        self._start_code(call, output)
-
-    def _start_code(self, call: ModelCall, output: Any) -> None:
-        call.output = output
+        call.output = output        # as `_returned` does, for the call dynamo ran
         self._recorder.start(call.code)
         if self.on_return is not None:
             self.on_return()

@@ -35,8 +35,6 @@ from nanaudit.run.sharded import is_sharded
 from nanaudit.script.inprocess import IN_PROCESS
 from nanaudit.script.trip import ScriptTrip
 
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
 
 def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
     """Explain `finding` (the first run's, of an update trip) from the optimizer's state after
@@ -140,10 +138,11 @@ def _adam(group: dict, state: dict, param: torch.Tensor, index: tuple[int, ...],
 def _added(term: float, said: str, param: torch.Tensor, index: tuple[int, ...]) -> str:
     """The update `term` subtracted from a finite weight: what the element's value says."""
     value = float(param.detach()[index].double())
-    if not math.isfinite(term) or abs(term) > _FLOAT32_MAX:
-        return f"{said}: the update {term:.6g} overflows float32"
+    dtype = str(param.dtype).removeprefix("torch.")      # the weight's own limit, not float32's
+    if not math.isfinite(term) or abs(term) > torch.finfo(param.dtype).max:
+        return f"{said}: the update {term:.6g} overflows {dtype}"
     if math.isnan(value):
         return (f"!the update rule evaluated from the state gives a finite update {term:.6g}, "
                 f"which cannot make the NaN the run saw from a finite weight")
-    return (f"{said}: a finite update {term:.6g} whose sum with the weight overflowed float32 "
-            f"(the weight was already near the float32 limit: divergence)")
+    return (f"{said}: a finite update {term:.6g} whose sum with the weight overflowed {dtype} "
+            f"(the weight was already near the {dtype} limit: divergence)")

@@ -22,7 +22,8 @@ SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "update_trip.py"
                     "hold non-finite values): the learning rate is inf"),
     # SGD's momentum buffer after the step is its update: lr x buffer past float32's range.
     ("sgd-overflow", "at 0.weight[0, 0] (rows [0, 2, 3] of 0.weight's 10 hold non-finite "
-                     "values): lr 1e+38 x momentum buffer"),
+                     "values): lr 1e+38 x momentum buffer -15.4689: the update -1.54689e+39 "
+                     "overflows float32"),
 ])
 def test_an_update_trip_is_explained_from_the_optimizers_state(tmp_path, case, said):
     log = tmp_path / "log.txt"

@@ -30,9 +30,7 @@ def runs(args: list[str]) -> list[tuple[str | None, str, list[str]]]:
         else:
             current.append(arg)
     segments.append(current)
-    out = [(seg[0], seg[1], seg[2:]) for seg in segments[1:]]
-    first = segments[0][1:]
-    return [(None, first[0], first[1:]), *out]
+    return [(seg[0], seg[1], seg[2:]) for seg in segments]
 
 
 def run_counted(out: str, argv: list[str]) -> None:

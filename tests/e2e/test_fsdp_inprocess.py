@@ -8,23 +8,12 @@ faults are planted in rank 1's batches (tests/e2e/scripts/fsdp_steps.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from helpers import ROOT, launch_ranks
+from helpers import ROOT, launch_ranks, line_of, rank_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "fsdp_steps.py"
-
-
-def line_of(text: str) -> int:
-    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
-
-
-def reports(out):
-    return [json.loads(path.read_text())
-            for path in (out, out.with_name(out.stem + ".rank1.json"))]
 
 
 def logged_steps(log, rank: int) -> list[str]:
@@ -37,13 +26,13 @@ def test_backward_only_value_is_localized_by_every_rank_replaying_the_step(tmp_p
     codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT, log],
                                   2, timeout_s=120)
     assert codes == [1, 1], outputs
-    for report in reports(out):
+    for report in rank_reports(out, 2):
         f = report["finding"]
         # Every loss finite; rank 1's own gradients (before the reduce-scatter) went bad.
         assert (f["step"], f["rank"], f["where"], f["forward_op"], f["module"], f["cause"],
                 f["samples"]) == (2, 1, "backward", "aten.sqrt.default", "length",
                                   "sqrt-domain", [5])
-        assert f["source"]["line"] == line_of("return torch.sqrt(")
+        assert f["source"]["line"] == line_of(SCRIPT, "return torch.sqrt(")
         assert f["tensors"][0].startswith("blocks.")
         assert f["localized_by"] == "in-process"
         assert report["run"]["replay"]["status"] == "reproduced"
@@ -57,7 +46,7 @@ def test_keep_going_skips_both_bad_steps_on_every_rank_and_trains_on(tmp_path):
     codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--keep-going", "--json",
                                    out, SCRIPT, log], 2, timeout_s=150)
     assert codes == [1, 1], outputs
-    for report in reports(out):
+    for report in rank_reports(out, 2):
         backward, forward = report["findings"]
         assert (backward["step"], backward["rank"], backward["where"], backward["forward_op"],
                 backward["module"], backward["cause"], backward["samples"],
@@ -66,7 +55,7 @@ def test_keep_going_skips_both_bad_steps_on_every_rank_and_trains_on(tmp_path):
         assert (forward["step"], forward["rank"], forward["where"], forward["op"],
                 forward["cause"], forward["samples"], forward["action"]) == (
             3, 1, "forward", "aten.log.default", "log-domain", [2], "skipped")
-        assert forward["source"]["line"] == line_of("h = torch.log(x)")
+        assert forward["source"]["line"] == line_of(SCRIPT, "h = torch.log(x)")
         assert {backward["localized_by"], forward["localized_by"]} == {"in-process"}
         assert "rerun" not in report["run"]
     assert [logged_steps(log, r) for r in (0, 1)] == [[str(s) for s in range(6)]] * 2

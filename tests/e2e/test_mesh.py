@@ -9,10 +9,11 @@ dead rank is exit 8 on its peers. The faults are in configs/examples/scripts/mes
 import json
 
 import pytest
-from helpers import ROOT, free_port, launch_ranks
+from helpers import ROOT, free_port, launch_ranks, line_of, rank_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = ROOT / "configs" / "examples" / "scripts" / "mesh_faults.py"
+SQUARE = "self.down(torch.relu(self.up(x)).square())"     # the line that makes the value
 COUNT = ROOT / "tests" / "e2e" / "count_collectives.py"
 RANKS, STEPS = 4, 5
 
@@ -22,13 +23,7 @@ def run(tmp_path, layout, fault):
     codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
                                    "--layout", layout, "--fault", fault], nproc=RANKS,
                                   timeout_s=240)
-    reports = [json.loads(path.read_text()) if path.exists() else None
-               for path in [out] + [tmp_path / f"report.rank{r}.json" for r in range(1, RANKS)]]
-    return codes, reports, outputs
-
-
-def line_of(text: str) -> int:
-    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
+    return codes, rank_reports(out, RANKS), outputs
 
 
 def statuses(report):
@@ -43,7 +38,7 @@ def test_hsdp_forward_value_names_its_rank_and_mesh_coordinate(tmp_path):
         assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
                 f["samples"]) == (3, {"dp_replicate": 1, "dp_shard": 1}, 3, "forward",
                                   "aten.pow.Tensor_Scalar", "blocks.0", "dtype-overflow", [2])
-        assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+        assert f["source"]["line"] == line_of(SCRIPT, SQUARE)
         assert f["placements"]["blocks.0.up.weight"] == "dp_replicate=Replicate(), " \
                                                        "dp_shard=Shard(dim=0)"
     rank0 = reports[0]
@@ -76,7 +71,7 @@ def test_fsdp_tp_value_made_in_one_tp_rank_column_slice_is_not_blamed_on_its_pee
         assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
                 f["samples"]) == (3, {"dp": 1, "tp": 1}, 3, "forward",
                                   "aten.pow.Tensor_Scalar", "blocks.0", "dtype-overflow", [2])
-        assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+        assert f["source"]["line"] == line_of(SCRIPT, SQUARE)
         assert "arrived from a peer" not in f["explanation"]
         assert f["placements"]["blocks.0.down.weight"] == "dp=Shard(dim=0), tp=Shard(dim=1)"
     assert statuses(reports[0]) == [(r, "nonfinite", 4) for r in range(RANKS)]
@@ -123,7 +118,7 @@ def test_tp_alone_names_the_rank_whose_column_slice_made_the_value(tmp_path):
     assert (f["rank"], f["mesh"], f["step"], f["where"], f["op"], f["module"], f["cause"],
             f["samples"]) == (1, {"tp": 1}, 3, "forward", "aten.pow.Tensor_Scalar", "blocks.0",
                               "dtype-overflow", [2])
-    assert f["source"]["line"] == line_of("self.down(torch.relu(self.up(x)).square())")
+    assert f["source"]["line"] == line_of(SCRIPT, SQUARE)
     assert f["placements"]["blocks.0.up.weight"] == "tp=Shard(dim=0)"
     assert [(r["rank"], r["status"], r["mesh"]) for r in report["distributed"]["ranks"]] == [
         (0, "nonfinite", {"tp": 0}), (1, "nonfinite", {"tp": 1})]

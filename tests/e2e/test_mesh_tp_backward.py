@@ -10,7 +10,7 @@ rank 3, never rank 2; before it, the flags named rank 2."""
 import json
 
 import pytest
-from helpers import ROOT, launch_ranks
+from helpers import ROOT, launch_ranks, line_of, rank_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = ROOT / "configs" / "examples" / "scripts" / "mesh_tp_backward.py"
@@ -21,13 +21,7 @@ def audit(tmp_path, *options, nproc=RANKS, layout="fsdp-tp"):
     out = tmp_path / "report.json"
     codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", *options, "--json", out,
                                    SCRIPT, "--layout", layout], nproc=nproc, timeout_s=240)
-    reports = [json.loads(path.read_text()) if path.exists() else None
-               for path in [out] + [tmp_path / f"report.rank{r}.json" for r in range(1, nproc)]]
-    return codes, reports, outputs
-
-
-def line_of(text: str) -> int:
-    return next(i for i, line in enumerate(SCRIPT.read_text().splitlines(), 1) if text in line)
+    return codes, rank_reports(out, nproc), outputs
 
 
 def test_step_flags_alone_name_the_rank_whose_column_wise_backward_made_the_value(tmp_path):
@@ -53,7 +47,7 @@ def test_the_rerun_names_the_op_module_line_rows_and_cause_on_the_rank_that_made
                 f["cause"], f["samples"]) == (3, {"dp": 1, "tp": 1}, 2, "backward",
                                               "aten.sqrt.default", "blocks.0", "sqrt-domain",
                                               [5])
-        assert f["source"]["line"] == line_of("torch.sqrt(h * (h > 0))")
+        assert f["source"]["line"] == line_of(SCRIPT, "torch.sqrt(h * (h > 0))")
         assert "arrived from a peer" not in f["explanation"]
         assert f["placements"]["blocks.0.up.weight"] == "dp=_StridedShard(dim=0, sf=2), " \
                                                        "tp=Shard(dim=0)"

@@ -26,6 +26,8 @@ def _skip(step: list[int], until: int) -> ModelSkip:
 def test_calls_before_the_step_are_stood_in_for_by_the_first_calls_output():
     torch.manual_seed(0)
     model, step = Counted(), [0]
+    hooked: list[int] = []                      # only forward is stood in for: hooks still run
+    model.register_forward_hook(lambda *_: hooked.append(1))
     skip = _skip(step, until=3)
     try:
         first = model(torch.randn(4, 3))
@@ -38,6 +40,7 @@ def test_calls_before_the_step_are_stood_in_for_by_the_first_calls_output():
     finally:
         skip.remove()
     assert model.calls == 3 and (skip.computed, skip.stood_in) == (2, 2)
+    assert len(hooked) == 5                      # every call, the two stood in for included
     for out in outs:
         assert torch.equal(out["out"], first["out"].detach())
         assert out["out"].requires_grad and out["out"].grad_fn is None     # a fresh leaf
@@ -82,3 +85,13 @@ def test_a_model_without_dropout_leaves_the_streams_to_the_data():
         assert skip.stretch_ended() and skip.abandoned is None
     finally:
         skip.remove()
+
+
+def test_a_model_compiled_in_place_is_computed_never_stood_in_for():
+    # `model.compile()` keeps the module's type; its calls are compiled all the same, and a
+    # stand-in would hand dynamo a new forward each call.
+    from nanaudit.script.model_skip import compiled
+    model = Counted()
+    assert not compiled(model)
+    model.compile()
+    assert compiled(model) and compiled(torch.compile(Counted()))

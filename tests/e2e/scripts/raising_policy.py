@@ -31,7 +31,7 @@ class Policy(nn.Module):
 
 
 mode = sys.argv[1]
-log = open(sys.argv[2], "a") if len(sys.argv) > 2 else None
+log_path = sys.argv[2] if len(sys.argv) > 2 else None
 torch.manual_seed(0)
 policy = Policy(distribution=mode == "forward")
 optimizer = torch.optim.SGD(policy.parameters(), lr=0.01)
@@ -55,6 +55,6 @@ for step in range(6):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    if log is not None:
-        log.write(f"step {step} loss {loss.item():.4f}\n")
-        log.flush()
+    if log_path is not None:        # opened a line at a time: the script raises mid-run
+        with open(log_path, "a") as log:
+            log.write(f"step {step} loss {loss.item():.4f}\n")
