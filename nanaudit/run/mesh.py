@@ -77,6 +77,15 @@ def global_index(t: torch.Tensor, local: Sequence[int]) -> tuple[int, ...]:
     return tuple(_positions(t, dim)[int(i)] for dim, i in enumerate(local))
 
 
+def global_rows(t: torch.Tensor, rows: Sequence[int]) -> list[int]:
+    """The indices in the whole tensor of these rows (along dim 0) of this rank's shard of `t`
+    (themselves for a tensor that is not sharded)."""
+    if not is_sharded(t) or not rows:
+        return [int(r) for r in rows]
+    positions = _positions(t, 0)
+    return [positions[int(r)] for r in rows]
+
+
 def _positions(t: Any, dim: int) -> list[int]:
     """The global positions along `dim` of this rank's shard of the DTensor `t`."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -124,12 +133,6 @@ def tensor_element(model: torch.nn.Module, gradients: bool) -> ShardElement | No
     `nanaudit run` does from its trip."""
     return first_element((f"{name}.grad", p.grad) if gradients else (name, p)
                          for name, p in model.named_parameters())
-
-
-def output_element(op: str, made: Sequence[torch.Tensor]) -> ShardElement | None:
-    """The first bad element of the creating op's output where the op ran on DTensors and its
-    output is sharded (`made`: the bad tensors it made, the tracer's): named `OP output`."""
-    return first_element((f"{op} output", t) for t in made)
 
 
 def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
