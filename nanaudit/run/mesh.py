@@ -167,6 +167,10 @@ class PartialFlags:
         self.tracing = False
 
     def install(self, model: torch.nn.Module) -> None:
+        """Hook `model`'s modules that hold DTensor parameters, when tensor parallelism laid
+        any of them out (FSDP2 alone never leaves a value `Partial`: no hook)."""
+        if not tensor_parallel(model):
+            return
         for module in model.modules():
             if id(module) in self.hooked or not any(
                     is_sharded(p) for p in module.parameters(recurse=False)):
@@ -206,6 +210,13 @@ class PartialFlags:
             return own
         early = _earliness(gradients, own.device)
         return torch.where(early > 0, early + 1.0, own)
+
+
+def tensor_parallel(model: torch.nn.Module) -> bool:
+    """Did tensor parallelism lay out any of `model`'s modules? torch's `parallelize_module`
+    distributes each module its plan names with `distribute_module`, which marks the module;
+    FSDP2's `fully_shard` marks none."""
+    return any(getattr(m, "_distribute_module_applied", False) for m in model.modules())
 
 
 def _note_partial(into: list[torch.Tensor], t: Any) -> None:

@@ -119,3 +119,35 @@ def test_scan_and_sentinel_name_the_first_bad_element_of_a_sharded_weight_or_gra
         model[0].weight._local_tensor[0, 1] = float("nan")      # rows 8-15 on tp rank 1
         assert tensor_element(model, gradients=False) == ShardElement("0.weight", [0, 1], [8, 1])
     on_fake_mesh(1, check)
+
+
+def test_partial_flags_hook_a_tensor_parallel_layout_and_never_plain_fsdp2():
+    # FSDP2 alone makes every parameter a DTensor, but no op of its modules leaves a value
+    # `Partial`: the flags' forward hooks and input pre-hooks would run on every module call
+    # for nothing. parallelize_module's layers are hooked (and FSDP2 over them as well).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from nanaudit.run.mesh import tensor_parallel
+
+    def hooks(model):
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    def check(mesh):
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        fully_shard(plain, mesh=mesh["dp"])
+        before, flags = hooks(plain), PartialFlags()
+        flags.install(plain)
+        assert not tensor_parallel(plain) and flags.hooked == set() and hooks(plain) == before
+        tp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fully_shard(tp, mesh=mesh["dp"])
+        before = hooks(tp)
+        flags.install(tp)
+        assert tensor_parallel(tp) and flags.hooked == {id(tp[0]), id(tp[1])}
+        assert hooks(tp) == before + 4        # a forward hook and an input pre-hook each
+    on_fake_mesh(0, check)
