@@ -111,7 +111,7 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
     by every rank (`replayable`: the loss can be replayed, alike on every rank)."""
     trip = outcome.trip
     assert trip is not None, "a finding is built for a trip"
-    element = _tensor_element(session.model, trip.check)    # before a replay makes them again
+    element = trip_element(session.model, trip.check)    # before a replay makes them again
     finding, made = None, False
     if trip.check in (Check.LOSS, Check.GRADIENT):
         if replayable:
@@ -132,7 +132,7 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
     return chosen
 
 
-def _tensor_element(model: torch.nn.Module, check: Check) -> ShardElement | None:
+def trip_element(model: torch.nn.Module, check: Check) -> ShardElement | None:
     """This rank's first bad element of the sharded tensors the trip's finding names: a
     gradient trip's gradients, a weights' trip's weights (a host read per tensor until one
     holds it); none for the others (a loss names the element of its creating op's output)."""
