@@ -38,6 +38,7 @@ def in_process(report) -> None:
     assert report.run.replay.steps == 1 and report.run.replay.ops_traced > 0
 
 
+@pytest.mark.slow
 def test_accumulation_window_is_replayed_in_process_with_the_same_finding_as_the_rerun():
     args = ("--lr", "1e-2", "--epochs", "1", "--accumulate", "2")
     report = audit(SCRIPTS / "plain_log_counts.py", *args)
@@ -143,6 +144,7 @@ def test_lbfgs_closure_gradient_trip_is_replayed_in_process(tmp_path):
     in_process(report)
 
 
+@pytest.mark.slow
 def test_a_replay_that_differs_from_the_run_is_not_believed_and_the_rerun_names_it(tmp_path):
     # The model's forward reads a counter its calls advance: the replay calls it once more, so
     # its loss differs from the run's, and no op is named from it.
@@ -181,6 +183,7 @@ def test_a_replay_that_differs_from_the_run_is_not_believed_and_the_rerun_names_
                                                                "aten.sqrt.default", "re-run")
 
 
+@pytest.mark.slow
 def test_rerun_flag_forces_the_rerun_and_the_json_says_which_path(tmp_path):
     out, forced = tmp_path / "r.json", tmp_path / "forced.json"
     script = SCRIPTS / "plain_log_counts.py"
@@ -231,6 +234,7 @@ LOGS_AND_CHECKPOINTS = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force_rerun", [False, True])
 def test_the_users_log_and_checkpoint_are_as_the_first_run_left_them(tmp_path, monkeypatch,
                                                                      force_rerun):
@@ -250,6 +254,7 @@ def test_the_users_log_and_checkpoint_are_as_the_first_run_left_them(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "train.py", "train_log.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_file_the_first_run_changed_is_named_when_the_rerun_reads_it(tmp_path, monkeypatch):
     import torch
     monkeypatch.chdir(tmp_path)

@@ -172,6 +172,7 @@ def test_a_nan_weight_from_a_checkpoint_stops_at_once(tmp_path):
     assert report.bad_steps.skipped == 0
 
 
+@pytest.mark.slow
 def test_a_hand_written_update_cannot_be_skipped_and_stops(tmp_path):
     # No optimizer call to leave out: the run stops at the bad step and says why.
     path = write(tmp_path, """

@@ -133,6 +133,7 @@ def test_script_sees_main_argv_file_and_path(tmp_path):
     assert sys.argv[0] != str(path)
 
 
+@pytest.mark.slow
 def test_module_target_runs_like_python_dash_m(tmp_path, monkeypatch):
     package = tmp_path / "mypkg"
     package.mkdir()
