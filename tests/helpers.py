@@ -133,3 +133,16 @@ def wait_for(path, proc, timeout: float = 60) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run never reached the point to signal"
         time.sleep(0.02)
+
+
+def on_fake_mesh(rank: int, test) -> None:
+    """Run `test(mesh)` as `rank` of 4 on a ("dp", "tp") mesh of (2, 2), in this process: a
+    fake process group, whose collectives do nothing (the global index needs none)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    try:
+        test(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    finally:
+        dist.destroy_process_group()

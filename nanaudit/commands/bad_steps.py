@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from nanaudit.report.model import Finding, Report
-from nanaudit.report.vocabulary import BadStepAction, Status, Where
+from nanaudit.report.vocabulary import BadStepAction, ProducerKind, Status, Where
 from nanaudit.run.batch import batch_fingerprint
 from nanaudit.run.step import ScanOutcome, StepState, Trip
 
@@ -85,10 +85,11 @@ class BadStepRecorder:
         if coord is None or not any(f.where == Where.INPUT for f in self.log.whole):
             return
         from nanaudit.run.rank_checks import gather_by_store
-        traced = {finding.step: finding for _, finding in self.inputs.values()}
-        for theirs in gather_by_store(coord, "traced-inputs", traced,
-                                      timeout_s=coord.options.timeout_s):
-            self.log.adopt(theirs)
+        # Only what this rank traced: its copies of the other findings would name nothing new.
+        traced = {finding.step: finding for _, finding in self.inputs.values()
+                  if finding.producer is not None}
+        self.log.adopt(merged_traced(gather_by_store(coord, "traced-inputs", traced,
+                                                     timeout_s=coord.options.timeout_s)))
 
     def _note_input(self, finding: Finding, state: StepState) -> None:
         """A whole finding of a non-finite input, to be traced in the data read again."""
@@ -96,3 +97,21 @@ class BadStepRecorder:
                 (self.coordinator is None or finding.rank in (None, self.coordinator.rank)):
             self.inputs[state.batch_index] = (batch_fingerprint(state.batch), finding)
 
+
+
+def merged_traced(gathered: list[dict[int, Finding]]) -> dict[int, Finding]:
+    """Every rank's traced findings (by rank), one per step: a trace that named what made the
+    value over one that says why it could not (when several ranks traced the same step, every
+    rank under FSDP2, a peer's batch names nothing), the lowest rank's among equals."""
+    merged: dict[int, Finding] = {}
+    for theirs in gathered:
+        for step, finding in theirs.items():
+            held = merged.get(step)
+            if held is None or (_named(finding) and not _named(held)):
+                merged[step] = finding
+    return merged
+
+
+def _named(finding: Finding) -> bool:
+    producer = finding.producer
+    return producer is not None and producer.made_by != ProducerKind.NOT_LOCALIZED

@@ -212,37 +212,10 @@ def traced_finding(loc: Localization, step: int, tensor: str | None, tensors: li
         chain=[_chain_link(e, loss_name) for e in loc.chain or []])
 
 
-def created_rows(tracer: OpTracer, event: OpEvent, batch_size: int | None) -> list[int] | None:
-    """The batch rows whose slice of the creating op's output is bad: for a forward op, or a
-    backward op whose forward op read no weight (its gradients are per row, as sqrt's of a
-    per-row norm; one of a matmul with a weight sums over the rows)."""
-    if not batch_size or (event.phase != Where.FORWARD and (
-            event.forward is None or event.forward.reads_weights)):
-        return None
-    rows: set[int] = set()
-    for t in made_by(tracer, {event.index}):
-        if t.dim() >= 1 and t.shape[0] == batch_size:
-            rows.update(nonfinite_rows(t.detach(), 0))
-    return sorted(rows) or None
-
-
 def made_by(tracer: OpTracer, events: set[int]) -> list[torch.Tensor]:
     """The bad tensors these events (by index) made, oldest first (the tracer keeps them)."""
     producer = tracer.trace.producer
     return [t for t in tracer.kept_tensors() if producer.get(id(t)) in events]
-
-
-def rows_search(op: str, rows: list[int] | None, batch_size: int | None) -> SampleSearch | None:
-    """How the rows of a traced step were found: from the creating op's output, no replays."""
-    if not rows or batch_size is None:
-        return None
-    if len(rows) < batch_size:
-        return SampleSearch(batch_size, 0, False,
-                            f"the rows whose slice of {op}'s output went non-finite")
-    # Every row: the weights or the op, not particular samples (no row to inspect).
-    return SampleSearch(batch_size, 0, False,
-                        f"every row's slice of {op}'s output went non-finite: a batch-level "
-                        f"value, not particular samples")
 
 
 def event_precision(event: OpEvent) -> str:

@@ -9,29 +9,29 @@ own op made the value (run/rank_checks.origin_entry).
 
 One replay per rank and no sample search (a search replays sub-batches a number of times only
 the searching rank knows, and every replay needs every rank): the rows are read off the
-creating op's output (findings.created_rows), and so is the global index of its first bad element
-where that output is a sharded DTensor (`created_element`). Each rank also names its own first bad
-element of a sharded weight or gradient (`tensor_element`), as `nanaudit run` does.
+creating op's output, and so is the global index of its first bad element where that output is
+a sharded DTensor (replay_finding.read_off). Each rank also names its own first bad element of
+the sharded weight or gradient a weights' or gradient trip names (`tensor_element`), as
+`nanaudit run` does.
+
+While a replay traces (`traced_window`, also `nanaudit run`'s in-process replay under FSDP2)
+the reduce-scatter flags keep each rank's own gradients (`own_sink`) and, like TP's partial
+flags, compute no flag: the next step's exchange sees none of the replay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from nanaudit.localize.events import OpEvent, kinds_of
-from nanaudit.localize.findings import (
-    build_finding,
-    created_rows,
-    made_by,
-    rows_search,
-    unreplayed_finding,
-)
+from nanaudit.localize.events import kinds_of
+from nanaudit.localize.findings import build_finding, unreplayed_finding
 from nanaudit.localize.ops import is_collective
 from nanaudit.localize.replay import preserved_buffers, traced_replay
-from nanaudit.localize.tracer import OpTracer
+from nanaudit.localize.replay_finding import read_off
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import ShardElement
@@ -39,13 +39,7 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.batch import infer_layout
 from nanaudit.run.checks import nonfinite_names
 from nanaudit.run.distributed import Coordinator
-from nanaudit.run.mesh import (
-    MeshView,
-    PartialFlags,
-    name_on_mesh,
-    output_element,
-    tensor_element,
-)
+from nanaudit.run.mesh import MeshView, PartialFlags, name_on_mesh, tensor_element
 from nanaudit.run.rank_checks import gather_by_store, origin_entry
 from nanaudit.run.session import Session
 from nanaudit.run.sharded import PreReduceFlags
@@ -59,48 +53,51 @@ def made_here(loc: Localization) -> bool:
     return event is not None and not event.untracked and not is_collective(event.op)
 
 
-def created_element(tracer: OpTracer, event: OpEvent) -> ShardElement | None:
-    """The first bad element of the creating op's output where that output is a sharded
-    DTensor (a tensor-parallel layer's own op), by its index in this rank's shard and in the
-    whole tensor; None for an op on plain (or local) tensors."""
-    return output_element(event.op, made_by(tracer, {event.index}))
+@contextlib.contextmanager
+def traced_window(flags: PreReduceFlags, partials: PartialFlags | None) -> Iterator[None]:
+    """A replay's traced window on this rank (see the module docstring); the gradients kept
+    are let go when it ends."""
+    flags.sinks = []
+    flags.tracing = True
+    if partials is not None:
+        partials.tracing = True
+    try:
+        yield
+    finally:
+        flags.tracing = False
+        if partials is not None:
+            partials.tracing = False
+        flags.sinks = []
+
+
+def own_sink(flags: PreReduceFlags) -> torch.Tensor | None:
+    """In a traced window: the first non-finite input of this rank's reduce-scatters, its own
+    gradient (None: its own were finite, a bad one came from a peer)."""
+    return next((sink for sink in flags.sinks if kinds_of(sink)), None)
 
 
 def rank_localizer(flags: PreReduceFlags,
                    partials: PartialFlags | None = None) -> Callable[..., Localization]:
     """localize() for one rank of an FSDP2 run (see the module docstring); `partials`: the
-    run's TP flags, which compute nothing while the replay traces."""
-    def tracing(on: bool) -> None:
-        flags.tracing = on
-        if partials is not None:
-            partials.tracing = on
-
+    run's TP flags."""
     def localize_rank(session: Session, state: StepState, trip: Trip,
                       timeline: Any) -> Localization:
-        flags.sinks = []
-        tracing(True)
-        try:
+        with traced_window(flags, partials):
             with preserved_buffers(session.model):
                 tracer, loss = traced_replay(session, state)
-        finally:
-            tracing(False)
+            sink = loss if trip.check == Check.LOSS else own_sink(flags)
         trace = tracer.trace
-        sink: torch.Tensor | None = loss
         if trip.check == Check.LOSS:
             phase, names = Where.FORWARD, None
         else:
-            own = [s for s in flags.sinks if kinds_of(s)]
             names = nonfinite_names((n, p.grad) for n, p in session.model.named_parameters())
-            sink, phase = (own[0] if own else None), Where.BACKWARD
+            phase = Where.BACKWARD
         if sink is None or not kinds_of(sink):
             return Localization(False, ops_traced=trace.ops_seen)
         loc = walk_from_sink(trace, sink, phase, timeline, names)
         if loc.event is None or not made_here(loc):
             return Localization(False, ops_traced=trace.ops_seen)     # a peer's value
-        size = infer_layout(state.batch, session.options.batch_dim).size
-        loc.rows = created_rows(tracer, loc.event, size)
-        loc.element = created_element(tracer, loc.event)
-        loc.sample_search = rows_search(loc.event.op, loc.rows, size)
+        read_off(tracer, loc, infer_layout(state.batch, session.options.batch_dim).size)
         return loc
     return localize_rank
 
@@ -114,9 +111,7 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
     by every rank (`replayable`: the loss can be replayed, alike on every rank)."""
     trip = outcome.trip
     assert trip is not None, "a finding is built for a trip"
-    # this rank's bad element of a sharded weight or gradient, before a replay makes them again
-    element = None if trip.check == Check.INPUT else tensor_element(
-        session.model, gradients=trip.check not in (Check.PARAMETER, Check.OPTIMIZER))
+    element = trip_element(session.model, trip.check)    # before a replay makes them again
     finding, made = None, False
     if trip.check in (Check.LOSS, Check.GRADIENT):
         if replayable:
@@ -135,3 +130,14 @@ def rank_finding(coord: Coordinator, flags: PreReduceFlags, session: Session,
     chosen = chosen if chosen is not None else unreplayed_finding(trip, "no rank reproduced it")
     name_on_mesh(MeshView.of(session.model), chosen)
     return chosen
+
+
+def trip_element(model: torch.nn.Module, check: Check) -> ShardElement | None:
+    """This rank's first bad element of the sharded tensors the trip's finding names: a
+    gradient trip's gradients, a weights' trip's weights (a host read per tensor until one
+    holds it); none for the others (a loss names the element of its creating op's output)."""
+    if check == Check.GRADIENT:
+        return tensor_element(model, gradients=True)
+    if check in (Check.PARAMETER, Check.OPTIMIZER):
+        return tensor_element(model, gradients=False)
+    return None

@@ -17,6 +17,7 @@ import torch
 from nanaudit.localize.blame import Blamer, origin_note
 from nanaudit.localize.diagnose import Diagnosis
 from nanaudit.localize.events import OpEvent, Trace, kinds_of
+from nanaudit.report.model import SampleSearch
 from nanaudit.report.sections import ShardElement
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.checks import value_kind
@@ -35,7 +36,7 @@ class Localization:
     bad_tensors: list | None = None       # parameter names with non-finite gradients
     ops_traced: int = 0
     rows: list | None = None              # rows read off the creating op's output, and how
-    sample_search: object = None          # (FSDP2's replays: no sample search, see findings)
+    sample_search: SampleSearch | None = None   # (FSDP2's replays: no sample search)
     element: ShardElement | None = None   # the creating op's sharded output's bad element
 
 

@@ -77,6 +77,15 @@ def global_index(t: torch.Tensor, local: Sequence[int]) -> tuple[int, ...]:
     return tuple(_positions(t, dim)[int(i)] for dim, i in enumerate(local))
 
 
+def global_rows(t: torch.Tensor, rows: Sequence[int]) -> list[int]:
+    """The indices in the whole tensor of these rows (along dim 0) of this rank's shard of `t`
+    (themselves for a tensor that is not sharded)."""
+    if not is_sharded(t) or not rows:
+        return [int(r) for r in rows]
+    positions = _positions(t, 0)
+    return [positions[int(r)] for r in rows]
+
+
 def _positions(t: Any, dim: int) -> list[int]:
     """The global positions along `dim` of this rank's shard of the DTensor `t`."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -126,12 +135,6 @@ def tensor_element(model: torch.nn.Module, gradients: bool) -> ShardElement | No
                          for name, p in model.named_parameters())
 
 
-def output_element(op: str, made: Sequence[torch.Tensor]) -> ShardElement | None:
-    """The first bad element of the creating op's output where the op ran on DTensors and its
-    output is sharded (`made`: the bad tensors it made, the tracer's): named `OP output`."""
-    return first_element((f"{op} output", t) for t in made)
-
-
 def name_on_mesh(view: MeshView | None, finding: Finding | None) -> None:
     """Give `finding` its origin rank's mesh coordinate and its sharded tensors' placements
     (a run on no mesh, or no finding: nothing)."""
@@ -164,6 +167,10 @@ class PartialFlags:
         self.tracing = False
 
     def install(self, model: torch.nn.Module) -> None:
+        """Hook `model`'s modules that hold DTensor parameters, when tensor parallelism laid
+        any of them out (FSDP2 alone never leaves a value `Partial`: no hook)."""
+        if not tensor_parallel(model):
+            return
         for module in model.modules():
             if id(module) in self.hooked or not any(
                     is_sharded(p) for p in module.parameters(recurse=False)):
@@ -203,6 +210,13 @@ class PartialFlags:
             return own
         early = _earliness(gradients, own.device)
         return torch.where(early > 0, early + 1.0, own)
+
+
+def tensor_parallel(model: torch.nn.Module) -> bool:
+    """Did tensor parallelism lay out any of `model`'s modules? torch's `parallelize_module`
+    distributes each module its plan names with `distribute_module`, which marks the module;
+    FSDP2's `fully_shard` marks none."""
+    return any(getattr(m, "_distribute_module_applied", False) for m in model.modules())
 
 
 def _note_partial(into: list[torch.Tensor], t: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanaudit.config.schema import DistributedOptions
-from nanaudit.run.mesh import MeshView, PartialFlags
+from nanaudit.run.mesh import PartialFlags, tensor_parallel
 from nanaudit.run.sharded import PreReduceFlags, fsdp_modules, shard_model
 
 
@@ -44,7 +44,7 @@ class Parallelism:
         if (options.fsdp or options.mesh or options.tp > 1) and not fsdp_modules(model):
             shard_model(model, device, self.world_size, options.fsdp_param_dtype,
                         options.mesh, options.tp, parallelize)
-        if MeshView.of(model) is not None:
+        if tensor_parallel(model):
             self.partials = PartialFlags()
             self.partials.install(model)
         modules = fsdp_modules(model)

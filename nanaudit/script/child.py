@@ -11,8 +11,9 @@ from pathlib import Path
 
 from nanaudit.errors import UserCodeError
 from nanaudit.localize.events import kinds_of
-from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
-from nanaudit.localize.sharded_replay import created_element, made_here
+from nanaudit.localize.findings import event_precision
+from nanaudit.localize.replay_finding import finding_at, raised_sink, walk_raised
+from nanaudit.localize.sharded_replay import made_here, own_sink
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.vocabulary import Check, Where
@@ -54,10 +55,10 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
             [p.grad for p in params])) if kinds_of(g)]
         # Under FSDP this rank's own gradients before the reduce-scatter: its shard after it
         # may hold a peer's value, or none of its own.
-        own = [s for s in (auditor.ranks.flags.sinks if auditor.ranks else []) if kinds_of(s)]
-        if bad or own:
+        own = own_sink(auditor.ranks.flags) if auditor.ranks else None
+        if bad or own is not None:
             names = [n for n, _ in bad]
-            sink = own[0] if own else bad[0][1]
+            sink = own if own is not None else bad[0][1]
             loc = walk_from_sink(trace, sink, Where.BACKWARD, auditor.timeline, names)
             _adopt(armed, loc, spec.step, names, result, auditor.rank)
     if armed.compiled is not None:
@@ -75,15 +76,12 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
     armed = auditor.window.armed
     if armed is None:
         return
-    trace = armed.tracer.trace
-    result.ops_traced = trace.ops_seen
-    sinks = [t for t in reversed(armed.tracer.kept_tensors())
-             if trace.producer_of(t) is not None and kinds_of(t)]
-    if not sinks:
+    result.ops_traced = armed.tracer.trace.ops_seen
+    sink = raised_sink(armed.tracer)
+    if sink is None:
         return
-    phase = trace.events[trace.producer_of(sinks[0])].phase
-    _adopt(armed, walk_from_sink(trace, sinks[0], phase, auditor.timeline, None), spec.step,
-           None, result, auditor.rank)
+    _adopt(armed, walk_raised(armed.tracer, sink, auditor.timeline), spec.step, None, result,
+           auditor.rank)
     if result.finding is not None:
         result.finding.tensor = None
 
@@ -92,19 +90,12 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
            result: RerunResult, rank: int | None) -> None:
     if not loc.reproduced or loc.event is None:
         return
-    event = loc.event
     if rank is not None and not made_here(loc):
         result.received = True          # under torchrun: it arrived from a peer
         return
-    loc.element = created_element(armed.tracer, event)
-    finding = traced_finding(loc, step, tensor=names[0] if names else "loss",
-                             tensors=names or [])
+    finding = finding_at(armed.tracer, loc, step, names, armed.batch_size)
     finding.rank = rank
-    rows = created_rows(armed.tracer, event, armed.batch_size)
-    finding.sample_search = rows_search(event.op, rows, armed.batch_size)
-    if rows and armed.batch_size is not None and len(rows) < armed.batch_size:
-        finding.samples = rows
-    result.finding, result.precision = finding, event_precision(event)
+    result.finding, result.precision = finding, event_precision(loc.event)
 
 
 def rerun(spec: RerunSpec) -> RerunResult:

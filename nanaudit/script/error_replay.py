@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from nanaudit.localize.events import kinds_of
-from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
+from nanaudit.localize.findings import event_precision
+from nanaudit.localize.replay_finding import finding_at, raised_sink, walk_raised
 from nanaudit.localize.tracer import OpTracer
-from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
@@ -116,7 +116,6 @@ def _sink(tracer: OpTracer, env: dict[int, torch.Tensor], held: list[torch.Tenso
           raised: Exception | None) -> torch.Tensor | str:
     """The replay's non-finite value to walk back from (see the module docstring), or why
     there is none."""
-    trace = tracer.trace
     mapped = [env[id(t)] for t in held if id(t) in env]
     if any(not kinds_of(t) for t in mapped):
         return ("the in-process replay made finite a tensor the script's frames held "
@@ -125,27 +124,17 @@ def _sink(tracer: OpTracer, env: dict[int, torch.Tensor], held: list[torch.Tenso
     again: list[torch.Tensor] = []
     if raised is not None:
         nonfinite_locals(raised, held=again)
-    kept = list(reversed(tracer.kept_tensors()))
-    for sink in [*mapped, *again, *kept]:
-        if trace.producer_of(sink) is not None and kinds_of(sink):
-            return sink
-    return ("no op of the replayed model or loss code made the non-finite value the script "
-            "held: the data code made it")
+    sink = raised_sink(tracer, [*mapped, *again])
+    return sink if sink is not None else (
+        "no op of the replayed model or loss code made the non-finite value the script held: "
+        "the data code made it")
 
 
 def _named(tracer: OpTracer, sink: torch.Tensor, last: ModelCall, trip: ScriptTrip,
            timeline: Any, ops: int) -> Replayed:
-    trace = tracer.trace
-    producer = trace.producer_of(sink)
-    assert producer is not None
-    loc = walk_from_sink(trace, sink, trace.events[producer].phase, timeline, None)
+    loc = walk_raised(tracer, sink, timeline)
     if not loc.reproduced or loc.event is None:
         return None, ops, "the in-process replay named no op that made the value"
-    finding = traced_finding(loc, trip.step, tensor="loss", tensors=[])
+    finding = finding_at(tracer, loc, trip.step, None, leading_size(last.args, last.kwargs))
     finding.tensor = trip.tensors[0] if trip.tensors else None    # the frame's, as the run saw
-    batch = leading_size(last.args, last.kwargs)
-    rows = created_rows(tracer, loc.event, batch)
-    finding.sample_search = rows_search(loc.event.op, rows, batch)
-    if rows and batch is not None and len(rows) < batch:
-        finding.samples = rows
     return finding, ops, event_precision(loc.event)

@@ -156,11 +156,9 @@ class ScriptHooks:
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         if not self._trains(module):
             return
-        if self._after_return:
-            self._after_return = False
-            if not self.hear_skipped_loss():
-                self.stop_waiting()     # a second model call of the micro-batch: unheard
-                return
+        if self._second_call():
+            self.stop_waiting()
+            return
         kwargs = caller_kwargs()
         self.stop_waiting()
         if is_engine(module):
@@ -168,6 +166,15 @@ class ScriptHooks:
         self.entry = module
         self._next_call(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
+
+    def _second_call(self) -> bool:
+        """A call heard after the model returned is the micro-batch's second model call, left
+        unheard, unless the loss code skipped its loss before backward (heard now): then it is
+        the next micro-batch's first."""
+        if not self._after_return:
+            return False
+        self._after_return = False
+        return not self.hear_skipped_loss()
 
     def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                         entry: Any) -> bool:
@@ -177,10 +184,8 @@ class ScriptHooks:
         model call of a micro-batch is: no wait after it)."""
         if not self._trains(module):
             return False
-        if self._after_return:
-            self._after_return = False
-            if not self.hear_skipped_loss():
-                return True     # a second model call of the micro-batch: unheard, as below
+        if self._second_call():
+            return True
         self.entry = entry
         self._next_call(module, entry, args, kwargs)
         self.listener.first_call(module, args, kwargs)

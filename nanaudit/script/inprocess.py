@@ -30,8 +30,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from nanaudit.localize.events import kinds_of
-from nanaudit.localize.findings import created_rows, event_precision, rows_search, traced_finding
-from nanaudit.localize.sharded_replay import created_element
+from nanaudit.localize.findings import event_precision
+from nanaudit.localize.replay_finding import finding_at
 from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
@@ -308,11 +308,4 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
         loc = walk_from_sink(tracer.trace, sink, Where.BACKWARD, timeline, names)
     if not loc.reproduced or loc.event is None or not made_on_this_rank(auditor.ranks, loc):
         return None, ops, "the in-process replay named no op that made the value"
-    loc.element = created_element(tracer, loc.event)
-    finding = traced_finding(loc, trip.step, tensor=names[0] if names else "loss",
-                             tensors=names)
-    rows = created_rows(tracer, loc.event, batch)
-    finding.sample_search = rows_search(loc.event.op, rows, batch)
-    if rows and batch is not None and len(rows) < batch:
-        finding.samples = rows
-    return finding, ops, event_precision(loc.event)
+    return finding_at(tracer, loc, trip.step, names, batch), ops, event_precision(loc.event)

@@ -25,8 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nanaudit.localize.events import kinds_of
-from nanaudit.localize.sharded_replay import made_here
+from nanaudit.localize.sharded_replay import made_here, own_sink, traced_window
 from nanaudit.localize.walk import Localization
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
@@ -91,13 +90,10 @@ def _together(ranks: RankChecks, replay_here: Callable[[], Replayed]) -> Replaye
     sees none of the replay); afterwards every FSDP module is resharded as the trip left it
     (the replay's backward reshards; a forward replayed without backward would leave the
     root's weights gathered)."""
-    ranks.flags.sinks = []
-    ranks.tracing(True)
     try:
-        return replay_here()
+        with traced_window(ranks.flags, ranks.partials):
+            return replay_here()
     finally:
-        ranks.tracing(False)
-        ranks.flags.sinks = []
         for module in ranks.fsdp:
             module.reshard()
 
@@ -109,7 +105,7 @@ def own_gradient(ranks: RankChecks | None, reduced: torch.Tensor) -> torch.Tenso
     if not replayed_together(ranks):
         return reduced
     assert ranks is not None
-    return next((sink for sink in ranks.flags.sinks if kinds_of(sink)), None)
+    return own_sink(ranks.flags)
 
 
 def made_on_this_rank(ranks: RankChecks | None, loc: Localization) -> bool:

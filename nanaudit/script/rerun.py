@@ -109,21 +109,29 @@ def _without_model(target: ScriptTarget, options: ScriptOptions, trip: ScriptTri
     there made the value (its inputs were finite); anything else may lie in the untraced
     steps, traced then in a second try. When the data depends on the model
     (data_window.unusable) the caller re-runs in full, and the report says why."""
-    tries = [max(trip.step - 1, 0), 0] if trip.step > 2 else [0]
-    for trace_from in tries:
+    # The first step whose data code is traced: N - 1 first (at step 2 or before, tracing
+    # from the start leaves out no more than a step); from the start when no op was found.
+    late = trip.step - 1 if trip.step > 2 else 0
+    result, log_tail, folder_note = run_child(target, options, trip, timeline, before,
+                                              skip_model=True, trace_from=late)
+    why = unusable(trip, result)
+    if why is None and late and not _op_made(result):
         result, log_tail, folder_note = run_child(target, options, trip, timeline, before,
-                                                  skip_model=True, trace_from=trace_from)
+                                                  skip_model=True, trace_from=0)
         why = unusable(trip, result)
-        if why is not None:
-            return result, log_tail, folder_note, ModelRun(
-                False, note=why, tried_s=round(time.perf_counter() - started, 3))
-        assert result is not None and result.finding is not None
-        producer = result.finding.producer
-        if trace_from == tries[-1] or (producer is not None and
-                                       producer.made_by == ProducerKind.TORCH_OP):
-            return result, log_tail, folder_note, ModelRun(True, result.stood_in,
-                                                           computed=result.computed)
-    raise AssertionError("the last try returns")
+    if why is not None:
+        return result, log_tail, folder_note, ModelRun(
+            False, note=why, tried_s=round(time.perf_counter() - started, 3))
+    assert result is not None and result.finding is not None
+    return result, log_tail, folder_note, ModelRun(True, result.stood_in,
+                                                   computed=result.computed)
+
+
+def _op_made(result: RerunResult | None) -> bool:
+    """Did the traced data code's op make the batch's value (a usable result's finding)?"""
+    assert result is not None and result.finding is not None
+    producer = result.finding.producer
+    return producer is not None and producer.made_by == ProducerKind.TORCH_OP
 
 
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:

@@ -93,3 +93,57 @@ def test_an_error_the_replay_does_not_raise_again_is_not_believed(tmp_path):
     assert (f.step, f.op, f.cause, f.localized_by) == (3, "aten.div.Tensor", "div-by-zero",
                                                        "re-run")
     assert f.source.line == line_of(path, "logits = self.lin(x) / (4 - self.calls)")
+
+
+def test_an_error_trip_names_the_element_of_a_sharded_op_output_as_the_rerun_does(tmp_path):
+    # A column-wise layer (tensor parallel on a one-rank mesh) whose addmm overflows on row 1
+    # of step 3's batch; the softmax of its output is NaN and torch.multinomial refuses it. The
+    # creating op's output is a sharded DTensor: the finding names its bad element, read off
+    # this rank's shard (a reduction on the DTensor itself has no sharding strategy).
+    path = write(tmp_path, """
+        import tempfile
+
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        def train():
+            torch.manual_seed(0)
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+            model = nn.Sequential(nn.Linear(4, 8))
+            with torch.no_grad():
+                model[0].weight.fill_(1.0)
+            parallelize_module(model, mesh, {"0": ColwiseParallel()})
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+            for step in range(5):
+                x = torch.rand(3, 4)
+                if step == 3:
+                    x[1] = 3e38
+                probs = torch.softmax(model(x), dim=-1)
+                loss = probs.gather(1, torch.multinomial(probs, 1)).sum()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+
+        with tempfile.NamedTemporaryFile() as store:
+            dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0,
+                                    world_size=1)
+            try:
+                train()
+            finally:
+                dist.destroy_process_group()
+    """)
+    report = audit(path)
+    f = report.finding
+    assert exit_code(report) == 1 and report.error.exception == "RuntimeError"
+    assert (f.step, f.where, f.op, f.module, f.cause, f.samples) == (
+        3, "forward", "aten.addmm.default", "0", "dtype-overflow", [1])
+    assert f.source.line == line_of(path, "probs = torch.softmax(model(x)")
+    assert (f.element.tensor, f.element.local_index, f.element.global_index) == (
+        "aten.addmm.default output", [1, 0], [1, 0])
+    in_process(report)
+    rerun = audit(path, force_rerun=True).finding
+    assert rerun.localized_by == "re-run"
+    assert (rerun.op, rerun.samples, rerun.element) == (f.op, f.samples, f.element)

@@ -2,6 +2,7 @@
 loss on a rank whose own partial sums went bad only after a tp peer's did arrived from it."""
 
 import torch
+from helpers import on_fake_mesh
 
 from nanaudit.run.mesh import MeshView, PartialFlags, own_losses
 
@@ -32,19 +33,6 @@ def test_partial_flags_say_how_early_the_first_bad_partial_came():
                        torch.tensor([0.0, float("inf")])]
     assert float(flags.take(cpu)) == 2.0          # the 2nd of 3: 3 - 1
     assert float(flags.take(cpu)) == 0.0          # taken: reset
-
-
-def on_fake_mesh(rank: int, test) -> None:
-    """Run `test(mesh)` as `rank` of 4 on a ("dp", "tp") mesh of (2, 2), in this process: a
-    fake process group, whose collectives do nothing (the global index needs none)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
-    try:
-        test(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_global_index_of_fsdp_over_tp_follows_the_strided_rows():
@@ -133,20 +121,33 @@ def test_scan_and_sentinel_name_the_first_bad_element_of_a_sharded_weight_or_gra
     on_fake_mesh(1, check)
 
 
-def test_an_op_output_that_is_a_sharded_dtensor_names_its_global_element():
-    # a column-wise layer's own matmul leaves its output Shard(-1) over tp: tp rank 1's local
-    # column 5 is the whole tensor's column 13
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+def test_partial_flags_hook_a_tensor_parallel_layout_and_never_plain_fsdp2():
+    # FSDP2 alone makes every parameter a DTensor, but no op of its modules leaves a value
+    # `Partial`: the flags' forward hooks and input pre-hooks would run on every module call
+    # for nothing. parallelize_module's layers are hooked (and FSDP2 over them as well).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    from nanaudit.report.sections import ShardElement
-    from nanaudit.run.mesh import output_element
+    from nanaudit.run.mesh import tensor_parallel
+
+    def hooks(model):
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
     def check(mesh):
-        out = distribute_tensor(torch.zeros(4, 16), mesh, [Replicate(), Shard(1)],
-                                src_data_rank=None)
-        plain = torch.full((4, 8), float("nan"))                # a local tensor: no element
-        assert output_element("aten.mm.default", [plain, out]) is None
-        out._local_tensor[2, 5] = float("inf")
-        assert output_element("aten.mm.default", [plain, out]) == ShardElement(
-            "aten.mm.default output", [2, 5], [2, 13])
-    on_fake_mesh(3, check)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        fully_shard(plain, mesh=mesh["dp"])
+        before, flags = hooks(plain), PartialFlags()
+        flags.install(plain)
+        assert not tensor_parallel(plain) and flags.hooked == set() and hooks(plain) == before
+        tp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fully_shard(tp, mesh=mesh["dp"])
+        before = hooks(tp)
+        flags.install(tp)
+        assert tensor_parallel(tp) and flags.hooked == {id(tp[0]), id(tp[1])}
+        assert hooks(tp) == before + 4        # a forward hook and an input pre-hook each
+    on_fake_mesh(0, check)
