@@ -32,6 +32,14 @@ local module while rank 0 waits for the finding.
 `--fsdp`: the same under FSDP2 (`fully_shard` on each Linear and the root, over a 1-D gloo mesh
 of two ranks); the value is rank 1's own gradients before the reduce-scatter, and `run` has
 every rank replay the step together (its all-gathers and reduce-scatters need both).
+
+`--error` (with `--ddp`): an error trip instead: the loop takes the log of each row's squared
+length, rank 1's zero row makes it -inf at step N, and the script's own `assert
+torch.isfinite(loss)` raises there while rank 0 waits in DDP's all-reduce; `run` has rank 1
+replay its window alone and hand the finding to rank 0 (script/error_ranks.py). `plain` is
+the same loop without the zero row, run to the end of step N (a raising plain script's time is
+mostly torchrun stopping the rank blocked in the all-reduce); no --rerun variant (the ranks
+cannot re-run together while one is blocked in a collective).
 """
 
 from __future__ import annotations
@@ -109,6 +117,16 @@ rank = dist.get_rank()
              "optimizer = torch.optim.SGD(model.parameters()").replace(
     "if step == bad:", "if step == bad and rank == 1:")
 
+# The error-trip loop: the DDP loop whose loss code takes a log that rank 1's zero row makes
+# -inf at step N, and asserts its loss is finite.
+ERROR_LOOP = DDP_LOOP.replace(
+    "    length = torch.sqrt((batch * batch).sum(1, keepdim=True) + 0 * out)\n"
+    "    loss = (out * length).mean()\n",
+    "    length = torch.log((batch * batch).sum(1, keepdim=True) + 0 * out)\n"
+    "    loss = (out * length).mean()\n"
+    "    assert torch.isfinite(loss), 'loss diverged'\n")
+assert ERROR_LOOP != DDP_LOOP
+
 # The FSDP2 loop: the DDP loop with each Linear and the root sharded instead of DDP's wrapper.
 FSDP_LOOP = DDP_LOOP.replace(
     "from torch.nn.parallel import DistributedDataParallel\n",
@@ -124,7 +142,8 @@ FSDP_LOOP = DDP_LOOP.replace(
 
 def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
             device: str = "cpu") -> list[str]:
-    script = [str(folder / "loop.py"), str(bad), str(width), device]
+    loop = "plain.py" if variant == "plain" and (folder / "plain.py").exists() else "loop.py"
+    script = [str(folder / loop), str(bad), str(width), device]
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2"] if ddp else [sys.executable])
     if variant == "plain":
@@ -137,7 +156,7 @@ def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
 
 
 def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
-            device: str = "cpu", producer: bool = False) -> dict:
+            device: str = "cpu", producer: bool = False, error: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started, cpu = time.perf_counter(), _children_cpu()
     code = subprocess.run(command(variant, folder, bad, width, ddp, device), cwd=folder, env=env,
@@ -156,6 +175,8 @@ def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
             rerun = run["rerun"]
             assert variant != "run" or rerun.get("model_skipped") is True, rerun
             result["stood_in"] = rerun.get("stood_in")
+        elif error:
+            assert (finding["step"], finding["op"]) == (bad, "aten.log.default"), finding
         else:
             assert finding["step"] == bad and finding["forward_op"] == "aten.sqrt.default", \
                 finding
@@ -163,7 +184,10 @@ def measure(variant: str, folder: Path, bad: int, width: int, ddp: bool,
         result["localized_by"] = finding.get("localized_by")
         result["replay_s"] = (run.get("replay") or {}).get("duration_s")
         result["rerun_s"] = (run.get("rerun") or {}).get("duration_s")
-        result["first_run_s"] = run["first_run"]["duration_s"]
+        result["first_run_s"] = (run.get("first_run") or {}).get("duration_s")  # a peer: none
+        if error:       # the raising rank's report: its time from the raise to its report
+            own = json.loads((folder / f"{variant}.rank1.json").read_text())
+            result["after_trip_s"] = own["duration_s"] - own["run"]["first_run"]["duration_s"]
     return result
 
 
@@ -188,21 +212,28 @@ def main() -> None:
                         "the plain script then syncs only at its end, `run` once a step)")
     parser.add_argument("--producer", action="store_true",
                         help="a data-code producer (the loop's standardization) instead")
+    parser.add_argument("--error", action="store_true",
+                        help="with --ddp: rank 1's script asserts on its -inf loss (an error "
+                             "trip)")
     args = parser.parse_args()
+    if args.error and not args.ddp:
+        parser.error("--error goes with --ddp")
     ranks = args.ddp or args.fsdp
     other = "full" if args.producer else "rerun"
-    variants = ["plain", "run"] + ([] if args.no_rerun_variant else [other])
+    variants = ["plain", "run"] + ([] if args.no_rerun_variant or args.error else [other])
     loop = (PRODUCER_LOOP if args.producer else FSDP_LOOP if args.fsdp else
-            DDP_LOOP if args.ddp else LOOP)
+            ERROR_LOOP if args.error else DDP_LOOP if args.ddp else LOOP)
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:
         folder = Path(name)
         (folder / "loop.py").write_text(loop)
+        if args.error:      # the plain run: the same steps, no zero row, nothing raised
+            (folder / "plain.py").write_text(loop.replace("batch[5] = 0.0", "pass"))
         for bad in args.steps:
             runs: dict[str, list[dict]] = {v: [] for v in variants}
             for _ in range(args.rounds):
                 for variant in variants:
                     runs[variant].append(measure(variant, folder, bad, args.width, ranks,
-                                                 args.device, args.producer))
+                                                 args.device, args.producer, args.error))
             plain = statistics.median(r["wall_s"] for r in runs["plain"])
             plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
             print(f"bad step {bad:,}: plain {plain:.2f} s, {plain_cpu:.2f} s CPU "
@@ -219,6 +250,9 @@ def main() -> None:
                       f"+{wall - plain:.2f} s; CPU {cpu:.2f} s = {cpu / plain_cpu:.2f}x plain; "
                       f"named by {last['localized_by']} (its localization {took} s{stood}; "
                       f"first run {last['first_run_s']} s)")
+                if "after_trip_s" in last:
+                    print(f"         rank 1 from its raise to its report: "
+                          f"{statistics.median(r['after_trip_s'] for r in runs[variant]):.3f} s")
 
 
 if __name__ == "__main__":

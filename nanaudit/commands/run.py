@@ -9,6 +9,7 @@ from nanaudit.report.model import Report
 from nanaudit.report.sections import UserCodeFailure
 from nanaudit.run.distributed import Coordinator
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.error_ranks import adopt_posted, post_and_leave
 from nanaudit.script.inprocess import bad_step_finding
 from nanaudit.script.keep_going import KeepGoing
 from nanaudit.script.ranks import merge_ranks
@@ -38,7 +39,11 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
             script_error = audit_script(target, options, report, auditor)
         finally:
             record(report, auditor)
-        if auditor.ranks is not None:
+        if auditor.ranks is not None and script_error is not None:
+            # torchrun: this rank raised while its peers wait in a collective it never joins:
+            # its finding goes to them through the store, and it leaves alone.
+            post_and_leave(auditor.ranks, report)
+        elif auditor.ranks is not None:
             # torchrun: each rank's report names the rank that made the value, and every
             # rank's status.
             merge_ranks(auditor.ranks, report, auditor.trip.rank if auditor.trip else None)
@@ -52,6 +57,8 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
             report.error = with_traceback(exc)
         # torchrun: the ranks' group, also when it failed before the checks held it
         coord = auditor.ranks.coord if auditor.ranks is not None else Coordinator.adopt()
+        if coord is not None and adopt_posted(coord, exc, report):
+            return      # a peer raised on a non-finite value: its finding is this rank's
         if coord is not None:
             rank_failed(coord, exc, report, "in time")
             report.distributed = coord.describe()

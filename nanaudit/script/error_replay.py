@@ -14,8 +14,9 @@ walked back from is the first of those (the innermost frame's); else the non-fin
 the replay's own exception frames (a forward that raised); else the last non-finite value the
 tracer saw, as the re-run names it (child.localize_raised). A value the replay does not make at
 all was made by the data code, which only the re-run traces: it falls back, saying why. Under
-torchrun an error stops one rank while its peers wait in a collective: the ranks are re-run
-together."""
+torchrun the raising rank replays alone (DDP's local module) while its peers wait in a
+collective it never joins; what it cannot replay alone is refused, never re-run
+(error_ranks.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.error_ranks import refuse_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
     Replayed,
@@ -57,10 +59,9 @@ def localize_error(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
 
 def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
     replay_allowed(options)
-    if auditor.ranks is not None:
-        raise NotReplayable("under torchrun an error stops one rank while its peers wait in a "
-                            "collective: the ranks are re-run together")
     calls = list(auditor.hooks.tap.record.calls)
+    if auditor.ranks is not None:       # torchrun: this rank replays alone (error_ranks.py)
+        refuse_alone(auditor.ranks, calls)
     if not calls:
         raise NotReplayable(f"the script raised before any model call of step {trip.step}")
     for call in calls[:-1]:

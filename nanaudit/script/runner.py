@@ -15,6 +15,7 @@ from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.error_ranks import not_rerun_note
 from nanaudit.script.error_replay import localize_error
 from nanaudit.script.findings import first_run_finding, link_warnings
 from nanaudit.script.inprocess import adopt, localize_in_process
@@ -97,6 +98,10 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
         if localized is not None:
             report.finding = adopt(localized, trip)
+        elif trip.check == Check.ERROR and auditor.ranks is not None:
+            # torchrun: the peers wait in a collective this rank never joins (error_ranks.py).
+            replay = report.run.replay
+            report.finding.explain(not_rerun_note(replay.note if replay else None))
         elif auditor.keep is not None and auditor.keep.log.skipped:
             report.finding.explain("not re-run: the run skipped bad steps before this one, and "
                                    "a re-run from the start would apply their updates")

@@ -7,7 +7,9 @@ for `nanaudit run`'s in-process replay and `run --keep-going` (tests/e2e/test_fs
 
 Each rank appends a line per step to LOG.rank<r> after its update; at the end it saves every
 parameter's full tensor and AdamW's step count to LOG.rank<r>.pt. `--reference` leaves out the
-updates of steps 2 and 3 by hand (what --keep-going must do); `--clean` plants no fault."""
+updates of steps 2 and 3 by hand (what --keep-going must do); `--clean` plants no fault;
+`--assert` plants step 3's alone, and the script asserts its loss is finite (rank 1 raises at
+step 3 while rank 0 waits in the backward's reduce-scatter)."""
 
 import sys
 
@@ -48,6 +50,7 @@ class Model(nn.Module):
 
 
 log, reference, clean = sys.argv[1], "--reference" in sys.argv, "--clean" in sys.argv
+asserting = "--assert" in sys.argv
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -61,12 +64,14 @@ torch.manual_seed(10 + rank)        # each rank's own dropout masks
 g = torch.Generator().manual_seed(rank)
 for step in range(6):
     x, mask = torch.rand(8, 8, generator=g) + 0.5, torch.ones(8, 1)
-    if rank == 1 and step == 2 and not clean:
+    if rank == 1 and step == 2 and not clean and not asserting:
         mask[5] = 0.0
     if rank == 1 and step == 3 and not clean:
         x[2, 0] = 0.0
     optimizer.zero_grad()
     loss = model(x, mask).pow(2).mean()
+    if asserting:
+        assert torch.isfinite(loss), "loss diverged"
     loss.backward()
     if not (reference and step in (2, 3)):
         optimizer.step()

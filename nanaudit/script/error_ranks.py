@@ -1,0 +1,124 @@
+"""`nanaudit run`'s error trip under torchrun: one rank's script raised on a non-finite value
+(`torch.multinomial` on NaN probabilities, the script's own `assert torch.isfinite(loss)`)
+while its peers went on into the step's next collective (DDP's gradient all-reduce, the step
+check's exchange), which the raising rank never joins. A peer blocked inside a gloo or NCCL
+collective cannot be called back: neither destroying nor aborting the raising rank's group
+frees it (tried on gloo, torch 2.13: it stays blocked); only the raising rank's closed
+connections do, when its process ends. So the ranks cannot meet again, neither to replay the
+step together nor to re-run the script together (the re-run waited for the blocked peers until
+the test's bound: issue 35).
+
+What is sound:
+  - DDP: the raising rank replays its window alone, on DDP's wrapped module (error_replay.py):
+    a forward through `.module` runs no collective (no buffer broadcast), and the loss code runs
+    none. A window whose replay would run a backward (an accumulation window's earlier
+    micro-batches, a raise inside backward) is refused: its gradients would reach DDP's reducer,
+    whose all-reduce the peers are waiting in.
+  - FSDP2, DeepSpeed ZeRO, meshes of several dimensions: a forward gathers every rank's weight
+    shards, with peers that wait in another collective: refused, saying why; the first run's
+    finding (step, rank, the exception, the tensors its frames held) is what every rank reports.
+  - Either way, no re-run. The raising rank posts its finding and status to the rendezvous
+    store, writes its own report and ends its process at once (coordinator.failed: no exit
+    barrier, which the blocked peers could not reach). Its closed connections free the peers,
+    whose collective fails; each reads the finding from the store (once, no wait) and reports it as
+    its own finding (the origin rank named, exit 1) instead of a peer failure. A peer that finds
+    no finding there (the store was the raising rank's own: rank 0 without torchrun's agent
+    store) keeps today's verdict: a DistributedError, exit 8.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from typing import Any
+
+from nanaudit.report.model import Report
+from nanaudit.report.sections import RankStatus
+from nanaudit.report.vocabulary import Status
+from nanaudit.run.distributed import is_collective_failure
+from nanaudit.run.rank_checks import RankChecks
+from nanaudit.script.inprocess import NotReplayable
+from nanaudit.script.rank_replay import not_replayed_here, replayed_together
+
+_KEY = "nanaudit/error-trip/{}"
+
+
+def refuse_alone(ranks: RankChecks, calls: list) -> None:
+    """NotReplayable when the raising rank cannot replay its window without its peers."""
+    why = not_replayed_here(ranks)
+    if why is not None:
+        raise NotReplayable(why)
+    if replayed_together(ranks):
+        raise NotReplayable("under FSDP2 the replay's forward all-gathers the weights with every "
+                            "rank, and the peers are blocked in another collective")
+    if any(call.code.roots for call in calls):
+        raise NotReplayable("under DDP the window's backward would reach the gradient "
+                            "all-reduce the peers wait in")
+
+
+def not_rerun_note(note: str | None) -> str:
+    """The finding's clause when an error trip under torchrun was not localized in-process."""
+    why = f"not localized in-process ({note}); " if note else ""
+    return (f"{why}not re-run: the peer ranks, blocked in a collective the raising rank never "
+            f"joins, cannot run the script again with it; run it on one process to name the op")
+
+
+def _status(ranks: RankChecks, report: Report) -> RankStatus:
+    return RankStatus(rank=ranks.rank, status=report.status, steps_run=report.steps_run,
+                      device=report.device, host=socket.gethostname(),
+                      warnings=len(report.warnings))
+
+
+def post_and_leave(ranks: RankChecks, report: Report) -> None:
+    """The raising rank: its finding and status to the store for the peers, its report's
+    `distributed` section with its own status alone (the peers are still blocked), and the
+    process marked to leave without the exit barrier."""
+    coord = ranks.coord
+    mine = _status(ranks, report)
+    replay = report.run.replay if report.run is not None else None
+    try:
+        # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
+        coord.store.set(_KEY.format(ranks.rank), pickle.dumps((mine, report.finding, replay)))
+    except Exception:
+        pass        # a store that is gone: the peers report the failure as before
+    coord.failed = True
+    section = coord.describe()
+    section.ranks = [mine]
+    report.distributed = section
+
+
+def adopt_posted(coord: Any, exc: BaseException, report: Report) -> bool:
+    """A peer whose collective failed: when a rank posted an error trip, it becomes this
+    rank's finding (True); else False (the failure stands)."""
+    if not is_collective_failure(exc):
+        return False
+    posted = _posted(coord)
+    if posted is None:
+        return False
+    status, finding, replay = posted
+    report.status, report.error, report.finding = Status.NONFINITE, None, finding
+    if report.run is not None:
+        report.run.replay = replay
+    mine = RankStatus(rank=coord.rank, status=Status.NONFINITE, steps_run=report.steps_run,
+                      device=report.device, host=socket.gethostname(),
+                      warnings=len(report.warnings))
+    section = coord.describe()
+    section.ranks = sorted([status, mine], key=lambda s: s.rank)
+    report.distributed = section
+    coord.failed = True     # the raising rank has left: no exit barrier to wait at
+    return True
+
+
+def _posted(coord: Any) -> tuple | None:
+    """The first rank's posted (status, finding, replay). Read once, without waiting: the
+    raising rank posts before its process ends, so the key is there by the time its closed
+    connections fail this rank's collective (a rank that died posted nothing, and its peers'
+    exit 8 comes as soon as before)."""
+    try:
+        for rank in range(coord.world_size):
+            key = _KEY.format(rank)
+            if rank != coord.rank and coord.store.check([key]):
+                return tuple(pickle.loads(coord.store.get(key)))
+    except Exception:
+        pass            # the store went with the raising rank
+    return None
