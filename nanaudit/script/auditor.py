@@ -70,16 +70,21 @@ class ScriptAuditor(StepChecks):
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """The step's outermost module call: arm the re-run's window there, or (outside a
         traced window) take the finiteness of its data inputs, on the device."""
-        self.window.leave_data_code()
+        # The first run has no re-run window (`step` None): none of its calls, each step.
+        rerun = self.window.step is not None
+        if rerun:
+            self.window.leave_data_code()
         if self.keep is not None and self.keep.held.active:
             self.keep.held.forward_started()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
             self.ranks = RankChecks.saw(self.ranks, module)
-        if self.ledger.cleared_by_hand():
+        # (asked only until an optimizer stepped: no call a step after that)
+        if not self.ledger.stepped and self.ledger.cleared_by_hand():
             self._step_by_hand()        # the backward before was a step the script took itself
-        if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
+        if rerun and self.window.armed is None and self.window.arms_at(self.step,
+                                                                         self._evaluation):
             self.window.arm(module, args, kwargs, self.hooks.entry)
             if self.ranks is not None:
                 self.ranks.tracing(True)
@@ -90,7 +95,7 @@ class ScriptAuditor(StepChecks):
             self._inbox.add_inputs(inputs)
 
     def loss(self, loss: torch.Tensor) -> None:
-        if self.ledger.cleared_by_hand():
+        if not self.ledger.stepped and self.ledger.cleared_by_hand():
             self._step_by_hand()        # `zero_grad()` after the forward, then backward
         armed = self.window.armed
         if armed is not None:
@@ -108,7 +113,8 @@ class ScriptAuditor(StepChecks):
         self.ledger.backwards += not raised
         if not raised and self.ledger.updates_by_hand:
             self._step_by_hand()
-        self.window.enter_data_code(self.step)
+        if self.window.step is not None:
+            self.window.enter_data_code(self.step)
 
     def _step_by_hand(self) -> None:
         """This backward was the script's step: check it before the script's own update, then
@@ -118,7 +124,8 @@ class ScriptAuditor(StepChecks):
         self.after_update(manual)
 
     def update_starting(self) -> None:
-        self.window.leave_data_code()
+        if self.window.step is not None:
+            self.window.leave_data_code()
         self._evaluation = 0
 
     def before_update(self, optimizer: Any, evaluation: int | None) -> None:
@@ -149,7 +156,8 @@ class ScriptAuditor(StepChecks):
             self.ledger.updated_at[id(optimizer)] = self.step
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.step += 1
-        self.window.enter_data_code(self.step)
+        if self.window.step is not None:
+            self.window.enter_data_code(self.step)
 
     def stepped(self) -> int:
         return self.ledger.steps_taken
