@@ -200,11 +200,9 @@ class ScriptHooks:
 
     def _trains(self, module: torch.nn.Module) -> tuple[weakref.ref, bool] | None:
         """(a weak reference to the module, whether it is a DeepSpeed engine) when its call is
-        a training forward; None when not. A call without autograd (an evaluation under
-        `no_grad` between two steps) is not the training forward; nor is a module without
-        parameters (a data transform the DataLoader calls on each sample, as torchvision's
-        `Normalize`): the hooks keep waiting. Modules seen to hold parameters are remembered
-        (a walk a step otherwise)."""
+        a training forward, else None: not a call without autograd (an evaluation under
+        `no_grad`), nor a module without parameters (a data transform the DataLoader calls on
+        each sample, as torchvision's `Normalize`). Modules holding parameters are remembered."""
         if not torch.is_grad_enabled():
             return None
         seen = self._trained.get(id(module))
