@@ -81,7 +81,7 @@ class LossCode:
 
 
 @functools.lru_cache(maxsize=1024)
-def _is_user_file(name: str) -> bool:
+def is_user_file(name: str) -> bool:
     path = os.path.abspath(name)
     return not (path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path))
 
@@ -89,7 +89,7 @@ def _is_user_file(name: str) -> bool:
 def user_frame(site: list[tuple[CodeType, int]]) -> tuple[str, int, str] | None:
     """The innermost user frame of `site` (frames' code and line, innermost first)."""
     return next(((code.co_filename, line, code.co_name) for code, line in site
-                 if _is_user_file(code.co_filename)), None)
+                 if is_user_file(code.co_filename)), None)
 
 
 def autocast_state() -> tuple:
@@ -176,7 +176,7 @@ class LossCodeRecorder(TorchFunctionMode):
             code.overflowed = True
             return out
         frame: FrameType | None = sys._getframe(1)      # the user's line
-        while frame is not None and not _is_user_file(frame.f_code.co_filename):
+        while frame is not None and not is_user_file(frame.f_code.co_filename):
             frame = frame.f_back
         where = (None if frame is None else
                  (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))

@@ -9,6 +9,7 @@ here are per tensor, which the every-step path never does.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,6 +17,9 @@ import torch
 
 from nanaudit.run.checks import value_kind
 from nanaudit.run.sharded import describe_shard, local_shard, local_shards
+
+_RATE = operator.methodcaller("get", "lr")
+_NUMBERS = {float, int}
 
 
 def creates_state_only(optimizer: Any) -> bool:
@@ -27,7 +31,13 @@ def creates_state_only(optimizer: Any) -> bool:
     groups = getattr(optimizer, "param_groups", None)
     if getattr(optimizer, "state", True) or not groups:
         return False
-    if any("lr" not in group or not _is_zero(group["lr"]) for group in groups):
+    # A stateless optimizer (SGD) asks at every step: rates that are plain numbers are
+    # compared in C (no Python call a group); others (a tensor, none) one by one.
+    rates = list(map(_RATE, groups))
+    if set(map(type, rates)) <= _NUMBERS:
+        if rates.count(0) != len(rates):
+            return False
+    elif any(rate is None or not _is_zero(rate) for rate in rates):
         return False
     grads = local_shards([p.grad for group in groups for p in group["params"]
                           if p.grad is not None])

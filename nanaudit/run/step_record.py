@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.loss_code import LossCode, autocast_state, user_frame
+from nanaudit.run.loss_code import LossCode, autocast_state, is_user_file, user_frame
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _cpu_state = torch.default_generator.get_state
@@ -63,12 +63,16 @@ class ModelCall:
         self.skipped = False
         # the autocast regions the call ran in (one C call when none is: the common case)
         self.autocast = autocast_state() if _any_autocast() else ()
-        # The frames' code and line, read now (attribute reads, no call: this is every step's
-        # price); which of them is the script's is found only when a replay asks (`where`).
+        # The frames' code and line up to the script's own (read now: a frame kept would keep
+        # its locals alive), no deeper: the walk stops at the first user file (a cached C-level
+        # test), a few frames above the hook instead of all _SITE_DEPTH of them each step.
         frame: FrameType | None = sys._getframe(1)
         site: list[tuple[CodeType, int]] = []
         while frame is not None and len(site) < _SITE_DEPTH:
-            site.append((frame.f_code, frame.f_lineno))
+            code = frame.f_code
+            site.append((code, frame.f_lineno))
+            if is_user_file(code.co_filename):
+                break
             frame = frame.f_back
         self._site = site
 

@@ -68,18 +68,19 @@ class ScriptAuditor(StepChecks):
     # --- what the hooks tell -----------------------------------------------------------------
 
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """The step's outermost module call: arm the re-run's window there, or (outside a
-        traced window) take the finiteness of its data inputs, on the device."""
-        self.window.leave_data_code()
+        """The step's outermost call: arm the re-run's window, or take its inputs' finiteness."""
+        rerun = self.window.step is not None      # the first run has no window to tell
+        if rerun:
+            self.window.leave_data_code()
         if self.keep is not None and self.keep.held.active:
             self.keep.held.forward_started()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
             self.ranks = RankChecks.saw(self.ranks, module)
-        if self.ledger.cleared_by_hand():
+        if not self.ledger.stepped and self.ledger.cleared_by_hand():    # until a step
             self._step_by_hand()        # the backward before was a step the script took itself
-        if self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
+        if rerun and self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
             self.window.arm(module, args, kwargs, self.hooks.entry)
             if self.ranks is not None:
                 self.ranks.tracing(True)
@@ -90,13 +91,12 @@ class ScriptAuditor(StepChecks):
             self._inbox.add_inputs(inputs)
 
     def loss(self, loss: torch.Tensor) -> None:
-        if self.ledger.cleared_by_hand():
+        if not self.ledger.stepped and self.ledger.cleared_by_hand():
             self._step_by_hand()        # `zero_grad()` after the forward, then backward
-        armed = self.window.armed
-        if armed is not None:
-            armed.sinks.append(loss)          # no ops of ours inside the traced window
-            return
-        self._inbox.add_loss(loss)
+        if self.window.armed is None:
+            self._inbox.add_loss(loss)
+        else:
+            self.window.armed.sinks.append(loss)   # no ops of ours inside the traced window
 
     def backward_started(self) -> None:
         if self.window.armed is not None:
@@ -108,22 +108,22 @@ class ScriptAuditor(StepChecks):
         self.ledger.backwards += not raised
         if not raised and self.ledger.updates_by_hand:
             self._step_by_hand()
-        self.window.enter_data_code(self.step)
+        if self.window.step is not None:
+            self.window.enter_data_code(self.step)
 
     def _step_by_hand(self) -> None:
-        """This backward was the script's step: check it before the script's own update, then
-        count the step as an optimizer's post-hook does."""
+        """This backward was the script's step: checked before its update, counted as stepped."""
         manual = self.ledger.manual_step()
         self._check(manual, skippable=False)      # no optimizer call to hold back
         self.after_update(manual)
 
     def update_starting(self) -> None:
-        self.window.leave_data_code()
+        if self.window.step is not None:
+            self.window.leave_data_code()
         self._evaluation = 0
 
     def before_update(self, optimizer: Any, evaluation: int | None) -> None:
-        """The check before an update; `evaluation`: which call of the step's closure just
-        returned (None: a step without a closure)."""
+        """The check before an update; `evaluation`: the closure's call (None: no closure)."""
         if evaluation is None:
             if creates_state_only(optimizer):
                 self._state_step = id(optimizer)     # DCP creating the state: not a step
@@ -149,7 +149,8 @@ class ScriptAuditor(StepChecks):
             self.ledger.updated_at[id(optimizer)] = self.step
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.step += 1
-        self.window.enter_data_code(self.step)
+        if self.window.step is not None:
+            self.window.enter_data_code(self.step)
 
     def stepped(self) -> int:
         return self.ledger.steps_taken

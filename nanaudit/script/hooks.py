@@ -65,9 +65,11 @@ class ScriptHooks:
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
-        # Modules seen holding parameters: each step's first call asks, and walking a module's
-        # parameters to learn it costs more than the rest of the hook.
-        self._trained: weakref.WeakSet = weakref.WeakSet()
+        # Modules seen holding parameters, by id, each with a weak reference that tells a new
+        # module under a dead one's id apart, and whether it is a DeepSpeed engine: each step's
+        # first call asks (a dict lookup in C, where a WeakSet's is a Python call), and walking
+        # a module's parameters costs more than the rest of the hook.
+        self._trained: dict[int, tuple[weakref.ref, bool]] = {}
         self._tap = LossTap(self._loss, before=listener.backward_started,
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
@@ -154,17 +156,18 @@ class ScriptHooks:
         return skipped is not None
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
-        if not self._trains(module):
+        seen = self._trains(module)
+        if seen is None:
             return
         if self._second_call():
             self.stop_waiting()
             return
         kwargs = caller_kwargs()
         self.stop_waiting()
-        if is_engine(module):
+        if seen[1]:
             self._wrap_deepspeed(module)
         self.entry = module
-        self._next_call(module, module, args, kwargs)
+        self.tap.called(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
 
     def _second_call(self) -> bool:
@@ -182,12 +185,13 @@ class ScriptHooks:
         removed): the step's first call when it trains; `entry` is what the script called (a
         `torch.compile` wrapper of `module`). True when taken (or left unheard, as a second
         model call of a micro-batch is: no wait after it)."""
-        if not self._trains(module):
+        seen = self._trains(module)
+        if seen is None:
             return False
         if self._second_call():
             return True
         self.entry = entry
-        self._next_call(module, entry, args, kwargs)
+        self.tap.called(module, entry, args, kwargs)
         self.listener.first_call(module, args, kwargs)
         return True
 
@@ -199,30 +203,31 @@ class ScriptHooks:
         """A compiled step call returned (compiled_calls.py): the tap's model return."""
         self.tap.returned(module, output)
 
-    def _next_call(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
-        """The step record's next micro-batch."""
-        self.tap.called(module, entry, args, kwargs)
-
-    def _trains(self, module: torch.nn.Module) -> bool:
-        """A call without autograd (an evaluation under `no_grad` between two steps) is not
-        the training forward; nor is a module without parameters (a data transform the
-        DataLoader calls on each sample, as torchvision's `Normalize`): the hooks keep
-        waiting. Modules seen to hold parameters are remembered (a walk a step otherwise)."""
+    def _trains(self, module: torch.nn.Module) -> tuple[weakref.ref, bool] | None:
+        """(a weak reference to the module, whether it is a DeepSpeed engine) when its call is
+        a training forward, else None: not a call without autograd (an evaluation under
+        `no_grad`), nor a module without parameters (a data transform the DataLoader calls on
+        each sample, as torchvision's `Normalize`). Modules holding parameters are remembered."""
         if not torch.is_grad_enabled():
-            return False
-        if module in self._trained:     # modules hash by identity (torch's own walks need it)
-            return True
+            return None
+        seen = self._trained.get(id(module))
+        if seen is not None and seen[0]() is module:
+            return seen
         if next(module.parameters(), None) is None:
-            return False
-        self._trained.add(module)
-        return True
+            return None
+        seen = self._trained[id(module)] = (weakref.ref(module), is_engine(module))
+        return seen
 
     def _loss(self, loss: torch.Tensor) -> None:
         self.tap.loss(loss)
         self.listener.loss(loss)
 
     def _backward_ended(self, raised: bool) -> None:
-        self.await_forward()            # gradient accumulation: the next micro-batch's forward
+        # gradient accumulation: the next micro-batch's forward (listened for since the
+        # model returned, in the common case: no call then)
+        self._after_return = False
+        if self._forward_handle is None:
+            self.await_forward()
         self.listener.backward_ended(raised)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
@@ -242,7 +247,9 @@ class ScriptHooks:
 
     def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self.listener.after_update(optimizer)
-        self.await_forward()
+        self._after_return = False
+        if self._forward_handle is None:
+            self.await_forward()
 
     def _wrap_deepspeed(self, engine: Any) -> None:
         """The engine's ZeRO optimizer, once: a step it skips is checked (deepspeed_zero.py)."""

@@ -97,9 +97,6 @@ class WeightsScope:
         self._layout = (PackLayout(params) if self.fused and self.device.type == "cpu"
                         else None)
 
-    def _packed(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._layout.pack(tensors) if self._layout is not None else tensors
-
     @staticmethod
     def params_of(optimizer: Any) -> list[torch.Tensor]:
         """The optimizer's parameters, every group in order (walked in C: this runs per step)."""
@@ -139,9 +136,11 @@ class WeightsScope:
                 state_norm, grad_norm = finite_norms([self.local(self.params),
                                                       self.local(grads)], self.device)
                 return [state_norm], [grad_norm], buffer_peaks(buffers) if buffers else []
-            joined = join_buffers and all(b.dtype in _SAFE and b.device == self.device
-                                          for b in buffers)
-            state, grads = self._packed(self.params), self._packed(grads)
+            joined = join_buffers and (not buffers or all(
+                b.dtype in _SAFE and b.device == self.device for b in buffers))
+            state, layout = self.params, self._layout
+            if layout is not None:
+                state, grads = layout.pack(state), layout.pack(grads)
             norms = torch._foreach_norm(state + grads + (buffers if joined else []), 2.0,
                                         dtype=torch.float32)
             apart = [] if joined or not buffers else buffer_peaks(buffers)

@@ -67,12 +67,14 @@ class StepChecks:
         loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
         evaluations in the same step add no timeline entry."""
         self.ledger.stepped[id(optimizer)] = optimizer
-        if self.window.arms_at(self.step, self._evaluation):
-            self.window.reached(optimizer)
-            return StepDecision.STOP
-        if self.window.unchecked(self.step):
-            self._inbox = StepInbox()          # nothing of such a step is compared
-            return StepDecision.APPLY
+        window = self.window
+        if window.step is not None:            # a re-run (the first run asks nothing here)
+            if window.arms_at(self.step, self._evaluation):
+                window.reached(optimizer)
+                return StepDecision.STOP
+            if window.unchecked(self.step):
+                self._inbox = StepInbox()          # nothing of such a step is compared
+                return StepDecision.APPLY
         scope = self._scopes.of(optimizer)
         if scope is None:
             return StepDecision.APPLY
@@ -96,7 +98,7 @@ class StepChecks:
         entry = self._entry(optimizer, loss, grad_norm, norm)
         if evaluation == 0:
             self.log.append(entry)
-            if self._left_first_run(loss):
+            if self.expected_losses is not None and self._left_first_run(loss):
                 return StepDecision.STOP       # a re-run that already differs: no use going on
         if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
                 and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):

@@ -141,6 +141,8 @@ class StepTap:
             self._recorder.stop()
 
     def close(self) -> None:
-        """The window was checked: drop it."""
-        self.stop()
+        """The window was checked: drop it (what `stop` does, inline: this runs each step)."""
+        self._pending = None
+        if self._recorder.pushed:
+            self._recorder.stop()
         self.record.close()
