@@ -58,17 +58,15 @@ class ScriptHooks:
 
     def __init__(self, listener: Listener, record: bool = True):
         self.listener = listener
-        # The step, kept to replay it in-process; a training call after the model's return and
-        # before any backward is heard (the loss code skipped its backward, `continue`).
+        # The step, kept to replay it in-process (a call after the model's return and before
+        # any backward is heard: the loss code skipped its backward, `continue`).
         self.tap = StepTap(enabled=record, on_return=self._model_returned)
         self._after_return = False
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
-        # Modules seen holding parameters, by id, each with a weak reference that tells a new
-        # module under a dead one's id apart, and whether it is a DeepSpeed engine: each step's
-        # first call asks (a dict lookup in C, where a WeakSet's is a Python call), and walking
-        # a module's parameters costs more than the rest of the hook.
+        # Modules holding parameters by id (a weak reference tells a new one under a dead one's
+        # id apart), and whether each is a DeepSpeed engine: a dict lookup in C at each step.
         self._trained: dict[int, tuple[weakref.ref, bool]] = {}
         self._tap = LossTap(self._loss, before=listener.backward_started,
                             after=self._backward_ended)
@@ -159,7 +157,7 @@ class ScriptHooks:
         seen = self._trains(module)
         if seen is None:
             return
-        if self._second_call():
+        if self._after_return and self._second_call():   # no call on the common path
             self.stop_waiting()
             return
         kwargs = caller_kwargs()
@@ -171,11 +169,8 @@ class ScriptHooks:
         self.listener.first_call(module, args, kwargs)
 
     def _second_call(self) -> bool:
-        """A call heard after the model returned is the micro-batch's second model call, left
-        unheard, unless the loss code skipped its loss before backward (heard now): then it is
-        the next micro-batch's first."""
-        if not self._after_return:
-            return False
+        """A call after the model returned: a micro-batch's second (unheard), or, when the loss
+        code skipped its loss before backward (heard now), the next micro-batch's first."""
         self._after_return = False
         return not self.hear_skipped_loss()
 
@@ -188,7 +183,7 @@ class ScriptHooks:
         seen = self._trains(module)
         if seen is None:
             return False
-        if self._second_call():
+        if self._after_return and self._second_call():
             return True
         self.entry = entry
         self.tap.called(module, entry, args, kwargs)
