@@ -17,7 +17,7 @@ Nothing in the script changes. What is installed, and what each tells the audito
 * a DeepSpeed engine's ZeRO optimizer's `step` wrapped (on the instance, when the engine is
   first called): a step DeepSpeed skips for an overflow calls no torch optimizer, so it is told
   as such and checked; under ZeRO-3, which steps the torch optimizer once per sub-group, the
-  ZeRO step is the step, checked once at its entry (run/deepspeed_zero.py);
+  ZeRO step is the step, checked once at its entry (zero_steps.py);
 * `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
   none updates its weights by hand, and each backward is then its step.
 """
@@ -32,17 +32,12 @@ from typing import Any, Protocol
 
 import torch
 
-from nanaudit.run.deepspeed_zero import (
-    is_engine,
-    wrap_zero3_step,
-    wrap_zero_step,
-    zero_optimizer,
-    zero_stage,
-)
+from nanaudit.run.deepspeed_zero import is_engine
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
+from nanaudit.script.zero_steps import ZeroSteps
 
 
 class Listener(Protocol):
@@ -79,8 +74,8 @@ class ScriptHooks:
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
         self.entry: Any = None        # what the script called for the step's first call
-        self._zero_wrapped: set[int] = set()     # DeepSpeed ZeRO optimizers wrapped
-        self._zero3: Any = None      # the torch optimizer of the ZeRO-3 step running (its steps)
+        # DeepSpeed ZeRO optimizers, wrapped when their engine is first called
+        self.zero = ZeroSteps(listener, self.tap, self.await_forward)
         self.scaler: Any = None       # the GradScaler whose `step` is running (it steps)
 
     @property
@@ -110,6 +105,7 @@ class ScriptHooks:
         self._compiled.remove()
         self.tap.remove()
         self._tap.remove()
+        self.zero.remove()
         for restore in reversed(self._restore):
             restore()
         self._restore = []
@@ -172,7 +168,7 @@ class ScriptHooks:
         kwargs = caller_kwargs()
         self.stop_waiting()
         if is_engine(module):
-            self._wrap_deepspeed(module)
+            self.zero.wrap(module)
         self.entry = module
         self._next_call(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
@@ -229,7 +225,7 @@ class ScriptHooks:
         self.listener.backward_ended(raised)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        if optimizer is self._zero3:
+        if optimizer is self.zero.running:
             return None          # a ZeRO-3 sub-group's turn: the ZeRO step was checked
         self.tap.stop()
         self.listener.update_starting()
@@ -246,49 +242,9 @@ class ScriptHooks:
         return wrapped
 
     def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if optimizer is self._zero3:
+        if optimizer is self.zero.running:
             return               # counted once, when the ZeRO step returns
         self.listener.after_update(optimizer)
-        self.await_forward()
-
-    def _wrap_deepspeed(self, engine: Any) -> None:
-        """The engine's ZeRO optimizer, once: a step it skips is checked (deepspeed_zero.py)."""
-        zero = zero_optimizer(engine)
-        if zero is None or id(zero) in self._zero_wrapped:
-            return
-        self._zero_wrapped.add(id(zero))
-        if zero_stage(engine) == 3:
-            self._restore.append(wrap_zero3_step(zero, functools.partial(self._zero3_entered,
-                                                                         zero.optimizer),
-                                                 self._zero3_left))
-            return
-        self._restore.append(wrap_zero_step(zero, self.listener.stepped, self._zero_skipped))
-
-    def _zero3_entered(self, optimizer: Any) -> None:
-        """A ZeRO-3 step, before DeepSpeed reads its gradients: its one check (a finding
-        raises StepHalted, every rank together), then its torch steps unheard."""
-        self.tap.stop()
-        self.listener.update_starting()
-        self.listener.before_update(optimizer, None)
-        self._zero3 = optimizer
-
-    def _zero3_left(self, updated: bool) -> None:
-        """The ZeRO-3 step returned: one step when DeepSpeed updated; a step it skipped with
-        nothing found at the check is not a step (as a GradScaler's skip is not)."""
-        optimizer, self._zero3 = self._zero3, None
-        if updated:
-            self.listener.after_update(optimizer)
-        else:
-            self.tap.close()
-        self.await_forward()
-
-    def _zero_skipped(self, optimizer: Any) -> None:
-        self.tap.stop()
-        self.listener.update_starting()
-        # Checked as the step it was, every rank together (each skips alike): a finding raises
-        # StepHalted; a skip the check finds nothing in is not a step, as a GradScaler's is not.
-        self.listener.before_update(optimizer, None)
-        self.tap.close()
         self.await_forward()
 
     def _wrap_optimizer_init(self) -> None:
