@@ -146,6 +146,26 @@ exits) and GeneratorExit. Neither is nanaudit's (commands return, only the CLI e
 either is the user's error, exit 4, with every report written; KeyboardInterrupt is a stop."""
 
 
+def own_error_within(exc: BaseException) -> NanauditError | None:
+    """Our own error (a refusal a hook raised inside the user's code) that a library wrapped on
+    its way out, if `exc` holds one: torch's pipeline stage re-raises whatever its forward
+    raised as `RuntimeError("[Stage 0] failed to run forward")` from it (torch 2.11), and the
+    refusal must still be ours (its exit code, its message), not the user's error."""
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, NanauditError):
+            return inner
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
+def as_user_error(what: str, exc: BaseException) -> NanauditError:
+    """The user's failure `exc` as what the CLI reports: our own error when one is inside it."""
+    return own_error_within(exc) or UserCodeError(what, exc)
+
+
 def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
     try:
@@ -153,4 +173,4 @@ def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
-        raise UserCodeError(what, exc) from exc
+        raise as_user_error(what, exc) from exc

@@ -4,19 +4,21 @@ Workloads are built here (no downloads): a transformer encoder (~3M parameters, 
 tokens), a CNN on 32x32 images, an MLP and a tiny MLP whose step is mostly fixed cost; on CUDA
 also an 8-layer d=768 transformer (batch 32 x 256, ~80 ms per step on an H100). `--sizes`
 sweeps the transformer over ~1M, 10M and 50M parameters. Variants run the same steps on the
-same batches with the same optimizer (fused SGD unless `--optimizer foreach`), interleaved round
-by round in one process; the table shows each variant's median step time over rounds as a
-ratio to the plain loop, and the fixed cost per step in ms. nanaudit runs in its default read
-mode (deferred on CUDA with a fused optimizer, sync on the CPU) and in each mode explicitly;
-the host syncs per step of each are counted (nanaudit's own count, and on CUDA torch's sync
-debug mode). `--processes N` adds whole-process ratios: N interleaved fresh processes per
-variant, timed from start to exit. Also reported: the replay (localization) time of one bad
-step as a multiple of a plain step, the replays sample isolation used, and the extra memory.
+same batches with the same optimizer (fused SGD unless `--optimizer foreach|fused-adam`),
+interleaved round by round in one process; the table shows each variant's median step time
+over rounds as a ratio to the plain loop, and the fixed cost per step in ms. nanaudit runs in
+its default read mode (deferred on CUDA with a fused optimizer, sync on the CPU) and in each
+mode explicitly; the host syncs per step of each are counted (nanaudit's own count, and on
+CUDA torch's sync debug mode). `--processes N` adds whole-process ratios: N interleaved fresh
+processes per variant, timed from start to exit. Also reported: the replay (localization) time
+of one bad step as a multiple of a plain step, the replays sample isolation used, and the
+extra memory.
 
     python scripts/bench.py                 # the CPU workloads
     python scripts/bench.py --sizes         # overhead against model size
     python scripts/bench.py --quick         # a smoke run in well under a minute
     python scripts/bench.py --keep-going    # also scan --keep-going's loop on clean steps
+    python scripts/bench.py --keep-going --optimizer fused-adam   # ... with a fused Adam
     python scripts/bench.py --device cuda --processes 4 --json bench-cuda.json
 """
 
@@ -174,9 +176,15 @@ def nanaudit_scan(model, opt, loss, batches, device, watch=None, read="auto",
 
 
 def nanaudit_keep_going(model, opt, loss, batches, device):
-    """The default scan under --keep-going (a clean step's price; on CUDA it reads each step
-    synchronously, since a skip must come before the update)."""
+    """The default scan under --keep-going (a clean step's price; on CUDA with a fused
+    optimizer it keeps the deferred read, as the default scan does)."""
     return nanaudit_scan(model, opt, loss, batches, device, keep_going=True)
+
+
+def nanaudit_keep_going_deferred(model, opt, loss, batches, device):
+    """scan --keep-going with each step read one step later (also on the CPU): against
+    "nanaudit deferred", what keep-going adds to a clean step of the deferred read."""
+    return nanaudit_scan(model, opt, loss, batches, device, read="deferred", keep_going=True)
 
 
 def nanaudit_sync(model, opt, loss, batches, device):
@@ -213,15 +221,23 @@ def _sync(device):
 
 VARIANTS = {"plain": plain, "nanaudit": nanaudit_scan, "nanaudit sync": nanaudit_sync,
             "nanaudit deferred": nanaudit_deferred, "keep-going": nanaudit_keep_going,
+            "keep-going deferred": nanaudit_keep_going_deferred,
             "sentinels only": nanaudit_sentinels_only, "+activation watch": nanaudit_activations,
             "detect_anomaly": detect_anomaly, "hook .item() (HF)": hook_checker}
 NANAUDIT_VARIANTS = ("nanaudit", "nanaudit sync", "nanaudit deferred", "keep-going",
+                     "keep-going deferred",
                      "sentinels only", "+activation watch")
+
+
+OPTIMIZERS = {"fused": "fused SGD", "foreach": "foreach SGD", "fused-adam": "fused Adam"}
 
 
 def make_optimizer(model, kind: str):
     """The same optimizer for every variant: fused SGD (it can skip an update on the device,
-    which the deferred read needs) or the default foreach SGD (the sync read only)."""
+    which the deferred read needs), the default foreach SGD (the sync read only) or a fused
+    Adam (moments and a step count the device skip must leave alone)."""
+    if kind == "fused-adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     return torch.optim.SGD(model.parameters(), lr=1e-4, fused=(kind == "fused"))
 
 
@@ -422,14 +438,15 @@ def main(argv=None):
                         "(10: the update-ratio watch samples once per round, as in a run)")
     parser.add_argument("--workloads", help="comma-separated names (default: per device): "
                         + ", ".join(WORKLOADS))
-    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused")
     parser.add_argument("--processes", type=int, default=0, help="whole-process ratios: this "
                         "many fresh processes per variant for the first workload")
     parser.add_argument("--sizes", action="store_true", help="sweep transformer sizes")
     parser.add_argument("--sizes-only", action="store_true", help="only the size sweep")
     parser.add_argument("--quick", action="store_true", help="a smoke run in under a minute")
-    parser.add_argument("--keep-going", action="store_true", help="add the keep-going variant "
-                        "(scan --keep-going's loop: a clean step's price)")
+    parser.add_argument("--keep-going", action="store_true", help="add the keep-going variants "
+                        "(scan --keep-going's loop, default and deferred read: a clean step's "
+                        "price)")
     parser.add_argument("--json", dest="json_path", help="write the raw numbers here")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: time "
                         "this process's CPU time (a shared CPU machine; never for CUDA)")
@@ -458,7 +475,10 @@ def main(argv=None):
     workloads = {n: WORKLOADS[n] for n in names}
     if args.sizes_only:
         workloads = {}
-    variants = {k: v for k, v in VARIANTS.items() if k != "keep-going" or args.keep_going}
+    variants = {k: v for k, v in VARIANTS.items()
+                if not k.startswith("keep-going") or args.keep_going}
+    if device.type == "cuda" and args.optimizer != "foreach":
+        variants.pop("keep-going deferred", None)     # "keep-going" defers there already
     if args.quick:
         workloads = {"transformer (small)": lambda: transformer(d=64, layers=1, ff=128, seq=16),
                      "tiny mlp": tiny_mlp}
@@ -485,7 +505,7 @@ def main(argv=None):
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     print(f"machine: {machine}")
     print(f"median step time ratio to the plain loop ({rounds} interleaved rounds x {steps} "
-          f"step(s), {args.optimizer} SGD, {args.clock} clock):")
+          f"step(s), {OPTIMIZERS[args.optimizer]}, {args.clock} clock):")
     if results:
         print(table(results))
         print("\nfixed cost per step over the plain loop (ms), host syncs per step:")

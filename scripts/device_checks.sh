@@ -39,7 +39,10 @@ $python -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|accelerate|li
         part bench-inprocess 200 $python scripts/bench_inprocess.py --device cuda --rounds 1 \
             --no-rerun-variant --steps 1000 10000 100000 ;;
     bench-scan)
-        part bench-scan 100 $python scripts/bench.py --device cuda --rounds 5 --keep-going ;;
+        # "keep-going" is scan --keep-going in the default read, deferred with the fused SGD
+        # on CUDA (its read mode is in the JSON): against "nanaudit", keep-going's price.
+        part bench-scan 100 $python scripts/bench.py --device cuda --rounds 5 --keep-going \
+            --json "$out/bench-scan.json" ;;
     bench-long)
         part bench-long 150 $python scripts/bench_long.py --steps 20000 --rounds 3 \
             --variants plain,run,run-kg ;;

@@ -46,7 +46,10 @@ def case(tmp_path):
     """Write `case.py` (dedented code) and `config.yaml` (keys given) in tmp_path."""
     def write(code: str, **config) -> Path:
         (tmp_path / "case.py").write_text(textwrap.dedent(code))
-        lines = {"model": "case:build_model", "data": "case:batches", "loss": "case:loss"}
+        # The cases' code builds CPU tensors (torch.full, torch.from_numpy) as written: pin the
+        # device, or `device: auto` takes CUDA on a GPU machine and the case raises there.
+        lines = {"model": "case:build_model", "data": "case:batches", "loss": "case:loss",
+                 "device": "cpu"}
         lines.update(config)
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(lines, sort_keys=False))

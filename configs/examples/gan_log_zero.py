@@ -34,7 +34,7 @@ def real_data(outlier_sign=1.0):
 
 
 def train_step(model, real, optimizer):
-    z = torch.randn(real.shape[0], 4)
+    z = torch.randn(real.shape[0], 4, device=real.device)
     fake = model.g(z)
     d_real = torch.sigmoid(model.d(real))
     d_fake = torch.sigmoid(model.d(fake.detach()))

@@ -14,13 +14,13 @@ class BesselI0(torch.autograd.Function):
     def forward(ctx, kappa):
         ctx.save_for_backward(kappa)
         value = np.i0(kappa.detach().cpu().numpy()).astype(np.float32)
-        return torch.from_numpy(value)
+        return torch.from_numpy(value).to(kappa.device)
 
     @staticmethod
     def backward(ctx, grad):
         (kappa,) = ctx.saved_tensors
         i1 = np.i0(kappa.detach().cpu().numpy()).astype(np.float32) * 0.5   # a rough I1
-        return grad * torch.from_numpy(i1)
+        return grad * torch.from_numpy(i1).to(grad.device)
 
 
 class VMFHead(nn.Module):

@@ -89,7 +89,7 @@ def _run(config: Config, options: ScanOptions, report: Report, coordinator: Any 
             report.warnings = outcome.warnings
             read = outcome.read_mode
             if read is not None:
-                report.sentinel_read = read.section()
+                report.sentinel_read = read.section(outcome.steps_run_again)
         if outcome.interrupted:
             report.status = Status.INTERRUPTED
         elif outcome.trip is None:

@@ -126,8 +126,10 @@ class SentinelRead:
     mode: SentinelReadMode
     reason: str
     sync_from_step: int | None = None   # deferred until a value was non-finite at this step
+    # keep-going, deferred: the steps run twice, each after a skipped step (the first wasted)
+    steps_run_again: int | None = None
 
-    OMIT_WHEN_NONE = ("sync_from_step",)
+    OMIT_WHEN_NONE = ("sync_from_step", "steps_run_again")
 
 
 @dataclass

@@ -39,9 +39,11 @@ class ReadMode:
     def defers(self) -> bool:
         return self.mode == "deferred" and self.sync_from is None
 
-    def section(self) -> SentinelRead:
-        """The report's `sentinel_read` section."""
-        return SentinelRead(SentinelReadMode(self.mode), self.reason, self.sync_from)
+    def section(self, steps_run_again: int = 0) -> SentinelRead:
+        """The report's `sentinel_read` section; `steps_run_again`: keep-going's wasted
+        steps under the deferred read (deferred_step.py)."""
+        return SentinelRead(SentinelReadMode(self.mode), self.reason, self.sync_from,
+                            steps_run_again or None)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -4,9 +4,9 @@ Each step reads the device once: the loss and the per-tensor norms of the batch,
 (as the previous update left them) and the gradients travel together in one small tensor, with
 the early-warning values appended when there are any (watch_readout.py). How a step is read is
 its strategy: the sync read (sync_step.py, the standard step and accumulation windows), the
-deferred read (deferred_step.py: CUDA with a fused optimizer) and the checks inside the user's
-own step (gated_step.py, `step:`). This module drives them: the data, the steps, and the last
-read of the weights after the final update.
+deferred read (deferred_step.py: CUDA with a fused optimizer; under --keep-going too) and the
+checks inside the user's own step (gated_step.py, `step:`). This module drives them: the data,
+the steps, and the last read of the weights after the final update.
 """
 
 from __future__ import annotations
@@ -102,11 +102,6 @@ class StepLoop:
         ctx, feed = self.ctx, self.ctx.feed
         if not stop_on_trip and self.read.mode == "deferred":
             self.read = ReadMode("sync", "every tripping batch is reported (bisect)")
-        elif ctx.outcome.bad_steps is not None and self.read.mode == "deferred":
-            # The deferred read learns of a bad step after the next one ran: too late to
-            # skip that step and leave no trace.
-            self.read = ReadMode("sync", "--keep-going: each step is read before its update, "
-                                         "so a bad one is skipped there")
         sync = SyncStep(ctx)
         deferred = (DeferredStep(ctx, sync, self.read) if self.read.mode == "deferred"
                     else None)
@@ -133,6 +128,10 @@ class StepLoop:
                 result = sync.run(step, raws, last, self.updated)
             if not self._act(result, stop_on_trip, on_trip):
                 return
+            if deferred is not None and deferred.held is not None:
+                # Keep-going, deferred: the step after the one just skipped ran on its
+                # buffers; it runs again now they are put back (deferred_step.py).
+                self._act(deferred.run_again(self.updated), stop_on_trip, on_trip)
             if on_step:
                 on_step(step)
             step += 1

@@ -214,6 +214,7 @@ class ScanOutcome:
     warnings: list = field(default_factory=list)   # [EarlyWarning]
     read_mode: ReadMode | None = None   # how the sentinels were read (sync or deferred)
     host_syncs: int = 0                 # blocking reads of device values the loop made
+    steps_run_again: int = 0            # keep-going, deferred: steps run twice (one wasted)
     data_rng: RngState | None = None    # the RNGs as the data was started (to read it again)
     bad_steps: BadStepLog | None = None   # keep-going: the bad steps met so far (None: stop)
     stop_reason: StopReason | None = None   # keep-going: why the trip stopped the run

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.localize.first_finding import Seen, first_finding
 from nanaudit.localize.first_finding import short as short_list
-from nanaudit.report.model import Finding
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.model import Finding, SampleSearch
+from nanaudit.report.vocabulary import Cause, Check
 from nanaudit.script.trip import ScriptTrip
 
 
@@ -112,6 +113,21 @@ def not_deterministic(finding: Finding, mismatch: str) -> None:
                    "DataLoader's `generator` and worker seeds) rather than from the clock or "
                    "os.urandom, and `torch.use_deterministic_algorithms(True)`; or move to a YAML "
                    "config (`nanaudit scan`), which replays the step from its saved state")
+
+
+def link_warnings(finding: Finding, warnings: list, precision: str, optimizer: str) -> None:
+    """Link the early warnings that bear on `finding` to it, as `scan` links them: growth before
+    an overflow in float32 makes it divergence, which names the weights, not particular rows.
+    `precision`: the creating op's (fp16 / bf16 / fp32), "unknown" without a replay (then no
+    cause is changed). Once per finding: a bad step's is linked when the run meets it."""
+    if finding.first_warning is not None:
+        return
+    attach_warnings(finding, warnings, precision)
+    if finding.cause == Cause.DIVERGENCE:
+        finding.fix = divergence_fix(optimizer)
+        finding.samples = None
+        finding.sample_search = SampleSearch(None, 0, False,
+                                             "divergence: the weights, not particular rows")
 
 
 def divergence_fix(optimizer: str) -> str:

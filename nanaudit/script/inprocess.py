@@ -40,7 +40,7 @@ from nanaudit.report.vocabulary import Check, CompiledOutcome, RerunStatus, Wher
 from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
-from nanaudit.script.findings import first_run_finding, trip_notes
+from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
     local_module,
     made_on_this_rank,
@@ -123,12 +123,22 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
     if localized is not None:
         localized = adopt(localized, trip)
         localized.element = localized.element or trip.element
-        return localized
+        return _linked(auditor, localized, trip, replay.precision if replay else None)
     why = (replay.note if replay is not None and replay.note else
            "the batch was non-finite before the model got it: only a re-run traces the data "
            "code that made it" if trip.check == Check.INPUT else "the step was not replayed")
     finding.explain(f"not localized: {why} (a step the run skipped and went on from is never "
                     f"re-run)")
+    return _linked(auditor, finding, trip, None)
+
+
+def _linked(auditor: Any, finding: Finding, trip: ScriptTrip, precision: str | None) -> Finding:
+    """A bad step's finding with the early warnings before it linked, as the first finding's
+    are at the run's end (one optimizer's timeline only): every bad step of a run that grew
+    until it overflowed is told the same way (divergence), not only the first."""
+    if auditor.optimizer_count == 1:
+        link_warnings(finding, auditor.warnings_so_far(trip.step), precision or "unknown",
+                      trip.optimizer)
     return finding
 
 

@@ -10,14 +10,13 @@ import os
 import time
 
 from nanaudit.errors import NothingAuditedError, UserCodeError
-from nanaudit.localize.early_warnings import attach_warnings
-from nanaudit.report.model import Finding, Report, SampleSearch
+from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import FirstRun, ScriptRun
-from nanaudit.report.vocabulary import Cause, Check, Status
+from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.error_replay import localize_error
-from nanaudit.script.findings import divergence_fix, first_run_finding
+from nanaudit.script.findings import first_run_finding, link_warnings
 from nanaudit.script.inprocess import adopt, localize_in_process
 from nanaudit.script.rerun import localize_by_rerun
 from nanaudit.script.scratch import FolderState
@@ -74,6 +73,10 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     if trip is not None:
         finding = _localize_stop(target, options, report, auditor, trip, before)
         if keep is not None:
+            if auditor.optimizer_count == 1:    # linked before the log keys it by its cause
+                link_warnings(finding, auditor.warnings_so_far(trip.step),
+                              _replay_precision(report),
+                              trip.optimizer)
             keep.ended(finding, trip)
     record(report, auditor)      # under --keep-going: every bad step's finding
     attach_timeline_warnings(report, trip, auditor)
@@ -133,14 +136,13 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None,
     finding = report.finding
     if finding is None or trip is None:
         return
-    # The creating op's precision, from the re-run (an fp32 input cast to float16 by autocast
-    # overflows float16's range, not by divergence); unknown without one: no cause is changed.
+    link_warnings(finding, report.warnings, _replay_precision(report), trip.optimizer)
+
+
+def _replay_precision(report: Report) -> str:
+    """The creating op's precision, from the replay or re-run (an fp32 input cast to float16 by
+    autocast overflows float16's range, not by divergence); unknown without one: no cause is
+    changed."""
     run = report.run
     named_by = [r for r in (run.replay, run.rerun) if r is not None] if run is not None else []
-    precision = next((r.precision for r in named_by if r.precision), None) or "unknown"
-    attach_warnings(finding, report.warnings, precision)
-    if finding.cause == Cause.DIVERGENCE:
-        finding.fix = divergence_fix(trip.optimizer)
-        finding.samples = None
-        finding.sample_search = SampleSearch(None, 0, False,
-                                             "divergence: the weights, not particular rows")
+    return next((r.precision for r in named_by if r.precision), None) or "unknown"

@@ -119,6 +119,10 @@ class StepChecks:
         """The early warnings of the run so far (all of it: call at its end)."""
         return self.log.early_warnings()
 
+    def warnings_so_far(self, step: int) -> list:
+        """The early warnings of the steps up to the bad step `step` (mid-run)."""
+        return self.log.warnings_so_far(step)
+
     def _left_first_run(self, loss: float | None) -> bool:
         expected = self.expected_losses
         if expected is None or self.step not in expected:

@@ -49,6 +49,15 @@ class StepLog:
         self.timeline.clear()
         self._warnings, self._unwatched = TimelineWarnings(), None
 
+    def warnings_so_far(self, step: int) -> list:
+        """The warnings read off the steps up to `step`, the bad step a run that keeps going
+        has just met: its entry is final too (the trip ends its evaluations), and it holds what
+        the step before it did (the update ratio of that step's update is read off it)."""
+        if self._unwatched is not None and self._unwatched.step <= step:
+            self._warnings.observe(self._unwatched)
+            self._unwatched = None
+        return list(self._warnings.warnings)
+
     def early_warnings(self) -> list:
         """The early warnings of the run so far (all of it: call at its end)."""
         if self._unwatched is not None:

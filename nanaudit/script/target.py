@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nanaudit.errors import USER_FAILURES, ConfigError, NanauditError, UserCodeError
+from nanaudit.errors import (
+    USER_FAILURES,
+    ConfigError,
+    NanauditError,
+    UserCodeError,
+    own_error_within,
+)
 from nanaudit.exitcodes import STOP_SIGNALS
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.run.intercept import StepHalted
@@ -186,7 +192,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
-        raise user_error(target, exc) from exc
+        raise (own_error_within(exc) or user_error(target, exc)) from exc
     finally:
         threads.__exit__()
         hooks.remove()

@@ -52,3 +52,33 @@ def test_the_scripts_own_options_stay_the_scripts(tmp_path):
                      "--jsn", "x", "-q")
     assert result.code not in (2, 3), result.stderr
     assert (tmp_path / "ran.txt").read_text() == "--jsn x -q"
+
+
+def test_our_refusal_wrapped_by_a_library_is_still_ours(tmp_path):
+    """torch 2.11's pipeline stage re-raises whatever its forward raised as a RuntimeError from
+    it: a refusal nanaudit raised inside the user's code keeps its exit code and message (2,
+    not the user's error 4)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        from nanaudit.errors import UsageError
+
+        def stage_forward():
+            raise UsageError("`Sequential` runs as a stage of a pipeline")
+
+        try:
+            stage_forward()
+        except Exception as e:
+            raise RuntimeError("[Stage 0] failed to run forward:") from e
+    """))
+    result = run_cli("run", script)
+    assert result.code == 2, result.stderr
+    assert "runs as a stage of a pipeline" in result.stderr
+    assert "failed to run forward" not in result.stderr
+
+
+def test_a_users_own_wrapped_error_stays_the_users(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("try:\n    {}['missing']\nexcept KeyError as e:\n"
+                      "    raise RuntimeError('no config key') from e\n")
+    result = run_cli("run", script)
+    assert result.code == 4 and "RuntimeError: no config key" in result.stderr

@@ -33,12 +33,17 @@ def batch(index: int, kind: str | None = None):
     return {"x": x, "y": y, "gate": gate, "scale": scale}
 
 
-def batches(count: int = 10, bad: dict | None = None, every: str | None = None):
+def batches(count: int = 10, bad: dict | None = None, every: str | None = None,
+            noise: bool = False):
     """`bad`: data index -> kind (default BAD); `every`: every batch is of that kind (a
-    corrupt shard)."""
+    corrupt shard); `noise`: each batch's inputs jittered from the global torch RNG, as an
+    augmentation in the data pipeline draws between steps."""
     kinds = BAD if bad is None else {int(k): v for k, v in bad.items()}
     for index in range(count):
-        yield batch(index, every or kinds.get(index))
+        made = batch(index, every or kinds.get(index))
+        if noise:
+            made["x"] = made["x"] + 0.01 * torch.randn(made["x"].shape)
+        yield made
 
 
 def compute_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -54,3 +59,14 @@ def train_step(model: nn.Module, batch, optimizer) -> torch.Tensor:
     loss.backward()
     optimizer.step()
     return loss
+
+
+OPTIMIZERS: list[torch.optim.Optimizer] = []
+
+
+def fused_adam(model: nn.Module) -> torch.optim.Optimizer:
+    """A fused Adam (it takes `found_inf`, so the deferred read can skip its update on the
+    device); kept in OPTIMIZERS, so a test can compare its state."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    OPTIMIZERS.append(optimizer)
+    return optimizer

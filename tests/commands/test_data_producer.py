@@ -97,8 +97,10 @@ def _line(path, text: str) -> int:
 def _config(tmp_path, data) -> str:
     (tmp_path / "data_code.py").write_text(textwrap.dedent(DATA))
     config = tmp_path / "config.yaml"
+    # CPU: the model's dropout then draws from the stream the data code draws from (on CUDA it
+    # would not, and a batch the data cannot give again here would be given again there).
     config.write_text(json.dumps({"model": "data_code:build_model", "data": data,
-                                  "loss": "data_code:loss"}))
+                                  "loss": "data_code:loss", "device": "cpu"}))
     return str(config)
 
 

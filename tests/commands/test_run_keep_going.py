@@ -244,3 +244,30 @@ def test_a_loss_the_scripts_own_guard_skipped_is_recorded_and_the_next_update_ap
         (3, "aten.log.default", "skipped", "in-process")]
     assert same(torch.load(tmp_path / "audited.pt", weights_only=True),
                 torch.load(tmp_path / "plain.pt", weights_only=True))
+
+
+def test_every_bad_step_of_a_diverged_run_is_told_the_same_way(tmp_path):
+    """lr 1e30: step 0's update grows the weights past 1e29 (an update-ratio warning) and every
+    later forward overflows the same op. Each skipped step's finding is linked to the warning
+    when the run meets it, as the first one is at the end: all `divergence` (before: only the
+    first, the rest `dtype-overflow`), so the log sees one persistent cause."""
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e30)
+        for step in range(12):
+            optimizer.zero_grad()
+            model(torch.randn(8, 8)).pow(2).mean().backward()
+            optimizer.step()
+    """)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(keep_going=True,
+                                                                    max_bad_steps=4))
+    assert exit_code(report) == 1
+    assert [(f.step, f.cause, f.first_warning.kind) for f in report.findings] == [
+        (step, "divergence", "update-ratio") for step in range(1, 6)]
+    assert {f.fix for f in report.findings} == {report.finding.fix}
+    assert report.finding.fix.startswith("lower the learning rate")
+    assert report.bad_steps.persistent and report.bad_steps.stopped == "max-bad-steps"
