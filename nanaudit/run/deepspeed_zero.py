@@ -24,6 +24,16 @@ checks hook. Two things follow, and both are here:
   `wrap_zero_step` wraps the engine's ZeRO optimizer (on the instance, undone on exit) so that a
   step which took no update is told to the listener, which checks it: a finding, never a
   clean run, in fp32 as under fp16 loss scaling when the values themselves were non-finite.
+* ZeRO-3's sub-groups: its optimizer splits the flat partitions into sub-groups of
+  `sub_group_size` elements and its `step()` hands the torch optimizer one sub-group at a time
+  (its param groups hold that one flat, empty between), setting each flat's gradient only for
+  its own turn. A check on the torch optimizer's step would run once per sub-group, each
+  reading one sub-group, after DeepSpeed's overflow all-reduce (and not at all on a skipped
+  step). So under ZeRO-3 the ZeRO optimizer's `step` is the step (`wrap_zero3_step`): one
+  check at its entry, before that all-reduce, over every sub-group's flat (`zero3_flats`) and
+  the valid parts of its gradient wherever DeepSpeed holds it then (`valid_gradients`: the
+  reduced partitions of the backward's epilogue, or the flat's own `.grad` when offloaded);
+  the torch steps inside count as one step.
 """
 
 from __future__ import annotations
@@ -102,6 +112,36 @@ def wrap_zero_step(zero: Any, stepped: Callable[[], int],
     return undo
 
 
+def wrap_zero3_step(zero: Any, entered: Callable[[], None],
+                    left: Callable[[bool], None]) -> Callable[[], None]:
+    """Wrap a ZeRO-3 optimizer's `step` on the instance: `entered()` before DeepSpeed reads
+    any gradient, `left(updated)` once it returns (`updated`: DeepSpeed stepped the torch
+    optimizer, at least one sub-group; False for a step it skipped). Returns what undoes it."""
+    original = zero.step
+    torch_optimizer = zero.optimizer
+    calls = [0]
+
+    def count(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        calls[0] += 1
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        entered()
+        before = calls[0]
+        handle = torch_optimizer.register_step_post_hook(count)
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            handle.remove()
+        left(calls[0] > before)
+        return result
+    zero.step = step
+
+    def undo() -> None:
+        if zero.__dict__.get("step") is step:
+            del zero.step
+    return undo
+
+
 def skipped_loss_scale(zero: Any) -> float | None:
     """The loss scale of a ZeRO optimizer that scales losses dynamically (fp16), whose skips
     while it calibrates are its normal course; None for a fixed scale or none (fp32, bf16)."""
@@ -158,6 +198,7 @@ def narrow_parts(tensors: list[torch.Tensor | None], spans: Spans) -> list[torch
 
 
 _ZERO3_OF: dict[int, Any] = {}     # id(torch optimizer) -> its ZeRO-3 optimizer
+_FLAT_OF: dict[int, tuple[Any, int]] = {}   # id(flat fp32 group) -> (ZeRO-3 optimizer, index)
 
 
 def note_zero3(engine: Any) -> None:
@@ -165,3 +206,35 @@ def note_zero3(engine: Any) -> None:
     zero = zero_optimizer(engine)
     if zero is not None and zero_stage(engine) == 3:
         _ZERO3_OF[id(zero.optimizer)] = zero
+
+
+def zero3_flats(optimizer: Any) -> list[torch.Tensor] | None:
+    """Every sub-group's flat fp32 partition of a ZeRO-3 torch optimizer, in order (its param
+    groups hold one at a time, inside DeepSpeed's step only); None for any other optimizer."""
+    zero = _ZERO3_OF.get(id(optimizer))
+    if zero is None:
+        return None
+    flats = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+    for index, flat in enumerate(flats):
+        _FLAT_OF[id(flat)] = (zero, index)
+    return flats
+
+
+def valid_gradients(flats: list[torch.Tensor], spans: Spans) -> list[torch.Tensor]:
+    """The valid parts of the gradients of `flats` (a ZeRO-3 optimizer's, by `valid_spans`):
+    a flat's own `.grad` where set (offloaded, or its sub-group's turn inside the step), else
+    the reduced partitions DeepSpeed keeps for it until its turn, each without its padding."""
+    parts: list[torch.Tensor] = []
+    for flat, span in zip(flats, spans):
+        owner = _FLAT_OF.get(id(flat))
+        if flat.grad is not None or owner is None:
+            parts.extend(narrow_parts([flat.grad], [span]))
+            continue
+        zero, index = owner
+        grads = (getattr(zero, "averaged_gradients", None) or {}).get(index) or []
+        for grad, partition, pad in zip(grads, zero.fp16_partitioned_groups[index],
+                                        zero.groups_padding[index]):
+            valid = partition.numel() - pad
+            if grad is not None and valid > 0:
+                parts.append(grad.detach().reshape(-1).narrow(0, 0, valid))
+    return parts

@@ -16,7 +16,8 @@ Nothing in the script changes. What is installed, and what each tells the audito
 * `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
 * a DeepSpeed engine's ZeRO optimizer's `step` wrapped (on the instance, when the engine is
   first called): a step DeepSpeed skips for an overflow calls no torch optimizer, so it is told
-  as such and checked (run/deepspeed_zero.py);
+  as such and checked; under ZeRO-3, which steps the torch optimizer once per sub-group, the
+  ZeRO step is the step, checked once at its entry (zero_steps.py);
 * `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
   none updates its weights by hand, and each backward is then its step.
 """
@@ -31,11 +32,12 @@ from typing import Any, Protocol
 
 import torch
 
-from nanaudit.run.deepspeed_zero import is_engine, wrap_zero_step, zero_optimizer
+from nanaudit.run.deepspeed_zero import is_engine
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
+from nanaudit.script.zero_steps import ZeroSteps
 
 
 class Listener(Protocol):
@@ -72,7 +74,8 @@ class ScriptHooks:
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
         self.entry: Any = None        # what the script called for the step's first call
-        self._zero_wrapped: set[int] = set()     # DeepSpeed ZeRO optimizers wrapped
+        # DeepSpeed ZeRO optimizers, wrapped when their engine is first called
+        self.zero = ZeroSteps(listener, self.tap, self.await_forward)
         self.scaler: Any = None       # the GradScaler whose `step` is running (it steps)
 
     @property
@@ -102,6 +105,7 @@ class ScriptHooks:
         self._compiled.remove()
         self.tap.remove()
         self._tap.remove()
+        self.zero.remove()
         for restore in reversed(self._restore):
             restore()
         self._restore = []
@@ -162,8 +166,8 @@ class ScriptHooks:
             return
         kwargs = caller_kwargs()
         self.stop_waiting()
-        if seen[1]:
-            self._wrap_deepspeed(module)
+        if seen[1]:                     # a DeepSpeed engine (told once per module)
+            self.zero.wrap(module)
         self.entry = module
         self.tap.called(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
@@ -226,6 +230,8 @@ class ScriptHooks:
         self.listener.backward_ended(raised)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        if optimizer is self.zero.running:
+            return None          # a ZeRO-3 sub-group's turn: the ZeRO step was checked
         self.tap.stop()
         self.listener.update_starting()
         evaluations = [0]
@@ -241,27 +247,12 @@ class ScriptHooks:
         return wrapped
 
     def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if optimizer is self.zero.running:
+            return               # counted once, when the ZeRO step returns
         self.listener.after_update(optimizer)
         self._after_return = False
         if self._forward_handle is None:
             self.await_forward()
-
-    def _wrap_deepspeed(self, engine: Any) -> None:
-        """The engine's ZeRO optimizer, once: a step it skips is checked (deepspeed_zero.py)."""
-        zero = zero_optimizer(engine)
-        if zero is None or id(zero) in self._zero_wrapped:
-            return
-        self._zero_wrapped.add(id(zero))
-        self._restore.append(wrap_zero_step(zero, self.listener.stepped, self._zero_skipped))
-
-    def _zero_skipped(self, optimizer: Any) -> None:
-        self.tap.stop()
-        self.listener.update_starting()
-        # Checked as the step it was, every rank together (each skips alike): a finding raises
-        # StepHalted; a skip the check finds nothing in is not a step, as a GradScaler's is not.
-        self.listener.before_update(optimizer, None)
-        self.tap.close()
-        self.await_forward()
 
     def _wrap_optimizer_init(self) -> None:
         from torch.optim import Optimizer

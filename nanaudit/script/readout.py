@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from nanaudit.run.checks import PackLayout, dense_values, finite_norms
-from nanaudit.run.deepspeed_zero import Spans, narrow_parts, valid_spans
+from nanaudit.run.deepspeed_zero import (
+    Spans,
+    narrow_parts,
+    valid_gradients,
+    valid_spans,
+    zero3_flats,
+)
 from nanaudit.run.sharded import local_shards
 from nanaudit.script.step_values import loss_factor, window_loss
 
@@ -113,7 +119,7 @@ class WeightsScope:
         """The gradients that are set, each as a dense tensor of its values (a sparse one's
         coalesced values)."""
         if self.spans is not None:       # ZeRO-3: the valid parts of each group's gradient
-            return narrow_parts(list(map(_GRAD, self.source)), self.spans)
+            return valid_gradients(self.source, self.spans)
         grads = list(filter(_IS_SET, map(_GRAD, self.params)))
         if set(map(_LAYOUT, grads)) <= _DENSE:
             return grads
@@ -158,7 +164,8 @@ class OptimizerScopes:
 
     def of(self, optimizer: Any) -> WeightsScope | None:
         """The optimizer's tensors as the check reads them (None: it holds none)."""
-        params = WeightsScope.params_of(optimizer)
+        # ZeRO-3's torch optimizer holds one sub-group at a time: its step reads them all
+        params = zero3_flats(optimizer) or WeightsScope.params_of(optimizer)
         scope = self._scopes.get(id(optimizer))
         if scope is None or not scope.holds(params):
             scope = _scope_of(optimizer, params) if params else None

@@ -10,8 +10,11 @@ builds DeepSpeed's shared-memory comm op (minutes; cached under ~/.cache/torch_e
 """
 
 import json
+import math
+import sys
 
 import pytest
+import torch
 from helpers import ROOT, launch_ranks
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (see the module docstring)")
@@ -37,11 +40,22 @@ def line_of(text: str) -> int:
     return next(i for i, line in enumerate(MODEL.read_text().splitlines(), 1) if text in line)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_backward_only_value_under_zero_is_named_on_its_rank(tmp_path, stage):
+# ZeRO-3 with --sub-group-size 30 splits each rank's 77-element partition into three
+# sub-groups (32 | 4 + 32 | 4 + 4 + 1), so DeepSpeed steps its torch optimizer three times per
+# engine step; --steps 3 makes the skipped step the last one.
+SUB_GROUPS = ("--stage", "3", "--sub-group-size", "30")
+
+
+@pytest.mark.parametrize("setup", [("--stage", "1"), ("--stage", "2"), ("--stage", "3"),
+                                   (*SUB_GROUPS, "--steps", "3")],
+                         ids=["zero1", "zero2", "zero3", "zero3-sub-groups-last-step"])
+def test_backward_only_value_under_zero_is_named_on_its_rank(tmp_path, setup):
     # Every loss is finite; DeepSpeed reduces the NaN into both ranks' partitions, finds the
-    # overflow and skips step 2: before this, nanaudit reported a clean run with exit 0.
-    codes, (rank0, rank1), outputs = run(tmp_path, "--stage", str(stage), "--fault", "backward")
+    # overflow and skips step 2: before this, nanaudit reported a clean run with exit 0. Under
+    # ZeRO-3 the skipped step was not checked at all (its torch optimizer's groups are empty
+    # outside DeepSpeed's step): caught at step 3's check, so a skip at the last step ended in
+    # a clean run, exit 0; with sub-groups, each of the three torch steps counted as a step.
+    codes, (rank0, rank1), outputs = run(tmp_path, *setup, "--fault", "backward")
     assert codes == [1, 1], outputs
     for report in (rank0, rank1):
         f = report["finding"]
@@ -51,6 +65,38 @@ def test_backward_only_value_under_zero_is_named_on_its_rank(tmp_path, stage):
         assert f["source"]["line"] == line_of("return torch.sqrt(")
         assert [(r["rank"], r["status"]) for r in report["distributed"]["ranks"]] == [
             (0, "nonfinite"), (1, "nonfinite")]
+
+
+def partition_norm(rank: int, world: int = 2) -> float:
+    """The norm of `rank`'s ZeRO-3 partition of the script's initial weights (each parameter
+    split into equal parts, the last padded; the padding is no weight)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from fsdp_faults import Model
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    torch.manual_seed(0)                        # as deepspeed_faults.py builds it
+    parts = []
+    for p in Model().parameters():
+        flat = p.detach().reshape(-1)
+        size = math.ceil(flat.numel() / world)
+        parts.append(flat[rank * size:(rank + 1) * size])
+    return torch.linalg.vector_norm(torch.cat(parts)).item()
+
+
+def test_zero3_sub_groups_are_one_step_with_one_check(tmp_path):
+    # DeepSpeed steps the torch optimizer once per sub-group: before, each was a nanaudit step
+    # (15 steps for 5, 15 timeline entries), each check reading one sub-group's weights. Now
+    # one check per engine step, whose weights' norm is the whole partition of every sub-group.
+    codes, reports, outputs = run(tmp_path, *SUB_GROUPS, "--fault", "none")
+    assert codes == [0, 0], outputs
+    for rank, report in enumerate(reports):
+        assert report["status"] == "clean"
+        assert [(r["status"], r["steps_run"]) for r in report["distributed"]["ranks"]] == [
+            ("clean", 5), ("clean", 5)]
+        assert [entry["step"] for entry in report["timeline"]] == [0, 1, 2, 3, 4]
+        assert report["timeline"][0]["param_norm"] == pytest.approx(partition_norm(rank),
+                                                                    rel=1e-6)
 
 
 def test_clean_zero1_run_stays_clean(tmp_path):

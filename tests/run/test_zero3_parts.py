@@ -45,3 +45,26 @@ def test_any_other_optimizer_reads_its_parameters_gradients_whole():
     scope = OptimizerScopes().of(torch.optim.SGD([weight], lr=0.1))
     assert scope.params == [weight] and len(scope.grads()) == 1
     assert scope.grads()[0] is weight.grad
+
+
+def test_zero3_sub_groups_are_read_together_before_deepspeed_fills_their_gradients():
+    # DeepSpeed's ZeRO-3 step gives its torch optimizer one sub-group's flat at a time (its
+    # groups are empty outside the step) and sets a flat's `.grad` only for its turn: at the
+    # step's entry the reduced gradients are the partitions its backward's epilogue kept
+    # (`averaged_gradients`, by sub-group), each padded like its weights.
+    flats = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.full((4,), 2.0))]
+    optimizer = torch.optim.SGD(flats, lr=0.1)
+    for group in optimizer.param_groups:
+        group["params"] = []
+    grads = {0: [torch.tensor([1.0, float("nan")]), torch.tensor([3.0, 4.0])],
+             1: [torch.tensor([5.0, 6.0, 7.0, float("nan")])]}
+    zero = SimpleNamespace(optimizer=optimizer, fp32_partitioned_groups_flat=flats,
+                           groups_padding=[[1, 0], [1]], averaged_gradients=grads,
+                           fp16_partitioned_groups=[[torch.empty(2), torch.empty(2)],
+                                                    [torch.empty(4)]])
+    note_zero3(SimpleNamespace(optimizer=zero, zero_optimization_stage=lambda: 3))
+    scope = OptimizerScopes().of(optimizer)
+    assert [t.tolist() for t in scope.params] == [[1.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+    assert [g.tolist() for g in scope.grads()] == [[1.0], [3.0, 4.0], [5.0, 6.0, 7.0]]
+    flats[1].grad = torch.tensor([0.0, 0.0, 0.0, 9.0])     # the sub-group's turn (or offload)
+    assert [g.tolist() for g in scope.grads()][-1] == [0.0, 0.0, 0.0]

@@ -22,6 +22,8 @@ def main():
     parser.add_argument("--fault", default="backward", choices=["none", "forward", "backward"])
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     parser.add_argument("--steps", type=int, default=5)
+    # ZeRO-3 steps its torch optimizer once per sub-group of this many elements (30: three)
+    parser.add_argument("--sub-group-size", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -29,6 +31,8 @@ def main():
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    if args.sub_group_size is not None:
+        config["zero_optimization"]["sub_group_size"] = args.sub_group_size
     engine, _, _, _ = deepspeed.initialize(model=Model(), config=config)
     g = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
