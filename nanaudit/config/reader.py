@@ -7,7 +7,11 @@ copies the config's values out, so a config must stay a page of keys.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 import yaml
 
@@ -17,6 +21,7 @@ MAX_CONFIG_BYTES = 1 << 20        # a config is a page of keys, never a data set
 
 
 MAX_YAML_NODES = 100_000          # nodes after expanding aliases
+YAML_FRAMES = 2_000               # Python frames the parser may nest: hundreds of levels
 
 
 def read_yaml(path: Path) -> dict:
@@ -35,8 +40,9 @@ def read_yaml(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     try:
-        _check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
-        raw = yaml.safe_load(text)
+        with _bounded_stack():
+            _check_expansion(yaml.compose(text, Loader=yaml.SafeLoader))
+            raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(_yaml_problem(exc), source=str(path)) from None
     except _YamlTooLarge as exc:
@@ -93,3 +99,21 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     if mark is None:
         return f"YAML syntax error: {what}"
     return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+@contextmanager
+def _bounded_stack() -> Iterator[None]:
+    """PyYAML nests a Python call per level of [ or {: the parse runs under a recursion limit
+    of YAML_FRAMES beyond the caller's depth, so a deeply nested file is refused alike whatever
+    limit the process set (torch.compile and other libraries raise it, and a high one lets the
+    parse reach the C stack)."""
+    depth = 0
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(min(limit, depth + YAML_FRAMES))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)

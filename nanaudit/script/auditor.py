@@ -30,6 +30,7 @@ import torch
 
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
+from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
@@ -244,9 +245,9 @@ class ScriptAuditor(StepChecks):
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last
-        updates left (an update to NaN that a later op then refused), then the tensors in the
-        exception's frames (BCELoss refusing a NaN input, a distribution's argument check, the
-        script's own `if loss.isnan(): raise`). Once, at the error: a read per tensor is fine."""
+        updates left (an update to NaN a later op refused), then the tensors in the exception's
+        frames (BCELoss refusing a NaN input, the script's `if loss.isnan(): raise`), never a
+        collective's a dead peer failed (unfilled buffers). Once: a read per tensor is fine."""
         if self.trip is not None or self.window.armed is not None:
             return self.trip
         first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -254,7 +255,7 @@ class ScriptAuditor(StepChecks):
         if self.trip is not None:
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip
-        bad = nonfinite_locals(exc, held=self.error_values)
+        bad = [] if is_collective_failure(exc) else nonfinite_locals(exc, held=self.error_values)
         if not bad:
             return None
         self.trip = self.namer.trip(

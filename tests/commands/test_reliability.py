@@ -601,6 +601,22 @@ def test_deeply_nested_yaml_is_a_config_error_not_our_bug(tmp_path):
         assert result.code == 3 and "nests too deeply" in result.stderr
 
 
+def test_deeply_nested_yaml_is_refused_whatever_recursion_limit_the_process_set(
+        tmp_path):
+    # A library raised the limit (in CI a test before this one in the same worker did, and the
+    # 5,000 levels parsed): the parse's own bound refuses it alike.
+    import sys
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(200_000)
+    try:
+        (tmp_path / "config.yaml").write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+        result = run_cli("validate", tmp_path / "config.yaml")
+        assert sys.getrecursionlimit() == 200_000            # put back as it was
+    finally:
+        sys.setrecursionlimit(old)
+    assert result.code == 3 and "nests too deeply" in result.stderr
+
+
 def test_a_symlinked_report_path_is_written_through_not_replaced(tmp_path):
     real = tmp_path / "artifacts" / "real.json"
     real.parent.mkdir()
