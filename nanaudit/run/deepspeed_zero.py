@@ -104,12 +104,7 @@ def wrap_zero_step(zero: Any, stepped: Callable[[], int],
         if stepped() == before:
             skipped(zero.optimizer)
         return result
-    zero.step = step
-
-    def undo() -> None:
-        if zero.__dict__.get("step") is step:
-            del zero.step
-    return undo
+    return _on_instance(zero, step)
 
 
 def wrap_zero3_step(zero: Any, entered: Callable[[], None],
@@ -134,6 +129,11 @@ def wrap_zero3_step(zero: Any, entered: Callable[[], None],
             handle.remove()
         left(calls[0] > before)
         return result
+    return _on_instance(zero, step)
+
+
+def _on_instance(zero: Any, step: Callable[..., Any]) -> Callable[[], None]:
+    """`step` set on the ZeRO optimizer instance; returns what takes it off (if still ours)."""
     zero.step = step
 
     def undo() -> None:
