@@ -63,8 +63,9 @@ def not_rerun_note(note: str | None) -> str:
             f"joins, cannot run the script again with it; run it on one process to name the op")
 
 
-def _status(ranks: RankChecks, report: Report) -> RankStatus:
-    return RankStatus(rank=ranks.rank, status=report.status, steps_run=report.steps_run,
+def _status(rank: int, report: Report, status: Status) -> RankStatus:
+    """This rank's line of the `distributed` section, from its report."""
+    return RankStatus(rank=rank, status=status, steps_run=report.steps_run,
                       device=report.device, host=socket.gethostname(),
                       warnings=len(report.warnings))
 
@@ -74,7 +75,7 @@ def post_and_leave(ranks: RankChecks, report: Report) -> None:
     `distributed` section with its own status alone (the peers are still blocked), and the
     process marked to leave without the exit barrier."""
     coord = ranks.coord
-    mine = _status(ranks, report)
+    mine = _status(ranks.rank, report, report.status)
     replay = report.run.replay if report.run is not None else None
     try:
         # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
@@ -99,9 +100,7 @@ def adopt_posted(coord: Any, exc: BaseException, report: Report) -> bool:
     report.status, report.error, report.finding = Status.NONFINITE, None, finding
     if report.run is not None:
         report.run.replay = replay
-    mine = RankStatus(rank=coord.rank, status=Status.NONFINITE, steps_run=report.steps_run,
-                      device=report.device, host=socket.gethostname(),
-                      warnings=len(report.warnings))
+    mine = _status(coord.rank, report, Status.NONFINITE)
     section = coord.describe()
     section.ranks = sorted([status, mine], key=lambda s: s.rank)
     report.distributed = section
