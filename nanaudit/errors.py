@@ -161,11 +161,6 @@ def own_error_within(exc: BaseException) -> NanauditError | None:
     return None
 
 
-def as_user_error(what: str, exc: BaseException) -> NanauditError:
-    """The user's failure `exc` as what the CLI reports: our own error when one is inside it."""
-    return own_error_within(exc) or UserCodeError(what, exc)
-
-
 def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
     try:
@@ -173,4 +168,4 @@ def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
-        raise as_user_error(what, exc) from exc
+        raise (own_error_within(exc) or UserCodeError(what, exc)) from exc

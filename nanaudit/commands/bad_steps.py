@@ -98,7 +98,6 @@ class BadStepRecorder:
             self.inputs[state.batch_index] = (batch_fingerprint(state.batch), finding)
 
 
-
 def merged_traced(gathered: list[dict[int, Finding]]) -> dict[int, Finding]:
     """Every rank's traced findings (by rank), one per step: a trace that named what made the
     value over one that says why it could not (when several ranks traced the same step, every
