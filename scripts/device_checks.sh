@@ -3,12 +3,12 @@
 # come from it). Each part is bounded by its own timeout and writes its log under OUTDIR, so a
 # part that fails or runs long leaves the others' results.
 #
-#   bash scripts/device_checks.sh OUTDIR [env] [cuda-tests] [bench-inprocess] [bench-scan]
-#                                        [bench-long] [suite]      (default: all, in this order)
+#   bash scripts/device_checks.sh OUTDIR [env] [cuda-tests] [suite] [bench-inprocess] [profile]
+#                                        [bench-scan] [bench-long]  (default: all, in this order)
 set -u
 out=${1:?usage: device_checks.sh OUTDIR [part ...]}
 shift
-parts=${*:-env cuda-tests bench-inprocess bench-scan bench-long suite}
+parts=${*:-env cuda-tests suite bench-inprocess profile bench-scan bench-long}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -26,8 +26,9 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND bounded, its output to OUT
 for p in $parts; do
     case $p in
     env)
-        $python -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
-            || echo "install failed: see install.log" | tee -a "$out/summary.txt"
+        # (its log stays out of OUTDIR, which the device tool brings back at most 8 files of)
+        $python -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
+            || { echo "install failed:"; tail -n 20 /tmp/install.log; } | tee -a "$out/summary.txt"
         part env 60 bash -c "nvidia-smi -L; nproc; $python -c 'import torch, sys; \
 print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; \
 $python -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|accelerate|lightning) '" ;;
@@ -36,8 +37,13 @@ $python -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|accelerate|li
             tests/run/test_cuda.py tests/commands/test_run_cuda.py \
             "tests/integrations/test_transformers.py::test_trainer_fp16_on_cuda_skips_a_bad_step_and_the_scaler_trains_on" ;;
     bench-inprocess)
-        part bench-inprocess 200 $python scripts/bench_inprocess.py --device cuda --rounds 1 \
-            --no-rerun-variant --steps 1000 10000 100000 ;;
+        part bench-inprocess 130 $python scripts/bench_inprocess.py --device cuda --rounds 1 \
+            --no-rerun-variant --steps 1000 10000 ;;
+    profile)
+        # where a clean step's time goes under `run` on the GPU: each hook, and the wait for
+        # the device at the step's one read
+        part profile 70 $python scripts/profile_run_step.py --device cuda --steps 3000 \
+            --rounds 2 ;;
     bench-scan)
         # "keep-going" is scan --keep-going in the default read, deferred with the fused SGD
         # on CUDA (its read mode is in the JSON): against "nanaudit", keep-going's price.
@@ -47,8 +53,10 @@ $python -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|accelerate|li
         part bench-long 150 $python scripts/bench_long.py --steps 20000 --rounds 3 \
             --variants plain,run,run-kg ;;
     suite)
-        part suite 240 $python -m pytest -q -p no:cacheprovider -n 12 --dist worksteal \
-            --durations=10 ;;
+        # -v: each test's outcome is logged as it ends, so a suite cut by its bound still
+        # names the failures so far
+        part suite 210 $python -m pytest -v -p no:cacheprovider -n 14 --dist worksteal \
+            -rfE --durations=10 ;;
     *) echo "unknown part: $p" >&2; exit 2 ;;
     esac
 done
