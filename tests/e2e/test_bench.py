@@ -46,3 +46,18 @@ def test_device_checks_script_parses_and_refuses_an_unknown_part(tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "no-such-part"],
                           capture_output=True, text=True, check=False, timeout=30)
     assert done.returncode == 2 and "unknown part: no-such-part" in done.stderr
+
+
+@pytest.mark.slow
+def test_profile_run_step_splits_a_clean_step_into_the_hooks():
+    # scripts/profile_run_step.py (the GPU run's profile part) on the CPU, a few steps: each
+    # of run's hooks is timed per call, and the clean loop under `run` stays a clean run.
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_run_step.py"),
+                           "--steps", "260", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    head, *rows = done.stdout.strip().splitlines()
+    assert head.startswith("cpu, width 256, steps 200..260: plain ") and "x, +" in head
+    timed = {row.split()[0] for row in rows}
+    assert {"pre_step", "first_call", "post_step", "loss", "returned", "read_step"} <= timed
+    assert "device" not in timed                  # no wait for a device on the CPU
