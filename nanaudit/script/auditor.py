@@ -241,6 +241,25 @@ class ScriptAuditor(StepChecks):
                                              self.scaler_watch.in_row)
         self._skip_or_stop(skippable=False)     # the scaler skips every step already
 
+    def _bad_inputs(self) -> ScriptTrip | None:
+        """The step's model inputs, unread when the script raised (no check came): non-finite,
+        the batch is the finding, as at a check: the model only passed on what it was given
+        (an `inf` in the batch made a NaN gradient that `clip_grad_norm_(...,
+        error_if_nonfinite=True)` refused). One host read, after an error only. Not under
+        torchrun, whose error trips replay on the raising rank alone (error_ranks.py)."""
+        inbox = self._inbox
+        if not inbox.input_peaks:
+            return None
+        read = self._bad_losses(inbox)
+        if read is None or read.inputs_ok:
+            return None
+        self._inbox = StepInbox()
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self.log.append(self._entry(last, read.loss, None, None))
+        loss = read.loss if read.loss is not None else 0.0
+        self.trip = self.namer.input_trip(self.step, inbox.inputs, loss, None)
+        return self.trip
+
     # --- after the script --------------------------------------------------------------------
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
@@ -253,6 +272,10 @@ class ScriptAuditor(StepChecks):
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         self._last_updates()
         if self.trip is not None:
+            self.trip.error = f"{type(exc).__name__}: {first}"
+            return self.trip
+        if self.ranks is None and self._bad_inputs() is not None:
+            assert self.trip is not None
             self.trip.error = f"{type(exc).__name__}: {first}"
             return self.trip
         bad = [] if is_collective_failure(exc) else nonfinite_locals(exc, held=self.error_values)
