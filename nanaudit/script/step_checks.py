@@ -3,7 +3,8 @@ what these decide): at each optimizer step ONE host read of the step's values (r
 inputs' finiteness, the weights as the previous update left them, the window's losses, the
 gradients' norm, the floating buffers' peaks) and the trip it makes, named by the one rule every
 checker uses (run/check/verdict.py; under torchrun from every rank's flags); and, after the
-script, the losses no check read and the weights the last updates left.
+script, the losses no check read and the weights the last updates left, or, when it raised, the
+non-finite value behind its exception (`raised`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ import torch
 
 from nanaudit.config.schema import AmpOptions
 from nanaudit.report.model import TimelineEntry
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
+from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.ledger import Ledger
 from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, read_step
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import same_value
-from nanaudit.script.trip import ScriptTrip, float_kind
+from nanaudit.script.trip import ScriptTrip, float_kind, nonfinite_locals
 from nanaudit.script.trip_namer import TripNamer
 
 
@@ -61,6 +63,8 @@ class StepChecks:
         self.namer = TripNamer(self.ledger, rank)
         self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
+        # An error trip: the non-finite tensors the script's frames held (error_replay.py).
+        self.error_values: list[torch.Tensor] = []
 
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
@@ -164,6 +168,30 @@ class StepChecks:
         if self.trip is None:
             self._last_updates()
 
+    def raised(self, exc: BaseException, in_backward: bool) -> ScriptTrip | None:
+        """The script raised: was a non-finite value behind it? First the parameters the last
+        updates left (an update to NaN a later op refused), the step's unread inputs, then the
+        tensors in the exception's frames (BCELoss refusing a NaN input, `if loss.isnan():
+        raise`), never a collective's a dead peer failed (unfilled buffers). Once: a read per
+        tensor is fine."""
+        if self.trip is not None or self.window.armed is not None:
+            return self.trip
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self._last_updates()
+        if self.trip is None and self.ranks is None:
+            self._bad_inputs()          # a batch already bad: the model only passed it on
+        if self.trip is not None:
+            self.trip.error = f"{type(exc).__name__}: {first}"
+            return self.trip
+        bad = [] if is_collective_failure(exc) else nonfinite_locals(exc, held=self.error_values)
+        if not bad:
+            return None
+        self.trip = self.namer.trip(
+            self.step, Check.ERROR, bad[0][1], [name for name, _ in bad],
+            error=f"{type(exc).__name__}: {first}",
+            where=Where.BACKWARD if in_backward else Where.FORWARD)
+        return self.trip
+
     def _last_updates(self) -> None:
         self.host_reads += bool(self.ledger.stepped)
         self.trip = self.namer.last_updates(self.step)
@@ -187,6 +215,25 @@ class StepChecks:
         if read.inputs_ok and (read.loss is None or math.isfinite(read.loss)):
             return None
         return read
+
+    def _bad_inputs(self) -> ScriptTrip | None:
+        """The step's model inputs, unread when the script raised (no check came): non-finite,
+        the batch is the finding, as at a check: the model only passed on what it was given
+        (an `inf` in the batch made a NaN gradient that `clip_grad_norm_(...,
+        error_if_nonfinite=True)` refused). One host read, after an error only. Not under
+        torchrun, whose error trips replay on the raising rank alone (error_ranks.py)."""
+        inbox = self._inbox
+        if not inbox.input_peaks:
+            return None
+        read = self._bad_losses(inbox)
+        if read is None or read.inputs_ok:
+            return None
+        self._inbox = StepInbox()
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self.log.append(self._entry(last, read.loss, None, None))
+        loss = read.loss if read.loss is not None else 0.0
+        self.trip = self.namer.input_trip(self.step, inbox.inputs, loss, None)
+        return self.trip
 
     def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
         """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
