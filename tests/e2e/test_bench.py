@@ -61,3 +61,17 @@ def test_profile_run_step_splits_a_clean_step_into_the_hooks():
     timed = {row.split()[0] for row in rows}
     assert {"pre_step", "first_call", "post_step", "loss", "returned", "read_step"} <= timed
     assert "device" not in timed                  # no wait for a device on the CPU
+
+
+@pytest.mark.slow
+def test_profile_scan_step_names_what_scan_adds():
+    # scripts/profile_scan_step.py (the GPU profile that found a per-tensor check path) on the
+    # CPU: the check's fused norm is among the ops scan adds to a plain step.
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_scan_step.py"),
+                           "--workload", "tiny mlp", "--steps", "3", "--top", "40"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tiny mlp on cpu: plain ") and " ms a step, scan " in lines[0]
+    assert lines[1].startswith("host time added per step by ops and profiled functions: ")
+    assert any(line.split()[-1] == "aten::_foreach_norm" for line in lines[2:])
