@@ -74,6 +74,7 @@ class RerunStatus(Word):
     NOT_TRACED = "not-traced"                 # no module ran in the traced step
     NOT_REPRODUCED = "not-reproduced"         # the traced step came out finite
     COMPILED_ONLY = "compiled-only"           # finite eagerly; the compiled step makes it
+    MADE_BEFORE = "made-before-step"          # in-process: the value entered the step already bad
 
 
 class CompiledOutcome(Word):

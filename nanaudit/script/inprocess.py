@@ -40,6 +40,7 @@ from nanaudit.report.vocabulary import Check, CompiledOutcome, RerunStatus, Wher
 from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.before_window import made_before_window
 from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
     local_module,
@@ -58,6 +59,15 @@ Replayed = tuple[Finding | None, int, str | None]
 
 class NotReplayable(Exception):
     """Why this window cannot be replayed in-process (the re-run is used instead)."""
+
+
+class MadeBefore(Exception):
+    """The replay's walk ended at a value the script made before the step's first model call
+    (before_window.py): the re-run names its maker. Carries why and the ops traced."""
+
+    def __init__(self, why: str, ops: int) -> None:
+        super().__init__(why)
+        self.ops = ops
 
 
 def localize_in_process(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
@@ -99,6 +109,9 @@ def timed_replay(replayed: Callable[[], Replayed]) -> tuple[Rerun | None, Findin
         finding, ops, precision = replayed()
     except NotReplayable as why:
         return Rerun(status=RerunStatus.SKIPPED, note=str(why)), None
+    except MadeBefore as why:
+        return Rerun(steps=1, duration_s=round(time.perf_counter() - started, 3),
+                     status=RerunStatus.MADE_BEFORE, note=str(why), ops_traced=why.ops), None
     took = round(time.perf_counter() - started, 3)
     if finding is None:
         return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED,
@@ -318,4 +331,7 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
         loc = walk_from_sink(tracer.trace, sink, Where.BACKWARD, timeline, names)
     if not loc.reproduced or loc.event is None or not made_on_this_rank(auditor.ranks, loc):
         return None, ops, "the in-process replay named no op that made the value"
+    before = made_before_window(tracer, loc, calls, trip.step)
+    if before is not None:
+        raise MadeBefore(before, ops)
     return finding_at(tracer, loc, trip.step, names, batch), ops, event_precision(loc.event)
