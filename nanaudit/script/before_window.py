@@ -28,14 +28,14 @@ def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
     first model call, not one of the calls' inputs); None when it can."""
     if loc.event is None:
         return None
-    carriers = _carriers(tracer, loc)
-    if not carriers:
+    found = carriers(tracer, loc)
+    if not found:
         return None
     inputs = {id(t) for call in calls for t in _tensors((call.args, call.kwargs))}
     params = {id(p): f"{type(call.module).__name__}.{name}" for call in calls
               for name, p in _state(call.module)}
     constants = _loss_constants(calls)
-    for t in carriers:
+    for t in found:
         if id(t) in inputs:
             continue
         if id(t) in params:
@@ -52,7 +52,7 @@ def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
     return None
 
 
-def _carriers(tracer: Any, loc: Localization) -> list[torch.Tensor]:
+def carriers(tracer: Any, loc: Localization) -> list[torch.Tensor]:
     """The tensors that carried the bad value into the replayed ops, untraced."""
     events = [loc.event] + [e for e in loc.chain or [] if e is not loc.event]
     found: list[torch.Tensor] = []

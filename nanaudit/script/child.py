@@ -20,6 +20,7 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.sharded import local_shards
 from nanaudit.script import protocol
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.before_rerun import BeforeWindow
 from nanaudit.script.compiled_rerun import compiled_rerun_finding, eager_section
 from nanaudit.script.data_window import DataWindow
 from nanaudit.script.model_skip import ModelSkip
@@ -47,7 +48,7 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         sinks = [s for s in armed.sinks if kinds_of(s)]
         if sinks:
             _adopt(armed, walk_from_sink(trace, sinks[0], Where.FORWARD, auditor.timeline, None),
-                   spec.step, None, result, auditor.rank)
+                   spec.step, None, result, auditor.rank, auditor.window)
     else:
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
@@ -60,7 +61,7 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
             names = [n for n, _ in bad]
             sink = own if own is not None else bad[0][1]
             loc = walk_from_sink(trace, sink, Where.BACKWARD, auditor.timeline, names)
-            _adopt(armed, loc, spec.step, names, result, auditor.rank)
+            _adopt(armed, loc, spec.step, names, result, auditor.rank, auditor.window)
     if armed.compiled is not None:
         # A compiled model: the trace ran it eagerly; finite there, the compiled call decides.
         if result.finding is not None:
@@ -87,7 +88,7 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
 
 
 def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
-           result: RerunResult, rank: int | None) -> None:
+           result: RerunResult, rank: int | None, window: object = None) -> None:
     if not loc.reproduced or loc.event is None:
         return
     if rank is not None and not made_here(loc):
@@ -95,6 +96,8 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
         return
     finding = finding_at(armed.tracer, loc, step, names, armed.batch_size)
     finding.rank = rank
+    if isinstance(window, BeforeWindow) and not window.made_before(armed.tracer, loc, finding):
+        return       # the value came from outside the script's traced code: not named here
     result.finding, result.precision = finding, event_precision(loc.event)
 
 
@@ -113,6 +116,9 @@ def rerun(spec: RerunSpec) -> RerunResult:
         if spec.skip_model:
             skip = window.skip = ModelSkip(spec.step, lambda: auditor.step).install()
         window.start()
+    elif spec.before:                 # the value was made before step N's first model call
+        before = auditor.window = BeforeWindow(spec.step, spec.evaluation, OpTracer, spec.skips)
+        before.start()
     try:
         _run(auditor, spec, result)
     finally:

@@ -32,6 +32,8 @@ class RerunSpec:
     buffers: bool = False     # the step's forward made floating buffers non-finite
     skip_model: bool = False  # an input trip: stand in for the model before the step ...
     trace_from: int = 0       # ... and trace the data code of set-up and from this step only
+    before: bool = False      # a loss trip whose value the script made before step N's first
+    #                           model call (in-process): trace its code too (before_rerun.py)
 
 
 @dataclass(frozen=True)

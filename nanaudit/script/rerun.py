@@ -191,7 +191,7 @@ def _child(target: ScriptTarget, options: ScriptOptions, trip: ScriptTrip,
     spec = RerunSpec(target=target, seed=options.seed, step=trip.step, check=trip.check,
                      evaluation=trip.evaluation, skips=trip.skips, buffers=trip.in_buffers,
                      losses=tuple((e.step, e.loss) for e in timeline if e.step < trip.step),
-                     skip_model=skip_model, trace_from=trace_from)
+                     skip_model=skip_model, trace_from=trace_from, before=trip.made_before)
     env = rerun_environment()          # torchrun: every rank re-runs, together
     timeout = options.rerun_timeout_s
     if env is not None and timeout is None:

@@ -12,7 +12,7 @@ import time
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import FirstRun, ScriptRun
-from nanaudit.report.vocabulary import Check, Status
+from nanaudit.report.vocabulary import Check, RerunStatus, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.error_ranks import not_rerun_note
@@ -96,6 +96,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         # that cannot name the op (inprocess.py says why).
         localize = localize_error if trip.check == Check.ERROR else localize_in_process
         report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
+        replay = report.run.replay
+        trip.made_before = replay is not None and replay.status == RerunStatus.MADE_BEFORE
         if localized is not None:
             report.finding = adopt(localized, trip)
         elif trip.check == Check.ERROR and auditor.ranks is not None:

@@ -42,6 +42,8 @@ class ScriptTrip:
     unreached: bool = False             # a loss the script computed and skipped before backward
     element: ShardElement | None = None  # a sharded tensor's first bad element (run/mesh.py)
     fingerprint: str | None = None      # input trips: the first bad input's bytes, hashed
+    made_before: bool = False           # in-process: the value was made before the step's
+    #                                     first model call (the re-run traces that code)
 
     @property
     def in_buffers(self) -> bool:

@@ -1,0 +1,94 @@
+"""The re-run's window for a loss (or gradient) trip whose value the in-process replay saw enter
+the step already non-finite from the script's own code before the step's first model call
+(before_window.py): a distillation target a frozen teacher made under `no_grad`, a weight an
+EMA changed in place between steps.
+
+The script's own code is traced as an input trip's is (data_window.py): from its start, and from
+each update (or backward) to the next model call, the finite records of earlier stretches
+forgotten. At step N's first model call that tracer stops and the model window is armed as an
+ordinary re-run's (rerun_window.py): two tracers are never active at once. At step N's check
+the walk back from the loss runs as usual; when it ends at a value that entered the model's
+trace from outside, the walk goes on in the data code's trace from that value, and the finding
+names the op there, its line and its cause (localize/producer.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nanaudit.localize.producer import attach_arrival, attach_made, forget_finite, origin_of
+from nanaudit.localize.walk import Localization
+from nanaudit.report.model import Finding
+from nanaudit.script.before_window import carriers
+from nanaudit.script.rerun_window import RerunWindow
+
+
+class BeforeWindow(RerunWindow):
+    """Traces the script's own code up to step N's first model call, then step N's window."""
+
+    def __init__(self, step: int, evaluation: int, tracer: Any, skips: int = 0):
+        super().__init__(step, evaluation, tracer, skips)
+        self.data_tracer = tracer(torch.nn.Module())    # no model here: modules named by type
+        self._on = False
+        self._since = 0                  # the first forward record of the open stretch
+        self._stretch = 0                # the step whose code is traced now
+
+    def start(self) -> None:
+        """The script starts: its set-up is the script's own code too."""
+        self.enter_data_code(0)
+
+    def enter_data_code(self, step: int) -> None:
+        if self._on or self.armed is not None or self.localized is not None \
+                or self.step is None or step > self.step:
+            return
+        self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
+        self.data_tracer.__enter__()
+        self._on = True
+
+    def leave_data_code(self) -> None:
+        if not self._on:
+            return
+        self._on = False
+        self.data_tracer.__exit__(None, None, None)
+        # The model call that ends the stretch was pushed before the window saw it.
+        self.data_tracer.modules.stack.clear()
+        if self.step is not None and self._stretch < self.step:
+            forget_finite(self.data_tracer.trace, self._since)
+
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
+        self.leave_data_code()          # never two tracers at once
+        super().arm(module, args, kwargs, entry)
+
+    def close(self) -> None:
+        self.leave_data_code()
+        super().close()
+
+    def traced(self) -> str:
+        return (f"the script's own code from its start to step {self.step}'s first model call "
+                f"(outside its models' forward and backward passes and its optimizer steps)")
+
+    def made_before(self, model_tracer: Any, loc: Localization, finding: Finding) -> bool:
+        """Name in `finding` what made the value `loc`'s walk found entering the model's trace
+        from outside, from the data code's trace; False when no traced tensor carried it."""
+        for carrier in carriers(model_tracer, loc):
+            if self.data_tracer.trace.producer_of(carrier) is None:
+                continue
+            origin = origin_of(self.data_tracer, carrier)
+            passed = loc.event
+            at = (f" at {os.path.basename(passed.source.file)}:{passed.source.line}"
+                  if passed is not None and passed.source is not None else "")
+            op = str(passed.op).split(".")[1] if passed is not None else "an op"
+            finding.explanation = ""
+            finding.explain(f"the value was made in the script's own code before step "
+                            f"{self.step}'s first model call (not in the model, not outside "
+                            f"torch), and {op}{at} received it already non-finite")
+            if origin.made is not None:
+                attach_made(finding, origin.made, self.traced())
+            else:
+                assert origin.arrival is not None
+                attach_arrival(finding, origin.arrival, self.traced())
+            return True
+        return False
