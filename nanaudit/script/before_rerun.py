@@ -19,9 +19,16 @@ from typing import Any
 
 import torch
 
-from nanaudit.localize.producer import attach_arrival, attach_made, forget_finite, origin_of
-from nanaudit.localize.walk import Localization
+from nanaudit.localize.producer import (
+    Arrival,
+    attach_arrival,
+    attach_made,
+    forget_finite,
+    origin_of,
+)
+from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
+from nanaudit.report.vocabulary import Where
 from nanaudit.script.before_window import carriers
 from nanaudit.script.rerun_window import RerunWindow
 
@@ -85,10 +92,20 @@ class BeforeWindow(RerunWindow):
             finding.explain(f"the value was made in the script's own code before step "
                             f"{self.step}'s first model call (not in the model, not outside "
                             f"torch), and {op}{at} received it already non-finite")
-            if origin.made is not None:
-                attach_made(finding, origin.made, self.traced())
+            made = origin.made or self._written(origin.arrival, carrier)
+            if made is not None:
+                attach_made(finding, made, self.traced())
             else:
                 assert origin.arrival is not None
                 attach_arrival(finding, origin.arrival, self.traced())
             return True
         return False
+
+    def _written(self, arrival: Arrival | None, carrier: torch.Tensor) -> Localization | None:
+        """A Python infinity a traced op of the script's own code took (`pe.mul_(inf)`): that
+        op made the tensor non-finite, and the walk names it (an input finding says instead
+        that the value entered torch there)."""
+        if arrival is None or not arrival.number or arrival.event is None:
+            return None
+        loc = walk_from_sink(self.data_tracer.trace, carrier, Where.FORWARD, [], None)
+        return loc if loc.reproduced and loc.event is not None else None

@@ -119,6 +119,9 @@ def rerun(spec: RerunSpec) -> RerunResult:
     elif spec.before:                 # the value was made before step N's first model call
         before = auditor.window = BeforeWindow(spec.step, spec.evaluation, OpTracer, spec.skips)
         before.start()
+        # The step's loss code recorded as the first run's is: a loss it skipped before
+        # backward (an EMA copy's evaluation) is heard, and is the sink.
+        auditor.hooks.tap.enabled = True
     try:
         _run(auditor, spec, result)
     finally:
