@@ -1,0 +1,124 @@
+"""Issue 35: a value the script's own code made before the step's first model call, then used by
+the step's loss code or model. The in-process replay runs the step's model calls and recorded
+loss code only, so its walk back ends at that value as if no torch op had made it; it must not
+name the op that passed it on (nor blame numpy, a C extension or divergence), but fall back to
+the re-run, saying why, and the re-run traces the script's code before the step's first model
+call and names the op there.
+
+The two scripts follow public patterns: knowledge distillation's temperature-scaled softmax of
+a frozen teacher's logits as the target (`F.kl_div(log_softmax(s), softmax(t / T))`, with T
+reaching 0), and a hand-written EMA of the weights updated in place under `no_grad` after the
+optimizer's step (`ema_p.mul_(decay).add_(p, alpha=1 - decay)`, the timm/`torch.optim.swa_utils`
+pattern) with a bad decay, evaluated without backward."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run import run_script
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+TEACHER = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 5))
+    student = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 5))
+    opt = torch.optim.SGD(student.parameters(), 0.1)
+    T = 1.0
+    for step in range(40):
+        x = torch.randn(8, 10)
+        with torch.no_grad():
+            t = teacher(x)
+            if step == 30: T = 0.0
+            p = F.softmax(t / T, dim=1)
+        s = F.log_softmax(student(x), dim=1)
+        loss = F.kl_div(s, p, reduction="batchmean")
+        opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+EMA = """
+    import torch, torch.nn as nn, copy
+    torch.manual_seed(0)
+    m = nn.Linear(6, 1); ema = copy.deepcopy(m)
+    opt = torch.optim.SGD(m.parameters(), 0.05)
+    decay = 0.99
+    for step in range(40):
+        x = torch.randn(8, 6); y = x.sum(1, keepdim=True)
+        loss = (m(x) - y).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        with torch.no_grad():
+            d = decay if step != 33 else float("inf")
+            for pe, p in zip(ema.parameters(), m.parameters()):
+                pe.mul_(d).add_(p, alpha=1 - d)
+        eval_loss = (ema(x) - y).pow(2).mean()
+"""
+
+WRONG = ("created outside torch ops", "numpy", "C extension")
+
+
+def write(tmp_path: Path, code: str) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(code))
+    return path
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def fell_back(report, step: int, what: str) -> None:
+    """The in-process replay named nothing, said why, and the re-run named the op."""
+    replay = report.run.replay
+    assert replay.status == "made-before-step" and replay.ops_traced > 0
+    assert f"made it before step {step}'s first model call" in replay.note and what in replay.note
+    assert report.run.rerun.status == "reproduced"
+    assert report.finding.localized_by == "re-run" and report.finding.reproduced is True
+
+
+@pytest.mark.slow
+def test_a_distillation_target_made_non_finite_under_no_grad_names_the_division(tmp_path):
+    path = write(tmp_path, TEACHER)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert exit_code(report) == 1
+    # Before: aten.xlogy.Tensor (kl_div's), cause unknown, "created outside torch ops".
+    assert (f.step, f.where, f.op, f.cause) == (30, "forward", "aten.div.Tensor", "div-by-zero")
+    assert f.source.line == line_of(path, "p = F.softmax(t / T")
+    assert "before step 30's first model call" in f.explanation
+    assert not any(word in f.explanation for word in WRONG)
+    assert f.producer is not None and f.producer.made_by == "torch-op"
+    fell_back(report, 30, "a tensor the loss code reads")
+
+
+@pytest.mark.slow
+def test_an_ema_copy_updated_in_place_with_an_infinite_decay_names_the_update(tmp_path):
+    path = write(tmp_path, EMA)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert exit_code(report) == 1
+    # Before: aten.t.default (the EMA Linear's transpose of its NaN weight), cause divergence
+    # (linked to the trained model's update-ratio warning).
+    assert (f.step, f.where, f.op, f.cause) == (34, "forward", "aten.mul_.Tensor",
+                                                "inf-arithmetic")
+    assert f.source.line == line_of(path, "pe.mul_(d).add_(p")
+    assert "the Python number inf" in f.explanation
+    assert "skipped it before backward" in f.explanation
+    assert not any(word in f.explanation for word in WRONG)
+    fell_back(report, 34, "Linear.weight")
+
+
+def test_keep_going_keeps_the_first_runs_finding_and_says_why(tmp_path):
+    # A skipped step is never re-run: the first run's finding, with why no op is named.
+    path = write(tmp_path, TEACHER.replace("if step == 30: T = 0.0",
+                                           "T = 0.0 if step == 30 else 1.0"))
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(keep_going=True))
+    first = report.findings[0]
+    assert exit_code(report) == 1 and report.run.rerun is None
+    assert (first.step, first.op, first.localized_by) == (30, None, None)
+    assert "not localized: a tensor the loss code reads" in first.explanation
+    assert "never re-run" in first.explanation
+    assert not any(word in first.explanation for word in WRONG)
