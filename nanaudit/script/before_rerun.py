@@ -77,29 +77,33 @@ class BeforeWindow(RerunWindow):
         return (f"the script's own code from its start to step {self.step}'s first model call "
                 f"(outside its models' forward and backward passes and its optimizer steps)")
 
-    def made_before(self, model_tracer: Any, loc: Localization, finding: Finding) -> bool:
+    def made_before(self, model_tracer: Any, loc: Localization, finding: Finding) -> None:
         """Name in `finding` what made the value `loc`'s walk found entering the model's trace
-        from outside, from the data code's trace; False when no traced tensor carried it."""
-        for carrier in carriers(model_tracer, loc):
-            if self.data_tracer.trace.producer_of(carrier) is None:
-                continue
-            origin = origin_of(self.data_tracer, carrier)
-            passed = loc.event
-            at = (f" at {os.path.basename(passed.source.file)}:{passed.source.line}"
-                  if passed is not None and passed.source is not None else "")
-            op = str(passed.op).split(".")[1] if passed is not None else "an op"
-            finding.explanation = ""
-            finding.explain(f"the value was made in the script's own code before step "
-                            f"{self.step}'s first model call (not in the model, not outside "
-                            f"torch), and {op}{at} received it already non-finite")
-            made = origin.made or self._written(origin.arrival, carrier)
-            if made is not None:
-                attach_made(finding, made, self.traced())
-            else:
-                assert origin.arrival is not None
-                attach_arrival(finding, origin.arrival, self.traced())
-            return True
-        return False
+        from outside, from the data code's trace; a walk that ended inside the model's trace
+        keeps its finding."""
+        found = carriers(model_tracer, loc)
+        traced = [t for t in found if self.data_tracer.trace.producer_of(t) is not None]
+        if not traced:
+            if found:
+                finding.explain(f"no op of {self.traced()} computed it either")
+            return
+        carrier = traced[0]
+        origin = origin_of(self.data_tracer, carrier)
+        passed = loc.event
+        at = (f" at {os.path.basename(passed.source.file)}:{passed.source.line}"
+              if passed is not None and passed.source is not None else "")
+        op = str(passed.op).split(".")[1] if passed is not None else "an op"
+        made = origin.made or self._written(origin.arrival, carrier)
+        how = ("made in", " (not in the model, not outside torch)") if made is not None else \
+            ("handed to the model by", "")
+        finding.explanation = ""
+        finding.explain(f"the value was {how[0]} the script's own code before step {self.step}'s "
+                        f"first model call{how[1]}, and {op}{at} received it already non-finite")
+        if made is not None:
+            attach_made(finding, made, self.traced())
+        else:
+            assert origin.arrival is not None
+            attach_arrival(finding, origin.arrival, self.traced())
 
     def _written(self, arrival: Arrival | None, carrier: torch.Tensor) -> Localization | None:
         """A Python infinity a traced op of the script's own code took (`pe.mul_(inf)`): that

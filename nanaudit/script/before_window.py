@@ -19,7 +19,11 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.localize.producer import arrival_at
 from nanaudit.localize.walk import Localization
+from nanaudit.report.sections import Rerun
+from nanaudit.report.vocabulary import Check, RerunStatus
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.target import ScriptOptions
+from nanaudit.script.trip import ScriptTrip
 
 
 def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
@@ -50,6 +54,18 @@ def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
                 f"in-place change of weights between steps), which the in-process replay does "
                 f"not trace; the re-run traces that code")
     return None
+
+
+def traces_before(replay: Rerun | None, options: ScriptOptions, trip: ScriptTrip,
+                  ranks: Any) -> bool:
+    """Whether the re-run also traces the script's code before step N's first model call:
+    the in-process replay saw the value enter the step from it, or `--rerun` forced the re-run
+    of a loss or gradient trip (no replay looked; outside torchrun, where the window is not
+    built for the ranks' data code)."""
+    if replay is not None and replay.status == RerunStatus.MADE_BEFORE:
+        return True
+    return options.force_rerun and trip.check in (Check.LOSS, Check.GRADIENT) \
+        and not trip.in_buffers and ranks is None
 
 
 def carriers(tracer: Any, loc: Localization) -> list[torch.Tensor]:

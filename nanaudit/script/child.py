@@ -96,8 +96,8 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
         return
     finding = finding_at(armed.tracer, loc, step, names, armed.batch_size)
     finding.rank = rank
-    if isinstance(window, BeforeWindow) and not window.made_before(armed.tracer, loc, finding):
-        return       # the value came from outside the script's traced code: not named here
+    if isinstance(window, BeforeWindow):
+        window.made_before(armed.tracer, loc, finding)
     result.finding, result.precision = finding, event_precision(loc.event)
 
 

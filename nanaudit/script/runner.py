@@ -12,9 +12,10 @@ import time
 from nanaudit.errors import NothingAuditedError, UserCodeError
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import FirstRun, ScriptRun
-from nanaudit.report.vocabulary import Check, RerunStatus, Status
+from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
+from nanaudit.script.before_window import traces_before
 from nanaudit.script.error_ranks import not_rerun_note
 from nanaudit.script.error_replay import localize_error
 from nanaudit.script.findings import first_run_finding, link_warnings
@@ -96,8 +97,7 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         # that cannot name the op (inprocess.py says why).
         localize = localize_error if trip.check == Check.ERROR else localize_in_process
         report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
-        replay = report.run.replay
-        trip.made_before = replay is not None and replay.status == RerunStatus.MADE_BEFORE
+        trip.made_before = traces_before(report.run.replay, options, trip, auditor.ranks)
         if localized is not None:
             report.finding = adopt(localized, trip)
         elif trip.check == Check.ERROR and auditor.ranks is not None:

@@ -122,3 +122,19 @@ def test_keep_going_keeps_the_first_runs_finding_and_says_why(tmp_path):
     assert "not localized: a tensor the loss code reads" in first.explanation
     assert "never re-run" in first.explanation
     assert not any(word in first.explanation for word in WRONG)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code, op, text", [
+    (TEACHER, "aten.div.Tensor", "p = F.softmax(t / T"),
+    (EMA, "aten.mul_.Tensor", "pe.mul_(d).add_(p"),
+])
+def test_the_forced_rerun_traces_the_code_before_the_step_too(tmp_path, code, op, text):
+    # --rerun: no in-process replay looked; the re-run of a loss trip traces the script's code
+    # before the step's first model call all the same (before: xlogy / t, "outside torch").
+    path = write(tmp_path, code)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(force_rerun=True))
+    f = report.finding
+    assert (f.op, f.source.line, f.localized_by) == (op, line_of(path, text), "re-run")
+    assert report.run.replay.status == "skipped" and report.run.rerun.status == "reproduced"
+    assert not any(word in f.explanation for word in WRONG)
