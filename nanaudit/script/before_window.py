@@ -4,7 +4,7 @@ the step's first model call: a tensor the loss code reads (a distillation target
 hand-written EMA's `mul_`). The replay runs the step's model calls and recorded loss code only,
 so the walk back ends at such a value as if no torch op had made it ("created outside torch
 ops"); naming the op that merely passed it on would be wrong, and so would blaming numpy, a C
-extension or divergence. The re-run traces the code that made it (rerun_window.py).
+extension or divergence. The re-run traces the code that made it (before_rerun.py).
 
 A batch the model received already bad is not this: that is the input trip's (data_window.py).
 """
