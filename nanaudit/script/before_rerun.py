@@ -15,6 +15,7 @@ names the op there, its line and its cause (localize/producer.py).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class BeforeWindow(RerunWindow):
     def __init__(self, step: int, evaluation: int, tracer: Any, skips: int = 0):
         super().__init__(step, evaluation, tracer, skips)
         self.data_tracer = tracer(torch.nn.Module())    # no model here: modules named by type
-        self._on = False
+        self._on: int | None = None     # the thread whose mode stack holds the data tracer
         self._since = 0                  # the first forward record of the open stretch
         self._stretch = 0                # the step whose code is traced now
 
@@ -48,17 +49,20 @@ class BeforeWindow(RerunWindow):
         self.enter_data_code(0)
 
     def enter_data_code(self, step: int) -> None:
-        if self._on or self.armed is not None or self.localized is not None \
+        if self._on is not None or self.armed is not None or self.localized is not None \
                 or self.step is None or step > self.step:
             return
         self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
         self.data_tracer.__enter__()
-        self._on = True
+        self._on = threading.get_ident()
 
     def leave_data_code(self) -> None:
-        if not self._on:
+        # A mode is pushed on one thread's stack: a script that trains in a thread it started
+        # leaves the set-up's stretch from there, and the tracer stays pushed on the main
+        # thread (which waits, tracing nothing) until the window closes there.
+        if self._on != threading.get_ident():
             return
-        self._on = False
+        self._on = None
         self.data_tracer.__exit__(None, None, None)
         # The model call that ends the stretch was pushed before the window saw it.
         self.data_tracer.modules.stack.clear()
