@@ -22,6 +22,7 @@ from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
+from nanaudit.run.deepspeed_zero import loss_scale_of
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.ledger import Ledger
 from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, read_step
@@ -65,7 +66,10 @@ class StepChecks:
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
         loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
-        evaluations in the same step add no timeline entry."""
+        evaluations in the same step add no timeline entry. Under DeepSpeed fp16's dynamic
+        loss scale the gradients read are scaled: the entry's norm is divided by the scale, and
+        gradients alone non-finite are the scale's calibration, no trip (script/zero_steps.py).
+        """
         self.ledger.stepped[id(optimizer)] = optimizer
         window = self.window
         if window.step is not None:            # a re-run (the first run asks nothing here)
@@ -95,7 +99,8 @@ class StepChecks:
             grad_norm = exact_norm(scope.local(grads))  # a float32 sum of squares overflowed
         if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
             norm = exact_norm(scope.local(scope.params))
-        entry = self._entry(optimizer, loss, grad_norm, norm)
+        scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
+        entry = self._entry(optimizer, loss, grad_norm / scale if scale else grad_norm, norm)
         if evaluation == 0:
             self.log.append(entry)
             if self.expected_losses is not None and self._left_first_run(loss):
@@ -105,6 +110,9 @@ class StepChecks:
             return StepDecision.APPLY          # all finite: no check can trip
         trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
                               grad_norm, scope.params, inbox.inputs)
+        if trip is not None and scale and trip.check is Check.GRADIENT:
+            self.log.retract_last()            # fp16 calibration: DeepSpeed skips this step
+            return StepDecision.APPLY          # (zero_steps.py; its skip is told after it)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
