@@ -126,17 +126,6 @@ class Timeline(Sequence):
         else:
             raise IndexError("replace_last on an empty timeline")
 
-    def pop_last(self) -> None:
-        """Take off the entry just appended (never one already folded into a bucket: the tail
-        keeps the newest)."""
-        if self._tail:
-            self._tail.pop()
-        elif self._head:
-            self._head.pop()
-        else:
-            raise IndexError("pop_last on an empty timeline")
-        self.steps -= 1
-
     def clear(self) -> None:
         self.steps, self._width = 0, 1
         self._head.clear()

@@ -101,18 +101,16 @@ class StepChecks:
             norm = exact_norm(scope.local(scope.params))
         scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
         entry = self._entry(optimizer, loss, grad_norm / scale if scale else grad_norm, norm)
+        trip = None
+        if self.ranks is not None or not _all_finite(read, norm, grad_norm):
+            trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
+                                  grad_norm, scope.params, inbox.inputs)
+        if trip is not None and scale and trip.check is Check.GRADIENT:
+            return StepDecision.APPLY      # fp16 calibration: DeepSpeed skips it (zero_steps.py)
         if evaluation == 0:
             self.log.append(entry)
             if self.expected_losses is not None and self._left_first_run(loss):
                 return StepDecision.STOP       # a re-run that already differs: no use going on
-        if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
-                and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
-            return StepDecision.APPLY          # all finite: no check can trip
-        trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
-                              grad_norm, scope.params, inbox.inputs)
-        if trip is not None and scale and trip.check is Check.GRADIENT:
-            self.log.retract_last()            # fp16 calibration: DeepSpeed skips this step
-            return StepDecision.APPLY          # (zero_steps.py; its skip is told after it)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
@@ -212,3 +210,9 @@ class StepChecks:
     def skipped(self) -> int:
         """The tries a GradScaler skipped (not steps)."""
         return self.scaler_watch.skipped
+
+
+def _all_finite(read: StepRead, norm: float, grad_norm: float) -> bool:
+    """Every value of the step's read finite: no check can trip (without ranks)."""
+    return (read.inputs_ok and read.buffers_ok and math.isfinite(norm)
+            and math.isfinite(grad_norm) and (read.loss is None or math.isfinite(read.loss)))

@@ -44,12 +44,6 @@ class StepLog:
         self.timeline.replace_last(entry)
         self._unwatched = entry
 
-    def retract_last(self) -> None:
-        """The entry just appended was no step (a try DeepSpeed skips while its loss scale
-        calibrates): taken off; the one before it stays observed."""
-        self.timeline.pop_last()
-        self._unwatched = None
-
     def clear(self) -> None:
         """Steps numbered afresh: those logged were not an optimizer's training steps."""
         self.timeline.clear()

@@ -194,3 +194,56 @@ def test_backward_only_value_with_two_param_groups_is_named_at_its_engine_step(t
             1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [5])
         assert f["module"].endswith("length")
         assert f["source"]["line"] == line_of("return torch.sqrt(")
+
+
+# fp16 with a dynamic loss scale (initial_scale_power 30): DeepSpeed skips its first 14 steps
+# while the scale backs off, as a GradScaler does. On a CPU DeepSpeed refuses fp16 ("Type fp16
+# is not supported on your device.": its CPU accelerator asks oneDNN for float16 kernels); the
+# script claims the support, so DeepSpeed's own fp16 optimizer and loss scaler run (see it).
+FP16 = SCRIPTS / "deepspeed_fp16.py"
+
+
+def run_fp16(tmp_path, *script_args):
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, FP16,
+                                   *script_args], timeout_s=420)
+    assert out.exists(), outputs
+    return codes, json.loads(out.read_text()), outputs
+
+
+@pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
+def test_fp16_calibration_skips_under_zero_are_a_clean_run(tmp_path, stage):
+    # Before: the first skip was a finding at step 0 on a healthy run (every rank's own scaled
+    # gradients, flagged as autograd made them, overflowed). Now 14 skips, no finding, the 16
+    # steps numbered 0..15, and the timeline's gradient norm the unscaled one (the scale is
+    # 2**17 by then: scaled, each norm would be thousands).
+    codes, report, outputs = run_fp16(tmp_path, "--stage", stage, "--fault", "none")
+    assert codes == [0, 0], outputs
+    assert report["status"] == "clean" and report["run"]["first_run"]["skipped"] == 14
+    assert [entry["step"] for entry in report["timeline"]] == list(range(16))
+    assert all(0 < entry["grad_norm"] < 10 for entry in report["timeline"])
+
+
+@pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
+def test_fp16_forward_value_is_named_at_its_step_after_the_skips(tmp_path, stage):
+    codes, report, outputs = run_fp16(tmp_path, "--stage", stage, "--fault", "forward")
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["cause"], f["samples"]) == (
+        1, 6, "forward", "log-domain", [2])
+    assert f["source"]["line"] == line_of("h = torch.log(x)")
+    assert report["run"]["first_run"]["skipped"] == 14
+
+
+def test_fp16_skips_that_never_end_collapse_into_a_finding(tmp_path):
+    # The float16 gradients overflow whatever the scale: after 10 skips in a row at a usable
+    # scale the collapse is the finding (before DeepSpeed raises at its minimum scale).
+    codes, report, outputs = run_fp16(tmp_path, "--fault", "overflow")
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["step"], f["where"], f["cause"], f["op"]) == (
+        0, "backward", "dtype-overflow", "aten.mul.Tensor")
+    assert "skipped 10 steps in a row" in f["explanation"]
+    assert FP16.read_text().splitlines()[f["source"]["line"] - 1].strip() == (
+        "loss = loss * 1e30")
+    assert report["run"]["first_run"]["skipped"] == 25
