@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_inprocess import LOOP  # noqa: E402
+from bench_inprocess import LOOP
 
 ROOT = Path(__file__).resolve().parent.parent
 WARM = 200

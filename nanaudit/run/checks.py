@@ -36,6 +36,16 @@ _DENSE = {torch.strided}
 PACK_BELOW = 4096
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """`device` as its tensors name it: a bare `cuda` is the current CUDA device, which a
+    tensor's `.device` always gives with its index (`cuda:0`), so a check comparing the two
+    never matched and took the per-tensor path, a copy and a launch per tensor per step."""
+    device = torch.device(device)
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.empty(0, device=device).device
+
+
 def finite_norm(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """The float64 L2 norm of all tensors together, on `device`; non-finite iff an element is."""
     if len(tensors) == 1 and tensors[0].dtype in _FLOAT64_SAFE \
@@ -180,7 +190,7 @@ class StepChecks:
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str,
                  params: list[torch.Tensor] | None = None) -> None:
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.params = list(params) if params is not None else list(model.parameters())
         buffers = list(model.buffers())
         # Which buffers the state check reads (the check core's scope: the floating ones), by

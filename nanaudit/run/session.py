@@ -37,9 +37,10 @@ def resolve_device(device: str) -> torch.device:
     problem = device_problem(device)
     if problem:
         raise ConfigError([problem])
+    from nanaudit.run.checks import canonical_device
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        return canonical_device("cuda" if torch.cuda.is_available() else "cpu")
+    return canonical_device(device)
 
 
 @dataclass
@@ -103,11 +104,11 @@ class Session:
         """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML, no
         entrypoints, no config. `label` names the loss and the data in messages; `options`
         are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...)."""
-        import torch
         run_options = RunOptions(data_label=label, loss_label=f"{label}:loss_fn",
                                  loss_key=label, **options)
         names = parameter_names(model)
-        return cls(run_options, torch.device(device), model, optimizer, loss_fn,
+        from nanaudit.run.checks import canonical_device
+        return cls(run_options, canonical_device(device), model, optimizer, loss_fn,
                    lambda: batches, names, precision=precision)
 
 

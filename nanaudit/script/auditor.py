@@ -29,10 +29,8 @@ from typing import Any
 
 import torch
 
-from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import backoff_scale
-from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
@@ -42,7 +40,7 @@ from nanaudit.script.ledger import describe_optimizer
 from nanaudit.script.readout import StepInbox, WeightsScope
 from nanaudit.script.step_checks import StepChecks
 from nanaudit.script.step_values import data_inputs
-from nanaudit.script.trip import ScriptTrip, nonfinite_locals
+from nanaudit.script.trip import ScriptTrip
 
 
 class ScriptAuditor(StepChecks):
@@ -57,8 +55,6 @@ class ScriptAuditor(StepChecks):
         self.hooks = ScriptHooks(self, record=rerun_step is None)
         self._state_step: int | None = None      # id of an optimizer creating its state
         self.keep: KeepGoing | None = None       # --keep-going: skip bad steps, go on
-        # An error trip: the non-finite tensors the script's frames held (error_replay.py).
-        self.error_values: list[torch.Tensor] = []
 
     def install(self) -> ScriptAuditor:
         self.hooks.install()
@@ -246,22 +242,5 @@ class ScriptAuditor(StepChecks):
     # --- after the script --------------------------------------------------------------------
 
     def after_error(self, exc: BaseException) -> ScriptTrip | None:
-        """The script raised: was a non-finite value behind it? First the parameters the last
-        updates left (an update to NaN a later op refused), then the tensors in the exception's
-        frames (BCELoss refusing a NaN input, the script's `if loss.isnan(): raise`), never a
-        collective's a dead peer failed (unfilled buffers). Once: a read per tensor is fine."""
-        if self.trip is not None or self.window.armed is not None:
-            return self.trip
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        self._last_updates()
-        if self.trip is not None:
-            self.trip.error = f"{type(exc).__name__}: {first}"
-            return self.trip
-        bad = [] if is_collective_failure(exc) else nonfinite_locals(exc, held=self.error_values)
-        if not bad:
-            return None
-        self.trip = self.namer.trip(
-            self.step, Check.ERROR, bad[0][1], [name for name, _ in bad],
-            error=f"{type(exc).__name__}: {first}",
-            where=Where.BACKWARD if self.hooks.raised_in_backward else Where.FORWARD)
-        return self.trip
+        """The script raised: the non-finite value behind it, if any (step_checks.py)."""
+        return self.raised(exc, in_backward=self.hooks.raised_in_backward)

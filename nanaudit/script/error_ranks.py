@@ -15,8 +15,13 @@ What is sound:
     micro-batches, a raise inside backward) is refused: its gradients would reach DDP's reducer,
     whose all-reduce the peers are waiting in.
   - FSDP2, DeepSpeed ZeRO, meshes of several dimensions: a forward gathers every rank's weight
-    shards, with peers that wait in another collective: refused, saying why; the first run's
-    finding (step, rank, the exception, the tensors its frames held) is what every rank reports.
+    shards, with peers that wait in another collective, so the model is not run again: the
+    loss code alone is replayed, from the model's output as the first run recorded it (a
+    forward that returned, its output finite, plain tensors: a DTensor output's loss code joins
+    collectives), which names a value the loss code made (`log` of a zero weight before the
+    script's assert). A value the forward made, or a forward that raised, is refused, saying
+    why; the first run's finding (step, rank, the exception, the tensors its frames held) is
+    then what every rank reports.
   - Either way, no re-run. The raising rank posts its finding and status to the rendezvous
     store, writes its own report and ends its process at once (coordinator.failed: no exit
     barrier, which the blocked peers could not reach). Its closed connections free the peers,
@@ -32,28 +37,54 @@ import pickle
 import socket
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from nanaudit.report.model import Report
 from nanaudit.report.sections import RankStatus
 from nanaudit.report.vocabulary import Status
 from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
+from nanaudit.run.sharded import is_sharded
 from nanaudit.script.inprocess import NotReplayable
 from nanaudit.script.rank_replay import not_replayed_here, replayed_together
 
 _KEY = "nanaudit/error-trip/{}"
 
 
-def refuse_alone(ranks: RankChecks, calls: list) -> None:
-    """NotReplayable when the raising rank cannot replay its window without its peers."""
-    why = not_replayed_here(ranks)
-    if why is not None:
-        raise NotReplayable(why)
-    if replayed_together(ranks):
-        raise NotReplayable("under FSDP2 the replay's forward all-gathers the weights with every "
-                            "rank, and the peers are blocked in another collective")
+def forward_alone(ranks: RankChecks, calls: list) -> bool:
+    """How the raising rank replays its window without its peers: True, the model's forward
+    and the loss code (DDP's local module runs no collective); False, the loss code alone from
+    the model's recorded output (the forward gathers with the peers). NotReplayable: neither
+    (see the module docstring)."""
     if any(call.code.roots for call in calls):
-        raise NotReplayable("under DDP the window's backward would reach the gradient "
-                            "all-reduce the peers wait in")
+        raise NotReplayable("the window's backward would reach the gradient collectives the "
+                            "peers wait in")
+    layout = not_replayed_here(ranks)
+    if layout is None and replayed_together(ranks):
+        layout = ("under FSDP2 the replay's forward all-gathers the weights with every rank, "
+                  "and the peers are blocked in another collective")
+    if layout is None:
+        return True
+    why = _output_refusal(calls[-1].output)
+    if why is not None:
+        raise NotReplayable(f"{layout}; {why}")
+    return False
+
+
+def _output_refusal(output: Any) -> str | None:
+    """Why the loss code cannot be replayed alone from the model's recorded output (None: it
+    can). One read of the output, on an error trip only."""
+    if output is None:
+        return "the model's forward raised, and only the loss code could be run again alone"
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    if any(is_sharded(t) for t in tensors):
+        return "the model's output is a DTensor, whose loss code joins collectives"
+    if any(t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+           for t in tensors):
+        return ("the model's output was already non-finite: its forward made the value, and "
+                "only the loss code could be run again alone")
+    return None
 
 
 def not_rerun_note(note: str | None) -> str:

@@ -32,7 +32,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.step_record import ModelCall
-from nanaudit.script.error_ranks import refuse_alone
+from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
     Replayed,
@@ -53,25 +53,32 @@ def localize_error(auditor: Any, options: ScriptOptions, trip: ScriptTrip,
                    timeline: Any) -> tuple[Rerun | None, Finding | None]:
     """(the replay's record, the finding it names; None: fall back to the re-run, the record's
     note says why)."""
-    return timed_replay(lambda: _replayed(auditor, _window(auditor, options, trip), trip,
-                                          timeline))
+    def replayed() -> Replayed:
+        calls, forward = _window(auditor, options, trip)
+        return _replayed(auditor, calls, trip, timeline, forward)
+    return timed_replay(replayed)
 
 
-def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
+def _window(auditor: Any, options: ScriptOptions,
+            trip: ScriptTrip) -> tuple[list[ModelCall], bool]:
+    """(the window's calls, whether their forwards are replayed: under torchrun a rank whose
+    forward needs its peers replays the loss code alone, error_ranks.py)."""
     replay_allowed(options)
     calls = list(auditor.hooks.tap.record.calls)
-    if auditor.ranks is not None:       # torchrun: this rank replays alone (error_ranks.py)
-        refuse_alone(auditor.ranks, calls)
     if not calls:
         raise NotReplayable(f"the script raised before any model call of step {trip.step}")
+    forward = True
+    if auditor.ranks is not None:       # torchrun: this rank replays alone (error_ranks.py)
+        forward = forward_alone(auditor.ranks, calls)
     for call in calls[:-1]:
         replayable(call)
     if calls[-1].output is not None:       # else its forward raised: replayed up to the raise
         replayable(calls[-1])
-    return calls
+    return calls, forward
 
 
-def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: Any) -> Replayed:
+def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: Any,
+              forward: bool = True) -> Replayed:
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
     env: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -82,7 +89,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
         with tracer:
             try:
                 for call in calls:
-                    pairs += replay_call(tracer, call, None, env)
+                    pairs += replay_call(tracer, call, None, env, forward=forward)
             except NotReplayable:
                 raise
             except Exception as exc:        # the script's own code raising again: verified

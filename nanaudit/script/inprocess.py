@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import event_precision
@@ -220,10 +220,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
 
 
 def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
-                env: dict[int, torch.Tensor] | None = None,
+                env: dict[int, torch.Tensor] | None = None, forward: bool = True,
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
-    filled with the replay's tensor for each the first run's model and loss code made (by id)."""
+    filled with the replay's tensor for each the first run's model and loss code made (by id).
+    `forward` False: the loss code alone, from the model's output as the first run recorded it
+    (detached: a value it held came from outside the replayed ops)."""
     call.seed_replay()
     env = {} if env is None else env
 
@@ -234,7 +236,8 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         with autocast(call.autocast):
             # `_call_impl`: the module's own forward and hooks, eagerly also when the script
             # compiled it (`module.compile()` calls its compiled code from `__call__`).
-            output = local_module(call.module)._call_impl(*call.args, **call.kwargs)
+            output = (local_module(call.module)._call_impl(*call.args, **call.kwargs)
+                      if forward else tree_map(_recorded, call.output))
         env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
                                              tree_flatten(output)[0])
                     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)})
@@ -256,6 +259,13 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         finally:
             tracer.end_backward()
     return pairs
+
+
+def _recorded(value: Any) -> Any:
+    """A tensor of the model's recorded output as the loss code's replay starts from it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.requires_grad)
 
 
 def _line(where: tuple[str, int, str] | None) -> SourceLine | None:

@@ -3,7 +3,8 @@ what these decide): at each optimizer step ONE host read of the step's values (r
 inputs' finiteness, the weights as the previous update left them, the window's losses, the
 gradients' norm, the floating buffers' peaks) and the trip it makes, named by the one rule every
 checker uses (run/check/verdict.py; under torchrun from every rank's flags); and, after the
-script, the losses no check read and the weights the last updates left.
+script, the losses no check read and the weights the last updates left, or, when it raised, the
+non-finite value behind its exception (`raised`).
 """
 
 from __future__ import annotations
@@ -16,20 +17,27 @@ import torch
 
 from nanaudit.config.schema import AmpOptions
 from nanaudit.report.model import TimelineEntry
-from nanaudit.report.vocabulary import Check
+from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
 from nanaudit.run.deepspeed_zero import loss_scale_of
+from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.ledger import Ledger
-from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, read_step
+from nanaudit.script.readout import (
+    OptimizerScopes,
+    StepInbox,
+    StepRead,
+    WeightsScope,
+    read_step,
+)
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import same_value
-from nanaudit.script.trip import ScriptTrip, float_kind
+from nanaudit.script.trip import ScriptTrip, float_kind, nonfinite_locals
 from nanaudit.script.trip_namer import TripNamer
 
 
@@ -62,14 +70,14 @@ class StepChecks:
         self.namer = TripNamer(self.ledger, rank)
         self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
+        # An error trip: the non-finite tensors the script's frames held (error_replay.py).
+        self.error_values: list[torch.Tensor] = []
 
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
         loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
-        evaluations in the same step add no timeline entry. Under DeepSpeed fp16's dynamic
-        loss scale the gradients read are scaled: the entry's norm is divided by the scale, and
-        gradients alone non-finite are the scale's calibration, no trip (script/zero_steps.py).
-        """
+        evaluations in the same step add no timeline entry. Under DeepSpeed fp16's dynamic loss
+        scale, gradients alone non-finite are its calibration, no trip (zero_steps.py)."""
         self.ledger.stepped[id(optimizer)] = optimizer
         window = self.window
         if window.step is not None:            # a re-run (the first run asks nothing here)
@@ -95,10 +103,7 @@ class StepChecks:
         self.host_reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None
-        if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
-            grad_norm = exact_norm(scope.local(grads))  # a float32 sum of squares overflowed
-        if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
-            norm = exact_norm(scope.local(scope.params))
+        norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
         scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
         entry = self._entry(optimizer, loss, grad_norm / scale if scale else grad_norm, norm)
         trip = None
@@ -170,6 +175,30 @@ class StepChecks:
         if self.trip is None:
             self._last_updates()
 
+    def raised(self, exc: BaseException, in_backward: bool) -> ScriptTrip | None:
+        """The script raised: was a non-finite value behind it? First the parameters the last
+        updates left (an update to NaN a later op refused), the step's unread inputs, then the
+        tensors in the exception's frames (BCELoss refusing a NaN input, `if loss.isnan():
+        raise`), never a collective's a dead peer failed (unfilled buffers). Once: a read per
+        tensor is fine."""
+        if self.trip is not None or self.window.armed is not None:
+            return self.trip
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self._last_updates()
+        if self.trip is None and self.ranks is None:
+            self._bad_inputs()          # a batch already bad: the model only passed it on
+        if self.trip is not None:
+            self.trip.error = f"{type(exc).__name__}: {first}"
+            return self.trip
+        bad = [] if is_collective_failure(exc) else nonfinite_locals(exc, held=self.error_values)
+        if not bad:
+            return None
+        self.trip = self.namer.trip(
+            self.step, Check.ERROR, bad[0][1], [name for name, _ in bad],
+            error=f"{type(exc).__name__}: {first}",
+            where=Where.BACKWARD if in_backward else Where.FORWARD)
+        return self.trip
+
     def _last_updates(self) -> None:
         self.host_reads += bool(self.ledger.stepped)
         self.trip = self.namer.last_updates(self.step)
@@ -194,6 +223,25 @@ class StepChecks:
             return None
         return read
 
+    def _bad_inputs(self) -> ScriptTrip | None:
+        """The step's model inputs, unread when the script raised (no check came): non-finite,
+        the batch is the finding, as at a check: the model only passed on what it was given
+        (an `inf` in the batch made a NaN gradient that `clip_grad_norm_(...,
+        error_if_nonfinite=True)` refused). One host read, after an error only. Not under
+        torchrun, whose error trips replay on the raising rank alone (error_ranks.py)."""
+        inbox = self._inbox
+        if not inbox.input_peaks:
+            return None
+        read = self._bad_losses(inbox)
+        if read is None or read.inputs_ok:
+            return None
+        self._inbox = StepInbox()
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self.log.append(self._entry(last, read.loss, None, None))
+        loss = read.loss if read.loss is not None else 0.0
+        self.trip = self.namer.input_trip(self.step, inbox.inputs, loss, None)
+        return self.trip
+
     def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
         """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
         loss = read.loss if read.loss is not None else 0.0
@@ -216,3 +264,14 @@ def _all_finite(read: StepRead, norm: float, grad_norm: float) -> bool:
     """Every value of the step's read finite: no check can trip (without ranks)."""
     return (read.inputs_ok and read.buffers_ok and math.isfinite(norm)
             and math.isfinite(grad_norm) and (read.loss is None or math.isfinite(read.loss)))
+
+
+def _confirmed(norm: float, grad_norm: float, scope: WeightsScope,
+               grads: list[torch.Tensor]) -> tuple[float, float]:
+    """The weights' and gradients' norms, each non-finite one confirmed element-wise (a
+    float32 sum of squares may overflow where every value is finite: then the exact norm)."""
+    if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
+        grad_norm = exact_norm(scope.local(grads))
+    if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
+        norm = exact_norm(scope.local(scope.params))
+    return norm, grad_norm

@@ -178,3 +178,40 @@ def test_data_drawing_from_the_stream_the_dropout_draws_from_is_rerun_with_the_m
     assert f.source.line == _line(path, "x.std(0)")
     assert rerun.status == "reproduced" and rerun.model_skipped is False
     assert "global random stream" in rerun.model_note
+
+
+# The loop's feature ratio divides by a zero at step 4, row 3 (an inf in the batch); the
+# model's tanh saturates, so the loss stays finite, but the weight gradient is 0 * inf = NaN and
+# the script's own `clip_grad_norm_(..., error_if_nonfinite=True)` raises before any step.
+CLIP_RAISES = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(8):
+        raw = torch.randn(8, 4)
+        if step == 4:
+            raw[3, 1] = 0.0
+        x = torch.cat([raw[:, :1] / raw[:, 1:2], raw[:, 1:]], dim=1)
+        loss = (model(x) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_batch_already_bad_when_the_script_raises_is_the_finding(tmp_path):
+    # Before: an error trip whose replay blamed the model's backward (`aten.mm`,
+    # masked-nonfinite-gradient): the step's inputs were never read, as no check came.
+    path = _write(tmp_path, CLIP_RAISES)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert (f.step, f.where, f.value, f.cause, f.samples) == (4, "input", "-inf", "div-by-zero",
+                                                               [3]), f
+    assert f.op == "aten.div.Tensor" and f.source.line == _line(path, "raw[:, 1:2]")
+    assert "the script then raised RuntimeError: The total norm" in f.explanation
+    assert report.run.rerun.status == "reproduced"

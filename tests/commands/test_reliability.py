@@ -331,7 +331,9 @@ BOMB = ("model: case:build_model\ndata: case:batches\nloss: case:loss\n"
     (BOMB, "expands to more than"),
     ("model: &m [*m]\ndata: case:batches\nloss: case:loss\n", "refers to the node"),
     ("model: case:build_model\n" + "# padding\n" * 150_000, "bytes"),
-])
+], ids=["alias-bomb", "self-reference", "oversized"])    # (an id holding the 1.5 MB text
+# went into PYTEST_CURRENT_TEST, over Linux's 128 KiB per variable, on some pytest versions:
+# then no subprocess of the test could start)
 def test_hostile_yaml_is_a_quick_config_error(tmp_path, text, message):
     (tmp_path / "case.py").write_text(LINEAR_CASE)
     (tmp_path / "config.yaml").write_text(text)

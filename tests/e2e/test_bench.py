@@ -46,3 +46,32 @@ def test_device_checks_script_parses_and_refuses_an_unknown_part(tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "no-such-part"],
                           capture_output=True, text=True, check=False, timeout=30)
     assert done.returncode == 2 and "unknown part: no-such-part" in done.stderr
+
+
+@pytest.mark.slow
+def test_profile_run_step_splits_a_clean_step_into_the_hooks():
+    # scripts/profile_run_step.py (the GPU run's profile part) on the CPU, a few steps: each
+    # of run's hooks is timed per call, and the clean loop under `run` stays a clean run.
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_run_step.py"),
+                           "--steps", "260", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    head, *rows = done.stdout.strip().splitlines()
+    assert head.startswith("cpu, width 256, steps 200..260: plain ") and "x, +" in head
+    timed = {row.split()[0] for row in rows}
+    assert {"pre_step", "first_call", "post_step", "loss", "returned", "read_step"} <= timed
+    assert "device" not in timed                  # no wait for a device on the CPU
+
+
+@pytest.mark.slow
+def test_profile_scan_step_names_what_scan_adds():
+    # scripts/profile_scan_step.py (the GPU profile that found a per-tensor check path) on the
+    # CPU: the check's fused norm is among the ops scan adds to a plain step.
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_scan_step.py"),
+                           "--workload", "tiny mlp", "--steps", "3", "--top", "40"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tiny mlp on cpu: plain ") and " ms a step, scan " in lines[0]
+    assert lines[1].startswith("host time added per step by ops and profiled functions: ")
+    assert any(line.split()[-1] == "aten::_foreach_norm" for line in lines[2:])

@@ -2,8 +2,10 @@
 value while rank 0 waits in the step's next collective (issue 35). DDP: rank 1 replays its
 window alone on its local module, names the op, and every rank reports that finding, exit 1,
 with no re-run (the re-run waited for the blocked peer until killed: no rank could answer).
-FSDP2: a forward needs every rank's all-gather, so the step is not replayed and not re-run,
-and every rank says why, with the first run's finding (nanaudit/script/error_ranks.py)."""
+FSDP2: a forward needs every rank's all-gather, so the model is not run again: the loss code
+alone is replayed from the model's recorded output, which names a value the loss code made; a
+value the forward made is not replayed and not re-run, and every rank says why, with the first
+run's finding (nanaudit/script/error_ranks.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,23 @@ def test_fsdp_error_of_one_rank_says_why_it_is_not_replayed_on_every_rank(tmp_pa
                                 f"{line_of(FSDP, 'assert torch.isfinite(loss)')})"]
         replay = report["run"]["replay"]
         assert replay["status"] == "skipped" and "FSDP2" in replay["note"]
+        assert "the model's output was already non-finite" in replay["note"]
         assert "rerun" not in report["run"]
         assert "not re-run: the peer ranks, blocked in a collective" in f["explanation"]
+    assert [logged_steps(log, r) for r in (0, 1)] == [["0", "1", "2"], ["0", "1", "2"]]
+
+
+def test_fsdp_error_made_in_the_loss_code_is_localized_from_the_recorded_output(tmp_path):
+    # Rank 1's loss code takes the log of a zero sample weight at step 3 and its assert raises
+    # while rank 0 waits in the backward's reduce-scatter. Before: refused (FSDP2's forward
+    # needs the peers), no op. Now the loss code is replayed alone from the model's output.
+    log = tmp_path / "log"
+    for report in run_ranks(tmp_path, FSDP, log, "--assert-weight"):
+        f = report["finding"]
+        assert (f["step"], f["rank"], f["where"], f["op"], f["cause"], f["samples"]) == (
+            3, 1, "forward", "aten.log.default", "log-domain", [2]), f
+        assert f["source"]["line"] == line_of(FSDP, "- torch.log(weight)")
+        assert f["localized_by"] == "in-process"
+        assert report["run"]["replay"]["status"] == "reproduced"
+        assert "rerun" not in report["run"]
     assert [logged_steps(log, r) for r in (0, 1)] == [["0", "1", "2"], ["0", "1", "2"]]

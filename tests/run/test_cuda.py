@@ -71,3 +71,37 @@ def test_demo_localizes_on_cuda(optimizer, tmp_path):
     if optimizer is not None:
         assert result.report["sentinel_read"]["mode"] == "deferred"
         assert result.report["sentinel_read"]["sync_from_step"] == 6
+
+
+def test_a_bare_cuda_device_takes_the_fused_check(case):
+    # `device: cuda` (and `auto` on a GPU) was torch.device("cuda"), which never equals a
+    # tensor's `cuda:0`: every step's check took the per-tensor path (a copy and a kernel per
+    # parameter and gradient: on the H200, 112 copies a step of a 3.67M transformer).
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nanaudit.config.entrypoints import user_import_path
+    from nanaudit.config.parse import load_config
+    from nanaudit.run.checks import StepChecks
+    from nanaudit.run.session import build_session
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    config = load_config(case(LINEAR_CASE, device="cuda"))
+    with user_import_path(config.base_dir):
+        assert build_session(config).device == torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).cuda()
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    checks = StepChecks(model, "cuda")
+    with Ops() as ops:
+        readout = checks.step_readout(torch.zeros((), device="cuda"), [])
+    assert ops.seen["aten._to_copy.default"] == 0, ops.seen
+    assert ops.seen["aten._foreach_norm.Scalar"] == 1 and readout.values.numel() == 9

@@ -9,7 +9,9 @@ Each rank appends a line per step to LOG.rank<r> after its update; at the end it
 parameter's full tensor and AdamW's step count to LOG.rank<r>.pt. `--reference` leaves out the
 updates of steps 2 and 3 by hand (what --keep-going must do); `--clean` plants no fault;
 `--assert` plants step 3's alone, and the script asserts its loss is finite (rank 1 raises at
-step 3 while rank 0 waits in the backward's reduce-scatter)."""
+step 3 while rank 0 waits in the backward's reduce-scatter); `--assert-weight` asserts the same
+of a loss whose code (not the model) makes the value: row 2 of rank 1's sample weights is 0 at
+step 3 and the loss takes their log."""
 
 import sys
 
@@ -50,7 +52,8 @@ class Model(nn.Module):
 
 
 log, reference, clean = sys.argv[1], "--reference" in sys.argv, "--clean" in sys.argv
-asserting = "--assert" in sys.argv
+asserting = "--assert" in sys.argv or "--assert-weight" in sys.argv
+weighted = "--assert-weight" in sys.argv
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -66,10 +69,17 @@ for step in range(6):
     x, mask = torch.rand(8, 8, generator=g) + 0.5, torch.ones(8, 1)
     if rank == 1 and step == 2 and not clean and not asserting:
         mask[5] = 0.0
+    weight = torch.ones(8, 1)
     if rank == 1 and step == 3 and not clean:
-        x[2, 0] = 0.0
+        if weighted:
+            weight[2] = 0.0
+        else:
+            x[2, 0] = 0.0
     optimizer.zero_grad()
-    loss = model(x, mask).pow(2).mean()
+    if weighted:
+        loss = (model(x, mask).pow(2) - torch.log(weight)).mean()
+    else:
+        loss = model(x, mask).pow(2).mean()
     if asserting:
         assert torch.isfinite(loss), "loss diverged"
     loss.backward()
