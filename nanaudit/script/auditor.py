@@ -227,16 +227,16 @@ class ScriptAuditor(StepChecks):
         self._skip_or_stop(skippable=True)      # the scaler already left its update out
 
     def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
-                      params: list[torch.Tensor]) -> None:
+                      params: list[torch.Tensor], scaler: str = "the GradScaler") -> None:
         """A skip with finite losses and inputs at loss scale `scale` (a GradScaler's, or
         DeepSpeed fp16's dynamic one: zero_steps.py), which its backoff moves to `next_scale`:
         normal, unless the scale collapsed (the check core's rule; `params`: whose gradients)."""
-        reason = self.scaler_watch.skip(scale, next_scale)
+        reason = self.scaler_watch.skip(scale, next_scale, scaler)
         if reason is None or self.window.step is not None:
             return          # a re-run: its window, armed at the step, decides (skipped_try_was_bad)
         self.log.append(self._entry(optimizer, None, None, None, skipped=True, scale=scale))
         self.trip = self.namer.collapse_trip(self.step, optimizer, params, reason,
-                                             self.scaler_watch.in_row)
+                                             self.scaler_watch.in_row, scaler)
         self._skip_or_stop(skippable=False)     # the scaler skips every step already
 
     # --- after the script --------------------------------------------------------------------

@@ -44,7 +44,7 @@ class Listener(Protocol):
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
     def after_update(self, optimizer: Any) -> None: ...
     def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
-                      params: list[torch.Tensor]) -> None: ...
+                      params: list[torch.Tensor], scaler: str = ...) -> None: ...
 
 
 class Tap(Protocol):
@@ -103,6 +103,6 @@ class ZeroSteps:
         else:
             if scale is not None:
                 self.listener.scale_skipped(optimizer, scale, dynamic_loss_scale(zero),
-                                            zero_flats(optimizer) or [])
+                                            zero_flats(optimizer) or [], "DeepSpeed")
             self.tap.close()
         self.await_forward()

@@ -243,7 +243,8 @@ def test_fp16_skips_that_never_end_collapse_into_a_finding(tmp_path):
     f = report["finding"]
     assert (f["step"], f["where"], f["cause"], f["op"]) == (
         0, "backward", "dtype-overflow", "aten.mul.Tensor")
-    assert "skipped 10 steps in a row" in f["explanation"]
+    assert "DeepSpeed's loss scale collapsed: DeepSpeed skipped 10 steps in a row" in (
+        f["explanation"])
     assert FP16.read_text().splitlines()[f["source"]["line"] - 1].strip() == (
         "loss = loss * 1e30")
     assert report["run"]["first_run"]["skipped"] == 25
