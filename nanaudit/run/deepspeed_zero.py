@@ -5,7 +5,7 @@ step: `engine.backward(loss)` reduces the gradients into each rank's partition a
 made (ZeRO-2/3 from hooks inside backward, ZeRO-1 right after it), and `engine.step()` asks the
 ZeRO optimizer to step, which all-reduces one overflow flag and, when any rank's gradients held
 inf or NaN, prints "OVERFLOW! Skipping step" and never calls the torch optimizer that the
-checks hook. Two things follow, and both are here:
+checks hook. What follows from that is here:
 
 * whose value it was: once reduced, a NaN made in one rank's backward sits in every rank's
   partition (and the overflow flag is one bit for the world), so each trained parameter's
@@ -20,20 +20,23 @@ checks hook. Two things follow, and both are here:
   end, so the step's read takes only their valid parts (`valid_spans`), never the padding, and
   the same parts of each group's gradient (`narrow_parts`: a view has no `.grad` of its own, so
   reading the parts' own gradients found none, and the gradient norm read 0).
-* the skipped step: DeepSpeed returns from `step()` without an update, so no optimizer hook ran.
-  `wrap_zero_step` wraps the engine's ZeRO optimizer (on the instance, undone on exit) so that a
-  step which took no update is told to the listener, which checks it: a finding, never a
-  clean run, in fp32 as under fp16 loss scaling when the values themselves were non-finite.
-* ZeRO-3's sub-groups: its optimizer splits the flat partitions into sub-groups of
-  `sub_group_size` elements and its `step()` hands the torch optimizer one sub-group at a time
-  (its param groups hold that one flat, empty between), setting each flat's gradient only for
-  its own turn. A check on the torch optimizer's step would run once per sub-group, each
-  reading one sub-group, after DeepSpeed's overflow all-reduce (and not at all on a skipped
-  step). So under ZeRO-3 the ZeRO optimizer's `step` is the step (`wrap_zero3_step`): one
-  check at its entry, before that all-reduce, over every sub-group's flat (`zero3_flats`) and
-  the valid parts of its gradient wherever DeepSpeed holds it then (`valid_gradients`: the
-  reduced partitions of the backward's epilogue, or the flat's own `.grad` when offloaded);
-  the torch steps inside count as one step.
+* the step: each ZeRO optimizer's `step()` hands the torch optimizer one part at a time:
+  ZeRO-1/2 one param group per call (`_optimizer_step(i)`, its `param_groups` set to that one
+  group: the HF Trainer builds two, decay and no-decay), ZeRO-3 one sub-group of
+  `sub_group_size` elements (its param groups hold that one flat, empty between), each flat's
+  gradient set only for its own turn, all after DeepSpeed's overflow all-reduce, and none on a
+  step it skips. A check on the torch optimizer's step would run once per part, each reading
+  one part, too late to name the rank, and never on a skipped step. So for every stage the
+  ZeRO optimizer's `step` is the step (`wrap_zero_step`): one check at its entry, before that
+  all-reduce, over every part's flat fp32 partition (`zero_flats`:
+  `single_partition_of_fp32_groups` under ZeRO-1/2, `fp32_partitioned_groups_flat` under
+  ZeRO-3) and the valid parts of its gradient wherever DeepSpeed holds it then
+  (`valid_gradients`: the flat's own `.grad` when offloaded, else the reduced partitions of the
+  backward's epilogue, `averaged_gradients`); the torch steps inside count as one step.
+* fp16's dynamic loss scale (`loss_scale_of`): the gradients at the step's entry are the
+  scaled ones (the timeline divides their norm by the scale in effect), and a step DeepSpeed
+  skips while the scale calibrates is its normal course, as a GradScaler's skip is
+  (script/zero_steps.py says what the checks make of it).
 """
 
 from __future__ import annotations
@@ -91,27 +94,12 @@ def flag_own_gradients(engine: Any, flags: PreReduceFlags) -> list:
     return [p.register_hook(note) for p in engine.module.parameters() if p.requires_grad]
 
 
-def wrap_zero_step(zero: Any, stepped: Callable[[], int],
-                   skipped: Callable[[Any], None]) -> Callable[[], None]:
-    """Wrap `zero.step` on the instance: when it returns with no optimizer step counted
-    (`stepped()` unchanged: DeepSpeed skipped the update), `skipped(torch optimizer)` is
-    called. Returns what undoes the wrap."""
-    original = zero.step
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        before = stepped()
-        result = original(*args, **kwargs)
-        if stepped() == before:
-            skipped(zero.optimizer)
-        return result
-    return _on_instance(zero, step)
-
-
-def wrap_zero3_step(zero: Any, entered: Callable[[], None],
-                    left: Callable[[bool], None]) -> Callable[[], None]:
-    """Wrap a ZeRO-3 optimizer's `step` on the instance: `entered()` before DeepSpeed reads
-    any gradient, `left(updated)` once it returns (`updated`: DeepSpeed stepped the torch
-    optimizer, at least one sub-group; False for a step it skipped). Returns what undoes it."""
+def wrap_zero_step(zero: Any, entered: Callable[[], None],
+                   left: Callable[[bool], None]) -> Callable[[], None]:
+    """Wrap a ZeRO optimizer's `step` on the instance (any stage): `entered()` before DeepSpeed
+    reads any gradient, `left(updated)` once it returns (`updated`: DeepSpeed stepped the torch
+    optimizer, for at least one group or sub-group; False for a step it skipped). Returns what
+    undoes it."""
     original = zero.step
     torch_optimizer = zero.optimizer
     calls = [0]
@@ -142,13 +130,21 @@ def _on_instance(zero: Any, step: Callable[..., Any]) -> Callable[[], None]:
     return undo
 
 
-def skipped_loss_scale(zero: Any) -> float | None:
-    """The loss scale of a ZeRO optimizer that scales losses dynamically (fp16), whose skips
-    while it calibrates are its normal course; None for a fixed scale or none (fp32, bf16)."""
+def dynamic_loss_scale(zero: Any) -> float | None:
+    """The loss scale in effect of a ZeRO optimizer that scales losses dynamically (fp16), whose
+    skips while it calibrates are its normal course; None for a fixed scale or none (a static
+    `loss_scale`, fp32, bf16). A Python float on DeepSpeed's scaler: no host read."""
     if not getattr(zero, "dynamic_loss_scale", False):
         return None
     scale = getattr(zero, "loss_scale", None)
     return float(scale) if isinstance(scale, (int, float, torch.Tensor)) else None
+
+
+def loss_scale_of(optimizer: Any) -> float | None:
+    """`dynamic_loss_scale` of the ZeRO optimizer whose torch optimizer is `optimizer` (None for
+    any other optimizer: one dict lookup per step)."""
+    known = _ZERO_OF.get(id(optimizer))
+    return dynamic_loss_scale(known[0]) if known is not None else None
 
 
 # Per tensor of an optimizer's groups: None (the whole tensor is valid), or the (offset, length)
@@ -156,12 +152,16 @@ def skipped_loss_scale(zero: Any) -> float | None:
 Spans = list[list[tuple[int, int]] | None]
 
 
-def valid_spans(optimizer: Any, params: list[torch.Tensor]) -> Spans:
-    """Where the valid values of `params` (an optimizer's, in order) lie: each flat ZeRO-3
-    fp32 group's valid parts (each parameter's partition without its padding), None for any
-    other tensor (and every tensor of any other optimizer)."""
-    zero = _ZERO3_OF.get(id(optimizer))
-    if zero is None:
+def valid_spans(optimizer: Any, params: list[torch.Tensor]) -> Spans | None:
+    """Where the valid values of `params` (a ZeRO optimizer's torch optimizer's, in order) lie:
+    each flat ZeRO-3 fp32 group's valid parts (each parameter's partition without its padding),
+    None for a tensor that is valid whole (a ZeRO-1/2 partition, zero-padded); None for any
+    other optimizer (its gradients are its parameters' own)."""
+    known = _ZERO_OF.get(id(optimizer))
+    if known is None:
+        return None
+    zero, stage = known
+    if stage != 3:
         return [None] * len(params)
     flats = getattr(zero, "fp32_partitioned_groups_flat", [])
     paddings = getattr(zero, "groups_padding", [])
@@ -197,41 +197,56 @@ def narrow_parts(tensors: list[torch.Tensor | None], spans: Spans) -> list[torch
     return parts
 
 
-_ZERO3_OF: dict[int, Any] = {}     # id(torch optimizer) -> its ZeRO-3 optimizer
-_FLAT_OF: dict[int, tuple[Any, int]] = {}   # id(flat fp32 group) -> (ZeRO-3 optimizer, index)
+_ZERO_OF: dict[int, tuple[Any, int]] = {}   # id(torch optimizer) -> (ZeRO optimizer, stage)
+_FLAT_OF: dict[int, tuple[Any, int, int]] = {}   # id(flat fp32 group) -> (ZeRO, stage, index)
+# Each stage's flat fp32 partitions, one per param group (1/2) or sub-group (3).
+_FLATS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups",
+          3: "fp32_partitioned_groups_flat"}
 
 
-def note_zero3(engine: Any) -> None:
-    """Remember the engine's ZeRO-3 optimizer by its torch optimizer (for `valid_spans`)."""
+def note_zero(engine: Any) -> None:
+    """Remember the engine's ZeRO optimizer (any stage) by its torch optimizer (for
+    `zero_flats`, `valid_spans` and `loss_scale_of`)."""
     zero = zero_optimizer(engine)
-    if zero is not None and zero_stage(engine) == 3:
-        _ZERO3_OF[id(zero.optimizer)] = zero
+    stage = zero_stage(engine)
+    if zero is not None and stage in _FLATS:
+        _ZERO_OF[id(zero.optimizer)] = (zero, stage)
 
 
-def zero3_flats(optimizer: Any) -> list[torch.Tensor] | None:
-    """Every sub-group's flat fp32 partition of a ZeRO-3 torch optimizer, in order (its param
-    groups hold one at a time, inside DeepSpeed's step only); None for any other optimizer."""
-    zero = _ZERO3_OF.get(id(optimizer))
-    if zero is None:
+def zero_flats(optimizer: Any) -> list[torch.Tensor] | None:
+    """Every flat fp32 partition of a ZeRO torch optimizer, in order: each param group's under
+    ZeRO-1/2 (whose `step` hands the torch optimizer one group at a time), each sub-group's
+    under ZeRO-3 (its param groups hold one at a time, inside DeepSpeed's step only); None for
+    any other optimizer."""
+    known = _ZERO_OF.get(id(optimizer))
+    if known is None:
         return None
-    flats = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+    zero, stage = known
+    flats = list(getattr(zero, _FLATS[stage], []))
     for index, flat in enumerate(flats):
-        _FLAT_OF[id(flat)] = (zero, index)
+        _FLAT_OF[id(flat)] = (zero, stage, index)
     return flats
 
 
 def valid_gradients(flats: list[torch.Tensor], spans: Spans) -> list[torch.Tensor]:
-    """The valid parts of the gradients of `flats` (a ZeRO-3 optimizer's, by `valid_spans`):
-    a flat's own `.grad` where set (offloaded, or its sub-group's turn inside the step), else
-    the reduced partitions DeepSpeed keeps for it until its turn, each without its padding."""
+    """The valid parts of the gradients of `flats` (a ZeRO optimizer's, by `valid_spans`) at
+    the ZeRO step's entry: a flat's own `.grad` where set (offloaded, or a ZeRO-3 sub-group's
+    turn inside the step), else the reduced partitions DeepSpeed keeps for it until its turn
+    (`averaged_gradients`: ZeRO-3's each without its padding; ZeRO-1/2's a list of its
+    parameters' slices, or DeepSpeed's compact buffer group, whose zero padding is no
+    gradient); none for a group whose gradients are not set."""
     parts: list[torch.Tensor] = []
     for flat, span in zip(flats, spans):
         owner = _FLAT_OF.get(id(flat))
         if flat.grad is not None or owner is None:
             parts.extend(narrow_parts([flat.grad], [span]))
             continue
-        zero, index = owner
+        zero, stage, index = owner
         grads = (getattr(zero, "averaged_gradients", None) or {}).get(index) or []
+        if stage != 3:
+            parts.extend(g.detach() for g in grads
+                         if g is not None and not getattr(g, "_zero_padding", False))
+            continue
         for grad, partition, pad in zip(grads, zero.fp16_partitioned_groups[index],
                                         zero.groups_padding[index]):
             valid = partition.numel() - pad

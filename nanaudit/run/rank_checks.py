@@ -34,7 +34,7 @@ from nanaudit.run.deepspeed_zero import (
     dropped_deepspeed,
     flag_own_gradients,
     is_engine,
-    note_zero3,
+    note_zero,
     zero_optimizer,
 )
 from nanaudit.run.distributed import Coordinator, DistributedError
@@ -85,7 +85,7 @@ class RankChecks:
             # DeepSpeed ZeRO: each rank's gradients before DeepSpeed reduces them, its own
             # partition of the weights (run/deepspeed_zero.py)
             flag_own_gradients(module, self.flags)
-            note_zero3(module)
+            note_zero(module)
             self.sharded = True
         modules = fsdp_modules(module)
         if modules:

@@ -10,9 +10,10 @@ class hears the hooks and acts on them.
 A closure's later evaluations in a step (LBFGS evaluates it up to `max_iter` times) are checked
 too: the step's timeline entry is its first evaluation, and any evaluation may trip, named with
 its index. A step the GradScaler skips (inf gradients) is not a step: its losses and inputs are
-checked (a NaN loss is still a finding) and dropped. A script that builds no optimizer updates
-its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then its step,
-checked when backward returns, before the script's own update.
+checked (a NaN loss is still a finding) and dropped. So is a step DeepSpeed skips under fp16's
+dynamic loss scale (script/zero_steps.py), unless the scale collapses. A script that builds no
+optimizer updates its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then
+its step, checked when backward returns, before the script's own update.
 
 On a re-run (`rerun_step=N`) the tracer is armed from the outermost module call after step
 N-1's update to step N's check (rerun_window.py); for an input trip, over the script's own code
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from nanaudit.run.check.decision import StepDecision
+from nanaudit.run.check.scaler import backoff_scale
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
 from nanaudit.run.rank_checks import RankChecks
@@ -207,8 +209,10 @@ class ScriptAuditor(StepChecks):
             return
         inbox, self._inbox = self._inbox, StepInbox()
         read = self._bad_losses(inbox) if inbox else None
-        if read is None:
-            self._skipped_clean(optimizer, scaler)
+        if read is None:            # one read of the scale, on skipped tries only
+            scale = float(scaler.get_scale())
+            self.scale_skipped(optimizer, scale, backoff_scale(scaler, scale),
+                               WeightsScope.params_of(optimizer))
             return
         if self.window.step is not None and self.step == self.window.step:
             self.window.reached(optimizer)     # step N reached, but nothing was armed
@@ -222,19 +226,17 @@ class ScriptAuditor(StepChecks):
         self.trip = trip
         self._skip_or_stop(skippable=True)      # the scaler already left its update out
 
-    def _skipped_clean(self, optimizer: Any, scaler: Any) -> None:
-        """A skip with finite losses and inputs: AMP's normal course, unless the scale
-        collapsed (the check core's rule; one read of the scale, on skipped tries only)."""
-        scale = float(scaler.get_scale())
-        reason = self.scaler_watch.skip_with(scaler, scale)
-        if reason is None:
-            return
-        if self.window.step is not None:
+    def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
+                      params: list[torch.Tensor], scaler: str = "the GradScaler") -> None:
+        """A skip with finite losses and inputs at loss scale `scale` (a GradScaler's, or
+        DeepSpeed fp16's dynamic one: zero_steps.py), which its backoff moves to `next_scale`:
+        normal, unless the scale collapsed (the check core's rule; `params`: whose gradients)."""
+        reason = self.scaler_watch.skip(scale, next_scale, scaler)
+        if reason is None or self.window.step is not None:
             return          # a re-run: its window, armed at the step, decides (skipped_try_was_bad)
         self.log.append(self._entry(optimizer, None, None, None, skipped=True, scale=scale))
-        self.trip = self.namer.collapse_trip(self.step, optimizer,
-                                             WeightsScope.params_of(optimizer), reason,
-                                             self.scaler_watch.in_row)
+        self.trip = self.namer.collapse_trip(self.step, optimizer, params, reason,
+                                             self.scaler_watch.in_row, scaler)
         self._skip_or_stop(skippable=False)     # the scaler skips every step already
 
     # --- after the script --------------------------------------------------------------------

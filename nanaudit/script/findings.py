@@ -89,7 +89,7 @@ def trip_notes(trip: ScriptTrip) -> list[str]:
                      f"evaluates it several times a step, as LBFGS does; the earlier calls "
                      f"were finite)")
     if trip.collapsed:
-        notes.append(f"the GradScaler's loss scale collapsed: {trip.collapsed}; the gradients "
+        notes.append(f"{trip.scaler}'s loss scale collapsed: {trip.collapsed}; the gradients "
                      f"overflow whatever the scale, so no update would ever run")
     if trip.skipped:
         notes.append("the GradScaler skipped this step, but its loss was already non-finite "

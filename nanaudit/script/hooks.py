@@ -15,9 +15,9 @@ Nothing in the script changes. What is installed, and what each tells the audito
   until the step's read;
 * `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
 * a DeepSpeed engine's ZeRO optimizer's `step` wrapped (on the instance, when the engine is
-  first called): a step DeepSpeed skips for an overflow calls no torch optimizer, so it is told
-  as such and checked; under ZeRO-3, which steps the torch optimizer once per sub-group, the
-  ZeRO step is the step, checked once at its entry (zero_steps.py);
+  first called): every stage steps the torch optimizer once per part (ZeRO-1/2 per param
+  group, ZeRO-3 per sub-group), so the ZeRO step is the step, checked once at its entry, and a
+  step DeepSpeed skips is told as such (zero_steps.py);
 * `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
   none updates its weights by hand, and each backward is then its step.
 """
@@ -51,6 +51,8 @@ class Listener(Protocol):
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
     def after_update(self, optimizer: Any) -> None: ...
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None: ...
+    def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
+                      params: list[torch.Tensor], scaler: str = ...) -> None: ...
     def optimizer_built(self) -> None: ...
     def stepped(self) -> int: ...
 
@@ -231,7 +233,7 @@ class ScriptHooks:
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if optimizer is self.zero.running:
-            return None          # a ZeRO-3 sub-group's turn: the ZeRO step was checked
+            return None          # a ZeRO group's turn: the ZeRO step was checked
         self.tap.stop()
         self.listener.update_starting()
         evaluations = [0]

@@ -35,7 +35,7 @@ from nanaudit.run.deepspeed_zero import (
     narrow_parts,
     valid_gradients,
     valid_spans,
-    zero3_flats,
+    zero_flats,
 )
 from nanaudit.run.sharded import local_shards
 from nanaudit.script.step_values import loss_factor, window_loss
@@ -91,7 +91,8 @@ class WeightsScope:
         self.params = params
         # what the optimizer's groups hold: `params` unless only parts of them are valid
         # (DeepSpeed ZeRO-3's padded partitions, run/deepspeed_zero.valid_spans), and where
-        # those parts lie (their gradients are the same parts of the groups' gradients)
+        # those parts lie (their gradients are the same parts of the groups' gradients); set
+        # for every ZeRO optimizer, whose gradients are read where DeepSpeed holds them
         self.source = source if source is not None else params
         self.spans = spans
         self.device = params[0].device
@@ -118,7 +119,7 @@ class WeightsScope:
     def grads(self) -> list[torch.Tensor]:
         """The gradients that are set, each as a dense tensor of its values (a sparse one's
         coalesced values)."""
-        if self.spans is not None:       # ZeRO-3: the valid parts of each group's gradient
+        if self.spans is not None:       # ZeRO: the valid parts of each group's gradient
             return valid_gradients(self.source, self.spans)
         grads = list(filter(_IS_SET, map(_GRAD, self.params)))
         if set(map(_LAYOUT, grads)) <= _DENSE:
@@ -164,8 +165,9 @@ class OptimizerScopes:
 
     def of(self, optimizer: Any) -> WeightsScope | None:
         """The optimizer's tensors as the check reads them (None: it holds none)."""
-        # ZeRO-3's torch optimizer holds one sub-group at a time: its step reads them all
-        params = zero3_flats(optimizer) or WeightsScope.params_of(optimizer)
+        # A ZeRO torch optimizer holds one group (ZeRO-3: sub-group) at a time inside
+        # DeepSpeed's step: its step reads them all
+        params = zero_flats(optimizer) or WeightsScope.params_of(optimizer)
         scope = self._scopes.get(id(optimizer))
         if scope is None or not scope.holds(params):
             scope = _scope_of(optimizer, params) if params else None
@@ -175,9 +177,10 @@ class OptimizerScopes:
 
 
 def _scope_of(optimizer: Any, params: list[torch.Tensor]) -> WeightsScope:
-    """The scope of `params`, an optimizer's: only their valid parts where some are padded."""
+    """The scope of `params`, an optimizer's: a ZeRO optimizer's flats (only their valid parts
+    where some are padded), whose gradients DeepSpeed holds apart until its step sets them."""
     spans = valid_spans(optimizer, params)
-    if all(span is None for span in spans):
+    if spans is None:
         return WeightsScope(params)
     return WeightsScope(narrow_parts(list(params), spans), params, spans)
 

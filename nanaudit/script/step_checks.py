@@ -23,10 +23,17 @@ from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
+from nanaudit.run.deepspeed_zero import loss_scale_of
 from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.ledger import Ledger
-from nanaudit.script.readout import OptimizerScopes, StepInbox, StepRead, read_step
+from nanaudit.script.readout import (
+    OptimizerScopes,
+    StepInbox,
+    StepRead,
+    WeightsScope,
+    read_step,
+)
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import same_value
@@ -69,7 +76,8 @@ class StepChecks:
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
         loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
-        evaluations in the same step add no timeline entry."""
+        evaluations in the same step add no timeline entry. Under DeepSpeed fp16's dynamic loss
+        scale, gradients alone non-finite are its calibration, no trip (zero_steps.py)."""
         self.ledger.stepped[id(optimizer)] = optimizer
         window = self.window
         if window.step is not None:            # a re-run (the first run asks nothing here)
@@ -95,20 +103,19 @@ class StepChecks:
         self.host_reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None
-        if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
-            grad_norm = exact_norm(scope.local(grads))  # a float32 sum of squares overflowed
-        if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
-            norm = exact_norm(scope.local(scope.params))
-        entry = self._entry(optimizer, loss, grad_norm, norm)
+        norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
+        scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
+        entry = self._entry(optimizer, loss, grad_norm / scale if scale else grad_norm, norm)
+        trip = None
+        if self.ranks is not None or not _all_finite(read, norm, grad_norm):
+            trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
+                                  grad_norm, scope.params, inbox.inputs)
+        if trip is not None and scale and trip.check is Check.GRADIENT:
+            return StepDecision.APPLY      # fp16 calibration: DeepSpeed skips it (zero_steps.py)
         if evaluation == 0:
             self.log.append(entry)
             if self.expected_losses is not None and self._left_first_run(loss):
                 return StepDecision.STOP       # a re-run that already differs: no use going on
-        if (self.ranks is None and read.inputs_ok and read.buffers_ok and math.isfinite(norm)
-                and math.isfinite(grad_norm) and (loss is None or math.isfinite(loss))):
-            return StepDecision.APPLY          # all finite: no check can trip
-        trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
-                              grad_norm, scope.params, inbox.inputs)
         if trip is not None:
             trip.evaluation = evaluation
             if evaluation:
@@ -251,3 +258,20 @@ class StepChecks:
     def skipped(self) -> int:
         """The tries a GradScaler skipped (not steps)."""
         return self.scaler_watch.skipped
+
+
+def _all_finite(read: StepRead, norm: float, grad_norm: float) -> bool:
+    """Every value of the step's read finite: no check can trip (without ranks)."""
+    return (read.inputs_ok and read.buffers_ok and math.isfinite(norm)
+            and math.isfinite(grad_norm) and (read.loss is None or math.isfinite(read.loss)))
+
+
+def _confirmed(norm: float, grad_norm: float, scope: WeightsScope,
+               grads: list[torch.Tensor]) -> tuple[float, float]:
+    """The weights' and gradients' norms, each non-finite one confirmed element-wise (a
+    float32 sum of squares may overflow where every value is finite: then the exact norm)."""
+    if not math.isfinite(grad_norm) and not confirm_nonfinite(scope.local(grads)):
+        grad_norm = exact_norm(scope.local(grads))
+    if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
+        norm = exact_norm(scope.local(scope.params))
+    return norm, grad_norm

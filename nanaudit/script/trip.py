@@ -37,6 +37,7 @@ class ScriptTrip:
     where: Where | None = None          # error trips: raised in forward or in backward;
     #                                     a PARAMETER trip in forward: buffers it made bad
     collapsed: str = ""                 # the GradScaler's scale collapsed: why (scaler.py)
+    scaler: str = "the GradScaler"      # whose loss scale (DeepSpeed's under fp16)
     skips: int = 0                      # collapse trips: the skipped tries of the step, in all
     state: list = field(default_factory=list)      # optimizer-state entries holding the value
     unreached: bool = False             # a loss the script computed and skipped before backward

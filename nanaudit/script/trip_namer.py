@@ -49,12 +49,13 @@ class TripNamer:
         return trip
 
     def collapse_trip(self, step: int, optimizer: Any, params: list, reason: str,
-                      skips: int) -> ScriptTrip:
-        """The GradScaler's scale collapsed at this skipped try: the gradients it skipped."""
+                      skips: int, scaler: str = "the GradScaler") -> ScriptTrip:
+        """`scaler`'s loss scale collapsed at this skipped try: the gradients it skipped."""
         with_grad = [p for p in params if p.grad is not None]
         bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
         trip = self.trip(step, Check.GRADIENT, value_kind(bad[0][1]) if bad else "inf",
-                         [self.ledger.name(p) for p, _ in bad], collapsed=reason, skips=skips)
+                         [self.ledger.name(p) for p, _ in bad], collapsed=reason, skips=skips,
+                         scaler=scaler)
         trip.optimizer = describe_optimizer(optimizer)
         return trip
 

@@ -1,15 +1,23 @@
 """A DeepSpeed engine's ZeRO steps as the script's hooks hear them (run/deepspeed_zero.py).
 
 The engine's ZeRO optimizer is wrapped on the instance when the engine is first called, once
-per optimizer, and unwrapped on exit:
+per optimizer, and unwrapped on exit. Every stage steps the torch optimizer once per part
+(ZeRO-1/2: per param group, ZeRO-3: per sub-group), each holding only its own flat, after
+DeepSpeed's overflow all-reduce: the ZeRO step is the step. It is checked once at its entry,
+before that all-reduce, over every part; its torch steps are left unheard (`running`) and
+count as one step when it returns, none when DeepSpeed skipped it.
 
-* ZeRO-1 and ZeRO-2 step the torch optimizer as the hooks hear any other (one step per param
-  group); a step DeepSpeed skips for an overflow calls no torch optimizer, so it is told to the
-  listener and checked as the step it was.
-* ZeRO-3 steps the torch optimizer once per sub-group, each holding only its own flat: the
-  ZeRO step is the step. It is checked once at its entry, before DeepSpeed's overflow
-  all-reduce, over every sub-group; its torch steps are left unheard (`running`) and count as
-  one step when it returns, none when DeepSpeed skipped it.
+Under fp16's dynamic loss scale the check stays at the entry, the step's one host read: the
+state before the update is intact there for the in-process replay, and DeepSpeed has not yet
+zeroed the gradients it skips. The read's gradients are the scaled ones, so a check that finds
+only non-finite gradients (losses, inputs, weights and buffers finite, on every rank) is no
+finding there: DeepSpeed will skip the step, as a GradScaler does while it calibrates. When the
+step returns skipped, `scale_skipped` hears the scale it skipped at and the one DeepSpeed's own
+backoff (its scale factor, its hysteresis) moved it to, read off its scaler (Python floats, no
+host read): not a step, unless the scale collapsed (run/check/scaler.py, the GradScaler's rule).
+A skip whose loss or inputs were already non-finite trips at the entry: the forward made the
+value. Under a static scale, fp32 or bf16, non-finite gradients trip at the entry: a skip there
+is a finding.
 """
 
 from __future__ import annotations
@@ -18,11 +26,14 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from nanaudit.run.deepspeed_zero import (
-    wrap_zero3_step,
+    dynamic_loss_scale,
+    note_zero,
     wrap_zero_step,
+    zero_flats,
     zero_optimizer,
-    zero_stage,
 )
 
 
@@ -32,7 +43,8 @@ class Listener(Protocol):
     def update_starting(self) -> None: ...
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
     def after_update(self, optimizer: Any) -> None: ...
-    def stepped(self) -> int: ...
+    def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
+                      params: list[torch.Tensor], scaler: str = ...) -> None: ...
 
 
 class Tap(Protocol):
@@ -49,7 +61,8 @@ class ZeroSteps:
         self.listener = listener
         self.tap = tap
         self.await_forward = await_forward
-        self.running: Any = None     # the torch optimizer of the ZeRO-3 step running
+        self.running: Any = None     # the torch optimizer of the ZeRO step running
+        self._scale: float | None = None     # its dynamic loss scale at the entry (fp16)
         self._wrapped: set[int] = set()
         self._restore: list[Callable[[], None]] = []
 
@@ -59,11 +72,9 @@ class ZeroSteps:
         if zero is None or id(zero) in self._wrapped:
             return
         self._wrapped.add(id(zero))
-        if zero_stage(engine) == 3:
-            entered = functools.partial(self._zero3_entered, zero.optimizer)
-            self._restore.append(wrap_zero3_step(zero, entered, self._zero3_left))
-        else:
-            self._restore.append(wrap_zero_step(zero, self.listener.stepped, self._skipped))
+        note_zero(engine)            # its flats, read at the step's check (also without ranks)
+        self._restore.append(wrap_zero_step(zero, functools.partial(self._entered, zero),
+                                            functools.partial(self._left, zero)))
 
     def remove(self) -> None:
         for restore in reversed(self._restore):
@@ -72,29 +83,26 @@ class ZeroSteps:
         self._wrapped.clear()
         self.running = None
 
-    def _zero3_entered(self, optimizer: Any) -> None:
-        """A ZeRO-3 step, before DeepSpeed reads its gradients: its one check (a finding
-        raises StepHalted, every rank together), then its torch steps unheard."""
+    def _entered(self, zero: Any) -> None:
+        """A ZeRO step, before DeepSpeed reads its gradients: its one check (a finding raises
+        StepHalted, every rank together), then its torch steps unheard."""
         self.tap.stop()
         self.listener.update_starting()
-        self.listener.before_update(optimizer, None)
-        self.running = optimizer
+        self._scale = dynamic_loss_scale(zero)
+        self.listener.before_update(zero.optimizer, None)
+        self.running = zero.optimizer
 
-    def _zero3_left(self, updated: bool) -> None:
-        """The ZeRO-3 step returned: one step when DeepSpeed updated; a step it skipped with
-        nothing found at the check is not a step (as a GradScaler's skip is not)."""
+    def _left(self, zero: Any, updated: bool) -> None:
+        """The ZeRO step returned: one step when DeepSpeed updated; a step it skipped with
+        nothing found at the check is not a step (as a GradScaler's skip is not), and under a
+        dynamic loss scale a finding only when the scale collapsed."""
         optimizer, self.running = self.running, None
+        scale, self._scale = self._scale, None
         if updated:
             self.listener.after_update(optimizer)
         else:
+            if scale is not None:
+                self.listener.scale_skipped(optimizer, scale, dynamic_loss_scale(zero),
+                                            zero_flats(optimizer) or [], "DeepSpeed")
             self.tap.close()
-        self.await_forward()
-
-    def _skipped(self, optimizer: Any) -> None:
-        self.tap.stop()
-        self.listener.update_starting()
-        # Checked as the step it was, every rank together (each skips alike): a finding raises
-        # StepHalted; a skip the check finds nothing in is not a step, as a GradScaler's is not.
-        self.listener.before_update(optimizer, None)
-        self.tap.close()
         self.await_forward()

@@ -126,6 +126,25 @@ def test_trainer_with_a_deepspeed_config_names_the_rank(tmp_path):
     assert lines[f["source"]["line"] - 1].strip().startswith("length = torch.sqrt(")
 
 
+def test_trainer_with_its_own_two_param_groups_names_a_later_step(tmp_path):
+    # The Trainer builds AdamW with decay / no-decay groups when the DeepSpeed config names no
+    # optimizer; row 52 reaches rank 1 at step 2. Before: every step after 0 was numbered
+    # twice (each group's torch step counted), so the value was reported at step 4.
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, TRAINER,
+                                   "--fault", "backward", "--poison-row", "52",
+                                   "--trainer-optimizer"], timeout_s=420)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    lines = TRAINER.read_text().splitlines()
+    assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
+        1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [1])
+    assert lines[f["source"]["line"] - 1].strip().startswith("length = torch.sqrt(")
+    assert [entry["step"] for entry in report["timeline"]] == [0, 1, 2]
+
 ACCELERATE = SCRIPTS / "accelerate_cpu_deepspeed.py"
 
 
@@ -143,3 +162,89 @@ def test_accelerate_on_cpu_dropping_deepspeed_is_said_not_pretended(tmp_path):
     assert "DeepSpeed was asked for" in note and "Accelerate dropped DeepSpeed" in note
     assert "not a DeepSpeed engine" in note
     assert "note: DeepSpeed was asked for" in "".join(outputs[0])      # rank 0's console
+
+
+# Two param groups (decay / no-decay, as the HF Trainer builds them): ZeRO-1/2's `step()` hands
+# the torch optimizer one group at a time, so each engine step was two nanaudit steps.
+TWO_GROUPS = ("--groups", "2")
+
+
+@pytest.mark.parametrize("stage", ["1", "2"], ids=["zero1", "zero2"])
+def test_two_param_groups_under_zero_are_one_step_each(tmp_path, stage):
+    # Before: the timeline read 0..9 for 5 engine steps and each check read one group.
+    codes, reports, outputs = run(tmp_path, "--stage", stage, *TWO_GROUPS, "--fault", "none")
+    assert codes == [0, 0], outputs
+    for report in reports:
+        assert report["status"] == "clean"
+        assert [entry["step"] for entry in report["timeline"]] == [0, 1, 2, 3, 4]
+        assert [(r["status"], r["steps_run"]) for r in report["distributed"]["ranks"]] == [
+            ("clean", 5), ("clean", 5)]
+
+
+@pytest.mark.parametrize("stage", ["1", "2"], ids=["zero1", "zero2"])
+def test_backward_only_value_with_two_param_groups_is_named_at_its_engine_step(tmp_path,
+                                                                               stage):
+    # Before: engine step 2 was reported as step 4 (each group's torch step counted).
+    codes, reports, outputs = run(tmp_path, "--stage", stage, *TWO_GROUPS, "--fault",
+                                  "backward")
+    assert codes == [1, 1], outputs
+    for report in reports:
+        f = report["finding"]
+        assert (f["rank"], f["step"], f["where"], f["forward_op"], f["cause"], f["samples"]) == (
+            1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [5])
+        assert f["module"].endswith("length")
+        assert f["source"]["line"] == line_of("return torch.sqrt(")
+
+
+# fp16 with a dynamic loss scale (initial_scale_power 30): DeepSpeed skips its first 14 steps
+# while the scale backs off, as a GradScaler does. On a CPU DeepSpeed refuses fp16 ("Type fp16
+# is not supported on your device.": its CPU accelerator asks oneDNN for float16 kernels); the
+# script claims the support, so DeepSpeed's own fp16 optimizer and loss scaler run (see it).
+FP16 = SCRIPTS / "deepspeed_fp16.py"
+
+
+def run_fp16(tmp_path, *script_args):
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, FP16,
+                                   *script_args], timeout_s=420)
+    assert out.exists(), outputs
+    return codes, json.loads(out.read_text()), outputs
+
+
+@pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
+def test_fp16_calibration_skips_under_zero_are_a_clean_run(tmp_path, stage):
+    # Before: the first skip was a finding at step 0 on a healthy run (every rank's own scaled
+    # gradients, flagged as autograd made them, overflowed). Now 14 skips, no finding, the 16
+    # steps numbered 0..15, and the timeline's gradient norm the unscaled one (the scale is
+    # 2**17 by then: scaled, each norm would be thousands).
+    codes, report, outputs = run_fp16(tmp_path, "--stage", stage, "--fault", "none")
+    assert codes == [0, 0], outputs
+    assert report["status"] == "clean" and report["run"]["first_run"]["skipped"] == 14
+    assert [entry["step"] for entry in report["timeline"]] == list(range(16))
+    assert all(0 < entry["grad_norm"] < 10 for entry in report["timeline"])
+
+
+@pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
+def test_fp16_forward_value_is_named_at_its_step_after_the_skips(tmp_path, stage):
+    codes, report, outputs = run_fp16(tmp_path, "--stage", stage, "--fault", "forward")
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["step"], f["where"], f["cause"], f["samples"]) == (
+        1, 6, "forward", "log-domain", [2])
+    assert f["source"]["line"] == line_of("h = torch.log(x)")
+    assert report["run"]["first_run"]["skipped"] == 14
+
+
+def test_fp16_skips_that_never_end_collapse_into_a_finding(tmp_path):
+    # The float16 gradients overflow whatever the scale: after 10 skips in a row at a usable
+    # scale the collapse is the finding (before DeepSpeed raises at its minimum scale).
+    codes, report, outputs = run_fp16(tmp_path, "--fault", "overflow")
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["step"], f["where"], f["cause"], f["op"]) == (
+        0, "backward", "dtype-overflow", "aten.mul.Tensor")
+    assert "DeepSpeed's loss scale collapsed: DeepSpeed skipped 10 steps in a row" in (
+        f["explanation"])
+    assert FP16.read_text().splitlines()[f["source"]["line"] - 1].strip() == (
+        "loss = loss * 1e30")
+    assert report["run"]["first_run"]["skipped"] == 25

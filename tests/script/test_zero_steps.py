@@ -1,10 +1,15 @@
-"""A ZeRO-3 step as `nanaudit run`'s hooks hear it, without DeepSpeed: its optimizer's `step`
-hands the torch optimizer one sub-group at a time (deepspeed/runtime/zero/stage3.py,
-`_optimizer_step`), so the torch step runs once per sub-group; the ZeRO step is one step with
-one check, at its entry, and a step it skips is no step."""
+"""A ZeRO step as `nanaudit run`'s hooks hear it, without DeepSpeed: its optimizer's `step`
+hands the torch optimizer one sub-group (ZeRO-3, deepspeed/runtime/zero/stage3.py) or one param
+group (ZeRO-1/2, stage_1_and_2.py, `_optimizer_step(i)`) at a time, so the torch step runs once
+per part; the ZeRO step is one step with one check, at its entry, and a step it skips is no
+step. Under fp16's dynamic loss scale (DeepSpeed's own needs a GPU: on this CPU DeepSpeed
+refuses fp16, "Type fp16 is not supported on your device.") a skip while the scale calibrates
+is no finding, unless the scale collapses."""
 
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -52,6 +57,9 @@ class Heard:
     def stepped(self) -> int:
         return self.steps
 
+    def scale_skipped(self, optimizer, scale, next_scale, params, scaler) -> None:
+        self.calls.append(f"skipped at {scale:g}, now {next_scale:g}")
+
 
 def test_a_zero3_step_of_three_sub_groups_is_one_step_with_one_check_at_its_entry():
     heard, tap = Heard(), SimpleNamespace(stop=lambda: None, close=lambda: None)
@@ -81,3 +89,154 @@ def test_a_zero3_step_of_three_sub_groups_is_one_step_with_one_check_at_its_entr
     finally:
         for handle in handles:
             handle.remove()
+
+
+class Zero12:
+    """DeepSpeed's ZeRO-1/2 optimizer's step, as stage_1_and_2.py has it: one flat fp32
+    partition per param group; the reduced gradients kept by group (`averaged_gradients`)
+    until the step, which all-reduces the overflow flag first and on an overflow skips (a
+    dynamic scale backs off by its factor: `loss_scale` halves), else sets each flat's `.grad`
+    (unscaled) and steps the torch optimizer with its `param_groups` set to that one group."""
+
+    def __init__(self, sizes: list[int], scale: float | None = None):
+        self.single_partition_of_fp32_groups = [torch.nn.Parameter(torch.ones(n))
+                                                for n in sizes]
+        self.optimizer = torch.optim.SGD(
+            [{"params": [flat]} for flat in self.single_partition_of_fp32_groups], lr=0.1)
+        self.averaged_gradients: dict = {}
+        self.dynamic_loss_scale = scale is not None
+        self.loss_scale = scale if scale is not None else 1.0
+
+    def backward(self, grads: list[list[torch.Tensor]]) -> None:
+        """The backward's epilogue: each group's reduced gradient slices (loss-scaled)."""
+        self.averaged_gradients = dict(enumerate(grads))
+
+    def step(self) -> None:
+        grads = self.averaged_gradients
+        if not all(torch.isfinite(g).all() for group in grads.values() for g in group):
+            if self.dynamic_loss_scale:
+                self.loss_scale /= 2
+            self.averaged_gradients = dict.fromkeys(grads)
+            return
+        groups = self.optimizer.param_groups
+        for i, flat in enumerate(self.single_partition_of_fp32_groups):
+            flat.grad = torch.cat([g.reshape(-1) for g in grads[i]]) / self.loss_scale
+            self.averaged_gradients[i] = None
+            self.optimizer.param_groups = [groups[i]]
+            self.optimizer.step()
+            self.optimizer.param_groups = groups
+            flat.grad = None
+
+
+def engine_of(zero, stage: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(optimizer=zero, zero_optimization_stage=lambda: stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero12_step_of_two_param_groups_is_one_step_with_one_check_at_its_entry(stage):
+    # Before: each group's torch step was a step of its own (the HF Trainer's decay / no-decay
+    # groups doubled every step number), checked after DeepSpeed's overflow all-reduce.
+    heard, tap = Heard(), SimpleNamespace(stop=lambda: None, close=lambda: None)
+    zero = Zero12([3, 2])
+    steps = ZeroSteps(heard, tap, lambda: None)
+    torch_steps = []
+    handles = [register_optimizer_step_pre_hook(
+                   lambda o, a, k: None if o is steps.running else torch_steps.append("pre")),
+               register_optimizer_step_post_hook(
+                   lambda o, a, k: None if o is steps.running else torch_steps.append("post"))]
+    try:
+        steps.wrap(engine_of(zero, stage))
+        zero.backward([[torch.ones(3)], [torch.ones(2)]])
+        zero.step()
+        assert heard.calls == ["starting", "check", "step"] and torch_steps == []
+        assert [f.tolist() for f in zero.single_partition_of_fp32_groups] == [
+            [pytest.approx(0.9)] * 3, [pytest.approx(0.9)] * 2]       # both groups stepped
+        zero.backward([[torch.ones(3)], [torch.full((2,), math.inf)]])
+        zero.step()                              # skipped (fp32: no scale to tell)
+        assert heard.calls[3:] == ["starting", "check"] and heard.steps == 1
+    finally:
+        steps.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def test_a_dynamic_scale_skip_is_told_with_the_scale_and_its_backoff():
+    heard, tap = Heard(), SimpleNamespace(stop=lambda: None, close=lambda: None)
+    zero = Zero12([2], scale=1024.0)
+    steps = ZeroSteps(heard, tap, lambda: None)
+    steps.wrap(engine_of(zero))
+    try:
+        zero.backward([[torch.full((2,), math.inf)]])
+        zero.step()
+        assert heard.calls == ["starting", "check", "skipped at 1024, now 512"]
+        assert heard.steps == 0
+    finally:
+        steps.remove()
+
+
+class Fp16Run:
+    """The script auditor hearing a ZeRO-2 optimizer of two param groups (sizes 3 and 2)."""
+
+    def __init__(self, scale: float | None):
+        from nanaudit.script.auditor import ScriptAuditor
+        self.auditor = ScriptAuditor()
+        self.zero = Zero12([3, 2], scale=scale)
+        self.steps = ZeroSteps(self.auditor, self.auditor.hooks.tap, lambda: None)
+        self.steps.wrap(engine_of(self.zero))
+
+    def step(self, grad: float, loss: float = 1.0) -> None:
+        self.auditor.loss(torch.tensor(loss))
+        self.zero.backward([[torch.full((3,), grad)], [torch.full((2,), grad)]])
+        self.zero.step()
+
+
+def test_fp16_calibration_skips_are_not_steps_and_the_norm_is_unscaled():
+    from nanaudit.run.intercept import StepHalted
+    run = Fp16Run(scale=2.0 ** 20)
+    try:
+        for _ in range(3):             # scaled gradients overflow: DeepSpeed backs off
+            run.step(math.inf)
+        assert (run.auditor.step, run.auditor.skipped, run.auditor.trip) == (0, 3, None)
+        assert len(run.auditor.timeline) == 0 and run.zero.loss_scale == 2.0 ** 17
+        run.step(2.0 ** 17 * 2.0)      # a finite scaled gradient: each element 2 unscaled
+        assert run.auditor.step == 1 and run.auditor.trip is None
+        entry = run.auditor.timeline[0]
+        assert entry.step == 0 and entry.grad_norm == pytest.approx(2.0 * math.sqrt(5))
+        run.step(math.inf, loss=math.nan)     # the forward made it: a finding, at the entry
+    except StepHalted:
+        trip = run.auditor.trip
+        assert (trip.step, trip.check.value) == (1, "loss")
+        assert run.auditor.skipped == 3
+    else:
+        pytest.fail("a non-finite loss under fp16 was no finding")
+    finally:
+        run.steps.remove()
+
+
+def test_fp16_skips_that_never_stop_collapse_into_a_finding():
+    from nanaudit.run.intercept import StepHalted
+    run = Fp16Run(scale=2.0 ** 16)
+    try:
+        with pytest.raises(StepHalted):
+            for _ in range(30):        # a backward that overflows whatever the scale
+                run.step(math.inf)
+        trip = run.auditor.trip
+        assert trip.check.value == "gradient" and trip.step == 0
+        assert trip.collapsed.startswith("DeepSpeed skipped 10 steps in a row")
+        assert run.auditor.skipped == 10 and run.zero.loss_scale == 2.0 ** 6
+    finally:
+        run.steps.remove()
+
+
+def test_a_skip_under_a_static_scale_or_fp32_is_a_finding_at_the_step_entry():
+    from nanaudit.run.intercept import StepHalted
+    run = Fp16Run(scale=None)
+    try:
+        run.step(1.0)
+        with pytest.raises(StepHalted):
+            run.step(math.nan)
+        assert (run.auditor.trip.step, run.auditor.trip.check.value) == (1, "gradient")
+        assert [f.tolist() for f in run.zero.single_partition_of_fp32_groups] == [
+            [pytest.approx(0.9)] * 3, [pytest.approx(0.9)] * 2]   # stopped before the update
+    finally:
+        run.steps.remove()

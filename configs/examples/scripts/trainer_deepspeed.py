@@ -4,7 +4,10 @@ on CPU (`use_cpu=True`) under torchrun: the way a user moves a Trainer run to Ze
 Planted bug (--fault backward): one row of the data set (row 21: the Trainer's seeded sampler
 gives it to rank 1 at its first step, as row 1 of 4) is masked to zero before a `sqrt` (a
 norm of an all-zero row): sqrt(0) is finite, its gradient is not, so every loss is finite
-and only the backward makes the NaN. --fault none is the clean run.
+and only the backward makes the NaN. --fault none is the clean run. --poison-row 52 plants it
+at rank 1's step 2 instead (row 1 of its batch). --trainer-optimizer leaves the optimizer out
+of the DeepSpeed config, so the Trainer builds its own AdamW with two param groups (decay /
+no-decay), which ZeRO-1/2 step one at a time.
 """
 
 import argparse
@@ -51,18 +54,22 @@ def main():
     parser.add_argument("--fault", default="backward", choices=["none", "backward"])
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--poison-row", type=int, default=21)
+    parser.add_argument("--trainer-optimizer", action="store_true")
     args = parser.parse_args()
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "zero_optimization": {"stage": args.stage},
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
+    if args.trainer_optimizer:
+        del config["optimizer"]
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=4,
             learning_rate=1e-2, report_to=[], save_strategy="no", logging_strategy="no",
             use_cpu=True, disable_tqdm=True, seed=0, deepspeed=config,
             ddp_backend="gloo", dataloader_drop_last=True)
-        trainer = Trainer(model=Scorer(), args=training_args,
-                          train_dataset=Rows(64, 21 if args.fault == "backward" else -1))
+        poison = args.poison_row if args.fault == "backward" else -1
+        trainer = Trainer(model=Scorer(), args=training_args, train_dataset=Rows(64, poison))
         trainer.train()
 
 

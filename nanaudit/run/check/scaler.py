@@ -29,17 +29,18 @@ def backoff_scale(scaler: Any, scale: float) -> float:
 
 
 def collapse_reason(next_scale: float | None, floor: float, skipped_in_row: int,
-                    max_skipped: int, options: str = "amp.") -> str | None:
+                    max_skipped: int, options: str = "amp.",
+                    scaler: str = "the GradScaler") -> str | None:
     """Why a skipped step is a finding (None: it is AMP's normal course): the scale after
     this skip (None: unknown) fell below `floor`, or `max_skipped` steps in a row were
     skipped. `options`: what the messages call the settings (`amp.` in a config; "" for
-    Sentinel's arguments)."""
+    Sentinel's arguments); `scaler`: what skipped them ("DeepSpeed" for its fp16 loss scaler)."""
     if next_scale is not None and next_scale < floor:
         return (f"the loss scale fell to {next_scale:g}, below {options}scale_floor {floor:g}, "
                 f"after {skipped_in_row} skipped step(s) in a row")
     if skipped_in_row >= max_skipped:
         fell = f" and the scale fell to {next_scale:g}" if next_scale is not None else ""
-        return (f"the GradScaler skipped {skipped_in_row} steps in a row ({options}max_skipped)"
+        return (f"{scaler} skipped {skipped_in_row} steps in a row ({options}max_skipped)"
                 f"{fell}")
     return None
 
@@ -56,14 +57,15 @@ class ScalerWatch:
         """An update ran: the row of skips ends."""
         self.in_row = 0
 
-    def skip(self, scale: float | None, next_scale: float | None) -> str | None:
-        """A step skipped at `scale`, which moves to `next_scale` (None: unknown): why the skips
-        are now a finding, or None (AMP's normal course)."""
+    def skip(self, scale: float | None, next_scale: float | None,
+             scaler: str = "the GradScaler") -> str | None:
+        """A step `scaler` skipped at `scale`, which moves to `next_scale` (None: unknown): why
+        the skips are now a finding, or None (AMP's normal course)."""
         self.skipped += 1
         if scale is None or scale <= SEARCH_ABOVE:
             self.in_row += 1
         return collapse_reason(next_scale, self.scale_floor, self.in_row, self.max_skipped,
-                               self.options)
+                               self.options, scaler)
 
     def skip_with(self, scaler: Any, scale: float | None) -> str | None:
         """`skip`, the next scale from `scaler`'s own backoff of `scale`."""
