@@ -25,7 +25,7 @@ from nanaudit.script.compiled_rerun import compiled_rerun_finding, eager_section
 from nanaudit.script.data_window import DataWindow
 from nanaudit.script.model_skip import ModelSkip
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
-from nanaudit.script.rerun_window import Armed
+from nanaudit.script.rerun_window import Armed, RerunWindow
 from nanaudit.script.target import execute, script_rank
 
 
@@ -88,7 +88,7 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
 
 
 def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
-           result: RerunResult, rank: int | None, window: object = None) -> None:
+           result: RerunResult, rank: int | None, window: RerunWindow | None = None) -> None:
     if not loc.reproduced or loc.event is None:
         return
     if rank is not None and not made_here(loc):
