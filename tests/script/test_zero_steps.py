@@ -61,17 +61,22 @@ class Heard:
         self.calls.append(f"skipped at {scale:g}, now {next_scale:g}")
 
 
+def script_hooks(steps: ZeroSteps) -> tuple[list, list]:
+    """The script's global optimizer hooks, as hooks.py leaves a running ZeRO step's torch
+    steps unheard: (the torch steps they heard, their handles)."""
+    heard: list = []
+    return heard, [register_optimizer_step_pre_hook(
+                       lambda o, a, k: None if o is steps.running else heard.append("pre")),
+                   register_optimizer_step_post_hook(
+                       lambda o, a, k: None if o is steps.running else heard.append("post"))]
+
+
 def test_a_zero3_step_of_three_sub_groups_is_one_step_with_one_check_at_its_entry():
     heard, tap = Heard(), SimpleNamespace(stop=lambda: None, close=lambda: None)
     zero = Zero3([torch.nn.Parameter(torch.zeros(2)) for _ in range(3)])
     engine = SimpleNamespace(optimizer=zero, zero_optimization_stage=lambda: 3)
     steps = ZeroSteps(heard, tap, lambda: None)
-    # the script's global optimizer hooks, as hooks.py leaves a running ZeRO step's unheard
-    torch_steps = []
-    handles = [register_optimizer_step_pre_hook(
-                   lambda o, a, k: None if o is steps.running else torch_steps.append("pre")),
-               register_optimizer_step_post_hook(
-                   lambda o, a, k: None if o is steps.running else torch_steps.append("post"))]
+    torch_steps, handles = script_hooks(steps)
     try:
         steps.wrap(engine)
         steps.wrap(engine)                       # wrapped once
@@ -139,11 +144,7 @@ def test_a_zero12_step_of_two_param_groups_is_one_step_with_one_check_at_its_ent
     heard, tap = Heard(), SimpleNamespace(stop=lambda: None, close=lambda: None)
     zero = Zero12([3, 2])
     steps = ZeroSteps(heard, tap, lambda: None)
-    torch_steps = []
-    handles = [register_optimizer_step_pre_hook(
-                   lambda o, a, k: None if o is steps.running else torch_steps.append("pre")),
-               register_optimizer_step_post_hook(
-                   lambda o, a, k: None if o is steps.running else torch_steps.append("post"))]
+    torch_steps, handles = script_hooks(steps)
     try:
         steps.wrap(engine_of(zero, stage))
         zero.backward([[torch.ones(3)], [torch.ones(2)]])
