@@ -15,7 +15,6 @@ names the op there, its line and its cause (localize/producer.py).
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
@@ -24,62 +23,34 @@ from nanaudit.localize.producer import (
     Arrival,
     attach_arrival,
     attach_made,
-    forget_finite,
     origin_of,
 )
 from nanaudit.localize.walk import Localization, walk_from_sink
 from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Where
 from nanaudit.script.before_window import carriers
+from nanaudit.script.data_window import DataWindow
 from nanaudit.script.rerun_window import RerunWindow
 
 
-class BeforeWindow(RerunWindow):
-    """Traces the script's own code up to step N's first model call, then step N's window."""
+class BeforeWindow(DataWindow):
+    """Traces the script's own code as an input trip's window does up to step N's first model
+    call, then arms step N's window as an ordinary re-run does."""
 
     def __init__(self, step: int, evaluation: int, tracer: Any, skips: int = 0):
-        super().__init__(step, evaluation, tracer, skips)
-        self.data_tracer = tracer(torch.nn.Module())    # no model here: modules named by type
-        self._on: int | None = None     # the thread whose mode stack holds the data tracer
-        self._since = 0                  # the first forward record of the open stretch
-        self._stretch = 0                # the step whose code is traced now
-
-    def start(self) -> None:
-        """The script starts: its set-up is the script's own code too."""
-        self.enter_data_code(0)
+        super().__init__(step, tracer)
+        self.evaluation, self.skips = evaluation, skips
 
     def enter_data_code(self, step: int) -> None:
-        if self._on is not None or self.armed is not None or self.localized is not None \
-                or self.step is None or step > self.step:
-            return
-        self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
-        self.data_tracer.__enter__()
-        self._on = threading.get_ident()
+        if self.armed is None:          # inside step N's window the model tracer is on
+            super().enter_data_code(step)
 
-    def leave_data_code(self) -> None:
-        # A mode is pushed on one thread's stack: a script that trains in a thread it started
-        # leaves the set-up's stretch from there, and the tracer stays pushed on the main
-        # thread (which waits, tracing nothing) until the window closes there.
-        if self._on != threading.get_ident():
-            return
-        self._on = None
-        self.data_tracer.__exit__(None, None, None)
-        # The model call that ends the stretch was pushed before the window saw it.
-        self.data_tracer.modules.stack.clear()
-        if self.step is not None and self._stretch < self.step:
-            forget_finite(self.data_tracer.trace, self._since)
+    def arms_at(self, step: int, evaluation: int) -> bool:
+        return RerunWindow.arms_at(self, step, evaluation)
 
     def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
         self.leave_data_code()          # never two tracers at once
-        super().arm(module, args, kwargs, entry)
-
-    def close(self) -> None:
-        self.leave_data_code()
-        super().close()
-
-    def traced(self) -> str:
-        return (f"the script's own code from its start to step {self.step}'s first model call "
-                f"(outside its models' forward and backward passes and its optimizer steps)")
+        RerunWindow.arm(self, module, args, kwargs, entry)
 
     def made_before(self, model_tracer: Any, loc: Localization, finding: Finding) -> None:
         """Name in `finding` what made the value `loc`'s walk found entering the model's trace

@@ -35,7 +35,7 @@ def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
     found = carriers(tracer, loc)
     if not found:
         return None
-    inputs = {id(t) for call in calls for t in _tensors((call.args, call.kwargs))}
+    inputs = {id(t) for call in calls for t in tensors_in((call.args, call.kwargs))}
     params = {id(p): f"{type(call.module).__name__}.{name}" for call in calls
               for name, p in _state(call.module)}
     constants = _loss_constants(calls)
@@ -86,7 +86,8 @@ def _state(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors among a pytree's leaves (a call's arguments, a model's output)."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -95,8 +96,8 @@ def _loss_constants(calls: list[ModelCall]) -> set[int]:
     made: set[int] = set()
     read: set[int] = set()
     for call in calls:
-        made.update(id(t) for t in _tensors(call.output))
+        made.update(id(t) for t in tensors_in(call.output))
         for op in call.code.ops:
-            read.update(id(t) for t in _tensors((op.args, op.kwargs)) if id(t) not in made)
-            made.update(id(t) for t in _tensors(op.out))
+            read.update(id(t) for t in tensors_in((op.args, op.kwargs)) if id(t) not in made)
+            made.update(id(t) for t in tensors_in(op.out))
     return read

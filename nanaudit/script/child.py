@@ -153,7 +153,8 @@ def _run(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
                             and window.armed is not None and window.localized is None)
             result.reached = window.localized is not None or ended_inside
             result.traced = auditor.window.armed is not None
-            if result.reached and isinstance(auditor.window, DataWindow):
+            if result.reached and isinstance(auditor.window, DataWindow) \
+                    and auditor.window.inputs is not None:      # stopped at step N's bad batch
                 auditor.window.localize(result)
             elif result.reached:
                 localize_step(auditor, spec, result)

@@ -13,6 +13,7 @@ that made it, or says it was already non-finite when it reached torch (localize/
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,8 @@ class DataWindow(RerunWindow):
         self.tap = LoaderTap()
         self.inputs: list | None = None
         self.loader_batches: list = []
-        self._on = self._tapped = False
+        self._tapped = False
+        self._on: int | None = None     # the thread in the script's own code (its mode stack)
         self._since = 0                  # the first forward record of the open stretch
         self._stretch = 0                # the step whose data code is traced now
         # The cheap re-run (model_skip.py): told of each stretch, to see the data's RNG draws.
@@ -56,7 +58,8 @@ class DataWindow(RerunWindow):
         self.enter_data_code(0)
 
     def enter_data_code(self, step: int) -> None:
-        if self._on or self.localized is not None or self.step is None or step > self.step:
+        if self._on is not None or self.localized is not None or self.step is None \
+                or step > self.step:
             return
         self.tap.batches.clear()
         self._since, self._stretch = len(self.data_tracer.trace.forward_records), step
@@ -64,15 +67,18 @@ class DataWindow(RerunWindow):
             self.skip.stretch_started()
         if self._traces(step):
             self.data_tracer.__enter__()
-        self._on = True
+        self._on = threading.get_ident()
 
     def _traces(self, step: int) -> bool:
         return step == 0 or step >= self.trace_from
 
     def leave_data_code(self) -> None:
-        if not self._on:
+        # A mode is pushed on one thread's stack: a script that trains in a thread it started
+        # leaves the set-up's stretch from there, and the tracer stays pushed on the main
+        # thread (which waits, tracing nothing) until the window closes there.
+        if self._on != threading.get_ident():
             return
-        self._on = False
+        self._on = None
         if self._traces(self._stretch):
             self.data_tracer.__exit__(None, None, None)
             # The model call that ends the stretch was pushed before the window saw it; its

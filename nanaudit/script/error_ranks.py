@@ -38,7 +38,6 @@ import socket
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from nanaudit.report.model import Report
 from nanaudit.report.sections import RankStatus
@@ -46,6 +45,7 @@ from nanaudit.report.vocabulary import Status
 from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.run.sharded import is_sharded
+from nanaudit.script.before_window import tensors_in
 from nanaudit.script.inprocess import NotReplayable
 from nanaudit.script.rank_replay import not_replayed_here, replayed_together
 
@@ -77,7 +77,7 @@ def _output_refusal(output: Any) -> str | None:
     can). One read of the output, on an error trip only."""
     if output is None:
         return "the model's forward raised, and only the loss code could be run again alone"
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    tensors = tensors_in(output)
     if any(is_sharded(t) for t in tensors):
         return "the model's output is a DTensor, whose loss code joins collectives"
     if any(t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())

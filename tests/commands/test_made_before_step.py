@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import line_of
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
@@ -64,10 +65,6 @@ def write(tmp_path: Path, code: str) -> Path:
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(code))
     return path
-
-
-def line_of(path: Path, text: str) -> int:
-    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
 def fell_back(report, step: int, what: str) -> None:

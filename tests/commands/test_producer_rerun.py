@@ -10,7 +10,7 @@ import json
 import textwrap
 
 import pytest
-from helpers import run_cli
+from helpers import line_of, run_cli
 
 from nanaudit.commands.run import run_script
 from nanaudit.script.target import ScriptOptions, ScriptTarget
@@ -118,10 +118,6 @@ def _write(tmp_path, code: str):
     return path
 
 
-def _line(path, text: str) -> int:
-    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
-
-
 @pytest.mark.slow
 def test_the_rerun_of_the_loops_standardization_does_not_compute_the_model(tmp_path,
                                                                            monkeypatch):
@@ -135,7 +131,7 @@ def test_the_rerun_of_the_loops_standardization_does_not_compute_the_model(tmp_p
     assert result.code == 1
     assert (f["step"], f["where"], f["op"], f["cause"]) == (6, "input", "aten.div.Tensor",
                                                             "div-by-zero")
-    assert f["source"]["line"] == _line(path, "raw.std(0)")
+    assert f["source"]["line"] == line_of(path, "raw.std(0)")
     assert f["producer"]["made_by"] == "torch-op" and f["localized_by"] == "re-run"
     # Steps 0-5 before the bad one: the first call computed (its output's form), 5 stood in.
     assert rerun["status"] == "reproduced" and rerun["steps"] == 7
@@ -151,7 +147,7 @@ def test_a_value_made_steps_before_the_batch_is_traced_from_the_start(tmp_path):
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
     f, rerun = report.finding, report.run.rerun
     assert (f.step, f.where, f.op, f.cause) == (6, "input", "aten.div.Tensor", "div-by-zero")
-    assert f.source.line == _line(path, "held.std(0)") and f.producer.made_by == "torch-op"
+    assert f.source.line == line_of(path, "held.std(0)") and f.producer.made_by == "torch-op"
     assert f.producer.traced.startswith("the script's own code from its start to step 6")
     assert rerun.status == "reproduced" and rerun.model_skipped is True
 
@@ -162,7 +158,7 @@ def test_data_stepped_by_the_models_output_is_rerun_with_the_model(tmp_path):
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
     f, rerun = report.finding, report.run.rerun
     assert (f.where, f.op, f.cause) == ("input", "aten.div.Tensor", "div-by-zero")
-    assert f.step > 0 and f.source.line == _line(path, "state.std(0)")
+    assert f.step > 0 and f.source.line == line_of(path, "state.std(0)")
     assert rerun.status == "reproduced" and rerun.model_skipped is False
     assert "it depends on the model" in rerun.model_note and rerun.model_try_s > 0
     assert "computed the model" in f.explanation
@@ -175,7 +171,7 @@ def test_data_drawing_from_the_stream_the_dropout_draws_from_is_rerun_with_the_m
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
     f, rerun = report.finding, report.run.rerun
     assert (f.step, f.where, f.op, f.cause) == (4, "input", "aten.div.Tensor", "div-by-zero")
-    assert f.source.line == _line(path, "x.std(0)")
+    assert f.source.line == line_of(path, "x.std(0)")
     assert rerun.status == "reproduced" and rerun.model_skipped is False
     assert "global random stream" in rerun.model_note
 
@@ -212,6 +208,6 @@ def test_a_batch_already_bad_when_the_script_raises_is_the_finding(tmp_path):
     f = report.finding
     assert (f.step, f.where, f.value, f.cause, f.samples) == (4, "input", "-inf", "div-by-zero",
                                                                [3]), f
-    assert f.op == "aten.div.Tensor" and f.source.line == _line(path, "raw[:, 1:2]")
+    assert f.op == "aten.div.Tensor" and f.source.line == line_of(path, "raw[:, 1:2]")
     assert "the script then raised RuntimeError: The total norm" in f.explanation
     assert report.run.rerun.status == "reproduced"
