@@ -211,8 +211,7 @@ class StepChecks:
             return
         if (read := self._bad_losses(inbox)) is None:
             return
-        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
-        self.log.append(self._entry(last, read.loss, None, None))
+        self._log_unread(read)
         self.trip = self._loss_trip(inbox, read)
 
     def _bad_losses(self, inbox: StepInbox) -> StepRead | None:
@@ -236,11 +235,15 @@ class StepChecks:
         if read is None or read.inputs_ok:
             return None
         self._inbox = StepInbox()
-        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
-        self.log.append(self._entry(last, read.loss, None, None))
+        self._log_unread(read)
         loss = read.loss if read.loss is not None else 0.0
         self.trip = self.namer.input_trip(self.step, inbox.inputs, loss, None)
         return self.trip
+
+    def _log_unread(self, read: StepRead) -> None:
+        """The timeline's entry of a read outside an optimizer check (the last optimizer's)."""
+        last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
+        self.log.append(self._entry(last, read.loss, None, None))
 
     def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
         """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
