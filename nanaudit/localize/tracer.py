@@ -149,9 +149,9 @@ class OpTracer:
     The caller says when backward starts and ends (`start_backward`, `end_backward`, or sets
     `phase`): a user's step runs several forwards and backwards."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
         self.trace = Trace()
-        self.modules = ModuleStack(model)
+        self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
         self._exit = contextlib.ExitStack()
