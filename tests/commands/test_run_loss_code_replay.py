@@ -2,7 +2,8 @@
 it, and replays the loss shapes real scripts write: a metric updated in place between forward
 and backward is not updated twice, a teacher's `no_grad` forward makes no gradients, and a
 gradient penalty (`torch.autograd.grad(..., create_graph=True)`, WGAN-GP) is part of the loss,
-replayed in-process, its critic's parameters named by the script's own variable."""
+replayed in-process, its critic's parameters named by the script's own variable, and a second
+`backward` of the same loss code (an auxiliary loss after `retain_graph=True`) is replayed too."""
 
 from __future__ import annotations
 
@@ -132,3 +133,32 @@ def test_a_gradient_penalty_is_replayed_in_process_and_the_critic_named(tmp_path
     assert f.source.line == line_of(path, "norm = torch.sqrt(")
     assert f.localized_by == "in-process" and report.run.rerun is None
     assert f.tensors[0] == "critic.0.weight"
+
+
+TWO_BACKWARDS = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        x = torch.randn(32, 8)
+        out = model(x)
+        main = out[:, 0].pow(2).mean()
+        gate = 0.0 if step == 3 else 1.0
+        aux = torch.sqrt(out[:, 1] * out[:, 1] * gate).mean()      # sqrt'(0) = inf
+        optimizer.zero_grad()
+        main.backward(retain_graph=True)
+        aux.backward()
+        optimizer.step()
+"""
+
+
+def test_a_second_backward_of_the_loss_code_is_replayed_in_process(tmp_path):
+    path, report = _run(tmp_path, TWO_BACKWARDS)
+    f = report.finding
+    assert (f.step, f.where, f.forward_op, f.cause) == (3, "backward", "aten.sqrt.default",
+                                                      "sqrt-domain")
+    assert f.source.line == line_of(path, "aux = torch.sqrt(")
+    assert f.localized_by == "in-process" and report.run.rerun is None
