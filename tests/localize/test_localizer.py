@@ -442,6 +442,37 @@ def test_overflow_is_claimed_only_when_the_result_can_exceed_the_range():
     assert cast.bound > cast.limit and cast.dtype == torch.float16
 
 
+def test_a_norms_overflow_bound_sums_one_row_not_the_batch():
+    """A LayerNorm sums the squares of one row (its normalized shape), not of the whole batch:
+    GPT-2's ln_2 in transformers' run_clm_no_trainer.py at a learning rate of 1e6 saw
+    |input| 1e20 in a [4, 16, 16] batch and was said to sum 1024 squares; it sums 16. A row
+    of 16 values of 1e18 (1.6e37) fits float32, though 1024 of them would not."""
+    import torch
+
+    from nanaudit.localize.overflow import overflow_bound
+    x = torch.full((4, 16, 16), 1e18)
+    w, b = torch.ones(16), torch.zeros(16)
+    ln = overflow_bound("aten.native_layer_norm.default", (x, [16], w, b, 1e-5), {}, None)
+    assert ln.bound < ln.limit and "summed over 16 values" in ln.how
+    rms = overflow_bound("aten.rms_norm.default", (x, [16, 16], w), {}, None)
+    assert "summed over 256 values" in rms.how
+    var = overflow_bound("aten.var.correction", (x, [0]), {}, None)
+    assert "summed over 4 values" in var.how
+    vnorm = overflow_bound("aten.linalg_vector_norm.default", (x, 2, [-1]), {}, None)
+    assert "summed over 16 values" in vnorm.how
+    img = torch.full((2, 6, 3, 3), 1e18)                         # 2 groups of 3 channels x 9
+    gn = overflow_bound("aten.native_group_norm.default",
+                        (img, None, None, 2, 6, 9, 2, 1e-5), {}, None)
+    assert "summed over 27 values" in gn.how
+    bn = overflow_bound("aten.native_batch_norm.default", (img, None, None, None, None, True,
+                                                           0.1, 1e-5), {}, None)
+    assert "summed over 18 values" in bn.how                     # one channel: 2 x 9
+    whole = overflow_bound("aten.mse_loss.default", (x, torch.zeros_like(x)), {}, None)
+    assert whole.bound > whole.limit and "summed over 1024 values" in whole.how
+    each = overflow_bound("aten.mse_loss.default", (x, torch.zeros_like(x), 0), {}, None)
+    assert "summed over 1 values" in each.how
+
+
 def test_masked_out_empty_bag_nan_in_backward_blames_the_softmax(case, tmp_path):
     """Attention MIL pooling: the empty bag's output is masked out, so the loss is finite, but
     the softmax over its all -inf row made NaN that backward multiplies into the gradients. The
