@@ -172,6 +172,34 @@ def test_a_nan_weight_from_a_checkpoint_stops_at_once(tmp_path):
     assert report.bad_steps.skipped == 0
 
 
+def test_an_update_that_made_the_weights_nonfinite_was_applied_and_cannot_be_skipped(tmp_path):
+    """transformers' run_clm.py (the Trainer) with `--adam_epsilon 0`: the position embedding's
+    rows no token reached have zero moments, and AdamW's first update divides 0 by 0 there.
+    The weights were finite before that step, and its update was applied before the read that
+    saw it: the run stops with `cannot-skip` (it said `nonfinite-state`: "non-finite before
+    the step"), naming step 0's update."""
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        pos = nn.Embedding(64, 8)                 # block size 16: rows 16.. get no gradient
+        head = nn.Linear(8, 1)
+        params = list(pos.parameters()) + list(head.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-3, eps=0.0)
+        for step in range(5):
+            optimizer.zero_grad()
+            head(pos(torch.arange(16))).pow(2).mean().backward()
+            optimizer.step()
+        print("ran", step)
+    """)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions(keep_going=True))
+    assert exit_code(report) == 1
+    assert [(f.step, f.action, f.stop_reason, f.cause) for f in report.findings] == [
+        (0, "stopped", "cannot-skip", "optimizer-update")]
+    assert report.bad_steps.skipped == 0
+
+
 @pytest.mark.slow
 def test_a_hand_written_update_cannot_be_skipped_and_stops(tmp_path):
     # No optimizer call to leave out: the run stops at the bad step and says why.

@@ -29,7 +29,7 @@ class StepDecision(Enum):
 # A non-finite weight, buffer or optimizer state is there before the step: skipping the
 # update leaves it in place, so every later step would trip on it too. So is a learning rate
 # no update may run with: a skipped step does not step the scheduler that set it.
-_STATE_CHECKS = (Check.PARAMETER, Check.OPTIMIZER, Check.SCHEDULE)
+_STATE_CHECKS = (Check.PARAMETER, Check.SCHEDULE)
 
 
 def keep_going(check: Check | None, skipped: int, max_bad_steps: int,
@@ -44,6 +44,11 @@ def keep_going(check: Check | None, skipped: int, max_bad_steps: int,
     buffers: not state from before the step."""
     if check is None:
         return StepDecision.APPLY, None
+    if check == Check.OPTIMIZER:
+        # The weights are read before the next update, so the update that made them
+        # non-finite was applied already: there is no update left to hold back (the weights
+        # were finite before the bad step, so they were not its state either).
+        return StepDecision.STOP, StopReason.CANNOT_SKIP
     if check in _STATE_CHECKS and not (in_forward and check == Check.PARAMETER):
         return StepDecision.STOP, StopReason.NONFINITE_STATE
     if not skippable:
