@@ -149,9 +149,11 @@ class OpTracer:
     The caller says when backward starts and ends (`start_backward`, `end_backward`, or sets
     `phase`): a user's step runs several forwards and backwards."""
 
-    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
+                 owners: dict[int, str] | None = None):
         self.trace = Trace()
-        self.modules = ModuleStack(model, others)     # `others`: other modules' names
+        self.modules = ModuleStack(model, others, owners)   # other modules' and their weights'
+        #                                                     names (ModuleStack)
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
         self._exit = contextlib.ExitStack()
@@ -267,7 +269,10 @@ class OpTracer:
     def _forward_record(self, func: Any, name: str, args: tuple, kwargs: dict) -> ForwardRecord:
         keep = keeps_inputs(func)
         inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
-        record = ForwardRecord(len(self.trace.forward_records), name, self.modules.current,
+        module = self.modules.current       # "" is the root model's own name
+        if module is None:
+            module = self.modules.owner(inputs)
+        record = ForwardRecord(len(self.trace.forward_records), name, module,
                                user_source(), args=args if keep else None,
                                kwargs=kwargs if keep else None, arg_names=schema_names(func),
                                func=func,

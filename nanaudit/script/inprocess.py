@@ -213,7 +213,8 @@ def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
     """The tracer of a replay of `calls`, naming the modules the script holds besides the
     window's model (ledger.learn_held: a trip's frames are still the script's)."""
     auditor.ledger.learn_held(sys._getframe(1))
-    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names)
+    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names,
+                    auditor.ledger.param_modules)
 
 
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,

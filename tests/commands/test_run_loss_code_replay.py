@@ -162,3 +162,42 @@ def test_a_second_backward_of_the_loss_code_is_replayed_in_process(tmp_path):
                                                       "sqrt-domain")
     assert f.source.line == line_of(path, "aux = torch.sqrt(")
     assert f.localized_by == "in-process" and report.run.rerun is None
+
+
+GAN = """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.LeakyReLU(0.2), nn.Linear(32, 64),
+                      nn.BatchNorm1d(64, 0.8), nn.LeakyReLU(0.2), nn.Linear(64, 16), nn.Tanh())
+    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(G.parameters(), lr=1e20)
+    opt_d = torch.optim.Adam(D.parameters(), lr=1e20)
+    for step in range(4):
+        imgs = torch.rand(16, 16) * 2 - 1
+        z = torch.randn(16, 8)
+        g_loss = F.binary_cross_entropy_with_logits(D(G(z)), torch.ones(16, 1))
+        opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+        real = F.binary_cross_entropy_with_logits(D(imgs), torch.ones(16, 1))
+        fake = F.binary_cross_entropy_with_logits(D(G(z).detach()), torch.zeros(16, 1))
+        d_loss = (real + fake) / 2
+        opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+"""
+
+
+def test_a_generator_called_in_the_critics_loss_code_is_named_by_its_variable(tmp_path):
+    """Lightning's domain_templates/generative_adversarial_net.py (manual optimization, two
+    Adams) at `--lr 1e20`: the generator's update of step 0 makes the critic's step 1 overflow
+    in the generator, called in the critic's loss code (`D(G(z).detach())`). The replay ran
+    after the trip unwound the script's frames, so the modules they held were not named, and
+    the ops the loss code replayed (no module call) named no module at all: `G.2` now, the
+    module whose weight the op reads."""
+    path, report = _run(tmp_path, GAN)
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.op, f.module) == (1, "forward", "aten.addmm.default", "G.2")
+    assert f.source.line == line_of(path, "fake = F.binary_cross_entropy_with_logits(")
+    assert f.localized_by == "in-process"
+    assert [link.module for link in f.chain[:2]] == ["G.2", "G.3"]
