@@ -22,15 +22,11 @@ class ModuleStack:
     """The innermost running module of `model` while entered: `with ModuleStack(model) as m:`
     ... `m.current`."""
 
-    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
-                 owners: dict[int, str] | None = None):
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
         # `others`: id -> name of modules outside `model` the step may call (nanaudit run's
-        # ledger: a GAN's critic called in the loss code); `owners`: id(parameter) -> the
-        # name of the module that holds it, for those modules
-        named = list(user_named(model, model.named_modules()))
-        self.names = {**(others or {}), **{id(m): n for n, m in named}}
-        self.owners = {**(owners or {}),
-                       **{id(p): n for n, m in named for p in m.parameters(recurse=False)}}
+        # ledger: a GAN's critic called in the loss code)
+        self.names = {**(others or {}),
+                      **{id(m): n for n, m in user_named(model, model.named_modules())}}
         self.stack: list[str] = []
         self.handles: list[Any] = []
 
@@ -45,17 +41,18 @@ class ModuleStack:
         self.handles = []
 
     def _push(self, module: torch.nn.Module, args: tuple) -> None:
-        self.stack.append(self.names.get(id(module), f"<{type(module).__name__}>"))
+        self.stack.append(self._named(module))
+
+    def name_of(self, module: Any) -> str | None:
+        """The user's name of `module` (`<Linear>` for one it does not know; None: no module)."""
+        return self._named(module) if isinstance(module, torch.nn.Module) else None
+
+    def _named(self, module: torch.nn.Module) -> str:
+        return self.names.get(id(module), f"<{type(module).__name__}>")
 
     def _pop(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.stack:
             self.stack.pop()
-
-    def owner(self, tensors: list) -> str | None:
-        """The module holding the first parameter among `tensors`: an op run outside every
-        module's forward (a module's ops replayed from the recorded loss code, a generator
-        called there) that reads a module's weight is that module's op."""
-        return next((self.owners[id(t)] for t in tensors if id(t) in self.owners), None)
 
     @property
     def current(self) -> str | None:

@@ -25,7 +25,6 @@ flags join the read, so the ranks stop together and the rank that made the value
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -190,9 +189,6 @@ class ScriptAuditor(StepChecks):
         keep, trip = self.keep, self.trip
         if (keep is None or trip is None or self.window.step is not None
                 or keep.decide(trip, skippable) is not StepDecision.SKIP):
-            # The replay runs after StepHalted unwound the script's frames: the modules they
-            # hold (a GAN's generator called in the loss code) are named now, while they live.
-            self.ledger.learn_held(sys._getframe(1))
             raise StepHalted()
         self.trip = None
         return keep.skip(trip, self.hooks.tap.record)

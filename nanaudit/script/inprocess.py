@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import event_precision
 from nanaudit.localize.replay_finding import finding_at
-from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
+from nanaudit.localize.tracer import REPLAYED_LINE, REPLAYED_MODULE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
 from nanaudit.report.sections import CompiledReplay, Rerun
@@ -213,8 +213,7 @@ def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
     """The tracer of a replay of `calls`, naming the modules the script holds besides the
     window's model (ledger.learn_held: a trip's frames are still the script's)."""
     auditor.ledger.learn_held(sys._getframe(1))
-    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names,
-                    auditor.ledger.param_modules)
+    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names)
 
 
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
@@ -259,8 +258,9 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     call.seed_replay()
     env = {} if env is None else env
 
-    def at(where: tuple[str, int, str] | None) -> None:
+    def at(where: tuple[str, int, str] | None, module: Any = None) -> None:
         REPLAYED_LINE.set(_line(where))
+        REPLAYED_MODULE.set(module)
     try:
         at(call.where)          # the script's model call: the line of a torch module's ops
         with autocast(call.autocast):
@@ -274,6 +274,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         replay(call.code, env, at)
     finally:
         REPLAYED_LINE.set(None)
+        REPLAYED_MODULE.set(None)
     losses = call.losses + ([skipped] if skipped is not None else [])
     pairs = []
     for loss in losses:

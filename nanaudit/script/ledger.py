@@ -32,7 +32,6 @@ class Ledger:
         # The names of the modules the script holds and of their parameters (learned at a
         # trip: held_modules.py), asked after the roots' own; the step last learned at.
         self.module_names: dict[int, str] = {}
-        self.param_modules: dict[int, str] = {}    # id(parameter) -> its held module's name
         self._held_names: dict[int, str] = {}
         self._learned_at: int | None = None
         self.roots: dict[int, torch.nn.Module] = {}
@@ -65,10 +64,8 @@ class Ledger:
         self._learned_at = self.steps_taken
         for variable, held in held_modules(frame):
             for name, module in user_named(held, held.named_modules()):
-                qualified = f"{variable}.{name}" if name else variable
-                self.module_names.setdefault(id(module), qualified)
-                for p in module.parameters(recurse=False):
-                    self.param_modules.setdefault(id(p), qualified)
+                self.module_names.setdefault(id(module), f"{variable}.{name}" if name
+                                             else variable)
             for name, p in user_named(held, held.named_parameters()):
                 self._held_names.setdefault(id(p), f"{variable}.{name}")
         return True
