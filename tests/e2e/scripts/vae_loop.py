@@ -38,7 +38,7 @@ def save_image(tensor, path):
 
 class VAE(nn.Module):
     def __init__(self):
-        super(VAE, self).__init__()
+        super().__init__()
         self.fc1 = nn.Linear(64, 32)
         self.fc21 = nn.Linear(32, 4)
         self.fc22 = nn.Linear(32, 4)
@@ -85,10 +85,8 @@ def train(epoch):
         train_loss += loss.item()
         optimizer.step()
         if batch_idx % args.log_interval == 0:
-            print('Train Epoch: {} [{}/{}]\tLoss: {:.6f}'.format(
-                epoch, batch_idx * len(data), len(train_loader.dataset), loss.item() / len(data)))
-    print('====> Epoch: {} Average loss: {:.4f}'.format(
-          epoch, train_loss / len(train_loader.dataset)))
+            print(f'Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]\tLoss: {loss.item() / len(data):.6f}')
+    print(f'====> Epoch: {epoch} Average loss: {train_loss / len(train_loader.dataset):.4f}')
 
 
 def test(epoch):
@@ -101,7 +99,7 @@ def test(epoch):
             if i == 0:
                 save_image(recon_batch[:4], 'results/reconstruction_' + str(epoch) + '.pt')
     test_loss /= len(test_loader.dataset)
-    print('====> Test set loss: {:.4f}'.format(test_loss))
+    print(f'====> Test set loss: {test_loss:.4f}')
 
 
 if __name__ == "__main__":
