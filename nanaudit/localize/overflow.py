@@ -207,7 +207,28 @@ def _squares(o: _Operands) -> Any:
     x = o.args[0]
     other = o.args[1] if o.base == "mse_loss" else None
     m = amax(x) + amax(other)
-    return m * m * max(x.numel(), 1), f"({m:.4g})² summed over {x.numel()} values"
+    n = _squared_count(o, x)
+    return m * m * max(n, 1), f"({m:.4g})² summed over {n} values"
+
+
+def _squared_count(o: _Operands, x: torch.Tensor) -> int:
+    """How many squares one output element sums: a norm normalizes over its own dimensions
+    (layer norm over `normalized_shape`, group norm over a group, batch norm over all but the
+    channels), a variance or vector norm over its `dim`; only mse_loss sums them all."""
+    if o.base in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"):
+        return math.prod(o.arg(1, "normalized_shape", x.shape))
+    if o.base == "native_group_norm":
+        groups = max(int(o.arg(6, "group", 1)), 1)
+        return int(o.arg(4, "C", 1)) // groups * int(o.arg(5, "HxW", 1))
+    if o.base.startswith(("native_batch_norm", "_native_batch_norm")):
+        return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else x.numel()
+    dims = o.arg(2, "dim", None) if o.base in ("linalg_vector_norm", "norm") else \
+        o.arg(1, "dim", None) if o.base != "mse_loss" else None
+    if isinstance(dims, int):
+        dims = [dims]
+    if isinstance(dims, (list, tuple)) and dims and x.dim():
+        return math.prod(x.shape[d] for d in dims)
+    return x.numel()
 
 
 @_bound_of(*CASTS)
