@@ -57,16 +57,36 @@ class RecordedOp(NamedTuple):
 _new = tuple.__new__
 
 
+_MUTATES: dict[Any, bool] = {}
+
+
+def mutates(func: Any) -> bool:
+    """Does `func` write into its first argument (`t[i] = v`, `t.copy_(v)`, `t.add_(v)`)? A
+    dict lookup once seen: this runs for every recorded op."""
+    known = _MUTATES.get(func)
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = _MUTATES[func] = name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
+                                          "__itruediv__") or (
+            name.endswith("_") and not name.endswith("__")
+            and name not in ("requires_grad_", "retain_grad_", "share_memory_"))
+    return known
+
+
 class LossCode:
     """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
-    backward it reached, and whether it ran past MAX_OPS."""
+    backward it reached, whether it ran past MAX_OPS, and `before`: a copy of each tensor it
+    wrote into in place that no op had made (no autograd history: a buffer the script made
+    before the model call, `encoder_outputs[ei] = encoder_output[0, 0]` in a seq2seq loop), as
+    it was before that first write, for the replay to write into instead."""
 
-    __slots__ = ("ops", "overflowed", "roots")
+    __slots__ = ("before", "ops", "overflowed", "roots")
 
     def __init__(self) -> None:
         self.ops: list[RecordedOp] = []
         self.roots: list[tuple[Any, tuple, dict]] = []
         self.overflowed = False
+        self.before: dict[int, torch.Tensor] = {}
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The last differentiable floating scalar the code made, when no backward ran."""
@@ -168,6 +188,14 @@ class LossCodeRecorder(TorchFunctionMode):
             self.code = None           # the loss reached backward: the loss code ends here
             code.roots.append((func, args, kwargs))
             return func(*args, **kwargs)
+        writes = _MUTATES.get(func)          # inline (a C lookup): no call per op
+        if writes is None:
+            writes = mutates(func)
+        if writes and args:
+            target = args[0]
+            if isinstance(target, torch.Tensor) and target.grad_fn is None \
+                    and id(target) not in code.before:
+                code.before[id(target)] = target.detach().clone()
         out = func(*args, **kwargs)
         if not _computes(func):
             return out
@@ -189,13 +217,16 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
            on_op: Any = None) -> dict[int, torch.Tensor]:
     """Run the recorded ops again, each tensor the run made replaced by the replay's (`env`:
     id of the first run's tensor -> the replay's, the model's outputs to start with); the
-    tensors the script passed in (targets, masks) are used as they are. `on_op(where)` is told
+    tensors the script passed in (targets, masks) are used as they are, except one the code
+    wrote into, replaced by a copy of it as it was before (LossCode.before). `on_op(where)` is told
     the user's line before each op. Returns `env`, grown by every op's outputs."""
     def swap(value: Any) -> Any:
         return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
+    for key, value in code.before.items():
+        env.setdefault(key, value.clone())     # written into by the replay, not the run's
     for op in code.ops:
         outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
-        if not outs:
+        if not outs and not mutates(op.func):
             continue                   # `.item()`, `__bool__`: nothing a later op takes
         if on_op is not None:
             on_op(op.where)
