@@ -22,8 +22,11 @@ class ModuleStack:
     """The innermost running module of `model` while entered: `with ModuleStack(model) as m:`
     ... `m.current`."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.names = {id(m): n for n, m in user_named(model, model.named_modules())}
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
+        # `others`: id -> name of modules outside `model` the step may call (nanaudit run's
+        # ledger: a GAN's critic called in the loss code)
+        self.names = {**(others or {}),
+                      **{id(m): n for n, m in user_named(model, model.named_modules())}}
         self.stack: list[str] = []
         self.handles: list[Any] = []
 

@@ -149,9 +149,9 @@ class OpTracer:
     The caller says when backward starts and ends (`start_backward`, `end_backward`, or sets
     `phase`): a user's step runs several forwards and backwards."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
         self.trace = Trace()
-        self.modules = ModuleStack(model)
+        self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
         self._exit = contextlib.ExitStack()
@@ -196,8 +196,9 @@ class OpTracer:
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run one aten op and record it (the dispatch mode's handler)."""
         node = torch._C._current_autograd_node()
-        backward = node is not None or self.phase == Where.BACKWARD
-        if not backward:
+        backward = (node is not None or self.phase == Where.BACKWARD) \
+            and not self._recomputes(node)
+        if self._pending:            # in backward too: a recomputed forward's last outputs
             self._tag_pending()
         out = func(*args, **kwargs)
         self.trace.ops_seen += 1
@@ -228,6 +229,17 @@ class OpTracer:
         if backward and hasattr(node, "_forward_cls"):
             self._note_function_outputs(node, outputs)
         return out
+
+    def _recomputes(self, node: Any) -> bool:
+        """A forward recomputed inside backward: a reentrant activation checkpoint (torch's
+        `checkpoint(use_reentrant=True)`, the default of transformers 4's gradient checkpointing,
+        and DeepSpeed's or Megatron's) runs its first forward without autograd, then, in its
+        custom Function's backward, the modules' forward again with grad mode on and the inner
+        backward through it. Those are forward ops: the inner backward's nodes name them. (A
+        Function's own backward runs with grad mode off unless it differentiates twice, and
+        then not inside a module's forward.)"""
+        return (node is not None and hasattr(node, "_forward_cls") and bool(self.modules.stack)
+                and torch.is_grad_enabled())
 
     def _forget_overwritten(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A write into a view (`x[5, 2] = 0`) changes its base: the op that made the base no

@@ -32,6 +32,11 @@ _BACKWARD = frozenset((torch.Tensor.backward, torch.autograd.backward, torch.aut
 _stack_depth, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
 _push, _pop = torch._C._push_on_torch_function_stack, torch._C._pop_torch_function_stack
 _any_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch._C.is_grad_enabled
+# In-place Python operators: they write their first argument, as a method ending in `_` does.
+_IN_PLACE = frozenset(("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                       "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__",
+                       "__ilshift__", "__irshift__", "__setitem__"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,41 +57,22 @@ class RecordedOp(NamedTuple):
     out: Any
     where: tuple[str, int, str] | None
     autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
+    grad: bool = True                   # grad mode was on (`with torch.no_grad():` off)
 
 
 _new = tuple.__new__
 
 
-_MUTATES: dict[Any, bool] = {}
-
-
-def mutates(func: Any) -> bool:
-    """Does `func` write into its first argument (`t[i] = v`, `t.copy_(v)`, `t.add_(v)`)? A
-    dict lookup once seen: this runs for every recorded op."""
-    known = _MUTATES.get(func)
-    if known is None:
-        name = getattr(func, "__name__", "")
-        known = _MUTATES[func] = name in ("__setitem__", "__iadd__", "__isub__", "__imul__",
-                                          "__itruediv__") or (
-            name.endswith("_") and not name.endswith("__")
-            and name not in ("requires_grad_", "retain_grad_", "share_memory_"))
-    return known
-
-
 class LossCode:
     """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
-    backward it reached, whether it ran past MAX_OPS, and `before`: a copy of each tensor it
-    wrote into in place that no op had made (no autograd history: a buffer the script made
-    before the model call, `encoder_outputs[ei] = encoder_output[0, 0]` in a seq2seq loop), as
-    it was before that first write, for the replay to write into instead."""
+    backward it reached, and whether it ran past MAX_OPS."""
 
-    __slots__ = ("before", "ops", "overflowed", "roots")
+    __slots__ = ("ops", "overflowed", "roots")
 
     def __init__(self) -> None:
         self.ops: list[RecordedOp] = []
         self.roots: list[tuple[Any, tuple, dict]] = []
         self.overflowed = False
-        self.before: dict[int, torch.Tensor] = {}
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The last differentiable floating scalar the code made, when no backward ran."""
@@ -184,18 +170,10 @@ class LossCodeRecorder(TorchFunctionMode):
         code = self.code
         if code is None:
             return func(*args, **kwargs)
-        if func in _BACKWARD:
+        if func in _BACKWARD and not _graph_made(func, args, kwargs):
             self.code = None           # the loss reached backward: the loss code ends here
             code.roots.append((func, args, kwargs))
             return func(*args, **kwargs)
-        writes = _MUTATES.get(func)          # inline (a C lookup): no call per op
-        if writes is None:
-            writes = mutates(func)
-        if writes and args:
-            target = args[0]
-            if isinstance(target, torch.Tensor) and target.grad_fn is None \
-                    and id(target) not in code.before:
-                code.before[id(target)] = target.detach().clone()
         out = func(*args, **kwargs)
         if not _computes(func):
             return out
@@ -209,30 +187,88 @@ class LossCodeRecorder(TorchFunctionMode):
         where = (None if frame is None else
                  (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         ops.append(_new(RecordedOp, (func, args, kwargs, out, where,
-                                     autocast_state() if _any_autocast() else ())))
+                                     autocast_state() if _any_autocast() else (),
+                                     _grad_enabled())))
         return out
+
+
+def _graph_made(func: Any, args: tuple, kwargs: dict) -> bool:
+    """`torch.autograd.grad(..., create_graph=True)`: gradients that are part of the loss (a
+    gradient penalty, a meta-learning step's inner update), not its end: recorded as an op,
+    replayed as one, and the loss code goes on to the `backward` that does end it."""
+    if func is not torch.autograd.grad:
+        return False
+    return bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
 
 
 def replay(code: LossCode, env: dict[int, torch.Tensor],
            on_op: Any = None) -> dict[int, torch.Tensor]:
     """Run the recorded ops again, each tensor the run made replaced by the replay's (`env`:
     id of the first run's tensor -> the replay's, the model's outputs to start with); the
-    tensors the script passed in (targets, masks) are used as they are, except one the code
-    wrote into, replaced by a copy of it as it was before (LossCode.before). `on_op(where)` is told
-    the user's line before each op. Returns `env`, grown by every op's outputs."""
+    tensors the script passed in (targets, masks) are used as they are, but never written: one
+    the code writes into (`metric += loss.detach()`, `counts[label] += 1`, `p.zero_()`), or
+    into a view of, is replaced by a copy of its storage, which later ops read, so the replay
+    leaves the script's state as the trip left it (a replayed update applied twice would
+    change what the script goes on with). Each op runs in the grad mode it ran in (a teacher's
+    `no_grad` forward makes no graph). `on_op(where)` is told the user's line before each op.
+    Returns `env`, grown by every op's outputs."""
+    written = {id(_storage_of(t)) for op in code.ops
+               for t in _written(op.func, op.args, op.kwargs)}
+
     def swap(value: Any) -> Any:
-        return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
-    for key, value in code.before.items():
-        env.setdefault(key, value.clone())     # written into by the replay, not the run's
+        if not isinstance(value, torch.Tensor):
+            return value
+        again = env.get(id(value))
+        if again is None and id(_storage_of(value)) in written:
+            again = _private_copy(value, env)
+        return value if again is None else again
     for op in code.ops:
         outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
-        if not outs and not mutates(op.func):
-            continue                   # `.item()`, `__bool__`: nothing a later op takes
+        if not outs and not _written(op.func, op.args, op.kwargs):
+            # `.item()`, `__bool__`: nothing a later op takes; but `x[i] = v` returns None
+            # and writes what a later op (or model call) reads: `encoder_outputs[ei] = ...`
+            continue
         if on_op is not None:
             on_op(op.where)
-        with autocast(op.autocast):
+        with autocast(op.autocast), torch.set_grad_enabled(op.grad):
             new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
-        for old, made in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):
-            if isinstance(old, torch.Tensor) and isinstance(made, torch.Tensor):
-                env[id(old)] = made
+        for old, again in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):
+            if isinstance(old, torch.Tensor) and isinstance(again, torch.Tensor):
+                env[id(old)] = again
     return env
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a torch call writes: an in-place method's (`add_`) or operator's (`+=`,
+    `x[i] = v`) first argument, `inplace=True`'s input, and `out=`."""
+    name = getattr(func, "__name__", "")
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    written = [first] if first is not None and (
+        (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE
+        or kwargs.get("inplace") is True) else []
+    out = kwargs.get("out")
+    written += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return written
+
+
+def _storage_of(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _private_copy(value: torch.Tensor, env: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The replay's own copy of `value`, a tensor of the script's whose storage the code writes:
+    its storage copied once (kept in `env` under the tensor that owns it), `value` as the same
+    view of the copy."""
+    base = _storage_of(value)
+    copy = env.get(id(base))
+    if copy is None:
+        owner = base.detach()
+        copy = torch.empty(0, dtype=owner.dtype, device=owner.device).set_(
+            owner.untyped_storage().clone(), owner.storage_offset(), owner.size(),
+            owner.stride())
+        env[id(base)] = copy
+    if value is base:
+        return copy
+    view = copy.as_strided(value.size(), value.stride(), value.storage_offset())
+    env[id(value)] = view
+    return view

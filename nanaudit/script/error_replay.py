@@ -39,11 +39,11 @@ from nanaudit.script.inprocess import (
     loss_mismatch,
     replay_allowed,
     replay_call,
+    replay_tracer,
     replayable,
     timed_replay,
     window_params,
 )
-from nanaudit.script.rank_replay import local_module
 from nanaudit.script.step_values import leading_size
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip, nonfinite_locals
@@ -83,9 +83,10 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
     env: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     raised: Exception | None = None
-    with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(window_params(calls)), \
+    with auditor.hooks.muted(), \
+            auditor.hooks.tap.record.replaying(window_params(auditor, calls)), \
             torch.enable_grad():
-        tracer = OpTracer(local_module(calls[0].module))
+        tracer = replay_tracer(auditor, calls)
         with tracer:
             try:
                 for call in calls:

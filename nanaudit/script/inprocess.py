@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,22 +193,37 @@ def replayable(call: ModelCall) -> None:
         raise NotReplayable("the script differentiates with torch.autograd.grad")
 
 
-def window_params(calls: list[ModelCall]) -> list[torch.nn.Parameter]:
+def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients a replay of `calls` may write: the called modules' and
+    every stepped optimizer's (the loss code may call another model, a GAN's critic, whose
+    gradients the replay's backward would otherwise add to those the run left)."""
     seen: dict[int, torch.nn.Parameter] = {}
     for call in calls:
         for p in call.module.parameters():
             seen.setdefault(id(p), p)
+    for optimizer in auditor.ledger.stepped.values():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor):
+                    seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
+    """The tracer of a replay of `calls`, naming the modules the script holds besides the
+    window's model (ledger.learn_held: a trip's frames are still the script's)."""
+    auditor.ledger.learn_held(sys._getframe(1))
+    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names)
 
 
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
               timeline: Any) -> tuple[Finding | None, int, str | None]:
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
-    params = window_params(calls)
+    params = window_params(auditor, calls)
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
     with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
             torch.enable_grad():
-        tracer = OpTracer(local_module(calls[0].module))
+        tracer = replay_tracer(auditor, calls)
         # One map for the window: a call that takes an earlier call's output (a recurrent
         # state passed from call to call, a seq2seq decoder's hidden) takes the replay's.
         env: dict[int, torch.Tensor] = {}

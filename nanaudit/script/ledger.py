@@ -4,11 +4,14 @@ how an optimizer is described in a finding."""
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
 
 from nanaudit.run.names import user_named
+from nanaudit.script.held_modules import held_modules
 
 
 class ManualUpdate:
@@ -26,6 +29,11 @@ class Ledger:
 
     def __init__(self) -> None:
         self.names: dict[int, str] = {}          # id(parameter) -> qualified name
+        # The names of the modules the script holds and of their parameters (learned at a
+        # trip: held_modules.py), asked after the roots' own; the step last learned at.
+        self.module_names: dict[int, str] = {}
+        self._held_names: dict[int, str] = {}
+        self._learned_at: int | None = None
         self.roots: dict[int, torch.nn.Module] = {}
         self.optimizers_made = 0                 # torch.optim optimizers the script built
         self.manual = ManualUpdate()
@@ -42,7 +50,25 @@ class Ledger:
                 self.names.setdefault(id(p), name)
 
     def name(self, p: torch.Tensor) -> str:
-        return self.names.get(id(p), f"<parameter {tuple(p.shape)}>")
+        name = self.names.get(id(p)) or self._held_names.get(id(p))
+        if name is None and self.learn_held(sys._getframe(1)):
+            name = self._held_names.get(id(p))
+        return name if name is not None else f"<parameter {tuple(p.shape)}>"
+
+    def learn_held(self, frame: FrameType | None) -> bool:
+        """Name the modules the script's frames hold (from `frame` outward) and their
+        parameters, where the roots it called did not name them (held_modules.py); once a
+        step. True when it looked."""
+        if self._learned_at == self.steps_taken:
+            return False
+        self._learned_at = self.steps_taken
+        for variable, held in held_modules(frame):
+            for name, module in user_named(held, held.named_modules()):
+                self.module_names.setdefault(id(module), f"{variable}.{name}" if name
+                                             else variable)
+            for name, p in user_named(held, held.named_parameters()):
+                self._held_names.setdefault(id(p), f"{variable}.{name}")
+        return True
 
     @property
     def updates_by_hand(self) -> bool:

@@ -3,8 +3,8 @@ not pay for nanaudit more than the step loop of `scan` makes it pay.
 
 Between two checks the hooks leave what they collect on the device (`StepInbox`): each loss
 that reached backward, detached as it is, and for each outermost module call the largest
-|value| of each data input (its infinity norm: finite exactly when every element is, and never
-an overflow, which a sum of squares can be). The check adds the optimizer's weights and
+|value| of each data input (from its min and max: finite exactly when every element is, and
+never an overflow, which a sum of squares can be). The check adds the optimizer's weights and
 gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors flattened into
 one first, as the step loop packs them below run/checks.PACK_BELOW), stacks everything and
 reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and the losses
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.checks import PackLayout, dense_values, finite_norms
+from nanaudit.run.checks import PackLayout, dense_values, finite_norms, peak
 from nanaudit.run.deepspeed_zero import (
     Spans,
     narrow_parts,
@@ -42,6 +42,7 @@ from nanaudit.script.step_values import loss_factor, window_loss
 
 _SAFE = (torch.float32, torch.float16, torch.bfloat16)     # float32 holds their values exactly
 _READ_EXACTLY = (*_SAFE, torch.float64)                    # a loss stacked in these stays exact
+_FLOAT32_OR_64 = (torch.float32, torch.float64)
 _GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
 _IS_SET = functools.partial(operator.is_not, None)
 _DENSE = {torch.strided}
@@ -49,11 +50,10 @@ _PARAMS = operator.itemgetter("params")
 
 
 def input_peaks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """0-dim tensors, one per input that has elements: its largest |value|, finite exactly when
-    every element is (max propagates NaN), in float32 unless the input is float64."""
-    return [torch.linalg.vector_norm(t.detach() if t.requires_grad else t, math.inf,
-                                     dtype=torch.float32 if t.dtype in _SAFE else None)
-            for t in tensors if t.numel()]
+    """0-dim tensors, one per input that has elements: its largest |value| (checks.peak: finite
+    exactly when every element is, never an overflow), in float32 unless the input is float64."""
+    peaks = [peak(t) for t in tensors if t.numel()]
+    return [p if p.dtype in _FLOAT32_OR_64 else p.float() for p in peaks]
 
 
 @dataclass(slots=True)

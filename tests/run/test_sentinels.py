@@ -5,7 +5,7 @@ import math
 import torch
 from helpers import LINEAR_CASE, scan
 
-from nanaudit.run.checks import StepChecks, finite_norm
+from nanaudit.run.checks import StepChecks, all_finite, finite_norm, peak
 
 
 def test_norm_is_nonfinite_exactly_when_an_element_is():
@@ -101,3 +101,17 @@ def test_update_watch_measures_the_update_of_packed_parameters():
     expected = finite_norm([a - p.detach() for a, p in zip(before, model.parameters())], "cpu")
     assert (step, base) == (0, 1.0)
     assert abs(float(norm) - float(expected)) < 1e-4 * float(expected)
+
+
+def test_a_peak_is_finite_exactly_when_every_element_is():
+    big = torch.full((3, 4), 3e38)                 # its sum of squares overflows; its peak does not
+    assert float(peak(big)) == float(peak(-big)) == float(big[0, 0])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for bad in (math.nan, math.inf, -math.inf):
+            t = torch.ones(5, dtype=dtype)
+            t[3] = bad
+            assert not math.isfinite(float(peak(t))), (dtype, bad)
+            assert float(all_finite([torch.ones(2), t], "cpu")) == 0.0
+    assert not peak(torch.ones(2, requires_grad=True) * 2).requires_grad
+    assert float(all_finite([big, torch.zeros(0)], "cpu")) == 1.0
+    assert float(all_finite([], "cpu")) == 1.0

@@ -19,7 +19,7 @@ from enum import IntEnum
 import torch
 
 from nanaudit.run.check.verdict import Tripped, rank_verdict
-from nanaudit.run.checks import StepReadout
+from nanaudit.run.checks import StepReadout, peak
 from nanaudit.run.mesh import own_gradients, own_losses
 
 
@@ -64,13 +64,13 @@ def readout_values(readout: StepReadout, loss: torch.Tensor,
 
 def inputs_finite(leaves: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """1.0 when every element of the batch's floating leaves is finite, else 0.0, on `like`'s
-    device. Element-wise, not from the readout's batch norm: a float32 sum of squares
-    overflows on finite values past about 1e19, and a rank's flag is never confirmed later
-    the way a single process confirms a non-finite norm (checks.batch_finite)."""
-    flags = [torch.isfinite(t).all() for t in leaves if t.is_floating_point() and t.numel()]
-    if not flags:
+    device. From each leaf's peak (checks.peak), not from the readout's batch norm: a float32
+    sum of squares overflows on finite values past about 1e19, and a rank's flag is never
+    confirmed later the way a single process confirms a non-finite norm (checks.batch_finite)."""
+    peaks = [peak(t).to(torch.float64) for t in leaves if t.is_floating_point() and t.numel()]
+    if not peaks:
         return like + 1.0
-    return torch.stack(flags).all().to(like)
+    return torch.isfinite(torch.stack(peaks)).all().to(like)
 
 
 @dataclass(frozen=True)

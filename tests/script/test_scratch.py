@@ -1,0 +1,36 @@
+"""The listing of the working folder taken before the first run (script/scratch.py)."""
+
+import os
+
+from nanaudit.script import scratch
+from nanaudit.script.scratch import FolderState
+
+
+def test_the_listing_names_every_file_by_its_relative_path(tmp_path):
+    (tmp_path / "data" / "shards").mkdir(parents=True)
+    (tmp_path / "train.py").write_text("print(1)\n")
+    (tmp_path / "data" / "shards" / "0.bin").write_bytes(b"abc")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref\n")
+    outside = tmp_path.parent / (tmp_path.name + "-outside")
+    outside.mkdir()
+    (outside / "big.bin").write_bytes(b"x" * 10)
+    os.symlink(outside, tmp_path / "linked")              # a linked folder is not followed
+    os.symlink(tmp_path / "train.py", tmp_path / "alias.py")   # a linked file is listed
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")        # a broken link is not
+    state = FolderState.take(str(tmp_path))
+    assert state is not None
+    assert state.files.keys() == {"train.py", os.path.join("data", "shards", "0.bin"),
+                                  "alias.py"}
+    assert state.files[os.path.join("data", "shards", "0.bin")][0] == 3
+
+
+def test_a_folder_past_the_limit_is_not_listed(tmp_path, monkeypatch):
+    monkeypatch.setattr(scratch, "MAX_FILES", 3)
+    for i in range(2):
+        (tmp_path / f"{i}.txt").write_text("x")
+    assert FolderState.take(str(tmp_path)) is not None
+    (tmp_path / "deep").mkdir()
+    for i in range(2):
+        (tmp_path / "deep" / f"{i}.txt").write_text("x")
+    assert FolderState.take(str(tmp_path)) is None
