@@ -41,7 +41,14 @@ class ModuleStack:
         self.handles = []
 
     def _push(self, module: torch.nn.Module, args: tuple) -> None:
-        self.stack.append(self.names.get(id(module), f"<{type(module).__name__}>"))
+        self.stack.append(self._named(module))
+
+    def name_of(self, module: Any) -> str | None:
+        """The user's name of `module` (`<Linear>` for one it does not know; None: no module)."""
+        return self._named(module) if isinstance(module, torch.nn.Module) else None
+
+    def _named(self, module: torch.nn.Module) -> str:
+        return self.names.get(id(module), f"<{type(module).__name__}>")
 
     def _pop(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.stack:

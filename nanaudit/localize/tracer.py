@@ -47,6 +47,10 @@ _THIS_FILE = os.path.abspath(__file__)
 # script/inprocess.py): the call comes from nanaudit's frames, the line is the script's.
 REPLAYED_LINE: contextvars.ContextVar[SourceLine | None] = contextvars.ContextVar(
     "REPLAYED_LINE", default=None)
+# ... and the module whose forward made that call (a second model the loss code called: the
+# replay runs its recorded ops, not its forward, so no module hook says it)
+REPLAYED_MODULE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "REPLAYED_MODULE", default=None)
 
 
 def user_source() -> SourceLine | None:
@@ -267,7 +271,10 @@ class OpTracer:
     def _forward_record(self, func: Any, name: str, args: tuple, kwargs: dict) -> ForwardRecord:
         keep = keeps_inputs(func)
         inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
-        record = ForwardRecord(len(self.trace.forward_records), name, self.modules.current,
+        module = self.modules.current
+        if module is None:          # "" is the model itself
+            module = self.modules.name_of(REPLAYED_MODULE.get())
+        record = ForwardRecord(len(self.trace.forward_records), name, module,
                                user_source(), args=args if keep else None,
                                kwargs=kwargs if keep else None, arg_names=schema_names(func),
                                func=func,

@@ -58,6 +58,7 @@ class RecordedOp(NamedTuple):
     where: tuple[str, int, str] | None
     autocast: tuple = ()                # the autocast regions it ran in: ((device, dtype), ...)
     grad: bool = True                   # grad mode was on (`with torch.no_grad():` off)
+    module: Any = None                  # the module whose forward called it (a second model)
 
 
 _new = tuple.__new__
@@ -182,13 +183,21 @@ class LossCodeRecorder(TorchFunctionMode):
             code.overflowed = True
             return out
         frame: FrameType | None = sys._getframe(1)      # the user's line
-        while frame is not None and not is_user_file(frame.f_code.co_filename):
+        module = None
+        while frame is not None:
+            called = frame.f_code
+            if module is None and called.co_name == "forward":
+                # inside a module's forward (a second model the loss code calls: a critic, a
+                # teacher): which one, for the replay to name (one dict read, only there)
+                module = frame.f_locals.get("self")
+            if is_user_file(called.co_filename):
+                break
             frame = frame.f_back
         where = (None if frame is None else
                  (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         ops.append(_new(RecordedOp, (func, args, kwargs, out, where,
                                      autocast_state() if _any_autocast() else (),
-                                     _grad_enabled())))
+                                     _grad_enabled(), module)))
         return out
 
 
@@ -210,7 +219,8 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
     into a view of, is replaced by a copy of its storage, which later ops read, so the replay
     leaves the script's state as the trip left it (a replayed update applied twice would
     change what the script goes on with). Each op runs in the grad mode it ran in (a teacher's
-    `no_grad` forward makes no graph). `on_op(where)` is told the user's line before each op.
+    `no_grad` forward makes no graph). `on_op(where, module)` is told the user's line and the
+    module whose forward called it (None: the loss code's own) before each op.
     Returns `env`, grown by every op's outputs."""
     written = {id(_storage_of(t)) for op in code.ops
                for t in _written(op.func, op.args, op.kwargs)}
@@ -229,7 +239,7 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
             # and writes what a later op (or model call) reads: `encoder_outputs[ei] = ...`
             continue
         if on_op is not None:
-            on_op(op.where)
+            on_op(op.where, op.module)
         with autocast(op.autocast), torch.set_grad_enabled(op.grad):
             new = op.func(*tree_map(swap, op.args), **tree_map(swap, op.kwargs))
         for old, again in zip(tree_flatten(op.out)[0], tree_flatten(new)[0]):

@@ -43,3 +43,11 @@ def _variables(names: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield from list(getattr(value, "__dict__", {}).items())
         elif not name.startswith("__"):
             yield name, value
+
+
+def innermost_frame(exc: BaseException) -> FrameType | None:
+    """The frame an exception was raised in (its traceback keeps the frames it unwound)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame if tb is not None else None

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.findings import event_precision
 from nanaudit.localize.replay_finding import finding_at
-from nanaudit.localize.tracer import REPLAYED_LINE, OpTracer
+from nanaudit.localize.tracer import REPLAYED_LINE, REPLAYED_MODULE, OpTracer
 from nanaudit.localize.walk import walk_from_sink
 from nanaudit.report.model import Finding, SourceLine
 from nanaudit.report.sections import CompiledReplay, Rerun
@@ -261,8 +261,9 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     call.seed_replay()
     env = {} if env is None else env
 
-    def at(where: tuple[str, int, str] | None) -> None:
+    def at(where: tuple[str, int, str] | None, module: Any = None) -> None:
         REPLAYED_LINE.set(_line(where))
+        REPLAYED_MODULE.set(module)
 
     def swap(value: Any) -> Any:
         return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
@@ -280,6 +281,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         replay(call.code, env, at)
     finally:
         REPLAYED_LINE.set(None)
+        REPLAYED_MODULE.set(None)
     losses = call.losses + ([skipped] if skipped is not None else [])
     pairs = []
     for loss in losses:

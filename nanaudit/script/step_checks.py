@@ -26,6 +26,7 @@ from nanaudit.run.checks import confirm_nonfinite, exact_norm
 from nanaudit.run.deepspeed_zero import loss_scale_of
 from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
+from nanaudit.script.held_modules import innermost_frame
 from nanaudit.script.ledger import Ledger
 from nanaudit.script.readout import (
     OptimizerScopes,
@@ -93,8 +94,7 @@ class StepChecks:
         self.device = scope.device_name
         grads = scope.grads()
         inbox, self._inbox = self._inbox, StepInbox()
-        # Under torchrun every rank's flags (its buffers' among them) join the read: the ranks
-        # decide together.
+        # Under torchrun every rank's flags (its buffers' among them) join the read.
         buffers = self.buffers.tensors() if self.buffers else None
         read = read_step(inbox, scope, grads,
                          self.ranks.table if self.ranks is not None else None, buffers)
@@ -183,6 +183,7 @@ class StepChecks:
         tensor is fine."""
         if self.trip is not None or self.window.armed is not None:
             return self.trip
+        self.ledger.learn_held(innermost_frame(exc))
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         self._last_updates()
         if self.trip is None and self.ranks is None:

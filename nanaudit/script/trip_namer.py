@@ -6,6 +6,7 @@ one read (auditor.py)."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from nanaudit.report.vocabulary import Check, Where
@@ -27,6 +28,7 @@ class TripNamer:
 
     def trip(self, step: int, check: Check, value: str, tensors: list,
              **fields: Any) -> ScriptTrip:
+        self.ledger.learn_held(sys._getframe())   # inside a hook: the script's frames are there
         return ScriptTrip(step=step, check=check, value=value, tensors=tensors,
                           rank=self.rank, optimizers=len(self.ledger.stepped),
                           manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,

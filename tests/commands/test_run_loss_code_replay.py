@@ -162,3 +162,41 @@ def test_a_second_backward_of_the_loss_code_is_replayed_in_process(tmp_path):
                                                       "sqrt-domain")
     assert f.source.line == line_of(path, "aux = torch.sqrt(")
     assert f.localized_by == "in-process" and report.run.rerun is None
+
+
+CRITIC_FORWARD = """
+    import torch
+    from torch import nn
+
+
+    class LogFeatures(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.eps = 1e-3
+
+        def forward(self, x):
+            return torch.log(torch.relu(x) + self.eps)      # log(0) once eps is 0
+
+
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    critic = nn.Sequential(nn.Linear(8, 16), LogFeatures(), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-4)
+    for step in range(6):
+        if step == 3:
+            critic[1].eps = 0.0
+        fake = generator(torch.randn(16, 4))        # the step's model
+        loss_g = -critic(fake).mean()               # the critic runs in the loss code
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+"""
+
+
+def test_an_op_of_a_second_model_in_the_loss_code_names_its_module(tmp_path):
+    path, report = _run(tmp_path, CRITIC_FORWARD)
+    f = report.finding
+    assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
+    assert f.module == "critic.1"
+    assert f.source.line == line_of(path, "return torch.log(torch.relu(x)")
+    assert f.localized_by == "in-process"

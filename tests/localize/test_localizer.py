@@ -146,6 +146,7 @@ def test_loss_nan_with_clean_gradients_is_found(case, tmp_path):
     assert (f["step"], f["where"], f["op"], f["cause"]) == (
         0, "forward", "aten.nll_loss_forward.default", "degenerate-reduction")
     assert "ignore_index=-100" in f["explanation"]
+    assert f["fix"].startswith("skip a batch with no target to train on (`if (labels != -100)")
 
 
 def test_masked_gradient_names_the_forward_line(case, tmp_path):

@@ -23,14 +23,21 @@ def nll_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
         return Reason(Cause.DEGENERATE_REDUCTION, f"the loss got no targets at all (input of "
                                                   f"shape {list(args[0].shape)}: an empty batch "
                                                   f"or selection): the mean over zero targets "
-                                                  f"is 0/0 = NaN")
+                                                  f"is 0/0 = NaN",
+                      fix="skip an empty batch or selection (`if target.numel():`), or divide "
+                          "`reduction='sum'` by `max(number of targets, 1)`")
     if count(valid) == 0:
         return Reason(Cause.DEGENERATE_REDUCTION, f"every one of the {target.numel()} target(s) "
                                                   f"equals ignore_index={ignore_index}: the mean "
-                                                  f"over zero targets is 0/0 = NaN")
+                                                  f"over zero targets is 0/0 = NaN",
+                      fix=f"skip a batch with no target to train on (`if (labels != "
+                          f"{ignore_index}).any():`), or divide `reduction='sum'` by "
+                          f"`max(number of valid targets, 1)`")
     if isinstance(weight, torch.Tensor) and float(weight[target[valid]].sum()) == 0:
         return Reason(Cause.DEGENERATE_REDUCTION, "the class weights of every valid target are "
-                                                  "0: 0/0")
+                                                  "0: 0/0",
+                      fix="skip a batch whose targets all have weight 0, or divide "
+                          "`reduction='sum'` by `max(sum of their weights, eps)`")
     return None
 
 
