@@ -103,8 +103,28 @@ def is_own_file(filename: str) -> bool:
 
 
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
-    """The frames of the exception's traceback that are not nanaudit's own."""
-    return [f for f in traceback.extract_tb(exc.__traceback__) if not is_own_file(f.filename)]
+    """The frames of the exception's traceback that are not nanaudit's own, nor torch's
+    dispatch into a mode of ours: a torch function called while nanaudit's TorchFunctionMode
+    records the loss code goes through `handle_torch_function` (torch/overrides.py) and the
+    `return handle_torch_function(...)` line that called it, frames a plain `python` run of
+    the script never has."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [is_own_file(f.filename) for f in frames]
+    dispatch: set[int] = set()
+    for i, frame in enumerate(frames[:-1]):
+        if own[i + 1] and not own[i] and _dispatches(frame):
+            dispatch.add(i)
+            if i and "handle_torch_function" in (frames[i - 1].line or ""):
+                dispatch.add(i - 1)
+    return [f for i, f in enumerate(frames) if not own[i] and i not in dispatch]
+
+
+_OVERRIDES = os.path.join("torch", "overrides.py")
+
+
+def _dispatches(frame: traceback.FrameSummary) -> bool:
+    """Is this torch's frame handing a call to a TorchFunctionMode (the next frame's)?"""
+    return frame.name == "handle_torch_function" and frame.filename.endswith(_OVERRIDES)
 
 
 @dataclass

@@ -152,41 +152,14 @@ def _add(o: _Operands) -> Any:
 @_bound_of(*SUMS)
 def _sum(o: _Operands) -> Any:
     x = o.args[0]
-    n = _reduced(x, o.arg(1, "dim", None))
-    return amax(x) * max(n, 1), f"|x| {amax(x):.4g} x {n} terms"
-
-
-def _reduced(x: torch.Tensor, dims: Any) -> int:
-    """How many of x's values one result of a reduction over dims (None: all of them) sums."""
+    dims = o.arg(1, "dim", None)
     if isinstance(dims, int):
-        return x.shape[dims] if x.dim() else 1
-    if isinstance(dims, (list, tuple)) and dims:
-        return math.prod(x.shape[d] for d in dims)
-    return x.numel()
-
-
-# Where each op keeps what one result sums: its normalized shape (the trailing dims), or the
-# dims it reduces; the others sum a channel (batch norm) or a group (group norm).
-_NORMALIZED_SHAPE = {"native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"}
-_DIM_AT = {"var": 1, "std": 1, "var_mean": 1, "std_mean": 1, "linalg_vector_norm": 2, "norm": 2}
-
-
-def _squared_terms(o: _Operands) -> int:
-    """How many squares one result of a norm or variance sums (a LayerNorm's row, not the batch)."""
-    x = o.args[0]
-    if o.base in _NORMALIZED_SHAPE:
-        shape = o.arg(1, "normalized_shape", None)
-        return math.prod(shape) if isinstance(shape, (list, tuple)) and shape else x.numel()
-    if o.base in _DIM_AT:
-        return _reduced(x, o.arg(_DIM_AT[o.base], "dim", None))
-    if o.base == "native_group_norm":       # (input, weight, bias, N, C, HxW, group, eps)
-        n, groups = o.arg(3, "N", 1), o.arg(6, "group", 1)
-        return x.numel() // max(int(n) * int(groups), 1)
-    if o.base == "mse_loss" and o.arg(2, "reduction", 1) == 0:   # Reduction::None
-        return 1
-    if o.base != "mse_loss" and x.dim() > 1:  # batch norm: every value of one channel
-        return x.numel() // max(x.shape[1], 1)
-    return x.numel()
+        n = x.shape[dims] if x.dim() else 1
+    elif isinstance(dims, (list, tuple)) and dims:
+        n = math.prod(x.shape[d] for d in dims)
+    else:
+        n = x.numel()
+    return amax(x) * max(n, 1), f"|x| {amax(x):.4g} x {n} terms"
 
 
 @_bound_of("pow", "square")
@@ -233,8 +206,31 @@ def _division(o: _Operands) -> Any:
 def _squares(o: _Operands) -> Any:
     x = o.args[0]
     other = o.args[1] if o.base == "mse_loss" else None
-    m, n = amax(x) + amax(other), _squared_terms(o)
+    m = amax(x) + amax(other)
+    n = _squared_count(o, x)
     return m * m * max(n, 1), f"({m:.4g})² summed over {n} values"
+
+
+def _squared_count(o: _Operands, x: torch.Tensor) -> int:
+    """How many squares one output element sums: a norm normalizes over its own dimensions
+    (layer norm over `normalized_shape`, group norm over a group, batch norm over all but the
+    channels), a variance or vector norm over its `dim`; only mse_loss sums them all."""
+    if o.base in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"):
+        return math.prod(o.arg(1, "normalized_shape", x.shape))
+    if o.base == "native_group_norm":
+        groups = max(int(o.arg(6, "group", 1)), 1)
+        return int(o.arg(4, "C", 1)) // groups * int(o.arg(5, "HxW", 1))
+    if o.base.startswith(("native_batch_norm", "_native_batch_norm")):
+        return x.numel() // x.shape[1] if x.dim() > 1 and x.shape[1] else x.numel()
+    if o.base == "mse_loss" and o.arg(2, "reduction", 1) == 0:    # Reduction::None: each alone
+        return 1
+    dims = o.arg(2, "dim", None) if o.base in ("linalg_vector_norm", "norm") else \
+        o.arg(1, "dim", None) if o.base != "mse_loss" else None
+    if isinstance(dims, int):
+        dims = [dims]
+    if isinstance(dims, (list, tuple)) and dims and x.dim():
+        return math.prod(x.shape[d] for d in dims)
+    return x.numel()
 
 
 @_bound_of(*CASTS)

@@ -18,16 +18,23 @@ from nanaudit.report.vocabulary import CompiledOutcome, ProducerKind
 BARS = "▁▂▃▄▅▆▇█"
 
 
+NO_VALUE = "·"
+
+
 def sparkline(values: list, log: bool = False) -> str:
-    """Bars for finite values, ✗ for non-finite ones; log scale for norms spanning decades."""
+    """Bars for finite values, ✗ for non-finite ones, · for a step that has none (the second
+    of two optimizers stepped after one backward heard no loss of its own: not a bad value);
+    log scale for norms spanning decades."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
-        return "✗" * len(values)
+        return "".join(NO_VALUE if v is None else "✗" for v in values)
     scale = (lambda v: math.log10(max(abs(v), 1e-30))) if log else (lambda v: v)
     lo, hi = min(scale(v) for v in finite), max(scale(v) for v in finite)
     out = []
     for v in values:
-        if v is None or not math.isfinite(v):
+        if v is None:
+            out.append(NO_VALUE)
+        elif not math.isfinite(v):
             out.append("✗")
         else:
             frac = 0.0 if hi == lo else (scale(v) - lo) / (hi - lo)

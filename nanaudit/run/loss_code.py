@@ -234,8 +234,10 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
         return value if again is None else again
     for op in code.ops:
         outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
-        if not outs:
-            continue                   # `.item()`, `__bool__`: nothing a later op takes
+        if not outs and not _written(op.func, op.args, op.kwargs):
+            # `.item()`, `__bool__`: nothing a later op takes; but `x[i] = v` returns None
+            # and writes what a later op (or model call) reads: `encoder_outputs[ei] = ...`
+            continue
         if on_op is not None:
             on_op(op.where, op.module)
         with autocast(op.autocast), torch.set_grad_enabled(op.grad):

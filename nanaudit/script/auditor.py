@@ -72,7 +72,7 @@ class ScriptAuditor(StepChecks):
         if rerun:
             self.window.leave_data_code()
         if self.keep is not None and self.keep.held.active:
-            self.keep.held.forward_started()     # a skipped step's updates were held back
+            self.keep.held.next_step()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
         if self.rank is not None:        # torchrun: once the script joined a process group
@@ -94,10 +94,16 @@ class ScriptAuditor(StepChecks):
             self._step_by_hand()        # `zero_grad()` after the forward, then backward
         if self.window.armed is None:
             self._inbox.add_loss(loss)
+            if self.window.step is not None:       # a re-run (the first run has no window)
+                self.window.heard_loss(loss, self.step)
         else:
             self.window.armed.sinks.append(loss)   # no ops of ours inside the traced window
 
     def backward_started(self) -> None:
+        if self.keep is not None and self.keep.held.active:
+            # The gradients of another step: without a module call between (a script that
+            # calls its layers' `forward` itself) the skipped step's hold ends here.
+            self.keep.held.next_step()
         if self.window.armed is not None:
             self.window.armed.tracer.start_backward()
 

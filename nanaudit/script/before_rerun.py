@@ -30,7 +30,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import Where
 from nanaudit.script.before_window import carriers
 from nanaudit.script.data_window import DataWindow
-from nanaudit.script.rerun_window import RerunWindow
+from nanaudit.script.rerun_window import Armed, RerunWindow
 
 
 class BeforeWindow(DataWindow):
@@ -44,6 +44,15 @@ class BeforeWindow(DataWindow):
     def enter_data_code(self, step: int) -> None:
         if self.armed is None:          # inside step N's window the model tracer is on
             super().enter_data_code(step)
+
+    def heard_loss(self, loss: torch.Tensor, step: int) -> None:
+        """A loss reached `backward` in step `step` with nothing armed: at step N no module
+        made it, so the stretch of the script's own code being traced is the step's window
+        (its backward traced as a backward), with that loss to walk back from."""
+        if step != self.step or self.armed is not None or self._on is None \
+                or not self._traces(step):
+            return
+        self.armed = Armed(self.data_tracer, torch.nn.Module(), None, sinks=[loss], closed=True)
 
     def arms_at(self, step: int, evaluation: int) -> bool:
         return RerunWindow.arms_at(self, step, evaluation)

@@ -57,15 +57,16 @@ def made_before_window(tracer: Any, loc: Localization, calls: list[ModelCall],
 
 
 def traces_before(replay: Rerun | None, options: ScriptOptions, trip: ScriptTrip,
-                  ranks: Any) -> bool:
+                  ranks: Any, model_called: bool = True) -> bool:
     """Whether the re-run also traces the script's code before step N's first model call:
     the in-process replay saw the value enter the step from it, or `--rerun` forced the re-run
-    of a loss or gradient trip (no replay looked; outside torchrun, where the window is not
-    built for the ranks' data code)."""
+    of a loss or gradient trip (no replay looked), or no module was called in step N at all
+    (the script called a layer's `forward` itself: its own code made the loss); outside
+    torchrun, where the window is not built for the ranks' data code."""
     if replay is not None and replay.status == RerunStatus.MADE_BEFORE:
         return True
-    return options.force_rerun and trip.check in (Check.LOSS, Check.GRADIENT) \
-        and not trip.in_buffers and ranks is None
+    return (options.force_rerun or not model_called) \
+        and trip.check in (Check.LOSS, Check.GRADIENT) and not trip.in_buffers and ranks is None
 
 
 def carriers(tracer: Any, loc: Localization) -> list[torch.Tensor]:

@@ -87,9 +87,11 @@ class HeldUpdates:
             now.update(saved)
         return True
 
-    def forward_started(self) -> None:
-        """The next step's first forward: whatever is still held (an optimizer whose step
-        never ran, DeepSpeed's own skip) is released, and the next step is checked again."""
+    def next_step(self) -> None:
+        """The next step began (its first module call, or its first backward: a script that
+        calls its layers' `forward` itself calls no module): whatever is still held (an
+        optimizer whose step never ran, DeepSpeed's own skip) is released, and the next step
+        is checked again."""
         for held in list(self._held.values()):
             self.release(held.optimizer)
         self.active = False

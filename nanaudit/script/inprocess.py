@@ -224,10 +224,13 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
     with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
             torch.enable_grad():
         tracer = replay_tracer(auditor, calls)
+        # One map for the window: a call that takes an earlier call's output (a recurrent
+        # state passed from call to call, a seq2seq decoder's hidden) takes the replay's.
+        env: dict[int, torch.Tensor] = {}
         try:
             with tracer:
                 pairs = [pair for i, call in enumerate(calls) for pair in replay_call(
-                    tracer, call, skipped if i == len(calls) - 1 else None)]
+                    tracer, call, skipped if i == len(calls) - 1 else None, env)]
         except NotReplayable:
             raise
         except Exception as exc:      # the replay of the script's own code raised
@@ -261,12 +264,16 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     def at(where: tuple[str, int, str] | None, module: Any = None) -> None:
         REPLAYED_LINE.set(_line(where))
         REPLAYED_MODULE.set(module)
+
+    def swap(value: Any) -> Any:
+        return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
     try:
         at(call.where)          # the script's model call: the line of a torch module's ops
         with autocast(call.autocast):
             # `_call_impl`: the module's own forward and hooks, eagerly also when the script
             # compiled it (`module.compile()` calls its compiled code from `__call__`).
-            output = (local_module(call.module)._call_impl(*call.args, **call.kwargs)
+            output = (local_module(call.module)._call_impl(*tree_map(swap, call.args),
+                                                           **tree_map(swap, call.kwargs))
                       if forward else tree_map(_recorded, call.output))
         env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
                                              tree_flatten(output)[0])
@@ -282,11 +289,9 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
             raise NotReplayable("a loss the recorded code did not make reached backward")
         pairs.append((loss, env[id(loss)]))
     for func, args, kwargs in call.code.roots:
-        swap = [env.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args]
         tracer.start_backward()
         try:
-            func(*swap, **{k: env.get(id(v), v) if isinstance(v, torch.Tensor) else v
-                           for k, v in kwargs.items()})
+            func(*tree_map(swap, args), **tree_map(swap, kwargs))
         finally:
             tracer.end_backward()
     return pairs

@@ -46,6 +46,10 @@ class RerunWindow:
     def leave_data_code(self) -> None:
         """A module call or an update starts: the script's own code is left."""
 
+    def heard_loss(self, loss: torch.Tensor, step: int) -> None:
+        """A loss reached `backward` in step `step` with no window armed (a step whose loss no
+        module call made arms the window of before_rerun.py)."""
+
     def unchecked(self, step: int) -> bool:
         """Whether step `step` goes unchecked: a re-run's steps are checked, to compare them
         with the first run's (except a cheap re-run's, data_window.py)."""

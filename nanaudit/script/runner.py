@@ -97,7 +97,8 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
         # that cannot name the op (inprocess.py says why).
         localize = localize_error if trip.check == Check.ERROR else localize_in_process
         report.run.replay, localized = localize(auditor, options, trip, auditor.timeline)
-        trip.made_before = traces_before(report.run.replay, options, trip, auditor.ranks)
+        trip.made_before = traces_before(report.run.replay, options, trip, auditor.ranks,
+                                         bool(auditor.hooks.tap.record.calls))
         if localized is not None:
             report.finding = adopt(localized, trip)
         elif trip.check == Check.ERROR and auditor.ranks is not None:

@@ -4,7 +4,9 @@ Each script under tests/e2e/scripts/ rebuilds, in miniature, the loop of a publi
 was run under `nanaudit run` as-is (README, "`nanaudit run`"): karpathy/nanoGPT's train.py,
 pytorch/examples word_language_model/main.py (no optimizer: a hand-written SGD update) and
 time_sequence_prediction/train.py (LBFGS). Faults are injected only through each script's own
-arguments or data, as a user would.
+arguments or data, as a user would. More shapes are kept beside this file: gat/main.py
+(test_public_gat.py), vae/main.py (test_public_vae.py), mnist_forward_forward/main.py
+(test_public_layers.py) and pytorch/tutorials' seq2seq translation (test_public_seq2seq.py).
 """
 
 from __future__ import annotations

@@ -474,6 +474,29 @@ def test_a_norms_overflow_bound_sums_one_row_not_the_batch():
     assert "summed over 1 values" in each.how
 
 
+def test_a_norms_overflow_bound_sums_the_squares_it_normalizes_over_not_the_whole_tensor():
+    # karpathy/makemore's transformer under lr 1e3: a LayerNorm over 32 features of a
+    # [32, 9, 32] activation near 8e19 sums 32 squares per row, not 9216.
+    import torch
+
+    from nanaudit.localize.overflow import overflow_bound
+    x = torch.full((32, 9, 32), 7.8e19)
+    norm = overflow_bound("aten.native_layer_norm.default", (x, [32], None, None, 1e-5), {}, None)
+    assert norm.how == "(7.8e+19)² summed over 32 values" and norm.bound > norm.limit
+    assert overflow_bound("aten.native_layer_norm.default", (x / 1e2, [32], None, None, 1e-5),
+                          {}, None).bound < norm.limit       # 32 x 6e35: no overflow
+    group = overflow_bound("aten.native_group_norm.default",
+                           (torch.ones(2, 8, 3, 3), None, None, 2, 8, 9, 4, 1e-5), {}, None)
+    assert group.how.endswith("summed over 18 values")         # 8 channels / 4 groups x 3x3
+    batch = overflow_bound("aten.native_batch_norm.default",
+                           (torch.ones(8, 4, 5), None, None, None, None, True, 0.1, 1e-5), {},
+                           None)
+    assert batch.how.endswith("summed over 40 values")          # all but the channels
+    assert overflow_bound("aten.linalg_vector_norm.default", (x, 2, [1]), {},
+                          None).how.endswith("summed over 9 values")
+    assert overflow_bound("aten.mse_loss.default", (x, x), {},
+                          None).how.endswith("summed over 9216 values")
+
 def test_masked_out_empty_bag_nan_in_backward_blames_the_softmax(case, tmp_path):
     """Attention MIL pooling: the empty bag's output is masked out, so the loss is finite, but
     the softmax over its all -inf row made NaN that backward multiplies into the gradients. The

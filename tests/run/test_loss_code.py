@@ -96,3 +96,27 @@ def test_a_no_grad_op_replays_without_a_graph_and_create_graph_grads_are_recorde
     again = out.detach().clone().requires_grad_()
     env = replay(code, {id(out): again})
     assert torch.allclose(env[id(loss)], loss)
+
+
+def test_a_buffer_the_loss_code_fills_by_setitem_is_filled_in_the_replays_copy() -> None:
+    # pytorch/tutorials' seq2seq loop: `encoder_outputs[ei] = encoder_output[0, 0]` writes the
+    # model's outputs into a tensor the script made before the step, and `x[i] = v` returns
+    # None: the replay still writes, into its copy of the buffer, so its graph is its own.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    buffer = torch.zeros(4, 3)
+    out = model(x)
+    code, recorder = LossCode(), LossCodeRecorder()
+    recorder.start(code)
+    buffer[1:3] = out
+    loss = buffer.sum() + buffer[0].sum()
+    recorder.reached_backward(torch.Tensor.backward, (loss,), {})
+    loss.backward()
+    before = buffer.detach().clone()
+    again = model(x)
+    env = replay(code, {id(out): again})
+    assert torch.equal(env[id(loss)], loss) and env[id(buffer)] is not buffer
+    assert torch.equal(buffer, before)
+    env[id(loss)].backward()          # the run's graph was freed by its backward: not this one
+    assert model.weight.grad is not None and torch.isfinite(model.weight.grad).all()

@@ -18,6 +18,14 @@ def nll_rule(base: str, args: tuple, kwargs: dict, phase: str) -> Any:
     ignore_index = args[4] if len(args) > 4 else -100
     weight = args[2] if len(args) > 2 else None
     valid = target != ignore_index
+    if target.numel() == 0:
+        # An empty selection (`output[mask]` with an empty index or mask), not ignored targets.
+        return Reason(Cause.DEGENERATE_REDUCTION, f"the loss got no targets at all (input of "
+                                                  f"shape {list(args[0].shape)}: an empty batch "
+                                                  f"or selection): the mean over zero targets "
+                                                  f"is 0/0 = NaN",
+                      fix="skip an empty batch or selection (`if target.numel():`), or divide "
+                          "`reduction='sum'` by `max(number of targets, 1)`")
     if count(valid) == 0:
         return Reason(Cause.DEGENERATE_REDUCTION, f"every one of the {target.numel()} target(s) "
                                                   f"equals ignore_index={ignore_index}: the mean "
