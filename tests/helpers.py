@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 import textwrap
 from pathlib import Path
 
@@ -146,3 +148,13 @@ def on_fake_mesh(rank: int, test) -> None:
         test(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     finally:
         dist.destroy_process_group()
+
+
+def plain(script: str, *args: str) -> None:
+    """`python script args`, run in this process (its output is captured by capsys)."""
+    saved = sys.argv[:]
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = saved

@@ -8,13 +8,11 @@ step is checked and updated."""
 
 from __future__ import annotations
 
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import line_of
+from helpers import line_of, plain
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
@@ -29,15 +27,6 @@ def digits(tmp_path, monkeypatch) -> Path:
     images = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     torch.save((images, torch.arange(64) % 10), tmp_path / "digits.pt")
     return tmp_path / "digits.pt"
-
-
-def plain(script: str, *args: str) -> None:
-    saved = sys.argv[:]
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = saved
 
 
 def audited(script: str, *args: str, **options):

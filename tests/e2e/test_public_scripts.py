@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import plain, run_cli
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
@@ -51,16 +49,6 @@ def data(tmp_path, monkeypatch):
     images = torch.rand(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     torch.save((images, torch.arange(64) % 10), tmp_path / "digits.pt")
     return tmp_path
-
-
-def plain(script: str, *args: str) -> None:
-    """`python script args`, run in this process (its output is captured by capsys)."""
-    saved = sys.argv[:]
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        sys.argv = saved
 
 
 def audited(script: str, *args: str, **options):
