@@ -111,9 +111,14 @@ def overflow_reason(event: Any, timeline: Any) -> Reason:
                                         f"({bound.how} can reach {bound.bound:.4g}); the "
                                         f"{metric.replace('_', ' ')} grew {factor:.3g}x from step "
                                         f"{start} before this step")
+    # Past float32's range no wider dtype is the fix: something made the inputs that large.
+    fix = None if bound.dtype in LOW_PRECISION else (
+        "these inputs are too large for any dtype to be the fix: find what made them that "
+        "large (a learning rate too high for the weights, inputs never normalized); lower the "
+        "learning rate, clip the gradients, or scale the inputs")
     return Reason(Cause.DTYPE_OVERFLOW, f"{base} produced {made} from finite inputs: {numbers}; "
                                         f"{bound.how} can reach {bound.bound:.4g}, and {name} "
-                                        f"holds at most {bound.limit:.6g}")
+                                        f"holds at most {bound.limit:.6g}", fix=fix)
 
 
 def _no_bound(event: Any, base: str, made: Any) -> Reason:

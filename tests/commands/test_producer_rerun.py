@@ -211,3 +211,29 @@ def test_a_batch_already_bad_when_the_script_raises_is_the_finding(tmp_path):
     assert f.op == "aten.div.Tensor" and f.source.line == line_of(path, "raw[:, 1:2]")
     assert "the script then raised RuntimeError: The total norm" in f.explanation
     assert report.run.rerun.status == "reproduced"
+
+
+RAW_SCALE = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        x = torch.randn(8, 16) * (3e38 if step == 2 else 1.0)     # raw values, never scaled
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_float32_overflow_in_the_data_code_is_not_told_to_use_float32(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(RAW_SCALE))
+    f = run_script(ScriptTarget(path=str(path)), ScriptOptions()).finding
+    assert (f.step, f.where, f.op, f.cause) == (2, "input", "aten.mul.Tensor", "dtype-overflow")
+    assert f.source.line == line_of(path, "x = torch.randn(8, 16) * (3e38")
+    assert "float32 max" in f.explanation
+    assert "too large for any dtype to be the fix" in f.fix and "in float32" not in f.fix
