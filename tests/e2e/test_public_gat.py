@@ -6,13 +6,11 @@ split's fixed sizes leaves the training split empty, and NLLLoss averages over n
 from __future__ import annotations
 
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import line_of
+from helpers import line_of, plain
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
@@ -46,12 +44,7 @@ def without_times(text: str) -> str:
 
 def test_gat_clean_run_prints_what_python_prints(folder, capsys):
     write_cora(folder, 40)
-    saved = sys.argv[:]
-    sys.argv = [str(GAT)]
-    try:
-        runpy.run_path(str(GAT), run_name="__main__")
-    finally:
-        sys.argv = saved
+    plain(str(GAT))
     printed = capsys.readouterr().out
     report = run_script(ScriptTarget(path=str(GAT), args=()), ScriptOptions())
     assert exit_code(report) == 0 and len(report.timeline) == 3

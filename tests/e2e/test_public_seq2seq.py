@@ -7,11 +7,10 @@ optimizers stepped after it (each optimizer's step is a step of the audit)."""
 from __future__ import annotations
 
 import io
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import plain
 from rich.console import Console
 
 from nanaudit.commands.common import exit_code
@@ -36,12 +35,7 @@ def audited(*args: str, **options):
 
 
 def test_seq2seq_clean_run_prints_what_python_prints_and_no_loss_is_drawn_bad(pairs, capsys):
-    saved = sys.argv[:]
-    sys.argv = [SEQ2SEQ, pairs]
-    try:
-        runpy.run_path(SEQ2SEQ, run_name="__main__")
-    finally:
-        sys.argv = saved
+    plain(SEQ2SEQ, pairs)
     printed = capsys.readouterr().out
     report = audited(pairs)
     assert exit_code(report) == 0 and capsys.readouterr().out == printed

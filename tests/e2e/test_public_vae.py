@@ -5,13 +5,12 @@ files saved each epoch. Faults come from the data file, as a user's would: pixel
 
 from __future__ import annotations
 
-import runpy
-import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import plain
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
@@ -32,31 +31,22 @@ def audited(*args: str):
 
 def plain_frames(*args: str) -> list[tuple[str, int, str]]:
     """The frames of the traceback `python vae_loop.py ARGS` ends with (run in this process)."""
-    saved = sys.argv[:]
-    sys.argv = [VAE, *args]
     try:
-        runpy.run_path(VAE, run_name="__main__")
+        plain(VAE, *args)
     except RuntimeError as exc:
         frames = [(f.filename, f.lineno or 0, f.name)
                   for f in traceback.extract_tb(exc.__traceback__)]
         first = next(i for i, f in enumerate(frames) if f[0] == VAE)
         return frames[first:]          # from the script's own module on, as nanaudit runs it
-    finally:
-        sys.argv = saved
     raise AssertionError("the script did not raise")
 
 
 def test_vae_clean_run_prints_what_python_prints_and_saves_its_files(images, tmp_path, capsys):
     torch.save(images, tmp_path / "digits.pt")
-    runpy_args = ("--data=digits.pt",)
-    saved = sys.argv[:]
-    sys.argv = [VAE, *runpy_args]
-    try:
-        runpy.run_path(VAE, run_name="__main__")
-    finally:
-        sys.argv = saved
+    args = ("--data=digits.pt",)
+    plain(VAE, *args)
     printed = capsys.readouterr().out
-    report = audited(*runpy_args)
+    report = audited(*args)
     assert exit_code(report) == 0 and capsys.readouterr().out == printed
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
         "reconstruction_1.pt", "reconstruction_2.pt", "sample_1.pt", "sample_2.pt"]
