@@ -222,8 +222,8 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
     `no_grad` forward makes no graph). `on_op(where, module)` is told the user's line and the
     module whose forward called it (None: the loss code's own) before each op.
     Returns `env`, grown by every op's outputs."""
-    written = {id(_storage_of(t)) for op in code.ops
-               for t in _written(op.func, op.args, op.kwargs)}
+    writes = [_written(op.func, op.args, op.kwargs) for op in code.ops]
+    written = {id(_storage_of(t)) for ts in writes for t in ts}
 
     def swap(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -232,9 +232,9 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
         if again is None and id(_storage_of(value)) in written:
             again = _private_copy(value, env)
         return value if again is None else again
-    for op in code.ops:
+    for op, writes_into in zip(code.ops, writes):
         outs = [t for t in tree_flatten(op.out)[0] if isinstance(t, torch.Tensor)]
-        if not outs and not _written(op.func, op.args, op.kwargs):
+        if not outs and not writes_into:
             # `.item()`, `__bool__`: nothing a later op takes; but `x[i] = v` returns None
             # and writes what a later op (or model call) reads: `encoder_outputs[ei] = ...`
             continue

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import linecache
 import math
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -204,15 +203,13 @@ def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Paramet
     for optimizer in auditor.ledger.stepped.values():
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if isinstance(p, torch.Tensor):
-                    seen.setdefault(id(p), p)
+                seen.setdefault(id(p), p)
     return list(seen.values())
 
 
 def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
     """The tracer of a replay of `calls`, naming the modules the script holds besides the
-    window's model (ledger.learn_held: a trip's frames are still the script's)."""
-    auditor.ledger.learn_held(sys._getframe(1))
+    window's model (learned when the trip was made: trip_namer.py, step_checks.raised)."""
     return OpTracer(local_module(calls[0].module), auditor.ledger.module_names)
 
 
