@@ -59,6 +59,8 @@ def user_source() -> SourceLine | None:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         kind = _file_kind(frame.f_code.co_filename)
+        if kind == "ours" and frame.f_code.co_name == "__torch_function__":
+            kind = "skip"       # a mode of ours passing the user's call on (the loss recorder)
         if kind == "ours":
             # nanaudit called torch itself (reading the data again): no user line, unless it
             # replays a recorded call of the user's

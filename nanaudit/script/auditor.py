@@ -25,6 +25,7 @@ flags join the read, so the ranks stop together and the rank that made the value
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -80,7 +81,9 @@ class ScriptAuditor(StepChecks):
         if not self.ledger.stepped and self.ledger.cleared_by_hand():    # until a step
             self._step_by_hand()        # the backward before was a step the script took itself
         if rerun and self.window.armed is None and self.window.arms_at(self.step, self._evaluation):
-            self.window.arm(module, args, kwargs, self.hooks.entry)
+            # the script's other models named as the in-process replay names them
+            self.window.arm(module, args, kwargs, self.hooks.entry,
+                            self.ledger.tracer_names(sys._getframe()))
             if self.ranks is not None:
                 self.ranks.tracing(True)
         if self.window.armed is not None:

@@ -57,9 +57,10 @@ class BeforeWindow(DataWindow):
     def arms_at(self, step: int, evaluation: int) -> bool:
         return RerunWindow.arms_at(self, step, evaluation)
 
-    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None,
+            names: dict[int, str] | None = None) -> None:
         self.leave_data_code()          # never two tracers at once
-        RerunWindow.arm(self, module, args, kwargs, entry)
+        RerunWindow.arm(self, module, args, kwargs, entry, names)
 
     def made_before(self, model_tracer: Any, loc: Localization, finding: Finding) -> None:
         """Name in `finding` what made the value `loc`'s walk found entering the model's trace

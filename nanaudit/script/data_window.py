@@ -97,10 +97,11 @@ class DataWindow(RerunWindow):
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and self.localized is None
 
-    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None,
+            names: dict[int, str] | None = None) -> None:
         """Step N's first model call (of each micro-batch): stop at the one whose data is bad
-        (`entry`, the compiled wrapper the script called, plays no part: no model op is
-        traced here)."""
+        (`entry`, the compiled wrapper the script called, and `names` play no part: no model
+        op is traced here)."""
         inputs = data_inputs(args, kwargs)
         if all(bool(torch.isfinite(t).all()) for _, t in inputs):
             return                     # a micro-batch before the bad one: go on

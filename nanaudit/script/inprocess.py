@@ -210,7 +210,7 @@ def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Paramet
 def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
     """The tracer of a replay of `calls`, naming the modules the script holds besides the
     window's model (learned when the trip was made: trip_namer.py, step_checks.raised)."""
-    return OpTracer(local_module(calls[0].module), auditor.ledger.module_names)
+    return OpTracer(local_module(calls[0].module), auditor.ledger.tracer_names())
 
 
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,

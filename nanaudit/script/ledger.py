@@ -70,6 +70,15 @@ class Ledger:
                 self._held_names.setdefault(id(p), f"{variable}.{name}")
         return True
 
+    def tracer_names(self, frame: FrameType | None = None) -> dict[int, str]:
+        """id -> name of every module of the models the script holds, for a tracer to name
+        an op of a model other than the one it traces (a critic, a teacher called in the loss
+        code): the one naming both the in-process replay and the re-run use. Learned from
+        `frame` outward when given (once a step); else what the trip learned."""
+        if frame is not None:
+            self.learn_held(frame)
+        return self.module_names
+
     @property
     def updates_by_hand(self) -> bool:
         """No optimizer built (or one built and never stepped: `cleared_by_hand`), and a

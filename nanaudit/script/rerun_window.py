@@ -58,13 +58,15 @@ class RerunWindow:
     def arms_at(self, step: int, evaluation: int) -> bool:
         return self.step is not None and step == self.step and evaluation == self.evaluation
 
-    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None) -> None:
+    def arm(self, module: torch.nn.Module, args: tuple, kwargs: dict, entry: Any = None,
+            names: dict[int, str] | None = None) -> None:
         """Arm the tracer at step N's first call of `module` (`entry`: what the script
-        called, a torch.compile wrapper of it), after keeping a compiled model's state."""
+        called, a torch.compile wrapper of it), after keeping a compiled model's state;
+        `names`: the other models' modules by the script's names (Ledger.tracer_names)."""
         # The expensive path's modules, imported on the re-run only (as the tracer is).
         from nanaudit.script.compiled_rerun import compiled_step
         compiled = compiled_step(module, entry if entry is not None else module, args, kwargs)
-        tracer = self.tracer(module)
+        tracer = self.tracer(module, names)
         self.armed = Armed(tracer, module, leading_size(args, kwargs), compiled=compiled)
         tracer.__enter__()
 

@@ -238,3 +238,14 @@ def test_an_op_of_a_second_model_in_the_loss_code_names_its_module(tmp_path):
     assert f.module == "critic.1"
     assert f.source.line == line_of(path, "return torch.log(torch.relu(x)")
     assert f.localized_by == "in-process"
+
+
+def test_the_rerun_names_the_second_models_module_as_the_in_process_replay_does(tmp_path):
+    # --rerun: the re-run's tracer names the critic's modules by the script's own variable
+    # (Ledger.tracer_names, learned at step N's first call), not by their class (`<LogFeatures>`).
+    path, report = _run(tmp_path, CRITIC_FORWARD, force_rerun=True)
+    f = report.finding
+    assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
+    assert f.localized_by == "re-run" and report.run.rerun.status == "reproduced"
+    assert f.module == "critic.1"
+    assert f.source.line == line_of(path, "return torch.log(torch.relu(x)")
