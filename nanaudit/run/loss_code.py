@@ -17,6 +17,8 @@ import contextlib
 import functools
 import os
 import sys
+import weakref
+from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
@@ -118,6 +120,19 @@ def autocast(state: tuple) -> contextlib.ExitStack:
     return stack
 
 
+_recorders: weakref.WeakSet[LossCodeRecorder] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A process forked while a recorder is pushed (a DataLoader's workers started by
+    `iter(loader)` in a step's code) inherits the mode: it records nothing there."""
+    for recorder in list(_recorders):
+        recorder.stop()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class LossCodeRecorder(TorchFunctionMode):
     """Records into one LossCode at a time while pushed (`start` / `stop`)."""
 
@@ -125,6 +140,7 @@ class LossCodeRecorder(TorchFunctionMode):
         super().__init__()
         self.code: LossCode | None = None
         self.pushed = False
+        _recorders.add(self)
 
     def start(self, code: LossCode) -> None:
         if self.pushed:
@@ -221,7 +237,28 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
     change what the script goes on with). Each op runs in the grad mode it ran in (a teacher's
     `no_grad` forward makes no graph). `on_op(where, module)` is told the user's line and the
     module whose forward called it (None: the loss code's own) before each op.
-    Returns `env`, grown by every op's outputs."""
+    A generator of the script's own that an op draws from (`generator=`) is left as the trip
+    left it. Returns `env`, grown by every op's outputs."""
+    with _generators_kept(code):
+        return _replayed(code, env, on_op)
+
+
+@contextlib.contextmanager
+def _generators_kept(code: LossCode) -> Iterator[None]:
+    """The states of the generators the recorded ops name (`randn(..., generator=g)`, a
+    sampler's `randperm`) put back after the replay drew from them."""
+    kept = {id(g): g for op in code.ops
+            if isinstance(g := op.kwargs.get("generator"), torch.Generator)}
+    states = [(g, g.get_state()) for g in kept.values()]
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
+
+
+def _replayed(code: LossCode, env: dict[int, torch.Tensor],
+              on_op: Any) -> dict[int, torch.Tensor]:
     writes = [_written(op.func, op.args, op.kwargs) for op in code.ops]
     written = {id(_storage_of(t)) for ts in writes for t in ts}
 

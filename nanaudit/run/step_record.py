@@ -76,6 +76,20 @@ class ModelCall:
             frame = frame.f_back
         self._site = site
 
+    @classmethod
+    def code_only(cls, rng: tuple) -> ModelCall:
+        """The window of a step that calls no module (a model written as raw tensors, layers
+        whose `forward` the script calls itself): its code from the step's start, no model
+        call to make again (`module` stands in, without parameters)."""
+        call = cls(_NO_MODEL, None, (), {}, rng)
+        call._site = []
+        return call
+
+    @property
+    def model_called(self) -> bool:
+        """False for a window of the step's code alone (`code_only`)."""
+        return self.module is not _NO_MODEL
+
     @property
     def where(self) -> tuple[str, int, str] | None:
         """The script's line that made this call: (file, line, function); None if not seen."""
@@ -84,6 +98,9 @@ class ModelCall:
     def seed_replay(self) -> None:
         """The RNG streams as this call began (the data code between calls drew on them)."""
         _set_rng_states(self.rng)
+
+
+_NO_MODEL = torch.nn.Module()         # a step-code window's module: no call, no parameters
 
 
 class BufferCopy:
@@ -141,6 +158,8 @@ class StepRecord:
 
     def __init__(self) -> None:
         self.calls: list[ModelCall] = []
+        # A step that calls no module: its code since the step's start (dropped at a call)
+        self.code_window: ModelCall | None = None
         self._rng: RngStates | None = None
         self._buffers: BufferCopy | None = None
 
@@ -151,6 +170,7 @@ class StepRecord:
     def called(self, module: torch.nn.Module, entry: Any, args: tuple,
                kwargs: dict) -> ModelCall:
         """A micro-batch's model call; the window's first takes the RNG states and buffers."""
+        self.code_window = None
         rng = rng_states()
         if not self.calls:
             self._rng = rng
@@ -162,6 +182,14 @@ class StepRecord:
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         self.calls.append(call)
         return call
+
+    def begin_code(self) -> ModelCall:
+        """A step's start, before any model call: its code is the window (`code_window`),
+        with the RNG states as it began (and no buffers: no module is called)."""
+        rng = rng_states()
+        self._rng, self._buffers = rng, None
+        self.code_window = ModelCall.code_only(rng)
+        return self.code_window
 
     @property
     def skipped(self) -> bool:
@@ -175,6 +203,7 @@ class StepRecord:
     def close(self) -> None:
         """The window was checked (or skipped): drop its references."""
         self.calls = []
+        self.code_window = None
 
     def restore_buffers(self) -> None:
         """The buffers as they were before the window's first forward."""

@@ -258,12 +258,13 @@ class ScriptHooks:
 
     def _wrap_optimizer_init(self) -> None:
         from torch.optim import Optimizer
-        original, listener = Optimizer.__init__, self.listener
+        original, listener, tap = Optimizer.__init__, self.listener, self.tap
 
         @functools.wraps(original)
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
+            tap.begin_code()        # the first step's start, should it call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

@@ -166,7 +166,10 @@ def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
 
 def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
     replay_allowed(options)
-    calls = auditor.hooks.tap.record.calls
+    record = auditor.hooks.tap.record
+    calls = record.calls
+    if not calls and record.code_window is not None and record.code_window.code.roots:
+        calls = [record.code_window]      # a step that called no module: its code alone
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
     for call in calls:
@@ -184,10 +187,12 @@ def replay_allowed(options: ScriptOptions) -> None:
 
 def replayable(call: ModelCall) -> None:
     """NotReplayable when the record of `call` cannot be run again."""
-    if call.output is None:
+    if call.output is None and call.model_called:
         raise NotReplayable("the model's output was not heard")
     if call.code.overflowed:
-        raise NotReplayable("the code between the model and backward is too long to record")
+        raise NotReplayable("the code between the model and backward is too long to record"
+                            if call.model_called else
+                            "the step's code (it calls no module) is too long to record")
     if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
         raise NotReplayable("the script differentiates with torch.autograd.grad")
 
@@ -271,7 +276,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
             # compiled it (`module.compile()` calls its compiled code from `__call__`).
             output = (local_module(call.module)._call_impl(*tree_map(swap, call.args),
                                                            **tree_map(swap, call.kwargs))
-                      if forward else tree_map(_recorded, call.output))
+                      if forward and call.model_called else tree_map(_recorded, call.output))
         env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
                                              tree_flatten(output)[0])
                     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)})

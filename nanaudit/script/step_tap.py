@@ -1,6 +1,7 @@
 """What `nanaudit run` keeps of the current step so that it can be replayed in-process at a trip:
 the step record (run/step_record.py) filled from the auditor's hooks, and the loss code recorded
-from the model's return to `backward` (run/loss_code.py).
+from the model's return to `backward` (run/loss_code.py); for a step that calls no module (a
+model written as raw tensors), its code from the step's start to `backward` instead.
 
 The model's return is heard by a forward hook put on the step's outermost module at its first
 call, removed when the script ends (one hook call a micro-batch; the forward's inner modules
@@ -21,6 +22,8 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
+
+_stack_depth = torch._C._len_torch_function_stack
 
 
 class StepTap:
@@ -132,10 +135,25 @@ class StepTap:
             self.on_return()
 
     def loss(self, loss: torch.Tensor) -> None:
-        """An unscaled loss reaching backward: the current micro-batch's."""
+        """An unscaled loss reaching backward: the current micro-batch's (or the step's code's,
+        when it called no module)."""
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
+        elif self.record.code_window is not None:
+            self.record.code_window.losses.append(loss)
+
+    def begin_code(self) -> None:
+        """A step's start (the first optimizer built, or the update after a step that called no
+        module): the script's code is recorded from here until a model call (which drops it)
+        or `backward` (which ends it), so that a step that calls no module is replayed from its
+        code. Not under another torch function mode: that one's `__exit__` pops the innermost."""
+        if not self.enabled or self.muted or self.record.calls:
+            return
+        if self._recorder.pushed:
+            self._recorder.stop()
+        if not _stack_depth():
+            self._recorder.start(self.record.begin_code().code)
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -159,8 +177,13 @@ class StepTap:
             self._recorder.stop()
 
     def close(self) -> None:
-        """The window was checked: drop it (what `stop` does, inline: this runs each step)."""
+        """The window was checked: drop it (what `stop` does, inline: this runs each step). A
+        step that called no module and reached backward: the next step's code is recorded from
+        now (a step that calls a module pays one attribute read for this)."""
         self._pending = None
         if self._recorder.pushed:
             self._recorder.stop()
+        code = self.record.code_window
         self.record.close()
+        if code is not None and code.code.roots:
+            self.begin_code()

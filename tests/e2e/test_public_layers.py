@@ -1,10 +1,10 @@
 """`nanaudit run` on a script that trains layers by calling their `forward` itself: no module
 call is made in a training step (pytorch/examples mnist_forward_forward/main.py's shape, kept in
 miniature in scripts/forward_forward.py). Its loss is the script's own code from the last update
-to `backward`, so the in-process replay, which starts at a model call, has nothing to replay: the
-re-run traces that stretch of the script's code and names the op there. Under `--keep-going` a
-skipped step's hold ends at the next step's backward (no module call will end it), so every later
-step is checked and updated."""
+to `backward`: recorded from the step's start, it is replayed in-process at the trip, and with
+`--rerun` the re-run traces that stretch of the script's code and names the same op. Under
+`--keep-going` a skipped step's hold ends at the next step's backward (no module call will end
+it), so every later step is checked and updated."""
 
 from __future__ import annotations
 
@@ -43,34 +43,55 @@ def test_forward_forward_clean_run_prints_what_python_prints(digits, capsys):
     assert len(report.timeline) == 8
 
 
-def test_forward_forward_threshold_overflow_is_named_by_the_rerun_of_the_steps_own_code(digits):
+def test_forward_forward_threshold_overflow_is_named_in_process_from_the_steps_own_code(digits):
     # --threshold 100: exp(100 - goodness) overflows float32 at layer 0's first step; no module
-    # was called (Layer.train calls self.forward), so nothing was recorded to replay in-process.
+    # was called (Layer.train calls self.forward): the step's code was recorded from its start.
     report = audited(str(FF), f"--data={digits}", "--threshold=100")
     f = report.finding
     assert exit_code(report) == 1 and (f.step, f.where, f.value) == (0, "forward", "inf")
-    assert report.run.replay.status == "skipped" and "no model call" in report.run.replay.note
+    assert report.run.replay.status == "reproduced" and f.localized_by == "in-process"
+    assert report.run.rerun is None or report.run.rerun.status == "skipped"
+    assert (f.op, f.cause) == ("aten.exp.default", "exp-overflow")
+    assert f.source.file == str(FF) and f.source.line == line_of(FF, "torch.exp(")
+    assert any(s.name == "self" and s.max >= 99 for s in f.inputs)
+
+
+def test_forward_forward_threshold_overflow_is_named_by_the_rerun_of_the_steps_own_code(digits):
+    # --rerun: the re-run traces the step's own code and names the same op.
+    report = audited(str(FF), f"--data={digits}", "--threshold=100", force_rerun=True)
+    f = report.finding
+    assert exit_code(report) == 1 and (f.step, f.where, f.value) == (0, "forward", "inf")
+    assert report.run.replay.status == "skipped" and "--rerun" in report.run.replay.note
     assert report.run.rerun.status == "reproduced" and f.localized_by == "re-run"
     assert (f.op, f.cause) == ("aten.exp.default", "exp-overflow")
     assert f.source.file == str(FF) and f.source.line == line_of(FF, "torch.exp(")
     assert any(s.name == "self" and s.max >= 99 for s in f.inputs)
 
 
-def test_a_later_step_without_a_module_call_is_named_at_its_own_line(tmp_path, monkeypatch):
-    # The stretch traced is the bad step's own (the earlier steps' finite records forgotten).
+LATER_STEP = ("import torch\nlin = torch.nn.Linear(3, 1)\n"
+              "opt = torch.optim.SGD(lin.parameters(), lr=0.1)\n"
+              "for step in range(5):\n"
+              "    count = torch.tensor(0.0 if step == 2 else 4.0)\n"
+              "    loss = lin.forward(torch.ones(4, 3)).pow(2).sum() / count\n"
+              "    opt.zero_grad(); loss.backward(); opt.step()\n")
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["in-process", "rerun"])
+def test_a_later_step_without_a_module_call_is_named_at_its_own_line(tmp_path, monkeypatch,
+                                                                     rerun):
+    # The stretch replayed (or traced) is the bad step's own: the earlier steps' are dropped.
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "train.py"
-    path.write_text("import torch\nlin = torch.nn.Linear(3, 1)\n"
-                    "opt = torch.optim.SGD(lin.parameters(), lr=0.1)\n"
-                    "for step in range(5):\n"
-                    "    count = torch.tensor(0.0 if step == 2 else 4.0)\n"
-                    "    loss = lin.forward(torch.ones(4, 3)).pow(2).sum() / count\n"
-                    "    opt.zero_grad(); loss.backward(); opt.step()\n")
-    report = audited(str(path))
+    path.write_text(LATER_STEP)
+    report = audited(str(path), force_rerun=rerun)
     f = report.finding
-    assert exit_code(report) == 1 and report.run.rerun.status == "reproduced"
+    assert exit_code(report) == 1
     assert (f.step, f.op, f.cause) == (2, "aten.div.Tensor", "div-by-zero")
-    assert f.source.line == 6 and f.localized_by == "re-run"
+    assert f.source.line == 6
+    if rerun:
+        assert report.run.rerun.status == "reproduced" and f.localized_by == "re-run"
+    else:
+        assert report.run.replay.status == "reproduced" and f.localized_by == "in-process"
 
 
 KEEP_GOING = """import torch
