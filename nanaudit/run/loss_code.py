@@ -70,12 +70,15 @@ class LossCode:
     """The recorded loss code of one model call: its ops, the (func, args, kwargs) of each
     backward it reached, and whether it ran past MAX_OPS."""
 
-    __slots__ = ("ops", "overflowed", "roots")
+    __slots__ = ("ops", "overflowed", "roots", "whole_step")
 
-    def __init__(self) -> None:
+    def __init__(self, whole_step: bool = False) -> None:
         self.ops: list[RecordedOp] = []
         self.roots: list[tuple[Any, tuple, dict]] = []
         self.overflowed = False
+        # A step's code from its start (no model call): past MAX_OPS its ops are let go (an
+        # evaluation loop between steps would keep every output alive) and nothing more is kept.
+        self.whole_step = whole_step
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The last differentiable floating scalar the code made, when no backward ran."""
@@ -197,6 +200,8 @@ class LossCodeRecorder(TorchFunctionMode):
         ops = code.ops
         if len(ops) >= MAX_OPS:
             code.overflowed = True
+            if code.whole_step:
+                code.ops, self.code = [], None
             return out
         frame: FrameType | None = sys._getframe(1)      # the user's line
         module = None

@@ -82,7 +82,7 @@ class ModelCall:
         whose `forward` the script calls itself): its code from the step's start, no model
         call to make again (`module` stands in, without parameters)."""
         call = cls(_NO_MODEL, None, (), {}, rng)
-        call._site = []
+        call._site, call.code = [], LossCode(whole_step=True)
         return call
 
     @property

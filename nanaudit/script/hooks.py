@@ -162,6 +162,8 @@ class ScriptHooks:
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         seen = self._trains(module)
         if seen is None:
+            if self.tap.opening:        # the first step's window: an evaluation's call
+                self.tap.untrained_call(module)
             return
         if self._after_return and self._second_call():   # no call on the common path
             self.stop_waiting()
@@ -264,7 +266,7 @@ class ScriptHooks:
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
-            tap.begin_code()        # the first step's start, should it call no module
+            tap.begin_code(opening=True)    # the first step's start, should it call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

@@ -168,8 +168,9 @@ def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[Mode
     replay_allowed(options)
     record = auditor.hooks.tap.record
     calls = record.calls
-    if not calls and record.code_window is not None and record.code_window.code.roots:
-        calls = [record.code_window]      # a step that called no module: its code alone
+    code = record.code_window
+    if not calls and code is not None and (code.code.roots or code.code.overflowed):
+        calls = [code]              # a step that called no module: its code alone
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
     for call in calls:

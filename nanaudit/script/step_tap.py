@@ -39,6 +39,10 @@ class StepTap:
         self._pending: ModelCall | None = None
         self._restore: list = []
         self.muted = False                # nanaudit's own replay calls the model: not heard
+        # The current step has made no training call so far (its code is recorded from its
+        # start: `begin_code`), and a loss of it reached backward; `opening`: its window opened
+        # at the optimizer's construction, before the script was seen to step.
+        self._code_step = self._code_reached = self.opening = False
 
     def install(self) -> None:
         if not self.enabled:
@@ -100,6 +104,7 @@ class StepTap:
         if not self.enabled:
             return
         self._pending = None
+        self._code_step = False
         if self._recorder.pushed:
             self._recorder.stop()
         call = self.record.called(module, entry, args, kwargs)
@@ -140,20 +145,35 @@ class StepTap:
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
-        elif self.record.code_window is not None:
-            self.record.code_window.losses.append(loss)
+        elif self._code_step:
+            self._code_reached = True
+            if self.record.code_window is not None:
+                self.record.code_window.losses.append(loss)
 
-    def begin_code(self) -> None:
-        """A step's start (the first optimizer built, or the update after a step that called no
-        module): the script's code is recorded from here until a model call (which drops it)
-        or `backward` (which ends it), so that a step that calls no module is replayed from its
-        code. Not under another torch function mode: that one's `__exit__` pops the innermost."""
+    def begin_code(self, opening: bool = False) -> None:
+        """A step's start (`opening`: the optimizer built; else the update after a step that
+        called no module): the script's code is recorded from here until a model call (which
+        drops it) or `backward` (which ends it), so that a step that calls no module is
+        replayed from its code. Not under another torch function mode: that one's `__exit__`
+        pops the innermost."""
         if not self.enabled or self.muted or self.record.calls:
             return
+        self._code_step, self._code_reached, self.opening = True, False, opening
         if self._recorder.pushed:
             self._recorder.stop()
         if not _stack_depth():
             self._recorder.start(self.record.begin_code().code)
+
+    def untrained_call(self, module: torch.nn.Module) -> None:
+        """A module call that is no training forward (under `no_grad`), in the window opened at
+        the optimizer's construction: an evaluation before training (Lightning's sanity check)
+        whose activations a recording would keep; the window is dropped. A step whose own code
+        calls a frozen module so is recorded from its next step on."""
+        if next(module.parameters(), None) is None:
+            return                  # a parameterless module: a step's own ReLU
+        self.opening = False
+        self.record.code_window = None
+        self.stop()
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -183,7 +203,7 @@ class StepTap:
         self._pending = None
         if self._recorder.pushed:
             self._recorder.stop()
-        code = self.record.code_window
+        code_step = self._code_step and self._code_reached
         self.record.close()
-        if code is not None and code.code.roots:
+        if code_step:
             self.begin_code()

@@ -205,3 +205,17 @@ def test_a_script_whose_steps_call_a_module_records_nothing_between_its_steps(tm
     assert exit_code(report) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("depth")]
     assert printed == [f"depth {s} 1" for s in range(6)]
+
+
+def test_an_evaluation_before_training_ends_the_first_steps_recording(tmp_path, capsys):
+    # A module called under no_grad after the optimizer's construction (an evaluation, as
+    # Lightning's sanity check): its activations are not kept, and nothing is recorded after it.
+    _, report = _run(tmp_path, DEPTH.replace(
+        "    for step in range(4):\n",
+        "    with torch.no_grad():\n"
+        "        model(torch.randn(2, 4))\n"
+        "    print('depth eval', torch._C._len_torch_function_stack())\n"
+        "    for step in range(4):\n"))
+    assert exit_code(report) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("depth")]
+    assert printed == ["depth eval 0", "depth 0 0", "depth 1 0", "depth 2 0", "depth 3 0"]
