@@ -17,7 +17,6 @@ import contextlib
 import functools
 import os
 import sys
-import weakref
 from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any, NamedTuple
@@ -123,19 +122,6 @@ def autocast(state: tuple) -> contextlib.ExitStack:
     return stack
 
 
-_recorders: weakref.WeakSet[LossCodeRecorder] = weakref.WeakSet()
-
-
-def _forget_in_child() -> None:
-    """A process forked while a recorder is pushed (a DataLoader's workers started by
-    `iter(loader)` in a step's code) inherits the mode: it records nothing there."""
-    for recorder in list(_recorders):
-        recorder.stop()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 class LossCodeRecorder(TorchFunctionMode):
     """Records into one LossCode at a time while pushed (`start` / `stop`)."""
 
@@ -143,7 +129,6 @@ class LossCodeRecorder(TorchFunctionMode):
         super().__init__()
         self.code: LossCode | None = None
         self.pushed = False
-        _recorders.add(self)
 
     def start(self, code: LossCode) -> None:
         if self.pushed:
