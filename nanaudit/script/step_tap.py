@@ -104,7 +104,7 @@ class StepTap:
         if not self.enabled:
             return
         self._pending = None
-        self._code_step = False
+        self._code_step = self.opening = False
         if self._recorder.pushed:
             self._recorder.stop()
         call = self.record.called(module, entry, args, kwargs)
@@ -169,7 +169,7 @@ class StepTap:
         the optimizer's construction: an evaluation before training (Lightning's sanity check)
         whose activations a recording would keep; the window is dropped. A step whose own code
         calls a frozen module so is recorded from its next step on."""
-        if next(module.parameters(), None) is None:
+        if self.record.code_window is None or next(module.parameters(), None) is None:
             return                  # a parameterless module: a step's own ReLU
         self.opening = False
         self.record.code_window = None
