@@ -201,11 +201,18 @@ def replayable(call: ModelCall) -> None:
 def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Parameter]:
     """The parameters whose gradients a replay of `calls` may write: the called modules' and
     every stepped optimizer's (the loss code may call another model, a GAN's critic, whose
-    gradients the replay's backward would otherwise add to those the run left)."""
+    gradients the replay's backward would otherwise add to those the run left); for a step
+    that called no module, every leaf its code read that requires grad (a raw tensor trained by
+    hand, or by no optimizer)."""
     seen: dict[int, torch.nn.Parameter] = {}
     for call in calls:
         for p in call.module.parameters():
             seen.setdefault(id(p), p)
+        if not call.model_called:
+            for op in call.code.ops:
+                for t in tree_flatten((op.args, op.kwargs))[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+                        seen.setdefault(id(t), t)  # type: ignore[arg-type]
     for optimizer in auditor.ledger.stepped.values():
         for group in optimizer.param_groups:
             for p in group["params"]:

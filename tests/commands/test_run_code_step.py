@@ -219,3 +219,35 @@ def test_an_evaluation_before_training_ends_the_first_steps_recording(tmp_path, 
     assert exit_code(report) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("depth")]
     assert printed == ["depth eval 0", "depth 0 0", "depth 1 0", "depth 2 0", "depth 3 0"]
+
+
+# A raw tensor trained by no optimizer, its gradient summed over the steps by the script itself
+# (never cleared): the replay's backward must not add the bad step's gradient to it again.
+UNOPTIMIZED = """
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+    scale = torch.ones((), requires_grad=True)      # no optimizer holds it
+    opt = torch.optim.SGD([w], lr=0.01)
+    expected = 0.0
+    for step in range(4):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[5] = 0.0
+        loss = scale * torch.sqrt((x @ w) ** 2).mean()
+        expected += float(torch.sqrt((x @ w) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert abs(float(scale.grad) - expected) < 1e-4, f"{float(scale.grad)} != {expected}"
+"""
+
+
+def test_the_replay_adds_no_gradient_to_a_raw_tensor_no_optimizer_holds(tmp_path):
+    path, report = _run(tmp_path, UNOPTIMIZED, keep_going=True)
+    assert report.error is None                 # the script's own assertion held
+    assert [f.step for f in report.findings] == [2]
+    f = report.findings[0]
+    assert (f.where, f.cause, f.localized_by) == ("backward", "sqrt-domain", "in-process")
+    assert f.source.line == line_of(path, "loss = scale * torch.sqrt(")
