@@ -139,7 +139,7 @@ def test_an_evaluation_under_no_grad_is_not_the_training_forward():
     class Tracer:                                   # stands in for the OpTracer
         phase = "forward"
 
-        def __init__(self, module):
+        def __init__(self, module, others=None):     # others: the held models' names
             armed.append(module)
 
         def start_backward(self):
