@@ -37,8 +37,8 @@ class Division:
 
 def _at(state: dict, key: str, index: Index) -> float | None:
     value = state.get(key)
-    if not isinstance(value, torch.Tensor):
-        return None
+    if not isinstance(value, torch.Tensor) or value.is_complex():
+        return None             # a complex parameter's rule runs on its real view
     return float(value.detach()[index].double()) if value.dim() else float(value)
 
 
@@ -74,7 +74,7 @@ def _adamax(group: dict, state: dict, index: Index, lr: float) -> Division | Non
 
 def _radam(group: dict, state: dict, index: Index, lr: float) -> Division | None:
     m, v, t = _at(state, "exp_avg", index), _at(state, "exp_avg_sq", index), _at(state, "step", ())
-    if m is None or v is None or t is None or group.get("decoupled_weight_decay"):
+    if m is None or v is None or t is None:
         return None
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
@@ -94,7 +94,7 @@ def _radam(group: dict, state: dict, index: Index, lr: float) -> Division | None
 
 def _nadam(group: dict, state: dict, index: Index, lr: float) -> Division | None:
     v, t = _at(state, "exp_avg_sq", index), _at(state, "step", ())
-    if v is None or t is None or group.get("decoupled_weight_decay"):
+    if v is None or t is None:
         return None
     eps = float(group["eps"])
     denom = _sqrt(v / (1 - float(group["betas"][1]) ** t)) + eps
