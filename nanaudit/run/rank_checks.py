@@ -102,11 +102,16 @@ class RankChecks:
         row = rank_row(values, own, self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
 
-    def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
+    def verdict(self, step: int, table: Sequence[float], updated_at: int | None, *,
+                weights_finite: bool | None = None,
+                reduced_finite: bool | None = None) -> Tripped | None:
         """The check that tripped, from every rank's flags (`table`: the read's tail), with
-        the first rank whose own value went bad as its part (None: no one rank's)."""
+        the first rank whose own value went bad as its part (None: no one rank's).
+        `weights_finite` / `reduced_finite`: this rank's confirmed reading of the weights and
+        reduced gradients every DDP rank shares (RankTable.verdict)."""
         return RankTable.from_read(table, self.coord.world_size).verdict(
-            step, updated_at=updated_at, sharded=self.sharded)
+            step, updated_at=updated_at, sharded=self.sharded, weights_finite=weights_finite,
+            reduced_finite=reduced_finite)
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

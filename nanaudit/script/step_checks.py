@@ -149,7 +149,11 @@ class StepChecks:
         own value went bad; the details are that rank's)."""
         updated_at = self.ledger.updated_at.get(id(optimizer))
         if self.ranks is not None:
-            verdict = self.ranks.verdict(self.step, read.table, updated_at)
+            # The norms as confirmed element-wise (_confirmed): a rank's flag from a float32
+            # sum of squares that overflowed on finite weights is no trip.
+            verdict = self.ranks.verdict(self.step, read.table, updated_at,
+                                         weights_finite=math.isfinite(norm),
+                                         reduced_finite=math.isfinite(grad_norm))
         else:
             verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
                                     weights_finite=math.isfinite(norm), updated_at=updated_at,
