@@ -110,6 +110,7 @@ class StepChecks:
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
             trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
                                   grad_norm, scope.params, inbox.inputs)
+        self.ledger.checked_before_update(optimizer)
         if trip is not None and scale and trip.check is Check.GRADIENT:
             return StepDecision.APPLY      # fp16 calibration: DeepSpeed skips it (zero_steps.py)
         if evaluation == 0:
