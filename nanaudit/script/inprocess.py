@@ -47,6 +47,7 @@ from nanaudit.script.rank_replay import (
     made_on_this_rank,
     own_gradient,
     replayed_on_ranks,
+    replayed_together,
 )
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions
@@ -224,10 +225,19 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         # One map for the window: a call that takes an earlier call's output (a recurrent
         # state passed from call to call, a seq2seq decoder's hidden) takes the replay's.
         env: dict[int, torch.Tensor] = {}
+        # A loss trip is walked back from the first non-finite loss, made in forward: the
+        # backward after it and the micro-batches after it made nothing earlier, and tracing
+        # them costs several steps on a large model (every op after the value goes bad reads
+        # its tensors' kinds). FSDP2's ranks replay together: their collectives need it all.
+        stop = trip.check == Check.LOSS and not replayed_together(auditor.ranks)
         try:
             with tracer:
-                pairs = [pair for i, call in enumerate(calls) for pair in replay_call(
-                    tracer, call, skipped if i == len(calls) - 1 else None, env)]
+                pairs = []
+                for i, call in enumerate(calls):
+                    pairs += replay_call(tracer, call, skipped if i == len(calls) - 1 else None,
+                                         env, stop_at_bad_loss=stop)
+                    if stop and not all(map(_finite, (again for _, again in pairs))):
+                        break
         except NotReplayable:
             raise
         except Exception as exc:      # the replay of the script's own code raised
@@ -250,11 +260,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
 
 def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
                 env: dict[int, torch.Tensor] | None = None, forward: bool = True,
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                stop_at_bad_loss: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
     filled with the replay's tensor for each the first run's model and loss code made (by id).
     `forward` False: the loss code alone, from the model's output as the first run recorded it
-    (detached: a value it held came from outside the replayed ops)."""
+    (detached: a value it held came from outside the replayed ops). `stop_at_bad_loss`: no
+    backward after a replayed loss that is non-finite."""
     call.seed_replay()
     env = {} if env is None else env
 
@@ -285,6 +296,8 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         if id(loss) not in env:
             raise NotReplayable("a loss the recorded code did not make reached backward")
         pairs.append((loss, env[id(loss)]))
+    if stop_at_bad_loss and not all(_finite(again) for _, again in pairs):
+        return pairs
     for func, args, kwargs in call.code.roots:
         tracer.start_backward()
         try:
@@ -292,6 +305,10 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         finally:
             tracer.end_backward()
     return pairs
+
+
+def _finite(loss: torch.Tensor) -> bool:
+    return math.isfinite(float(loss.detach()))
 
 
 def _recorded(value: Any) -> Any:
