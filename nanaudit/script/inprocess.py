@@ -232,11 +232,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         stop = trip.check == Check.LOSS and not replayed_together(auditor.ranks)
         try:
             with tracer:
-                pairs = []
+                pairs, bad_call = [], None
                 for i, call in enumerate(calls):
                     pairs += replay_call(tracer, call, skipped if i == len(calls) - 1 else None,
                                          env, stop_at_bad_loss=stop)
                     if stop and not all(map(_finite, (again for _, again in pairs))):
+                        bad_call = i
                         break
         except NotReplayable:
             raise
@@ -253,6 +254,8 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         if mismatch is not None:
             return None, ops, mismatch
         named = _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        if named[0] is not None and bad_call is not None:
+            named[0].micro_batch = micro_batch(calls, bad_call)
         if named[0] is not None and compiled is not None:   # the eager replay reproduced it
             named[0].compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
         return named
@@ -305,6 +308,15 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         finally:
             tracer.end_backward()
     return pairs
+
+
+def micro_batch(calls: list[ModelCall], index: int) -> int | None:
+    """The accumulation window's micro-batch of model call `index`: how many backward calls
+    the window made before it (a model called once a token before one backward is one
+    micro-batch). None: the window is one backward, no accumulation."""
+    if sum(bool(call.code.roots) for call in calls) < 2:
+        return None
+    return sum(bool(call.code.roots) for call in calls[:index])
 
 
 def _finite(loss: torch.Tensor) -> bool:

@@ -39,15 +39,17 @@ class Ledger:
         self.manual = ManualUpdate()
         self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
-        # id(optimizer) -> each group's learning rate as checked before its latest update: a
-        # scheduler (warm-up, the Trainer's) sets the next step's before an update trip is read.
+        # id(optimizer) -> each group's learning rate as its latest update ran: a scheduler
+        # (a warm-up, the Trainer's) sets the next step's before an update trip is read.
         self.update_rates: dict[int, list] = {}
         self.steps_taken = 0                     # post-hook calls, every one
         self.backwards = 0                       # backward calls that returned
         self.by_hand_anyway = False              # optimizers built, yet updated by hand
 
-    def checked_before_update(self, optimizer: Any) -> None:
-        """The learning rates `optimizer`'s update is about to run with (one read a step)."""
+    def updated(self, optimizer: Any, step: int) -> None:
+        """`optimizer` applied its update of `step`, with its groups' learning rates as they
+        are now (its post-hook: a scheduler steps after it)."""
+        self.updated_at[id(optimizer)] = step
         self.update_rates[id(optimizer)] = [g.get("lr") for g in optimizer.param_groups]
 
     def update_rate(self, optimizer: Any, group: int) -> Any:

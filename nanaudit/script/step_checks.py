@@ -110,7 +110,6 @@ class StepChecks:
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
             trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
                                   grad_norm, scope.params, inbox.inputs)
-        self.ledger.checked_before_update(optimizer)
         if trip is not None and scale and trip.check is Check.GRADIENT:
             return StepDecision.APPLY      # fp16 calibration: DeepSpeed skips it (zero_steps.py)
         if evaluation == 0:
@@ -150,11 +149,7 @@ class StepChecks:
         own value went bad; the details are that rank's)."""
         updated_at = self.ledger.updated_at.get(id(optimizer))
         if self.ranks is not None:
-            # The norms as confirmed element-wise (_confirmed): a rank's flag from a float32
-            # sum of squares that overflowed on finite weights is no trip.
-            verdict = self.ranks.verdict(self.step, read.table, updated_at,
-                                         weights_finite=math.isfinite(norm),
-                                         reduced_finite=math.isfinite(grad_norm))
+            verdict = self.ranks.verdict(self.step, read.table, updated_at, (norm, grad_norm))
         else:
             verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
                                     weights_finite=math.isfinite(norm), updated_at=updated_at,

@@ -3,7 +3,8 @@ non-finite, before its backward: the value was made in that forward, and nothing
 earlier. Seen on karpathy/llm.c's train_gpt2.py (a GPT-2 with a 50,257-token vocabulary, two
 micro-batches, `--learning_rate 1e30`): the replay traced both micro-batches' forward and
 backward, every op after the first NaN reading its tensors' kinds, 85.8 s against a 5 s step;
-stopped at the bad forward, 21.0 s (6.2 s in a quieter, profiled run; 2 shared cores)."""
+stopped at the bad forward, 21.0 s (6.2 s in a quieter, profiled run; 2 shared cores).
+The micro-batch it stopped in is the finding's `micro_batch`: its `samples` are that one's rows."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_a_loss_trip_replays_up_to_the_bad_forward_whatever_the_window(tmp_path)
         assert (f["step"], f["where"], f["op"], f["cause"]) == (
             2, "forward", "aten.exp.default", "exp-overflow")
         assert f["samples"] == [3] and f["localized_by"] == "in-process"
+        assert f["micro_batch"] == 1          # the rows are that micro-batch's
         assert report["run"]["replay"]["status"] == "reproduced"
         traced.append(report["run"]["replay"]["ops_traced"])
     # Micro-batch 0 whole, then micro-batch 1 up to its bad loss: nothing after, either way.
