@@ -112,24 +112,15 @@ class RankChecks:
         this rank's weights' and reduced gradients' norms as confirmed element-wise, which
         decide for the ones every DDP rank shares (RankTable.verdict): a flag from a float32
         sum of squares that overflowed on finite weights is no trip. Sharded, each rank's
-        shard is its own: every rank's confirmed reading is exchanged (_confirmed_shards)."""
+        shard is its own: every rank's confirmed reading is exchanged (Coordinator.confirmed)."""
         weights_ok, reduced_ok = (None, None) if norms is None else map(math.isfinite, norms)
         rows = RankTable.from_read(table, self.coord.world_size)
         if self.sharded and norms is not None and rows.doubts_state():
             return rows.verdict(step, updated_at=updated_at, sharded=True,
-                                **self._confirmed_shards(bool(weights_ok), bool(reduced_ok)))
+                                **self.coord.confirmed(bool(weights_ok), bool(reduced_ok),
+                                                       self._device))
         return rows.verdict(step, updated_at=updated_at, sharded=self.sharded,
                             weights_finite=weights_ok, reduced_finite=reduced_ok)
-
-    def _confirmed_shards(self, weights_ok: bool, reduced_ok: bool) -> dict[str, list[bool]]:
-        """Every rank's weights' and reduced gradients' shards as each confirmed them element
-        by element, by one more exchange. Only on a step whose flags say a shard went
-        non-finite, which every rank's identical table says alike: every rank makes it."""
-        row = torch.tensor([float(not weights_ok), float(not reduced_ok)], dtype=torch.float64,
-                           device=self._device)
-        confirmed = self.coord.exchange(row).tolist()
-        return {"weights_finite": [not r[0] > 0 for r in confirmed],
-                "reduced_finite": [not r[1] > 0 for r in confirmed]}
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""
