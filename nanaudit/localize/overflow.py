@@ -34,15 +34,27 @@ def amax(t: Any) -> float:
     if isinstance(t, (int, float)):
         return abs(float(t))
     if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) \
-            or t.numel() == 0:
+            or t.numel() == 0 or released(t):
         return 0.0
     return float(t.detach().abs().double().nan_to_num(0, 0, 0).max())
 
 
 def _amin(t: torch.Tensor) -> float:
-    if not isinstance(t, torch.Tensor) or not t.numel():
+    if not isinstance(t, torch.Tensor) or not t.numel() or released(t):
         return 0.0
     return float(t.detach().abs().double().nan_to_num(0, 0, 0).min())
+
+
+def released(t: torch.Tensor) -> bool:
+    """Is `t`'s memory gone? FSDP2 frees a layer's unsharded weights after its forward (their
+    storage resized to 0, the tensor's shape kept): the op read them, but an event kept to
+    diagnose later holds a tensor whose read would be out of bounds (a crash, not an error)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return False             # a subclass (a DTensor) holds no storage of its own to check
+    try:
+        return t.untyped_storage().nbytes() == 0
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 @dataclass(frozen=True)

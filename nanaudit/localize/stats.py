@@ -10,6 +10,7 @@ import torch
 
 from nanaudit.localize.events import OpEvent
 from nanaudit.localize.ops import named_tensors
+from nanaudit.localize.overflow import released
 from nanaudit.report.model import TensorStats
 from nanaudit.run.checks import dense_values
 
@@ -17,7 +18,11 @@ SMALL_TENSOR = 16   # at most this many elements: show the values themselves
 
 
 def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
-    """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives."""
+    """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives
+    (none of them for a tensor whose memory was released since the op read it)."""
+    if released(t):
+        return TensorStats(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel(),
+                           None, None, None, 0, 0, 0, 0, 0)
     t = dense_values(t.detach())
     if t.is_complex():
         t = t.abs()

@@ -224,6 +224,18 @@ class Coordinator:
                                    f"{exc}") from None
         return table
 
+    def confirmed(self, weights_finite: bool, reduced_finite: bool, device: torch.device
+                  ) -> dict[str, list[bool]]:
+        """Every rank's shards of the weights and reduced gradients as each confirmed them
+        element by element (FSDP2, ZeRO: each rank's are its own), by one more exchange: only on
+        a step whose rank table flags some rank's, which every rank's identical table says
+        alike, so every rank makes it. Keyed as RankTable.verdict takes them."""
+        row = torch.tensor([float(not weights_finite), float(not reduced_finite)],
+                           dtype=torch.float64, device=device)
+        table = self.exchange(row).tolist()
+        return {"weights_finite": [not r[0] > 0 for r in table],
+                "reduced_finite": [not r[1] > 0 for r in table]}
+
     def read(self, values: torch.Tensor) -> list[float]:
         """The step's one host read, which is where a failed NCCL collective shows."""
         try:

@@ -20,6 +20,7 @@ have destroyed its process group) and the origin's chosen by one rule (`origin_e
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ class RankChecks:
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
         self.note: str | None = None      # why the run is not the one asked for (DeepSpeed)
+        self._device = torch.device("cpu")  # the step values' device, as the last table's
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -98,15 +100,27 @@ class RankChecks:
         weights' norm, loss, gradients' norm, buffers' peak] (no host read here). Each rank
         updates its own buffers' running statistics: the rank whose forward made one bad is
         named."""
+        self._device = values.device      # where the exchange's tensors go (gloo: the CPU)
         own = self.partials.take_gradients(self.flags.take(values.device))
         row = rank_row(values, own, self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
 
-    def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
+    def verdict(self, step: int, table: Sequence[float], updated_at: int | None,
+                norms: tuple[float, float] | None = None) -> Tripped | None:
         """The check that tripped, from every rank's flags (`table`: the read's tail), with
-        the first rank whose own value went bad as its part (None: no one rank's)."""
-        return RankTable.from_read(table, self.coord.world_size).verdict(
-            step, updated_at=updated_at, sharded=self.sharded)
+        the first rank whose own value went bad as its part (None: no one rank's). `norms`:
+        this rank's weights' and reduced gradients' norms as confirmed element-wise, which
+        decide for the ones every DDP rank shares (RankTable.verdict): a flag from a float32
+        sum of squares that overflowed on finite weights is no trip. Sharded, each rank's
+        shard is its own: every rank's confirmed reading is exchanged (Coordinator.confirmed)."""
+        weights_ok, reduced_ok = (None, None) if norms is None else map(math.isfinite, norms)
+        rows = RankTable.from_read(table, self.coord.world_size)
+        if self.sharded and norms is not None and rows.doubts_state():
+            return rows.verdict(step, updated_at=updated_at, sharded=True,
+                                **self.coord.confirmed(bool(weights_ok), bool(reduced_ok),
+                                                       self._device))
+        return rows.verdict(step, updated_at=updated_at, sharded=self.sharded,
+                            weights_finite=weights_ok, reduced_finite=reduced_ok)
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

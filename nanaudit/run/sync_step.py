@@ -52,6 +52,7 @@ class SyncStep:
 
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
+        self._device = torch.device("cpu")    # the step values' device (the exchange's)
 
     def run(self, step: int, raws: list[Any], last: bool, updated: bool,
             first_index: int | None = None) -> StepResult:
@@ -132,6 +133,7 @@ class SyncStep:
         table or None, what the watches appended)."""
         ctx = self.ctx
         parts = [readout.values]
+        self._device = readout.values.device
         if ctx.coord is not None:
             exhausted = ctx.feed.fetch_ahead(last)
             parallel = ctx.coord.parallel
@@ -163,9 +165,12 @@ class SyncStep:
             self.ctx.feed.stop_after_this_step()
         # FSDP2: each rank reads its own shards, and every rank must decide alike.
         sharded = self.ctx.coord is not None and self.ctx.coord.sharded
-        verdict = table.verdict(step, updated_at=updated_at, sharded=sharded,
-                                weights_finite=math.isfinite(norm),
-                                reduced_finite=math.isfinite(gnorm))
+        confirmed: dict = {"weights_finite": math.isfinite(norm),
+                           "reduced_finite": math.isfinite(gnorm)}
+        if sharded and table.doubts_state():       # every rank's shards, confirmed
+            assert self.ctx.coord is not None
+            confirmed = self.ctx.coord.confirmed(**confirmed, device=self._device)
+        verdict = table.verdict(step, updated_at=updated_at, sharded=sharded, **confirmed)
         if verdict is None:
             return None
         return Trip.found(verdict, loss_value, gnorm, rank=verdict.part)

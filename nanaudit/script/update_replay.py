@@ -50,6 +50,7 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
         return Rerun(status=RerunStatus.SKIPPED, note="the update was the script's own (no "
                      "optimizer state to evaluate it from)")
     optimizer, group, param, name = found
+    group = _as_run(auditor, optimizer, group)
     if is_sharded(param):
         return Rerun(status=RerunStatus.SKIPPED, note="the update rule is not evaluated on a "
                      "sharded (DTensor) parameter: its elements live on several ranks")
@@ -84,6 +85,14 @@ def _bad_parameter(auditor: Any, trip: ScriptTrip) -> tuple[Any, dict, torch.Ten
                         is_sharded(p) or not bool(torch.isfinite(p).all())):
                     return optimizer, group, p, wanted
     return None
+
+
+def _as_run(auditor: Any, optimizer: Any, group: dict) -> dict:
+    """`group` with the learning rate its update ran with: a scheduler may have set the next
+    step's since (a warm-up, the Trainer's scheduler stepping right after the update)."""
+    index = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+    rate = auditor.ledger.update_rate(optimizer, index)
+    return {**group, "lr": rate} if isinstance(rate, (int, float)) else group
 
 
 def _first_bad(param: torch.Tensor) -> tuple[int, ...]:

@@ -81,8 +81,8 @@ CLEAN = {"atan2_origin", "amp_fp16_clean", "amp_bf16_clean", "custom_backward_cl
 # Run under two ranks in test_distributed.py (and as one process there too), FSDP in test_fsdp.py.
 DISTRIBUTED = {"ddp_clean", "ddp_poisoned_rank", "ddp_failing_rank", "ddp_failing_loss",
                "ddp_stalled_rank", "ddp_backward_nan", "ddp_dataloader", "ddp_auto",
-               "ddp_dying_rank", "fsdp_backward_nan", "hsdp_backward_nan", "fsdp_tp_forward_nan",
-               "tp_backward_nan"}
+               "ddp_dying_rank", "fsdp_backward_nan", "fsdp_diverging", "hsdp_backward_nan",
+               "fsdp_tp_forward_nan", "tp_backward_nan"}
 # Scanned with --keep-going: every bad step's (step, where, cause, rows), all skipped.
 KEEP_GOING = {"keep_going": [(3, "input", "nonfinite-input", [2]),
                              (5, "backward", "sqrt-domain", [6]),

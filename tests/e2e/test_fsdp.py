@@ -105,3 +105,20 @@ def test_scan_shards_the_model_and_names_the_rank_of_a_backward_value(tmp_path):
             f["tensors"]) == (1, 2, "backward", "aten.sqrt.default", "sqrt-domain", [6], ["gain"])
     assert f["inputs"][0]["dtype"] == "bfloat16"      # the op ran in the policy's dtype
     assert [r["status"] for r in report["distributed"]["ranks"]] == ["nonfinite", "nonfinite"]
+
+
+def test_scan_confirms_each_ranks_shard_before_a_huge_updates_weights_trip(tmp_path):
+    """A learning rate of 1e30: step 0's update leaves every shard finite near 1e30, whose
+    float32 sums of squares overflow on every rank. The ranks confirm their shards (one more
+    exchange, on that step only), so the trip is step 1's forward overflow, divergence; the
+    replay's weights, which FSDP2 frees after the layer's forward, are not read again (they
+    crashed the diagnosis with a segfault)."""
+    out = tmp_path / "report.json"
+    config = ROOT / "configs" / "examples" / "fsdp_diverging.yaml"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "scan", config, "--json", out, "-q"])
+    assert codes == [1, 1], outputs
+    f = json.loads(out.read_text())["finding"]
+    assert (f["step"], f["where"], f["op"], f["cause"]) == (1, "forward", "aten.addmm.default",
+                                                            "divergence")
+    released = next(s for s in f["inputs"] if s["name"] == "mat2")
+    assert released["shape"] == [8, 8] and released["min"] is None
