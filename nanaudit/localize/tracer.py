@@ -153,8 +153,9 @@ class OpTracer:
     The caller says when backward starts and ends (`start_backward`, `end_backward`, or sets
     `phase`): a user's step runs several forwards and backwards."""
 
-    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
-        self.trace = Trace()
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
+                 weights: Any = None):
+        self.trace = Trace(weights=weights)    # `weights`: who updated the parameters (events.py)
         self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)

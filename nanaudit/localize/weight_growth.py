@@ -1,0 +1,106 @@
+"""A float32 overflow that an optimizer's update made: the op read a parameter that the update
+grew far past its size at the first check, and at that size the op could not have overflowed.
+
+A learning rate too high (Adam at lr 1e20, a GAN's generator at 10.0) makes the weights it
+updates enormous but finite in one step; the next forward that reads them overflows float32.
+Where several optimizers take turns (a GAN), the trip's check reads only its own optimizer's
+weights, and its timeline shows no growth: the overflowing op's own inputs are the evidence. The
+script's ledger (or the session) says which optimizer holds each parameter, when it last
+stepped, at what learning rate, and how large its weights were at their first read
+(`WeightHistory`): this module decides from those values alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from nanaudit.localize.ops import dtype_name, named_tensors, op_base
+from nanaudit.localize.overflow import Bound, amax, overflow_bound
+from nanaudit.localize.rules.registry import Reason
+from nanaudit.report.vocabulary import Cause
+
+# How far past its first read a weight must have grown before its growth is the story. A
+# training step moves a weight by about the learning rate (Adam) or lr x gradient (SGD): with
+# any learning rate a run survives, weights stay within a small multiple of their initial
+# scale. Three orders of magnitude is no drift; below that, an overflow is the inputs' own.
+GROWTH = 1e3
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """Who last updated a parameter, and how large its weights were before any update."""
+
+    name: str                 # the parameter's qualified name
+    optimizer: str            # `Adam(lr=1e+20, ...)`, or "the script's own update"
+    step: int                 # the step of that optimizer's last update
+    lr: float | None          # the learning rate of the parameter's group
+    first: float              # an upper bound of its |values| at its first check (the norm
+    #                           of its optimizer's weights, read then: no |value| exceeds it)
+
+
+class WeightHistory(Protocol):
+    """What a checker knows of the parameters its script's optimizers update."""
+
+    def update_of(self, parameter: torch.Tensor) -> WeightUpdate | None:
+        """The update that last changed `parameter`; None when no optimizer has updated it."""
+
+
+def _parameter(t: Any) -> torch.Tensor | None:
+    """The trainable leaf `t` is or views (`weight.t()` in a linear's addmm), else None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    root = t._base if t._base is not None else t
+    return root if root.is_leaf and root.requires_grad else None
+
+
+def grown_weight(event: Any, bound: Bound, out_dtype: torch.dtype | None,
+                 weights: WeightHistory | None) -> Reason | None:
+    """`divergence` when one of the overflowing op's inputs is a parameter an optimizer grew
+    GROWTH-fold past its first read, and with that input back at its first size the op's
+    result (written in `out_dtype`, None: the inputs' own) could not have reached the dtype's
+    range; else None."""
+    if weights is None or event.args is None:
+        return None
+    for arg_name, t in named_tensors(event.arg_names, event.args, event.kwargs):
+        parameter = _parameter(t)
+        update = weights.update_of(parameter) if parameter is not None else None
+        if update is None:
+            continue
+        peak = amax(t)
+        if peak < GROWTH * update.first:
+            continue
+        at_first = _bound_at(event, t, update.first / peak, out_dtype)
+        if at_first is not None and at_first < bound.limit:
+            return _reason(event, bound, arg_name, peak, at_first, update)
+    return None
+
+
+def _bound_at(event: Any, t: torch.Tensor, scale: float,
+              out_dtype: torch.dtype | None) -> float | None:
+    """The op's largest |result| had its input `t` been `scale` times its size."""
+    smaller = t.detach() * scale
+    args = tuple(smaller if a is t else a for a in event.args)
+    kwargs = {k: smaller if v is t else v for k, v in (event.kwargs or {}).items()}
+    found = overflow_bound(event.op, args, kwargs, out_dtype)
+    return found.bound if found is not None else None
+
+
+def _reason(event: Any, bound: Bound, arg_name: str, peak: float, at_first: float,
+            update: WeightUpdate) -> Reason:
+    base, name = op_base(event.op), dtype_name(bound.dtype)
+    lr = f"lr {update.lr:.4g}" if update.lr is not None else "its learning rate"
+    by = update.optimizer or "the script's own update"
+    text = (f"{base} overflowed {name} from finite inputs: the largest |input| was "
+            f"{bound.largest_input:.4g}, {name} max is {bound.limit:.6g} ({bound.how} can reach "
+            f"{bound.bound:.4g}); its {arg_name} is the parameter {update.name}, whose largest "
+            f"|value| was {peak:.4g}, at least {peak / update.first:.3g}x its size at the first "
+            f"check (its optimizer's weights had a norm of {update.first:.4g} then): {by} last "
+            f"updated it at step {update.step}, at {lr} for its group. At its first size the "
+            f"result could reach only {at_first:.4g}: the update made the weights diverge")
+    fix = (f"lower the learning rate of {by} ({lr}), clip its gradients "
+           f"(`torch.nn.utils.clip_grad_norm_` before its step) or warm it up: its update made "
+           f"{update.name} {peak:.3g}")
+    return Reason(Cause.DIVERGENCE, text, fix=fix)

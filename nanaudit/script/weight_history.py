@@ -1,0 +1,42 @@
+"""Who updated each parameter of a `nanaudit run` script, as the overflow rule asks it
+(localize/weight_growth.py): the optimizer of the ledger that holds it, the step it last stepped
+at, its group's learning rate, and its weights' norm at its first check (the step log's).
+Read at a trip only, by a walk over the optimizers' groups: nothing here runs on a clean step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanaudit.localize.weight_growth import WeightUpdate
+from nanaudit.script.ledger import Ledger, describe_optimizer
+
+
+class LedgerWeights:
+    """The script's WeightHistory: what its ledger and step log know of the optimizers."""
+
+    def __init__(self, ledger: Ledger, first_norms: dict[int, float]) -> None:
+        self.ledger, self.first_norms = ledger, first_norms
+
+    def update_of(self, parameter: torch.Tensor) -> WeightUpdate | None:
+        for optimizer in self.ledger.stepped.values():
+            step = self.ledger.updated_at.get(id(optimizer))
+            first = self.first_norms.get(id(optimizer))
+            group = _group_of(optimizer, parameter) if step is not None else None
+            if group is not None and first is not None:
+                return WeightUpdate(self.ledger.qualified_name(parameter),
+                                    describe_optimizer(optimizer), step, _lr(group), first)
+        return None
+
+
+def _group_of(optimizer: Any, parameter: torch.Tensor) -> dict | None:
+    return next((g for g in optimizer.param_groups if any(p is parameter for p in g["params"])),
+                None)
+
+
+def _lr(group: dict) -> float | None:
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+        return float(lr)
+    return float(lr) if isinstance(lr, (int, float)) else None
