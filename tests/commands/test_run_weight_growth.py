@@ -1,0 +1,155 @@
+"""An overflow that an optimizer's update made is `divergence`, named with the parameter, the
+optimizer, its step and its learning rate, even where another optimizer's check tripped (a
+GAN): the overflowing op's own inputs are the evidence (localize/weight_growth.py). An overflow
+of inputs large in themselves, with the weights at their size, stays `dtype-overflow`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ROOT
+from test_run_inprocess import audit, in_process, line_of, write
+
+from nanaudit.commands.common import exit_code
+from nanaudit.localize.overflow import overflow_bound
+from nanaudit.localize.weight_growth import WeightUpdate, grown_weight
+
+# A plain two-optimizer GAN loop (pytorch/examples dcgan/main.py's order: the discriminator's
+# step on real and detached fake, then the generator's through it), the generator's optimizer
+# and learning rate from the command line.
+GAN = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    make = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[sys.argv[1]]
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = make(generator.parameters(), lr=float(sys.argv[2]))
+    opt_d = torch.optim.Adam(discriminator.parameters(), lr=2e-4)
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(6):
+        real, z = torch.randn(16, 8), torch.randn(16, 4)
+        fake = generator(z)
+        d_loss = bce(discriminator(real), torch.ones(16, 1)) + \\
+            bce(discriminator(fake.detach()), torch.zeros(16, 1))
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        g_loss = bce(discriminator(fake), torch.ones(16, 1))
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+"""
+
+
+@pytest.mark.parametrize(("optimizer", "lr", "described"), [
+    ("adam", "1e20", "Adam(lr=1e+20"),
+    ("sgd", "1e30", "SGD(lr=1e+30"),
+])
+def test_a_gan_generators_huge_learning_rate_is_divergence_of_its_weights(tmp_path, optimizer,
+                                                                          lr, described):
+    # Step 0 is the discriminator's, step 1 the generator's update to weights of 1e20 or more
+    # (finite); at step 2 the generator's forward overflows in its second linear, and the
+    # discriminator's check trips on the NaN loss: it read none of the generator's weights.
+    path = write(tmp_path, GAN)
+    report = audit(path, optimizer, lr)
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.op, f.module, f.cause) == (2, "forward", "aten.addmm.default",
+                                                          "2", "divergence")
+    assert f.source.line == line_of(path, "fake = generator(z)")
+    assert ("its mat2 is the parameter generator.2.weight" in f.explanation
+            and f"{described}, " in f.explanation and "last updated it at step 1, at lr "
+            f"{float(lr):.4g} for its group" in f.explanation)
+    assert f"lower the learning rate of {described}" in f.fix and "clip" in f.fix
+    in_process(report)
+
+
+@pytest.mark.slow
+def test_the_rerun_names_the_same_divergence(tmp_path):
+    report = audit(write(tmp_path, GAN), "adam", "1e20", force_rerun=True)
+    f = report.finding
+    assert (f.step, f.op, f.cause, f.localized_by) == (2, "aten.addmm.default", "divergence",
+                                                       "re-run")
+    assert report.run.rerun.status == "reproduced"
+    # the re-run's process never read the script's frames: the roots' own names
+    assert "its mat2 is the parameter 2.weight" in f.explanation
+    assert "Adam(lr=1e+20, " in f.explanation and "at step 1," in f.explanation
+
+
+@pytest.mark.slow
+def test_lightnings_gan_template_at_a_huge_learning_rate_is_divergence():
+    pytest.importorskip("lightning")
+    # Lightning's template: the generator's step first. Its update at step 0 makes its weights
+    # 1e20; at step 1 the discriminator's part calls the generator again, which overflows,
+    # while `toggle_optimizer` has switched the generator's weights' requires_grad off.
+    script = ROOT / "tests" / "e2e" / "scripts" / "lightning_gan.py"
+    report = audit(script, "--lr", "1e20")
+    f = report.finding
+    assert (f.step, f.op, f.module, f.cause) == (1, "aten.addmm.default",
+                                                 "model.generator.model.2", "divergence")
+    assert "the parameter model.generator.model.2.weight" in f.explanation
+    assert "Adam(lr=1e+20, " in f.explanation and "at step 0," in f.explanation
+    in_process(report)
+
+
+HUGE_BATCH = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 1))
+    nn.init.constant_(model[0].weight, 0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        x = torch.full((8, 16), 1e38 if step == 2 else 1.0)    # finite, raw, never scaled
+        loss = model(x).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_linear_overflowing_on_huge_inputs_with_its_weights_at_their_size_stays_dtype_overflow(
+        tmp_path):
+    # The op reads a weight an optimizer updated, but the weight is its first size: the input
+    # made the overflow, and no learning rate is blamed.
+    report = audit(write(tmp_path, HUGE_BATCH))
+    f = report.finding
+    assert (f.step, f.op, f.module, f.cause) == (2, "aten.addmm.default", "0", "dtype-overflow")
+    assert "the parameter" not in f.explanation and "too large for any dtype" in f.fix
+
+
+class _History:
+    """A WeightHistory holding one parameter, updated at step 4 from a first norm of 1."""
+
+    def __init__(self, parameter: torch.Tensor):
+        self.parameter = parameter
+
+    def update_of(self, parameter):
+        if parameter is not self.parameter:
+            return None
+        return WeightUpdate("w", "SGD(lr=1e+10)", 4, 1e10, 1.0)
+
+
+class _Event:
+    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+        self.op, self.func = "aten.mm.default", torch.ops.aten.mm.default
+        self.args, self.kwargs, self.arg_names = (x, w.t()), {}, ("self", "mat2")
+
+
+@pytest.mark.parametrize(("x_size", "w_size", "cause"), [
+    (1e10, 1e30, "divergence"),        # at its first size (1) the product stays 1e10 x 4
+    (1e38, 1e30, None),                # the inputs alone overflow: not the weight's growth
+    (1e36, 1e2, None),                 # 100x its first size is no divergence
+])
+def test_the_weight_rule_weighs_the_first_size_against_the_range(x_size, w_size, cause):
+    w = torch.nn.Parameter(torch.full((3, 4), w_size))
+    event = _Event(torch.full((2, 4), x_size), w)
+    bound = overflow_bound(event.op, event.args, event.kwargs, None)
+    assert bound is not None and bound.bound > bound.limit
+    found = grown_weight(event, bound, None, _History(w))
+    assert (found.cause if found is not None else None) == cause
+    assert grown_weight(event, bound, None, None) is None          # no history, no claim
