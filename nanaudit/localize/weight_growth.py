@@ -35,7 +35,7 @@ class WeightUpdate:
 
     name: str                 # the parameter's qualified name
     optimizer: str            # `Adam(lr=1e+20, ...)`, or "the script's own update"
-    step: int                 # the step of that optimizer's last update
+    step: int | None          # the step of that optimizer's last update (None: not known)
     lr: float | None          # the learning rate of the parameter's group
     first: float              # an upper bound of its |values| at its first check (the norm
     #                           of its optimizer's weights, read then: no |value| exceeds it)
@@ -46,6 +46,33 @@ class WeightHistory(Protocol):
 
     def update_of(self, parameter: torch.Tensor) -> WeightUpdate | None:
         """The update that last changed `parameter`; None when no optimizer has updated it."""
+
+
+class OptimizersWeights:
+    """The WeightHistory of a step loop that holds its optimizers (`scan`, Sentinel): each
+    optimizer by its name, every one stepped at the step before the trip unless the user's own
+    step decides (then which step is not known), and the model's weights' norm at the first
+    step, read before any update (the timeline's first entry)."""
+
+    def __init__(self, optimizers: dict[str, Any], names: dict[int, str], first: float | None,
+                 last_step: int | None) -> None:
+        self.optimizers, self.names = optimizers, names
+        self.first, self.last_step = first, last_step
+
+    def update_of(self, parameter: torch.Tensor) -> WeightUpdate | None:
+        if self.first is None:
+            return None
+        for label, optimizer in self.optimizers.items():
+            group = next((g for g in optimizer.param_groups
+                          if any(p is parameter for p in g["params"])), None)
+            if group is not None:
+                lr = group.get("lr")
+                return WeightUpdate(self.names.get(id(parameter), f"<parameter "
+                                                   f"{tuple(parameter.shape)}>"),
+                                    f"{type(optimizer).__name__} `{label}`", self.last_step,
+                                    float(lr) if isinstance(lr, (int, float)) else None,
+                                    self.first)
+        return None
 
 
 def _parameter(t: Any) -> torch.Tensor | None:
@@ -93,12 +120,13 @@ def _reason(event: Any, bound: Bound, arg_name: str, peak: float, at_first: floa
     base, name = op_base(event.op), dtype_name(bound.dtype)
     lr = f"lr {update.lr:.4g}" if update.lr is not None else "its learning rate"
     by = update.optimizer or "the script's own update"
+    when = f" at step {update.step}" if update.step is not None else " before this step"
     text = (f"{base} overflowed {name} from finite inputs: the largest |input| was "
             f"{bound.largest_input:.4g}, {name} max is {bound.limit:.6g} ({bound.how} can reach "
             f"{bound.bound:.4g}); its {arg_name} is the parameter {update.name}, whose largest "
             f"|value| was {peak:.4g}, at least {peak / update.first:.3g}x its size at the first "
             f"check (its optimizer's weights had a norm of {update.first:.4g} then): {by} last "
-            f"updated it at step {update.step}, at {lr} for its group. At its first size the "
+            f"updated it{when}, at {lr} for its group. At its first size the "
             f"result could reach only {at_first:.4g}: the update made the weights diverge")
     fix = (f"lower the learning rate of {by} ({lr}), clip its gradients "
            f"(`torch.nn.utils.clip_grad_norm_` before its step) or warm it up: its update made "

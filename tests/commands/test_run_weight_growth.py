@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, scan
 from test_run_inprocess import audit, in_process, line_of, write
 
 from nanaudit.commands.common import exit_code
@@ -153,3 +153,48 @@ def test_the_weight_rule_weighs_the_first_size_against_the_range(x_size, w_size,
     found = grown_weight(event, bound, None, _History(w))
     assert (found.cause if found is not None else None) == cause
     assert grown_weight(event, bound, None, None) is None          # no history, no claim
+
+
+# `scan` and Sentinel share the diagnosis: a config's GAN whose user step trains D, then G.
+SCAN_GAN = """
+import torch
+from torch import nn
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(2, 8), nn.Linear(8, 2))
+        self.d = nn.Linear(2, 1)
+
+def build_model():
+    return GAN()
+
+def opts(model):
+    return {"d": torch.optim.SGD(model.d.parameters(), lr=0.1),
+            "g": torch.optim.Adam(model.g.parameters(), lr=1e20)}
+
+def batches():
+    for i in range(4):
+        yield torch.randn(4, 2)
+
+def step(model, batch, optimizer):
+    d_loss = model.d(batch).pow(2).mean()
+    optimizer["d"].zero_grad(); d_loss.backward(); optimizer["d"].step()
+    g_loss = model.d(model.g(batch)).mean()
+    optimizer["g"].zero_grad(); g_loss.backward(); optimizer["g"].step()
+    return {"d_loss": d_loss, "g_loss": g_loss}
+"""
+
+
+def test_scan_names_the_divergence_of_a_user_steps_second_optimizer(case, tmp_path):
+    path = case(SCAN_GAN, loss=None, step="case:step", optimizer="case:opts")
+    path.write_text(path.read_text().replace("loss: null\n", ""))
+    result = scan(path, tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1, result.report
+    assert (f["step"], f["op"], f["module"], f["cause"]) == (1, "aten.addmm.default", "g.1",
+                                                             "divergence")
+    assert "its mat2 is the parameter g.1.weight" in f["explanation"]
+    # the user's step decides which optimizer steps when: no step is claimed
+    assert "Adam `g` last updated it before this step, at lr 1e+20" in f["explanation"]
