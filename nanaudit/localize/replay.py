@@ -79,10 +79,10 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
 
 def session_weights(session: Session, trip: Trip, timeline: Any) -> OptimizersWeights:
     """Who updated the model's weights before the trip: the session's optimizers, each stepped
-    at the step before it (unless the user's own step decides), from the weights' norm of the
-    timeline's first step (None before any update: no weight has grown yet)."""
-    first = next(iter(timeline), None) if trip.step > 0 else None
-    norm = first.param_norm if first is not None and first.step == 0 else None
+    at the step before it (unless the user's own step decides), from the weights' norm at the
+    timeline's first step, checked before its update (none before the trip: no update yet)."""
+    first = next(iter(timeline), None)
+    norm = first.param_norm if first is not None and first.step < trip.step else None
     return OptimizersWeights(session.optimizers, {id(p): n for n, p in user_named(
         session.model, session.model.named_parameters())}, norm,
         trip.step - 1 if session.step_fn is None else None)

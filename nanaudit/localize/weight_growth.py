@@ -63,7 +63,7 @@ class OptimizersWeights:
         if self.first is None:
             return None
         for label, optimizer in self.optimizers.items():
-            group = next((g for g in optimizer.param_groups
+            group = next((g for g in getattr(optimizer, "param_groups", ())
                           if any(p is parameter for p in g["params"])), None)
             if group is not None:
                 lr = group.get("lr")
@@ -76,11 +76,13 @@ class OptimizersWeights:
 
 
 def _parameter(t: Any) -> torch.Tensor | None:
-    """The trainable leaf `t` is or views (`weight.t()` in a linear's addmm), else None."""
+    """The leaf `t` is or views (`weight.t()` in a linear's addmm), else None. Not asked to
+    require grad: Lightning's `toggle_optimizer` turns it off for the other optimizers'
+    weights while one trains, and the history says whether an optimizer holds it."""
     if not isinstance(t, torch.Tensor):
         return None
     root = t._base if t._base is not None else t
-    return root if root.is_leaf and root.requires_grad else None
+    return root if root.is_leaf else None
 
 
 def grown_weight(event: Any, bound: Bound, out_dtype: torch.dtype | None,

@@ -198,3 +198,33 @@ def test_scan_names_the_divergence_of_a_user_steps_second_optimizer(case, tmp_pa
     assert "its mat2 is the parameter g.1.weight" in f["explanation"]
     # the user's step decides which optimizer steps when: no step is claimed
     assert "Adam `g` last updated it before this step, at lr 1e+20" in f["explanation"]
+
+
+def test_a_sentinel_names_the_divergence_its_optimizers_first_update_made():
+    from nanaudit import NonFiniteError, Sentinel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e20)
+
+    def compute_loss(model, batch):
+        return model(batch).pow(2).mean()
+
+    sentinel = Sentinel(model, optimizer, loss_fn=compute_loss)
+    error = None
+    for step in range(4):
+        batch = torch.randn(8, 4)
+        loss = compute_loss(model, batch)
+        loss.backward()
+        try:
+            sentinel.check(step, batch, loss)
+        except NonFiniteError as raised:
+            error = raised
+            break
+        optimizer.step()
+        optimizer.zero_grad()
+    # One update made every weight 1e20; the next forward overflows: no timeline growth to see.
+    assert error is not None
+    f = error.report.finding
+    assert (f.step, f.op, f.module, f.cause) == (1, "aten.addmm.default", "1", "divergence")
+    assert "the parameter 1.weight" in f.explanation
+    assert "Adam `optimizer` last updated it at step 0, at lr 1e+20" in f.explanation
