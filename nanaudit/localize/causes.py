@@ -70,7 +70,7 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "pass `zero_infinity=True` to the CTC loss, or filter samples whose target (plus "
         "repeats) is longer than the input"),
     Cause.DIVERGENCE: (
-        "the loss or gradient norm grew over steps until a value overflowed",
+        "the loss, the gradient norm or the weights an update grew until a value overflowed",
         "lower the learning rate, clip gradients (`grad_clip:`), add warm-up"),
     Cause.OPTIMIZER_UPDATE: (
         "gradients were finite but the optimizer update made parameters non-finite",

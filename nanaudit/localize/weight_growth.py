@@ -38,7 +38,7 @@ class WeightUpdate:
     step: int | None          # the step of that optimizer's last update (None: not known)
     lr: float | None          # the learning rate of the parameter's group
     first: float              # an upper bound of its |values| at its first check (the norm
-    #                           of its optimizer's weights, read then: no |value| exceeds it)
+    #                           of the weights that check read: no |value| exceeds it)
 
 
 class WeightHistory(Protocol):
@@ -63,16 +63,26 @@ class OptimizersWeights:
         if self.first is None:
             return None
         for label, optimizer in self.optimizers.items():
-            group = next((g for g in getattr(optimizer, "param_groups", ())
-                          if any(p is parameter for p in g["params"])), None)
+            group = group_of(optimizer, parameter)
             if group is not None:
-                lr = group.get("lr")
-                return WeightUpdate(self.names.get(id(parameter), f"<parameter "
-                                                   f"{tuple(parameter.shape)}>"),
-                                    f"{type(optimizer).__name__} `{label}`", self.last_step,
-                                    float(lr) if isinstance(lr, (int, float)) else None,
-                                    self.first)
+                name = self.names.get(id(parameter), f"<parameter {tuple(parameter.shape)}>")
+                return WeightUpdate(name, f"{type(optimizer).__name__} `{label}`",
+                                    self.last_step, lr_of(group), self.first)
         return None
+
+
+def group_of(optimizer: Any, parameter: torch.Tensor) -> dict | None:
+    """The param group of `optimizer` that holds `parameter` (by identity), else None."""
+    return next((g for g in getattr(optimizer, "param_groups", ())
+                 if any(p is parameter for p in g["params"])), None)
+
+
+def lr_of(group: dict) -> float | None:
+    """A param group's learning rate as a number (a 0-dim tensor's too), else None."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+        return float(lr)
+    return float(lr) if isinstance(lr, (int, float)) else None
 
 
 def _parameter(t: Any) -> torch.Tensor | None:
@@ -127,9 +137,9 @@ def _reason(event: Any, bound: Bound, arg_name: str, peak: float, at_first: floa
             f"{bound.largest_input:.4g}, {name} max is {bound.limit:.6g} ({bound.how} can reach "
             f"{bound.bound:.4g}); its {arg_name} is the parameter {update.name}, whose largest "
             f"|value| was {peak:.4g}, at least {peak / update.first:.3g}x its size at the first "
-            f"check (its optimizer's weights had a norm of {update.first:.4g} then): {by} last "
-            f"updated it{when}, at {lr} for its group. At its first size the "
-            f"result could reach only {at_first:.4g}: the update made the weights diverge")
+            f"check (the weights read there had a norm of {update.first:.4g}): {by} last "
+            f"updated it{when}, at {lr} for its group. At its first size the result could "
+            f"reach only {at_first:.4g}: the update made the weights diverge")
     fix = (f"lower the learning rate of {by} ({lr}), clip its gradients "
            f"(`torch.nn.utils.clip_grad_norm_` before its step) or warm it up: its update made "
            f"{update.name} {peak:.3g}")

@@ -5,11 +5,9 @@ Read at a trip only, by a walk over the optimizers' groups: nothing here runs on
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from nanaudit.localize.weight_growth import WeightUpdate
+from nanaudit.localize.weight_growth import WeightUpdate, group_of, lr_of
 from nanaudit.script.ledger import Ledger, describe_optimizer
 
 
@@ -23,20 +21,8 @@ class LedgerWeights:
         for optimizer in self.ledger.stepped.values():
             step = self.ledger.updated_at.get(id(optimizer))
             first = self.first_norms.get(id(optimizer))
-            group = _group_of(optimizer, parameter) if step is not None else None
+            group = group_of(optimizer, parameter) if step is not None else None
             if group is not None and first is not None:
                 return WeightUpdate(self.ledger.qualified_name(parameter),
-                                    describe_optimizer(optimizer), step, _lr(group), first)
+                                    describe_optimizer(optimizer), step, lr_of(group), first)
         return None
-
-
-def _group_of(optimizer: Any, parameter: torch.Tensor) -> dict | None:
-    return next((g for g in optimizer.param_groups if any(p is parameter for p in g["params"])),
-                None)
-
-
-def _lr(group: dict) -> float | None:
-    lr = group.get("lr")
-    if isinstance(lr, torch.Tensor) and lr.numel() == 1:
-        return float(lr)
-    return float(lr) if isinstance(lr, (int, float)) else None
