@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from nanaudit.localize.ops import op_base, scalar_infinities, scalar_overflows
-from nanaudit.localize.weight_growth import WeightHistory
 from nanaudit.report.model import SourceLine
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.checks import dense_values
@@ -140,7 +139,8 @@ class Trace:
     written: dict = field(default_factory=dict)          # storage -> event that wrote a bad value
     # Who updated the parameters the ops read (weight_growth.WeightHistory): set by the
     # checker that owns the replay, for the overflow an update made; None where none is known.
-    weights: WeightHistory | None = None
+    # (typed Any: weight_growth imports the rules, whose stats import this module)
+    weights: Any = None
 
     def producer_of(self, t: torch.Tensor) -> int | None:
         """The event that made `t` bad: by the tensor, else by the memory an op wrote a bad
