@@ -12,6 +12,7 @@ stepped, at what learning rate, and how large its weights were at their first re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,7 +110,7 @@ def grown_weight(event: Any, bound: Bound, out_dtype: torch.dtype | None,
         if update is None:
             continue
         peak = amax(t)
-        if peak < GROWTH * update.first:
+        if not (math.isfinite(update.first) and peak > 0 and peak >= GROWTH * update.first):
             continue
         at_first = _bound_at(event, t, update.first / peak, out_dtype)
         if at_first is not None and at_first < bound.limit:
@@ -133,13 +134,15 @@ def _reason(event: Any, bound: Bound, arg_name: str, peak: float, at_first: floa
     lr = f"lr {update.lr:.4g}" if update.lr is not None else "its learning rate"
     by = update.optimizer or "the script's own update"
     when = f" at step {update.step}" if update.step is not None else " before this step"
+    grown = (f"at least {peak / update.first:.3g}x its size at the first check"
+             if update.first > 0 else "all zeros at the first check")
     text = (f"{base} overflowed {name} from finite inputs: the largest |input| was "
             f"{bound.largest_input:.4g}, {name} max is {bound.limit:.6g} ({bound.how} can reach "
             f"{bound.bound:.4g}); its {arg_name} is the parameter {update.name}, whose largest "
-            f"|value| was {peak:.4g}, at least {peak / update.first:.3g}x its size at the first "
-            f"check (the weights read there had a norm of {update.first:.4g}): {by} last "
-            f"updated it{when}, at {lr} for its group. At its first size the result could "
-            f"reach only {at_first:.4g}: the update made the weights diverge")
+            f"|value| was {peak:.4g}, {grown} (the weights read there had a norm of "
+            f"{update.first:.4g}): {by} last updated it{when}, at {lr} for its group. At its "
+            f"first size the result could reach only {at_first:.4g}: the update made the "
+            f"weights diverge")
     fix = (f"lower the learning rate of {by} ({lr}), clip its gradients "
            f"(`torch.nn.utils.clip_grad_norm_` before its step) or warm it up: its update made "
            f"{update.name} {peak:.3g}")

@@ -123,15 +123,15 @@ def test_a_linear_overflowing_on_huge_inputs_with_its_weights_at_their_size_stay
 
 
 class _History:
-    """A WeightHistory holding one parameter, updated at step 4 from a first norm of 1."""
+    """A WeightHistory holding one parameter, updated at step 4 from a first norm `first`."""
 
-    def __init__(self, parameter: torch.Tensor):
-        self.parameter = parameter
+    def __init__(self, parameter: torch.Tensor, first: float):
+        self.parameter, self.first = parameter, first
 
     def update_of(self, parameter):
         if parameter is not self.parameter:
             return None
-        return WeightUpdate("w", "SGD(lr=1e+10)", 4, 1e10, 1.0)
+        return WeightUpdate("w", "SGD(lr=1e+10)", 4, 1e10, self.first)
 
 
 class _Event:
@@ -140,17 +140,19 @@ class _Event:
         self.args, self.kwargs, self.arg_names = (x, w.t()), {}, ("self", "mat2")
 
 
-@pytest.mark.parametrize(("x_size", "w_size", "cause"), [
-    (1e10, 1e30, "divergence"),        # at its first size (1) the product stays 1e10 x 4
-    (1e38, 1e30, None),                # the inputs alone overflow: not the weight's growth
-    (1e36, 1e2, None),                 # 100x its first size is no divergence
+@pytest.mark.parametrize(("x_size", "w_size", "first", "cause"), [
+    (1e10, 1e30, 1.0, "divergence"),     # at its first size (1) the product stays 1e10 x 4
+    (1e38, 1e30, 1.0, None),             # the inputs alone overflow: not the weight's growth
+    (1e36, 1e2, 1.0, None),              # 100x its first size is no divergence
+    (1e10, 1e30, 0.0, "divergence"),     # grown from a zero initialization
+    (1e10, 1e30, float("inf"), None),    # a first read that overflowed says nothing
 ])
-def test_the_weight_rule_weighs_the_first_size_against_the_range(x_size, w_size, cause):
+def test_the_weight_rule_weighs_the_first_size_against_the_range(x_size, w_size, first, cause):
     w = torch.nn.Parameter(torch.full((3, 4), w_size))
     event = _Event(torch.full((2, 4), x_size), w)
     bound = overflow_bound(event.op, event.args, event.kwargs, None)
     assert bound is not None and bound.bound > bound.limit
-    found = grown_weight(event, bound, None, _History(w))
+    found = grown_weight(event, bound, None, _History(w, first))
     assert (found.cause if found is not None else None) == cause
     assert grown_weight(event, bound, None, None) is None          # no history, no claim
 
