@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nanaudit.localize.causes import divergence_fix
 from nanaudit.localize.ops import dtype_name, named_tensors, op_base
 from nanaudit.localize.overflow import Bound, amax, overflow_bound
 from nanaudit.localize.rules.registry import Reason
@@ -143,7 +144,6 @@ def _reason(event: Any, bound: Bound, arg_name: str, peak: float, at_first: floa
             f"{update.first:.4g}): {by} last updated it{when}, at {lr} for its group. At its "
             f"first size the result could reach only {at_first:.4g}: the update made the "
             f"weights diverge")
-    fix = (f"lower the learning rate of {by} ({lr}), clip its gradients "
-           f"(`torch.nn.utils.clip_grad_norm_` before its step) or warm it up: its update made "
-           f"{update.name} {peak:.3g}")
+    fix = divergence_fix(f"{by}, {lr} for the group of {update.name}",
+                         "the optimizer whose update grew these weights")
     return Reason(Cause.DIVERGENCE, text, fix=fix)

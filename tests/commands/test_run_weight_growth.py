@@ -63,7 +63,11 @@ def test_a_gan_generators_huge_learning_rate_is_divergence_of_its_weights(tmp_pa
     assert ("its mat2 is the parameter generator.2.weight" in f.explanation
             and f"{described}, " in f.explanation and "last updated it at step 1, at lr "
             f"{float(lr):.4g} for its group" in f.explanation)
-    assert f"lower the learning rate of {described}" in f.fix and "clip" in f.fix
+    # the fix is the optimizer's that grew them, not the tripping one's (the discriminator's)
+    assert (f"the optimizer whose update grew these weights: {described}, " in f.fix
+            and "for the group of generator.2.weight" in f.fix)
+    assert ("clipping the gradients does not shrink an Adam update" in f.fix) == (
+        optimizer == "adam")
     in_process(report)
 
 
@@ -93,6 +97,20 @@ def test_lightnings_gan_template_at_a_huge_learning_rate_is_divergence():
     assert "the parameter model.generator.model.2.weight" in f.explanation
     assert "Adam(lr=1e+20, " in f.explanation and "at step 0," in f.explanation
     in_process(report)
+
+
+def test_an_overflow_the_script_raised_on_is_the_divergence_of_the_weights_it_read():
+    # pytorch/examples dcgan's shape at lr 1e30: the discriminator's update at step 0 makes its
+    # weights 1e30; at step 1 its forward overflows and BCELoss raises on the NaN (an error
+    # trip, replayed in-process from the frames).
+    report = audit(ROOT / "tests" / "e2e" / "scripts" / "dcgan_loop.py", "--lr=1e30")
+    f = report.finding
+    assert (f.step, f.op, f.module, f.cause) == (1, "aten.addmm.default", "2", "divergence")
+    assert "its mat2 is the parameter netD.2.weight" in f.explanation
+    assert "Adam(lr=1e+30, " in f.explanation and "at step 0," in f.explanation
+    assert f.explanation.endswith("the script then raised RuntimeError: all elements of input "
+                                  "should be between 0 and 1")
+    assert "the optimizer whose update grew these weights: Adam(lr=1e+30" in f.fix
 
 
 HUGE_BATCH = """
