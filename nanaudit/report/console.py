@@ -111,7 +111,7 @@ def _header(report: Report) -> Text:
 
 
 def _finding_panel(f: Finding, boxed: bool = True) -> RenderableType:
-    parts: list[RenderableType] = [_facts(f)]
+    parts: list[RenderableType] = [_facts(f) if boxed else _fact_lines(f)]
     if f.source:
         parts.append(_source(f.source, highlighted=boxed))
     if f.inputs:
@@ -137,18 +137,35 @@ def _finding_panel(f: Finding, boxed: bool = True) -> RenderableType:
     return Panel(Group(*parts), title=title, border_style="red")
 
 
+def _fact_rows(f: Finding) -> list[tuple[str, str]]:
+    rows = list(finding_facts(f))
+    if f.sample_search:
+        rows.append(("sample search", search_summary(f.sample_search)))
+    if len(f.tensors) > 1:
+        rows.append(("all tensors", ", ".join(f.tensors[:12]) +
+                     (" ..." if len(f.tensors) > 12 else "")))
+    return rows
+
+
 def _facts(f: Finding) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    for label, value in finding_facts(f):
+    for label, value in _fact_rows(f):
         table.add_row(label, Text(value))
-    if f.sample_search:
-        table.add_row("sample search", Text(search_summary(f.sample_search)))
-    if len(f.tensors) > 1:
-        table.add_row("all tensors", Text(", ".join(f.tensors[:12]) +
-                                          (" ..." if len(f.tensors) > 12 else "")))
     return table
+
+
+def _fact_lines(f: Finding) -> Text:
+    """The facts for a log: a line each, the labels aligned (a grid would pad every line to
+    the longest value, and wrap them all where one is long)."""
+    rows = _fact_rows(f)
+    width = max((len(label) for label, _ in rows), default=0) + 2
+    text = Text()
+    for n, (label, value) in enumerate(rows):
+        text.append(label.ljust(width), style="bold")
+        text.append(value + ("\n" if n < len(rows) - 1 else ""))
+    return text
 
 
 def _source(src: SourceLine, highlighted: bool = True) -> RenderableType:

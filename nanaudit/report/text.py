@@ -70,6 +70,8 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
     if f.batch_index is not None:   # under gradient accumulation: which batch of the data
         micro = f" (micro-batch {f.micro_batch})" if f.micro_batch is not None else ""
         batch = f"{f.batch_index}{micro}"
+    elif f.micro_batch is not None:  # `nanaudit run`: the data's index is the script's own
+        batch = f"micro-batch {f.micro_batch}"
     mesh = describe_coordinate(f.mesh) if f.mesh else None
     facts = [("step", f.step), ("batch", batch), ("rank", f.rank), ("mesh", mesh),
              ("where", f.where),

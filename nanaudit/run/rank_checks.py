@@ -20,6 +20,7 @@ have destroyed its process group) and the origin's chosen by one rule (`origin_e
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from collections.abc import Sequence
@@ -102,11 +103,17 @@ class RankChecks:
         row = rank_row(values, own, self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
 
-    def verdict(self, step: int, table: Sequence[float], updated_at: int | None) -> Tripped | None:
+    def verdict(self, step: int, table: Sequence[float], updated_at: int | None,
+                norms: tuple[float, float] | None = None) -> Tripped | None:
         """The check that tripped, from every rank's flags (`table`: the read's tail), with
-        the first rank whose own value went bad as its part (None: no one rank's)."""
+        the first rank whose own value went bad as its part (None: no one rank's). `norms`:
+        this rank's weights' and reduced gradients' norms as confirmed element-wise, which
+        decide for the ones every DDP rank shares (RankTable.verdict): a flag from a float32
+        sum of squares that overflowed on finite weights is no trip."""
+        weights_ok, reduced_ok = (None, None) if norms is None else map(math.isfinite, norms)
         return RankTable.from_read(table, self.coord.world_size).verdict(
-            step, updated_at=updated_at, sharded=self.sharded)
+            step, updated_at=updated_at, sharded=self.sharded, weights_finite=weights_ok,
+            reduced_finite=reduced_ok)
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

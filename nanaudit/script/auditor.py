@@ -147,11 +147,11 @@ class ScriptAuditor(StepChecks):
             self.ledger.by_hand_anyway = False     # it steps after all: those were not steps
             self._number_afresh()
         self.ledger.steps_taken += 1
-        # A clean step reads an attribute here, and calls nothing (the leave-on price).
+        # A clean step reads an attribute here, and calls the ledger only (the leave-on price).
         keep = self.keep
         if keep is None or not (keep.held.active and keep.held.release(optimizer)):
             self.scaler_watch.applied()
-            self.ledger.updated_at[id(optimizer)] = self.step
+            self.ledger.updated(optimizer, self.step)
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.step += 1
         if self.window.step is not None:

@@ -47,6 +47,7 @@ from nanaudit.script.rank_replay import (
     made_on_this_rank,
     own_gradient,
     replayed_on_ranks,
+    replayed_together,
 )
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions
@@ -226,10 +227,20 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         # One map for the window: a call that takes an earlier call's output (a recurrent
         # state passed from call to call, a seq2seq decoder's hidden) takes the replay's.
         env: dict[int, torch.Tensor] = {}
+        # A loss trip is walked back from the first non-finite loss, made in forward: the
+        # backward after it and the micro-batches after it made nothing earlier, and tracing
+        # them costs several steps on a large model (every op after the value goes bad reads
+        # its tensors' kinds). FSDP2's ranks replay together: their collectives need it all.
+        stop = trip.check == Check.LOSS and not replayed_together(auditor.ranks)
         try:
             with tracer:
-                pairs = [pair for i, call in enumerate(calls) for pair in replay_call(
-                    tracer, call, skipped if i == len(calls) - 1 else None, env)]
+                pairs, bad_call = [], None
+                for i, call in enumerate(calls):
+                    pairs += replay_call(tracer, call, skipped if i == len(calls) - 1 else None,
+                                         env, stop_at_bad_loss=stop)
+                    if stop and not all(map(_finite, (again for _, again in pairs))):
+                        bad_call = i
+                        break
         except NotReplayable:
             raise
         except Exception as exc:      # the replay of the script's own code raised
@@ -245,6 +256,8 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         if mismatch is not None:
             return None, ops, mismatch
         named = _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
+        if named[0] is not None and bad_call is not None:
+            named[0].micro_batch = micro_batch(calls, bad_call)
         if named[0] is not None and compiled is not None:   # the eager replay reproduced it
             named[0].compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
         return named
@@ -252,11 +265,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
 
 def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
                 env: dict[int, torch.Tensor] | None = None, forward: bool = True,
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                stop_at_bad_loss: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
     filled with the replay's tensor for each the first run's model and loss code made (by id).
     `forward` False: the loss code alone, from the model's output as the first run recorded it
-    (detached: a value it held came from outside the replayed ops)."""
+    (detached: a value it held came from outside the replayed ops). `stop_at_bad_loss`: no
+    backward after a replayed loss that is non-finite."""
     call.seed_replay()
     env = {} if env is None else env
 
@@ -287,6 +301,8 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         if id(loss) not in env:
             raise NotReplayable("a loss the recorded code did not make reached backward")
         pairs.append((loss, env[id(loss)]))
+    if stop_at_bad_loss and not all(_finite(again) for _, again in pairs):
+        return pairs
     for func, args, kwargs in call.code.roots:
         tracer.start_backward()
         try:
@@ -294,6 +310,19 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         finally:
             tracer.end_backward()
     return pairs
+
+
+def micro_batch(calls: list[ModelCall], index: int) -> int | None:
+    """The accumulation window's micro-batch of model call `index`: how many backward calls
+    the window made before it (a model called once a token before one backward is one
+    micro-batch). None: the window is one backward, no accumulation."""
+    if sum(bool(call.code.roots) for call in calls) < 2:
+        return None
+    return sum(bool(call.code.roots) for call in calls[:index])
+
+
+def _finite(loss: torch.Tensor) -> bool:
+    return math.isfinite(float(loss.detach()))
 
 
 def _recorded(value: Any) -> Any:

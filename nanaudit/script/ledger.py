@@ -39,9 +39,23 @@ class Ledger:
         self.manual = ManualUpdate()
         self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
+        # id(optimizer) -> each group's learning rate as its latest update ran: a scheduler
+        # (a warm-up, the Trainer's) sets the next step's before an update trip is read.
+        self.update_rates: dict[int, list] = {}
         self.steps_taken = 0                     # post-hook calls, every one
         self.backwards = 0                       # backward calls that returned
         self.by_hand_anyway = False              # optimizers built, yet updated by hand
+
+    def updated(self, optimizer: Any, step: int) -> None:
+        """`optimizer` applied its update of `step`, with its groups' learning rates as they
+        are now (its post-hook: a scheduler steps after it)."""
+        self.updated_at[id(optimizer)] = step
+        self.update_rates[id(optimizer)] = [g.get("lr") for g in optimizer.param_groups]
+
+    def update_rate(self, optimizer: Any, group: int) -> Any:
+        """Group `group`'s learning rate as `optimizer`'s latest update ran (None: unknown)."""
+        rates = self.update_rates.get(id(optimizer))
+        return rates[group] if rates is not None and group < len(rates) else None
 
     def called(self, module: torch.nn.Module) -> None:
         if id(module) not in self.roots:
@@ -117,11 +131,14 @@ class Ledger:
         self.stepped.pop(id(self.manual), None)
 
 
-def describe_optimizer(optimizer: Any) -> str:
-    """`Adam(lr=0.001, eps=1e-08, ...)`: its class and the hyper-parameters that matter."""
+def describe_optimizer(optimizer: Any, rates: list | None = None) -> str:
+    """`Adam(lr=0.001, eps=1e-08, ...)`: its class and the hyper-parameters that matter;
+    `rates`: its groups' learning rates as an update ran (Ledger.update_rates), else as now."""
     if isinstance(optimizer, ManualUpdate):
         return ""
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if rates:
+        group = {**group, "lr": rates[0]}
     hyper = ", ".join(f"{k}={group[k]:.4g}" for k in ("lr", "eps", "momentum", "weight_decay")
                       if isinstance(group.get(k), (int, float)))
     return f"{type(optimizer).__name__}({hyper})"

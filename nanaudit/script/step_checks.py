@@ -149,7 +149,7 @@ class StepChecks:
         own value went bad; the details are that rank's)."""
         updated_at = self.ledger.updated_at.get(id(optimizer))
         if self.ranks is not None:
-            verdict = self.ranks.verdict(self.step, read.table, updated_at)
+            verdict = self.ranks.verdict(self.step, read.table, updated_at, (norm, grad_norm))
         else:
             verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
                                     weights_finite=math.isfinite(norm), updated_at=updated_at,

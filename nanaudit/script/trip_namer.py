@@ -77,6 +77,10 @@ class TripNamer:
             trip.step = verdict.step
             trip.state = nonfinite_state(optimizer, [p for p, _ in bad], name, self.rank)
             trip.element = first_element((name(p), p) for p, _ in bad)
+            if verdict.check == Check.OPTIMIZER:     # the update ran at its own rates
+                trip.optimizer = describe_optimizer(
+                    optimizer, self.ledger.update_rates.get(id(optimizer)))
+                return trip
         else:
             with_grad = [p for p in params if p.grad is not None]
             bad = nonfinite_shards([p.grad for p in with_grad], with_grad)
@@ -105,7 +109,7 @@ class TripNamer:
                 trip = self.trip(step, Check.OPTIMIZER, value_kind(bad[0][1]),
                                  [self.ledger.name(p) for p, _ in bad])
                 trip.step = self.ledger.updated_at.get(id(opt), step - 1)
-                trip.optimizer = describe_optimizer(opt)
+                trip.optimizer = describe_optimizer(opt, self.ledger.update_rates.get(id(opt)))
                 return trip
         return None
 

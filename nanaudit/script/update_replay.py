@@ -8,22 +8,26 @@ replay of the update's ops is sound from what is left, and none is attempted (in
 update is not sound either: `exp_avg.lerp_` rounds, and the gradient is overwritten by the next
 backward).
 
-What is left is exact where it matters: Adam's and AdamW's moments after the step are the very
-values its update divided (`lr / (1 - beta1^t) * exp_avg / (sqrt(v) / sqrt(1 - beta2^t) + eps)`,
-`v` the second moment, or its running maximum under amsgrad), and SGD's momentum buffer after
-the step is its update (`lr * buf`). So at the parameter's first non-finite element that term is
-evaluated again from the optimizer's own state and hyper-parameters (float64, one element, one
-read) and the rule that made the value is named: a non-finite learning rate; a zero denominator
-(eps 0 over a zero second moment, an element no gradient has reached) making 0/0 or x/0; a
+What is left is exact where it matters (script/update_rules.py, each of torch.optim's rules):
+Adam's, AdamW's, Adamax's and RAdam's moments after the step are the very values its update
+divided, and SGD's momentum buffer after the step is its update (`lr * buf`); RMSprop's,
+Adagrad's, NAdam's and Adadelta's denominators are read from their state too, their numerator
+being the gradient. So at the parameter's first non-finite element the rule is evaluated again
+from the optimizer's own state and hyper-parameters (float64, one element, one read) and what
+made the value is named: a non-finite learning rate; a zero denominator (eps 0 over an
+accumulator no gradient has reached) making 0/0 or x/0, with the eps to give as the fix; a
 quotient that overflowed; or a finite update whose sum with the weight overflowed. A term that
-cannot have made the value the run saw is not believed. Other optimizers, SGD without momentum
-(its update is the gradient, overwritten since), a sharded (DTensor) parameter and a
+cannot have made the value the run saw is not believed. A term whose numerator is the gradient
+(overwritten since) and a non-zero denominator, other optimizers (a subclass too: its step may
+differ), SGD without momentum, a sharded (DTensor) parameter and a
 hand-written update keep the first run's finding, and the record says why."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.run.sharded import is_sharded
 from nanaudit.script.inprocess import IN_PROCESS
 from nanaudit.script.trip import ScriptTrip
+from nanaudit.script.update_rules import EVALUATED, Division, evaluate
 
 
 def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
@@ -45,6 +50,7 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
         return Rerun(status=RerunStatus.SKIPPED, note="the update was the script's own (no "
                      "optimizer state to evaluate it from)")
     optimizer, group, param, name = found
+    group = _as_run(auditor, optimizer, group)
     if is_sharded(param):
         return Rerun(status=RerunStatus.SKIPPED, note="the update rule is not evaluated on a "
                      "sharded (DTensor) parameter: its elements live on several ranks")
@@ -52,12 +58,17 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
     rule = _rule(optimizer, group, optimizer.state.get(param, {}), param, index)
     if rule is None:
         return Rerun(status=RerunStatus.SKIPPED, note=(
-            f"the update rule of {type(optimizer).__name__} is not evaluated in-process (Adam, "
-            f"AdamW, and SGD with momentum are: their state after the step holds the update)"))
+            f"the update rule of {type(optimizer).__name__} is not evaluated in-process at "
+            f"this element (torch.optim's {EVALUATED} are, from their state after the step, "
+            f"where it holds the update or the zero it divided by; SGD without momentum's "
+            f"update is the gradient, overwritten since)"))
     took = round(time.perf_counter() - started, 3)
-    if rule.startswith("!"):
-        return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED, note=rule[1:])
-    finding.explain(f"at {name}{list(index)}{_rows(param, name)}: {rule}")
+    if rule.text.startswith("!"):
+        return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED,
+                     note=rule.text[1:])
+    finding.explain(f"at {name}{list(index)}{_rows(param, name)}: {rule.text}")
+    if rule.fix is not None:
+        finding.fix = rule.fix
     finding.localized_by = IN_PROCESS
     return Rerun(steps=1, duration_s=took, status=RerunStatus.REPRODUCED, ops_traced=0)
 
@@ -76,6 +87,14 @@ def _bad_parameter(auditor: Any, trip: ScriptTrip) -> tuple[Any, dict, torch.Ten
     return None
 
 
+def _as_run(auditor: Any, optimizer: Any, group: dict) -> dict:
+    """`group` with the learning rate its update ran with: a scheduler may have set the next
+    step's since (a warm-up, the Trainer's scheduler stepping right after the update)."""
+    index = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+    rate = auditor.ledger.update_rate(optimizer, index)
+    return {**group, "lr": rate} if isinstance(rate, (int, float)) else group
+
+
 def _first_bad(param: torch.Tensor) -> tuple[int, ...]:
     bad = (~torch.isfinite(param.detach())).nonzero()
     return tuple(int(i) for i in bad[0].tolist()) if bad.numel() else ()
@@ -90,49 +109,48 @@ def _rows(param: torch.Tensor, name: str) -> str:
     return f" (rows [{shown}] of {name}'s {param.shape[0]} hold non-finite values)"
 
 
-def _at(state: dict, key: str, index: tuple[int, ...]) -> float | None:
-    value = state.get(key)
-    if not isinstance(value, torch.Tensor):
-        return None
-    return float(value.detach()[index].double()) if value.dim() else float(value)
-
-
 def _rule(optimizer: Any, group: dict, state: dict, param: torch.Tensor,
-          index: tuple[int, ...]) -> str | None:
+          index: tuple[int, ...]) -> _Said | None:
     """What made the element, from the optimizer's state after the step; None: not evaluated
-    for this optimizer; a text starting with "!": the state cannot have made it."""
+    for this optimizer (or this element); a text starting with "!": the state cannot have made
+    it."""
     lr = float(group["lr"])
     if not math.isfinite(lr):
-        return f"the learning rate is {lr}: every update it scales is non-finite"
-    kind = type(optimizer)
-    if kind in (torch.optim.Adam, torch.optim.AdamW):
-        return _adam(group, state, param, index, lr)
-    if kind is torch.optim.SGD and float(group.get("momentum", 0.0)):
-        buf = _at(state, "momentum_buffer", index)
-        if buf is None:
-            return None
-        return _added(lr * buf, f"lr {lr:g} x momentum buffer {buf:.6g}", param, index)
-    return None
-
-
-def _adam(group: dict, state: dict, param: torch.Tensor, index: tuple[int, ...],
-          lr: float) -> str | None:
-    m = _at(state, "exp_avg", index)
-    v = _at(state, "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq", index)
-    t = _at(state, "step", ())
-    if m is None or v is None or t is None:
+        return _Said(f"the learning rate is {lr}: every update it scales is non-finite")
+    division = evaluate(optimizer, group, state, index)
+    if division is None:
         return None
-    beta1, beta2 = (float(b) for b in group["betas"])
-    eps = float(group["eps"])
-    denom = math.sqrt(v) / math.sqrt(1 - beta2 ** t) + eps if v >= 0 else math.nan
-    said = (f"Adam's update (t = {int(t)}) divides exp_avg {m:.6g} by sqrt(exp_avg_sq "
-            f"{v:.6g}) / sqrt(1 - beta2^t) + eps {eps:g} = {denom:.6g}")
-    if denom == 0:
-        made = "0/0 = NaN" if m == 0 else "x/0 = inf"
-        return (f"{said}: {made} (the second moment is 0 where no gradient reached the element "
-                f"since the state was made, and eps is 0: keep eps > 0, 1e-8 is 0 in float16)")
-    term = lr / (1 - beta1 ** t) * m / denom
-    return _added(term, said, param, index)
+    if division.denominator == 0:
+        return _zero_denominator(optimizer, group, division, param, index)
+    if division.term is None:
+        return None            # its numerator, the step's gradient, is gone by the check
+    return _Said(_added(division.term, division.said, param, index))
+
+
+@dataclass(frozen=True)
+class _Said:
+    """The clause that explains the element, and a fix where the rule names one."""
+
+    text: str
+    fix: str | None = None
+
+
+def _zero_denominator(optimizer: Any, group: dict, division: Division, param: torch.Tensor,
+                      index: tuple[int, ...]) -> _Said:
+    zero = division.numerator_zero
+    if zero is None:           # the numerator is gone: the value the run saw says which
+        zero = math.isnan(float(param.detach()[index].double()))
+    made = "0/0 = NaN" if zero else "x/0 = inf"
+    eps = float(group.get("eps", 0.0))
+    name = type(optimizer).__name__
+    default = inspect.signature(type(optimizer).__init__).parameters.get("eps")
+    usual = (f" (its default {default.default:g})" if default is not None
+             and isinstance(default.default, float) else "")
+    return _Said(
+        f"{division.said}: {made} (the {division.accumulator} is 0 where no gradient reached "
+        f"the element since the state was made, and eps is {eps:g})",
+        f"give {name} a positive eps{usual}: with eps {eps:g} an element no gradient has "
+        f"reached divides by 0 (1e-8 is 0 in float16: keep such state in float32)")
 
 
 def _added(term: float, said: str, param: torch.Tensor, index: tuple[int, ...]) -> str:

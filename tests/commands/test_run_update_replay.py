@@ -38,12 +38,37 @@ def test_an_update_trip_is_explained_from_the_optimizers_state(tmp_path, case, s
     assert log.read_text() == "step 0\n"        # the script's own log, once
 
 
-def test_an_optimizer_whose_rule_is_not_evaluated_keeps_the_first_runs_finding(tmp_path):
-    report = audit(SCRIPT, "rmsprop")
+@pytest.mark.parametrize(("name", "step", "rule"), [
+    ("RMSprop", 0, "RMSprop's update divides the gradient by sqrt(square_avg 0) + eps 0 = 0"),
+    ("Adagrad", 0, "Adagrad's update (t = 1) divides the gradient by sqrt(sum 0) + eps 0 = 0"),
+    ("Adamax", 0, "Adamax's update (t = 1) divides exp_avg 0 by exp_inf 0 (the running max "
+                  "of |grad| + eps 0)"),
+    ("NAdam", 0, "NAdam's update (t = 1) divides the gradient and exp_avg by "
+                 "sqrt(exp_avg_sq 0 / (1 - beta2^t)) + eps 0 = 0"),
+    # RAdam divides only once the variance is tractable (rho_t > 5: its sixth step).
+    ("RAdam", 5, "RAdam's update (t = 6) divides exp_avg 0 by sqrt(exp_avg_sq 0) + eps 0 = 0"),
+    ("Adadelta", 0, "by sqrt(square_avg 0 + eps 0) = 0"),
+])
+def test_eps_zero_in_each_adaptive_optimizer_is_the_zero_it_divided_by(name, step, rule):
+    """The gradient a rule divides is gone by the check, but the denominator it divided by is
+    in the state: 0 over an element no gradient reached, with eps 0, and the fix names the
+    optimizer's own default eps."""
+    f = audit(SCRIPT, f"{name}-eps").finding
+    assert (f.step, f.where, f.cause, f.localized_by) == (step, "optimizer", "optimizer-update",
+                                                          "in-process")
+    assert "at 0.weight[1, 0] (rows [1, 4, 5, 6, 7, 8, 9] of 0.weight's 10" in f.explanation
+    assert f"{rule}: 0/0 = NaN" in f.explanation
+    default = {"Adagrad": "1e-10", "Adadelta": "1e-06"}.get(name, "1e-08")
+    assert f.fix.startswith(f"give {name} a positive eps (its default {default})")
+
+
+def test_an_update_whose_rule_is_not_evaluated_keeps_the_first_runs_finding(tmp_path):
+    """SGD without momentum: its update is the gradient, overwritten by the check."""
+    report = audit(SCRIPT, "sgd-plain")
     f = report.finding
     assert (f.step, f.where, f.cause, f.localized_by) == (0, "optimizer", "optimizer-update",
                                                           None)
     assert report.run.replay.status == "skipped" and report.run.rerun is None
-    assert report.run.replay.note.startswith("the update rule of RMSprop is not evaluated")
+    assert report.run.replay.note.startswith("the update rule of SGD is not evaluated")
     # --no-rerun: not evaluated either.
     assert audit(SCRIPT, "adam-eps", rerun=False).run.replay is None

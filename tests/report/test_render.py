@@ -239,3 +239,18 @@ def test_next_step_of_a_divergence_is_the_optimizer_not_the_line():
     assert "edit resnet.py" not in line
     assert "change the optimizer as the fix says (resnet.py:92 is where" in line
     assert "edit model.py:26 as the fix says" in _next_line(canonical_report())
+
+
+def test_console_log_facts_are_not_padded_to_the_longest_value():
+    """In a CI log (no terminal) each fact is one line as long as its own value: a long list
+    of tensors does not pad every other fact's line to its width."""
+    report = canonical_report()
+    assert report.finding is not None
+    report.finding.tensors = [f"blocks.{i}.attn.c_attn.weight" for i in range(12)]
+    console = Console(record=True, width=400, color_system=None, force_terminal=False)
+    print_report(report, console)
+    lines = console.export_text().splitlines()
+    step = next(line for line in lines if line.startswith("step "))
+    assert step == step.rstrip() and len(step) < 40
+    tensors = next(line for line in lines if line.startswith("all tensors"))
+    assert tensors.endswith("blocks.11.attn.c_attn.weight")

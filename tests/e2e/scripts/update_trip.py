@@ -1,8 +1,10 @@
 """Updates that make finite weights non-finite from finite gradients, the shapes of public
 reports: Adam with eps=0 over embedding rows no batch has reached (their second moment is 0:
 0/0), a learning rate a scheduler or a flag made inf, SGD whose momentum step overflows
-float32, and RMSprop with eps=0 (its rule is not evaluated in-process). Usage:
-update_trip.py adam-eps|adam-inf-lr|sgd-overflow|rmsprop [LOG_PATH]."""
+float32, eps=0 in the other adaptive optimizers of torch.optim (an OPTIMIZER-eps case), and SGD
+without momentum whose step overflows (its update, the gradient, is not kept: not evaluated
+in-process). Usage: update_trip.py adam-eps|adam-inf-lr|sgd-overflow|sgd-plain|NAME-eps
+[LOG_PATH], NAME one of torch.optim's classes taking eps."""
 
 import sys
 
@@ -20,11 +22,13 @@ elif case == "adam-inf-lr":
     optimizer = torch.optim.Adam(params, lr=float("inf"))
 elif case == "sgd-overflow":
     optimizer = torch.optim.SGD(params, lr=1e38, momentum=0.9)
+elif case == "sgd-plain":
+    optimizer = torch.optim.SGD(params, lr=1e38)
 else:
-    optimizer = torch.optim.RMSprop(params, lr=1e-2, eps=0.0)
-for step in range(4):
+    optimizer = getattr(torch.optim, case.removesuffix("-eps"))(params, eps=0.0)
+for step in range(8):
     tokens = torch.tensor([0, 2, 3, 2, 0, 3])          # rows 1 and 4..9 are never looked up
-    loss = model(tokens).pow(2).mean() * (1e3 if case == "sgd-overflow" else 1.0)
+    loss = model(tokens).pow(2).mean() * (1e3 if case.startswith("sgd") else 1.0)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
