@@ -1,9 +1,12 @@
 """Who updated each parameter of a `nanaudit run` script, as the overflow rule asks it
 (localize/weight_growth.py): the optimizer of the ledger that holds it, the step it last stepped
-at, its group's learning rate, and its weights' norm at its first check (the step log's).
-Read at a trip only, by a walk over the optimizers' groups: nothing here runs on a clean step."""
+at, its group's learning rate as that update ran, and its weights' norm at its first check (the
+step log's). Read at a trip only, by a walk over the optimizers' groups: nothing here runs on a
+clean step."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -24,5 +27,15 @@ class LedgerWeights:
             group = group_of(optimizer, parameter) if step is not None else None
             if group is not None and first is not None:
                 return WeightUpdate(self.ledger.qualified_name(parameter),
-                                    describe_optimizer(optimizer), step, lr_of(group), first)
+                                    describe_optimizer(optimizer, self._rates(optimizer)), step,
+                                    self._rate(optimizer, group), first)
         return None
+
+    def _rates(self, optimizer: Any) -> list | None:
+        return self.ledger.update_rates.get(id(optimizer))
+
+    def _rate(self, optimizer: Any, group: dict) -> float | None:
+        """The group's learning rate as the update ran (a scheduler may have moved it since)."""
+        index = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+        ran = lr_of({"lr": self.ledger.update_rate(optimizer, index)})
+        return ran if ran is not None else lr_of(group)

@@ -71,6 +71,19 @@ def test_a_gan_generators_huge_learning_rate_is_divergence_of_its_weights(tmp_pa
     in_process(report)
 
 
+def test_the_rate_named_is_the_one_the_update_ran_with_not_the_schedulers_next(tmp_path):
+    # A scheduler steps after the update and cuts the rate 1e30-fold: the update that grew the
+    # weights ran at 1e20, which the finding says (Ledger.update_rates), not 1e-10.
+    code = GAN.replace("        opt_g.step()\n", "        opt_g.step()\n        cut.step()\n")
+    code = code.replace("    bce = nn", "    cut = torch.optim.lr_scheduler.LambdaLR(opt_g, "
+                                        "lambda s: 1e-30 ** s)\n    bce = nn")
+    report = audit(write(tmp_path, code), "adam", "1e20")
+    f = report.finding
+    assert (f.step, f.cause) == (2, "divergence")
+    assert "Adam(lr=1e+20, " in f.explanation and "at lr 1e+20 for its group" in f.explanation
+    assert "Adam(lr=1e+20, " in f.fix
+
+
 @pytest.mark.slow
 def test_the_rerun_names_the_same_divergence(tmp_path):
     report = audit(write(tmp_path, GAN), "adam", "1e20", force_rerun=True)
