@@ -57,6 +57,7 @@ class RankChecks:
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
         self.note: str | None = None      # why the run is not the one asked for (DeepSpeed)
+        self._device = torch.device("cpu")  # the step values' device, as the last table's
 
     @classmethod
     def join(cls) -> RankChecks | None:
@@ -99,6 +100,7 @@ class RankChecks:
         weights' norm, loss, gradients' norm, buffers' peak] (no host read here). Each rank
         updates its own buffers' running statistics: the rank whose forward made one bad is
         named."""
+        self._device = values.device      # where the exchange's tensors go (gloo: the CPU)
         own = self.partials.take_gradients(self.flags.take(values.device))
         row = rank_row(values, own, self.partials.take(values.device))
         return self.coord.exchange(row).reshape(-1)
@@ -109,11 +111,25 @@ class RankChecks:
         the first rank whose own value went bad as its part (None: no one rank's). `norms`:
         this rank's weights' and reduced gradients' norms as confirmed element-wise, which
         decide for the ones every DDP rank shares (RankTable.verdict): a flag from a float32
-        sum of squares that overflowed on finite weights is no trip."""
+        sum of squares that overflowed on finite weights is no trip. Sharded, each rank's
+        shard is its own: every rank's confirmed reading is exchanged (_confirmed_shards)."""
         weights_ok, reduced_ok = (None, None) if norms is None else map(math.isfinite, norms)
-        return RankTable.from_read(table, self.coord.world_size).verdict(
-            step, updated_at=updated_at, sharded=self.sharded, weights_finite=weights_ok,
-            reduced_finite=reduced_ok)
+        rows = RankTable.from_read(table, self.coord.world_size)
+        if self.sharded and norms is not None and rows.doubts_state():
+            return rows.verdict(step, updated_at=updated_at, sharded=True,
+                                **self._confirmed_shards(bool(weights_ok), bool(reduced_ok)))
+        return rows.verdict(step, updated_at=updated_at, sharded=self.sharded,
+                            weights_finite=weights_ok, reduced_finite=reduced_ok)
+
+    def _confirmed_shards(self, weights_ok: bool, reduced_ok: bool) -> dict[str, list[bool]]:
+        """Every rank's weights' and reduced gradients' shards as each confirmed them element
+        by element, by one more exchange. Only on a step whose flags say a shard went
+        non-finite, which every rank's identical table says alike: every rank makes it."""
+        row = torch.tensor([float(not weights_ok), float(not reduced_ok)], dtype=torch.float64,
+                           device=self._device)
+        confirmed = self.coord.exchange(row).tolist()
+        return {"weights_finite": [not r[0] > 0 for r in confirmed],
+                "reduced_finite": [not r[1] > 0 for r in confirmed]}
 
     def tracing(self, on: bool) -> None:
         """A re-run's traced window: the flags keep the reduce-scatter inputs, compute none."""

@@ -70,3 +70,21 @@ def test_keep_going_skips_both_bad_steps_on_every_rank_and_trains_on(tmp_path):
         for key in expected:
             assert torch.isfinite(got[key]).all(), key
             assert torch.equal(got[key], expected[key]), (rank, key)
+
+
+def test_a_shard_whose_sum_of_squares_overflowed_is_confirmed_before_it_trips(tmp_path):
+    """Finite weights near 1e30 after a huge learning rate's update: each rank's float32 norm
+    of its shard overflows, but every rank confirms its shard element-wise (one more exchange,
+    on that step only), so the trip is step 1's forward overflow, not an update at step 0
+    naming no parameter."""
+    script = ROOT / "tests" / "e2e" / "scripts" / "fsdp_diverging.py"
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, script], 2,
+                                  timeout_s=120)
+    assert codes == [1, 1], outputs
+    for report in rank_reports(out, 2):
+        f = report["finding"]
+        assert (f["step"], f["where"], f["op"], f["cause"]) == (
+            1, "forward", "aten.pow.Tensor_Scalar", "divergence")
+        assert f["source"]["line"] == line_of(script, "loss = model(x).pow(2).mean()")
+        assert "lr=1e+30" in f["fix"]

@@ -97,22 +97,31 @@ class RankTable:
         """Did any rank run out of data (then all stop after this step)?"""
         return not all(self.ok(Column.EXHAUSTED))
 
+    def doubts_state(self) -> bool:
+        """Does some rank flag its weights or reduced gradients (a float32 sum of squares
+        may have overflowed on finite values: confirmed before it trips)?"""
+        return not all(self.ok(Column.WEIGHTS)) or not all(self.ok(Column.GRADIENTS))
+
     def verdict(self, step: int, *, updated_at: int | None, sharded: bool,
-                weights_finite: bool | None = None,
-                reduced_finite: bool | None = None) -> Tripped | None:
+                weights_finite: bool | list[bool] | None = None,
+                reduced_finite: bool | list[bool] | None = None) -> Tripped | None:
         """The check that tripped, with the first rank whose own value went bad as its part.
 
         `sharded`: each rank holds its own shard of the weights and reduced gradients (FSDP,
         ZeRO), so the first rank whose shard went bad is named. Otherwise every rank holds the
         same ones (DDP) and they name no rank: `weights_finite` / `reduced_finite` are this
         rank's confirmed reading of them when the caller has one (the step loop confirms a
-        non-finite norm element by element), else any rank's flag decides."""
+        non-finite norm element by element), else any rank's flag decides. Sharded, they are
+        every rank's confirmed readings (lists by rank) when the caller exchanged them."""
         own_weights = self.ok(Column.WEIGHTS)
-        weights: bool | list[bool] = own_weights
-        reduced = all(self.ok(Column.GRADIENTS))
-        if not sharded:
-            weights = all(own_weights) if weights_finite is None else weights_finite
-            reduced = reduced if reduced_finite is None else reduced_finite
+        if sharded:         # by rank: the ranks' confirmed readings when the caller has them
+            weights: bool | list[bool] = (weights_finite if isinstance(weights_finite, list)
+                                          else own_weights)
+        else:
+            weights = all(own_weights) if weights_finite is None else _every(weights_finite)
+        reduced = (all(self.ok(Column.GRADIENTS)) if reduced_finite is None
+                   or (sharded and not isinstance(reduced_finite, list))
+                   else _every(reduced_finite))
         partials = [row[Column.PARTIALS] for row in self.rows]
         return rank_verdict(step, inputs_ok=self.ok(Column.INPUT), weights_finite=weights,
                             updated_at=updated_at,
@@ -121,3 +130,7 @@ class RankTable:
                                 [row[Column.OWN_GRADIENTS] for row in self.rows]),
                             reduced_ok=reduced,
                             buffers_finite=self.ok(Column.BUFFERS))
+
+
+def _every(finite: bool | list[bool]) -> bool:
+    return all(finite) if isinstance(finite, list) else finite
