@@ -18,7 +18,7 @@ for layer in (model[0], model[2]):
 fully_shard(model, mesh=mesh)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e30)
 batches = torch.Generator().manual_seed(dist.get_rank())
-for step in range(4):
+for _step in range(4):
     x = torch.randn(16, 8, generator=batches)
     loss = model(x).pow(2).mean()
     optimizer.zero_grad()
