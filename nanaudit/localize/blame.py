@@ -56,6 +56,10 @@ class Blamer:
         self.sources = InfinitySources(trace, timeline)
         self.by_source = SourceBlame(trace)
 
+    def diagnose(self, event: OpEvent, kind: str) -> Diagnosis:
+        """diagnose.diagnose with the run's history: its timeline, who updated the weights."""
+        return diagnose(event, kind, self.timeline, self.trace.weights)
+
     def blame(self, creator: OpEvent, chain: list, kind: str) -> Blame:
         """`creator` made the sink's `kind` of value ('nan' or 'inf'); `chain` leads to the sink."""
         untracked = [i for i, (k, p) in enumerate(zip(creator.in_kinds, creator.in_producers))
@@ -73,7 +77,7 @@ class Blamer:
             if creator.infinite_inputs() or creator.scalar_infinities() \
                     or creator.scalar_overflows():
                 return self.nan_from_infinity(creator, chain)
-            return Blame(creator, chain, diagnose(creator, kind, self.timeline))
+            return Blame(creator, chain, self.diagnose(creator, kind))
         source = self.sources.classify(creator, [creator])
         return self.by_source.of(source, chain[1:], None) or \
             self.unexplained_infinity(source, chain)
@@ -85,7 +89,7 @@ class Blamer:
         found = self.by_source.first_of(sources, chain, creator)
         if found is not None:
             return found
-        own = diagnose(creator, "nan", self.timeline)
+        own = self.diagnose(creator, "nan")
         source = sources[0]
         if source.how == "outside" and own.cause in SPECIFIC_EXCLUDED:
             return blame_outside(source, chain, "NaN")
@@ -107,14 +111,14 @@ class Blamer:
                     f"masked out again: no op along the way turned it back into a finite value")
             return Blame(event, chain, Diagnosis(Cause.UNKNOWN, text, fix_for(Cause.UNKNOWN)))
         return Blame(event, chain, as_diagnosis(source.reason) if source.reason is not None
-                     else diagnose(event, "inf", self.timeline))
+                     else self.diagnose(event, "inf"))
 
     def gradient(self, creator: OpEvent, chain: list, kind: str) -> Blame:
         """A built-in gradient made the value: blame what its forward op received or made."""
         forward = creator.forward
         if forward is None:
             found = self._made_in_backward(creator, chain, kind)
-            return found or Blame(creator, chain, diagnose(creator, kind, self.timeline))
+            return found or Blame(creator, chain, self.diagnose(creator, kind))
         sources = self.sources.of_forward(forward)
         specific = next((s for s in sources if s.specific), None)
         if specific is not None and specific.reason is not None:
@@ -140,7 +144,7 @@ class Blamer:
             if sources and (reason is None or reason.cause in SPECIFIC_EXCLUDED):
                 origin = f"its input held an infinity from {describe(sources[0])}"
             return Blame(creator, chain, masked_gradient(creator, forward, reason, origin))
-        return Blame(creator, chain, diagnose(creator, kind, self.timeline))
+        return Blame(creator, chain, self.diagnose(creator, kind))
 
     def _made_in_backward(self, creator: OpEvent, chain: list, kind: str) -> Blame | None:
         """An infinity made in backward itself (SqrtBackward's 1/0) and turned into NaN there;

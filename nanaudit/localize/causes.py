@@ -70,7 +70,7 @@ CAUSES: dict[Cause, tuple[str, str]] = {
         "pass `zero_infinity=True` to the CTC loss, or filter samples whose target (plus "
         "repeats) is longer than the input"),
     Cause.DIVERGENCE: (
-        "the loss or gradient norm grew over steps until a value overflowed",
+        "the loss, the gradient norm or the weights an update grew until a value overflowed",
         "lower the learning rate, clip gradients (`grad_clip:`), add warm-up"),
     Cause.OPTIMIZER_UPDATE: (
         "gradients were finite but the optimizer update made parameters non-finite",
@@ -96,3 +96,16 @@ CAUSES: dict[Cause, tuple[str, str]] = {
 def fix_for(cause: Cause) -> str:
     """The catalogue's usual fix for a cause (a plain id string finds it too)."""
     return CAUSES[cause][1]
+
+
+def divergence_fix(optimizer: str, which: str = "the optimizer at this step") -> str:
+    """The fix for a divergence in the script's terms: `which` optimizer and its rate."""
+    fix = "lower the learning rate or warm it up"
+    if optimizer:
+        fix += f" ({which}: {optimizer})"
+    if "Adam" in optimizer:
+        # Adam divides by the gradient's own scale: its update is about lr per weight.
+        fix += "; clipping the gradients does not shrink an Adam update, the rate does"
+    else:
+        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+    return fix

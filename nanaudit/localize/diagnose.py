@@ -21,6 +21,7 @@ from nanaudit.localize.events import signed
 from nanaudit.localize.ops import dtype_name, op_base, scalar_infinities
 from nanaudit.localize.overflow import amax, overflow_bound
 from nanaudit.localize.rules.registry import Reason, domain_reason
+from nanaudit.localize.weight_growth import WeightHistory, grown_weight
 from nanaudit.report.vocabulary import Cause, Where
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -64,9 +65,11 @@ def growth_before(timeline: Any, min_steps: int = 3, min_factor: float = 10.0) -
 
 # --- an infinity made from finite inputs ---------------------------------------------------------
 
-def infinity_reason(event: Any, timeline: Any) -> Reason | None:
+def infinity_reason(event: Any, timeline: Any,
+                    weights: WeightHistory | None = None) -> Reason | None:
     """Why an op made +-inf from finite inputs: a domain rule, else a real overflow (only when
-    the result can exceed the range given the inputs), else None."""
+    the result can exceed the range given the inputs), else None. `weights`: who updated the
+    parameters the op read (weight_growth.py)."""
     subject = event.forward if event.phase == Where.BACKWARD and event.forward is not None \
         and event.forward.args is not None else None
     if subject is not None:
@@ -77,7 +80,7 @@ def infinity_reason(event: Any, timeline: Any) -> Reason | None:
     reason = domain_reason(event.func or event.op, event.args, event.kwargs, event.phase)
     if reason is not None:
         return reason
-    return overflow_reason(event, timeline)
+    return overflow_reason(event, timeline, weights)
 
 
 def _dst_dtype(event: Any) -> torch.dtype | None:
@@ -91,7 +94,7 @@ def _dst_dtype(event: Any) -> torch.dtype | None:
     return None
 
 
-def overflow_reason(event: Any, timeline: Any) -> Reason:
+def overflow_reason(event: Any, timeline: Any, weights: WeightHistory | None = None) -> Reason:
     base = op_base(event.op)
     bound = overflow_bound(event.op, event.args, event.kwargs, _dst_dtype(event))
     made = signed(event.out_kinds - {"nan"}) if event.out_kinds - {"nan"} else "NaN"
@@ -111,6 +114,12 @@ def overflow_reason(event: Any, timeline: Any) -> Reason:
                                         f"({bound.how} can reach {bound.bound:.4g}); the "
                                         f"{metric.replace('_', ' ')} grew {factor:.3g}x from step "
                                         f"{start} before this step")
+    # An optimizer's own series may not show it (another optimizer's check tripped, or the
+    # growth was one step): the weights the op read say whether an update made them that large.
+    grown = None if bound.dtype in LOW_PRECISION else grown_weight(event, bound,
+                                                                   _dst_dtype(event), weights)
+    if grown is not None:
+        return grown
     # Past float32's range no wider dtype is the fix: something made the inputs that large.
     fix = None if bound.dtype in LOW_PRECISION else (
         "these inputs are too large for any dtype to be the fix: find what made them that "
@@ -137,7 +146,8 @@ def _no_bound(event: Any, base: str, made: Any) -> Reason:
 
 # --- the diagnosis of one creating op ---------------------------------------------------------
 
-def diagnose(event: Any, kind: str, timeline: Any) -> Diagnosis:
+def diagnose(event: Any, kind: str, timeline: Any,
+             weights: WeightHistory | None = None) -> Diagnosis:
     """The cause of a value of `kind` ('nan' or 'inf') created by `event` from its own inputs
     (the localizer has already followed any infinity it received back to its maker)."""
     forward = event.forward
@@ -154,13 +164,13 @@ def diagnose(event: Any, kind: str, timeline: Any) -> Diagnosis:
     infinite = any(k & {"inf", "-inf"} for k in event.in_kinds) or \
         bool(scalar_infinities(event.args, event.kwargs, event.op))
     if kind == "inf" and not infinite and not any("nan" in k for k in event.in_kinds):
-        return as_diagnosis(overflow_reason(event, timeline))
+        return as_diagnosis(overflow_reason(event, timeline, weights))
     if kind == "nan" and infinite:
         text = (f"{op_base(event.op)} combined infinite inputs into NaN (inf - inf, 0 * inf or "
                 f"inf / inf)")
         return Diagnosis(Cause.INF_ARITHMETIC, text, fix_for(Cause.INF_ARITHMETIC))
     if kind == "nan" and not infinite and not any(event.in_kinds):
-        found = overflow_reason(event, timeline)
+        found = overflow_reason(event, timeline, weights)
         if found.cause != Cause.UNKNOWN:   # partial results overflowed to +inf and -inf and met
             return as_diagnosis(found, found.text.replace(
                 "produced nan", "produced NaN").replace(

@@ -137,6 +137,10 @@ class Trace:
     makers: dict = field(default_factory=dict)           # id(tensor) -> (weakref, record index)
     ops_seen: int = 0
     written: dict = field(default_factory=dict)          # storage -> event that wrote a bad value
+    # Who updated the parameters the ops read (weight_growth.WeightHistory): set by the
+    # checker that owns the replay, for the overflow an update made; None where none is known.
+    # (typed Any: weight_growth imports the rules, whose stats import this module)
+    weights: Any = None
 
     def producer_of(self, t: torch.Tensor) -> int | None:
         """The event that made `t` bad: by the tensor, else by the memory an op wrote a bad

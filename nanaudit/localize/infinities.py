@@ -68,7 +68,8 @@ class InfinitySources:
             return Source("written", event, chain)
         if users_code and event.scalar_overflows():
             return Source("outside", event, chain, origin=host_number(event))
-        return Source("computed", event, chain, infinity_reason(event, self.timeline))
+        return Source("computed", event, chain, infinity_reason(event, self.timeline,
+                                                              self.trace.weights))
 
     def of_producer(self, producer: int) -> Source:
         """The maker of the infinity the event `producer` handed on."""

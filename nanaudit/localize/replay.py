@@ -18,6 +18,7 @@ import torch
 from nanaudit.localize.events import kinds_of
 from nanaudit.localize.tracer import OpTracer
 from nanaudit.localize.walk import Localization, walk_from_sink
+from nanaudit.localize.weight_growth import OptimizersWeights
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.checks import StepChecks
 from nanaudit.run.names import user_named
@@ -41,9 +42,11 @@ def preserved_buffers(model: torch.nn.Module) -> Any:
         restore()
 
 
-def traced_replay(session: Session, state: StepState) -> tuple[OpTracer, torch.Tensor]:
-    """The step unit's replay of the tripping (micro-)step under the OpTracer."""
-    with OpTracer(session.model) as tracer:
+def traced_replay(session: Session, state: StepState,
+                  weights: OptimizersWeights | None = None) -> tuple[OpTracer, torch.Tensor]:
+    """The step unit's replay of the tripping (micro-)step under the OpTracer; `weights`: who
+    updated the model's parameters (weight_growth.py)."""
+    with OpTracer(session.model, weights=weights) as tracer:
         loss = session.unit.replay(state, hooks=ReplayHooks(tracer.start_backward,
                                                             tracer.end_backward))
     return tracer, loss
@@ -74,11 +77,22 @@ def rows_the_model_needs(model: torch.nn.Module) -> tuple[int, str]:
     return 1, ""
 
 
+def session_weights(session: Session, trip: Trip, timeline: Any) -> OptimizersWeights:
+    """Who updated the model's weights before the trip: the session's optimizers, each stepped
+    at the step before it (unless the user's own step decides), from the weights' norm at the
+    timeline's first step, checked before its update (none before the trip: no update yet)."""
+    first = next(iter(timeline), None)
+    norm = first.param_norm if first is not None and first.step < trip.step else None
+    return OptimizersWeights(session.optimizers, {id(p): n for n, p in user_named(
+        session.model, session.model.named_parameters())}, norm,
+        trip.step - 1 if session.step_fn is None else None)
+
+
 def localize(session: Session, state: StepState, trip: Trip, timeline: Any) -> Localization:
     """Replay the tripping step traced and walk back from what tripped: the loss, or the first
     parameter whose gradient is non-finite."""
     with preserved_buffers(session.model):
-        tracer, loss = traced_replay(session, state)
+        tracer, loss = traced_replay(session, state, session_weights(session, trip, timeline))
     trace = tracer.trace
     if trip.check == Check.LOSS:
         return walk_from_sink(trace, loss, Where.FORWARD, timeline, None)

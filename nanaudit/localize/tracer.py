@@ -37,6 +37,7 @@ from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, kinds_of
 from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
+from nanaudit.localize.weight_growth import WeightHistory
 from nanaudit.report.model import SourceLine
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.compiled import replay_eagerly
@@ -155,8 +156,9 @@ class OpTracer:
     The caller says when backward starts and ends (`start_backward`, `end_backward`, or sets
     `phase`): a user's step runs several forwards and backwards."""
 
-    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None):
-        self.trace = Trace()
+    def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
+                 weights: WeightHistory | None = None):
+        self.trace = Trace(weights=weights)    # `weights`: who updated the parameters (events.py)
         self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)

@@ -27,6 +27,7 @@ from nanaudit.script.model_skip import ModelSkip
 from nanaudit.script.protocol import RerunFailure, RerunResult, RerunSpec
 from nanaudit.script.rerun_window import Armed, RerunWindow
 from nanaudit.script.target import execute, script_rank
+from nanaudit.script.weight_history import LedgerWeights
 
 
 def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) -> None:
@@ -36,6 +37,7 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
     if armed is None or (optimizer is None and spec.check != Check.LOSS):
         return
     trace = armed.tracer.trace
+    trace.weights = _weights(auditor)
     result.ops_traced = trace.ops_seen
     if spec.buffers:
         # Buffers the forward made non-finite: walked back from the first bad one.
@@ -78,6 +80,7 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
     if armed is None:
         return
     result.ops_traced = armed.tracer.trace.ops_seen
+    armed.tracer.trace.weights = _weights(auditor)
     sink = raised_sink(armed.tracer)
     if sink is None:
         return
@@ -85,6 +88,11 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
            auditor.rank)
     if result.finding is not None:
         result.finding.tensor = None
+
+
+def _weights(auditor: ScriptAuditor) -> LedgerWeights:
+    """Who updated the parameters in this run (the overflow an update made: weight_growth)."""
+    return LedgerWeights(auditor.ledger, auditor.log.first_norms)
 
 
 def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,

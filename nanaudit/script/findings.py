@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from nanaudit.localize.causes import divergence_fix, fix_for
 from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.localize.first_finding import Seen, first_finding
 from nanaudit.localize.first_finding import short as short_list
@@ -124,20 +125,10 @@ def link_warnings(finding: Finding, warnings: list, precision: str, optimizer: s
         return
     attach_warnings(finding, warnings, precision)
     if finding.cause == Cause.DIVERGENCE:
-        finding.fix = divergence_fix(optimizer)
+        if finding.fix == fix_for(Cause.DIVERGENCE):
+            # the catalogue's words (growth on the timeline): say them in the script's terms;
+            # a diagnosis that named the optimizer (weight_growth.py) keeps its own
+            finding.fix = divergence_fix(optimizer)
         finding.samples = None
         finding.sample_search = SampleSearch(None, 0, False,
                                              "divergence: the weights, not particular rows")
-
-
-def divergence_fix(optimizer: str) -> str:
-    """The fix for a divergence, in the script's terms: its optimizer and rate."""
-    fix = "lower the learning rate or warm it up"
-    if optimizer:
-        fix += f" (the optimizer at this step: {optimizer})"
-    if "Adam" in optimizer:
-        # Adam divides by the gradient's own scale: its update is about lr per weight.
-        fix += "; clipping the gradients does not shrink an Adam update, the rate does"
-    else:
-        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
-    return fix

@@ -52,6 +52,7 @@ from nanaudit.script.rank_replay import (
 from nanaudit.script.step_values import leading_size, same_value
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
+from nanaudit.script.weight_history import LedgerWeights
 
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
 # A replay's (finding or None, ops traced, the creating op's precision or why it named none).
@@ -224,7 +225,8 @@ def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Paramet
 def replay_tracer(auditor: Any, calls: list[ModelCall]) -> OpTracer:
     """The tracer of a replay of `calls`, naming the modules the script holds besides the
     window's model (learned when the trip was made: trip_namer.py, step_checks.raised)."""
-    return OpTracer(local_module(calls[0].module), auditor.ledger.tracer_names())
+    return OpTracer(local_module(calls[0].module), auditor.ledger.tracer_names(),
+                    LedgerWeights(auditor.ledger, auditor.log.first_norms))
 
 
 def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,

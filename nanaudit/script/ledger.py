@@ -69,6 +69,11 @@ class Ledger:
             name = self._held_names.get(id(p))
         return name if name is not None else f"<parameter {tuple(p.shape)}>"
 
+    def qualified_name(self, p: torch.Tensor) -> str:
+        """`p`'s name with the variable holding its module (`generator.0.weight`) where the
+        script's frames were read at the trip: the roots' own names repeat across models."""
+        return self._held_names.get(id(p)) or self.name(p)
+
     def learn_held(self, frame: FrameType | None) -> bool:
         """Name the modules the script's frames hold (from `frame` outward) and their
         parameters, where the roots it called did not name them (held_modules.py); once a

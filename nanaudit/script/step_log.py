@@ -25,11 +25,16 @@ class StepLog:
         self._warnings = TimelineWarnings()
         self._unwatched: TimelineEntry | None = None
         self._last_check = time.perf_counter()
+        # id(optimizer) -> its weights' norm at its first check, before any update of its own:
+        # no weight's |value| was larger then (weight_growth.py weighs an overflow against it)
+        self.first_norms: dict[int, float] = {}
 
     def entry(self, step: int, optimizer: Any, loss: float | None, grad_norm: float | None,
               norm: float | None, **fields: Any) -> TimelineEntry:
         now = time.perf_counter()      # one clock read a step: the time since the last check
         took, self._last_check = now - self._last_check, now
+        if norm is not None:
+            self.first_norms.setdefault(id(optimizer), norm)
         return TimelineEntry(step=step, loss=loss, grad_norm=grad_norm, param_norm=norm,
                              lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
 
