@@ -14,9 +14,8 @@ the step together (FSDP2), and every rank gets the finding (rank_replay.py).
 
 A compiled model's step call is replayed eagerly (the module's own `_call_impl`, its output
 heard as the compiled call returned, compiled_calls.py); a loss the eager replay does not
-reproduce is a value only the compiled program makes: the re-run's compiled replay names it
-(compiled_rerun.py: that replay needs the call's output gradients from a traced step and runs
-the user's backend again, and is kept there). An error trip is error_replay.py's."""
+reproduce is a value only the compiled program makes, which the re-run's compiled replay names
+(compiled_rerun.py: it needs a traced step's output gradients). Error trips: error_replay.py."""
 
 from __future__ import annotations
 
