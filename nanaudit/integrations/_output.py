@@ -208,10 +208,8 @@ def write_sentinel_outputs(sentinel: Any, folder: str | Path) -> Path:
         meta.update(loss=target, loss_label=target)
     else:
         meta["loss_recipe"] = {"why": f"the loss_fn cannot be imported: {why}"}
-    optimizers = {("optimizer" if i == 0 else f"optimizer[{i}]"): o
-                  for i, o in enumerate(sentinel.optimizers)}
     bundle = write_step_bundle(Path(folder) / f"repro-step{trip.step}", sentinel.model,
-                               optimizers, trip, state, finding,
+                               sentinel.named_optimizers, trip, state, finding,
                                renderer_for("json").render(report), meta)
     report.repro = str(bundle)
     write_reports(report, folder, echo=False)

@@ -154,11 +154,18 @@ class Sentinel:
         self.replaying: RecordedBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
-        self._target = ReplayTarget(model, self.optimizer, loss_fn, self.device, scaler,
+        self._target = ReplayTarget(model, self.named_optimizers, loss_fn, self.device, scaler,
                                     isolate_samples, self.ranks)
         # on_finding="skip": every bad step's finding, and the buffers before the step
         self.bad_steps = BadStepLog(max_bad_steps) if on_finding == "skip" else None
         self._buffers = BufferCopy(model) if self.bad_steps is not None else None
+
+    @property
+    def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Every optimizer, by the name the report gives it: `optimizer`, `optimizer[1]`, ...
+        (all of them: a GAN's overflow may be the other optimizer's update)."""
+        return {("optimizer" if i == 0 else f"optimizer[{i}]"): o
+                for i, o in enumerate(self.optimizers)}
 
     @property
     def skipped(self) -> int:

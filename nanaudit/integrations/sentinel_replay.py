@@ -58,12 +58,15 @@ class ReplayPrecision:
         return loss * scale if scale is not None else loss
 
 
-def replay_session(model: torch.nn.Module, optimizer: Any, loss_fn: LossFn | None,
+def replay_session(model: torch.nn.Module, optimizers: dict[str, Any], loss_fn: LossFn | None,
                    device: torch.device, scaler: Any) -> Session:
-    """The Session a replay of a Sentinel's step runs in."""
+    """The Session a replay of a Sentinel's step runs in, holding every optimizer the
+    Sentinel was given (who updated which weights: localize/weight_growth.py)."""
     from nanaudit.run.session import Session
-    return Session.for_loop(model, optimizer, loss_fn or (lambda model, batch: None), device,
-                            label="<Sentinel>", precision=ReplayPrecision(scaler))
+    first = next(iter(optimizers.values()), None)
+    return Session.for_loop(model, first, loss_fn or (lambda model, batch: None), device,
+                            label="<Sentinel>", precision=ReplayPrecision(scaler),
+                            optimizers=optimizers)
 
 
 def search_window(model: torch.nn.Module, loss_fn: LossFn, session: Session, trip: Trip,
@@ -108,7 +111,7 @@ class ReplayTarget:
     """What the replays of a Sentinel's steps run on, fixed for its life."""
 
     model: torch.nn.Module
-    optimizer: Any
+    optimizers: dict[str, Any]  # every optimizer, by its report name (Sentinel.named_optimizers)
     loss_fn: LossFn | None
     device: torch.device
     scaler: Any
@@ -134,7 +137,7 @@ def _localize(target: ReplayTarget, outcome: ScanOutcome, window: list[RecordedB
     from nanaudit.localize.producer import not_reached
     trip = outcome.trip
     assert trip is not None, "a finding is built for a trip"
-    session = replay_session(target.model, target.optimizer, target.loss_fn, target.device,
+    session = replay_session(target.model, target.optimizers, target.loss_fn, target.device,
                              target.scaler)
     note = None
     if where is None and trip.check == Check.GRADIENT and window and \

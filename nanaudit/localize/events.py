@@ -89,6 +89,9 @@ class OpEvent:
     func: Any = None               # the aten OpOverload
     untracked: dict = field(default_factory=dict)   # input position -> where an untraced bad
     #                                                 input came from (an autograd.Function ...)
+    # (name, input, path) of each input an op reading a parameter an update grew made (through
+    # contractions: weight_growth.grown_makers), for the overflow that growth made downstream
+    grown_paths: tuple = ()
 
     @property
     def function(self) -> str | None:
@@ -165,7 +168,11 @@ class Trace:
 
     def maker_of(self, t: torch.Tensor) -> ForwardRecord | None:
         """The forward op that made a tensor (bad or not), looking through views and copies."""
-        index = self.maker_index(t)
+        return self.record_at(self.maker_index(t))
+
+    def record_at(self, index: int | None) -> ForwardRecord | None:
+        """The forward record `index`, looking through views and copies to the op that made
+        the values (None: no traced op did, or one wrote into them since)."""
         record = self.forward_records[index] if index is not None else None
         while record is not None and op_base(record.op) in PASS_THROUGH:
             if not record.input_makers or record.input_makers[0] is None:

@@ -37,7 +37,7 @@ from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, kinds_of
 from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
 from nanaudit.localize.rules.registry import keeps_inputs
-from nanaudit.localize.weight_growth import WeightHistory
+from nanaudit.localize.weight_growth import GrownWeights, WeightHistory
 from nanaudit.report.model import SourceLine
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.compiled import replay_eagerly
@@ -159,6 +159,7 @@ class OpTracer:
     def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
                  weights: WeightHistory | None = None):
         self.trace = Trace(weights=weights)    # `weights`: who updated the parameters (events.py)
+        self._grown = GrownWeights(weights)     # an op reading a grown weight keeps its inputs
         self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)
@@ -273,8 +274,10 @@ class OpTracer:
             self._function_made[id(t)] = (weakref.ref(t), where)
 
     def _forward_record(self, func: Any, name: str, args: tuple, kwargs: dict) -> ForwardRecord:
-        keep = keeps_inputs(func)
         inputs = [t for _, t in named_tensors(schema_names(func), args, kwargs)]
+        # an op reading weights an update grew keeps its inputs: an overflow downstream of it
+        # is weighed against them (weight_growth.grown_upstream)
+        keep = keeps_inputs(func) or self._grown.read_by(inputs)
         module = self.modules.current
         if module is None:          # "" is the model itself
             module = self.modules.name_of(REPLAYED_MODULE.get())
@@ -316,7 +319,9 @@ class OpTracer:
             forward=forward, node=node.name() if node is not None else None,
             args=args, kwargs=kwargs, arg_names=schema_names(func), func=func,
             untracked={i: self._untracked_origin(t, node) for i, (t, k, p)
-                       in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None})
+                       in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None},
+            grown_paths=() if backward else self._grown.paths(self.trace, schema_names(func),
+                                                              args, kwargs))
         self.trace.events.append(event)
         if record is not None:
             record.event = event.index

@@ -100,16 +100,17 @@ class Session:
     @classmethod
     def for_loop(cls, model: Any, optimizer: Any, loss_fn: Callable, device: Any,
                  batches: Iterable = (), label: str = "<your loop>", precision: Any = None,
-                 **options: Any) -> Session:
+                 optimizers: dict | None = None, **options: Any) -> Session:
         """A session over objects a loop already holds (`Sentinel`, the benchmark): no YAML, no
         entrypoints, no config. `label` names the loss and the data in messages; `options`
-        are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...)."""
+        are RunOptions' fields (`watch=`, `grad_clip=`, `accumulate=`...); `optimizers`: all
+        of the loop's, by name (None: `optimizer` alone)."""
         run_options = RunOptions(data_label=label, loss_label=f"{label}:loss_fn",
                                  loss_key=label, **options)
         names = parameter_names(model)
         from nanaudit.run.checks import canonical_device
         return cls(run_options, canonical_device(device), model, optimizer, loss_fn,
-                   lambda: batches, names, precision=precision)
+                   lambda: batches, names, precision=precision, optimizers=optimizers)
 
 
 def build_session(config: Config, coordinator: Coordinator | None = None) -> Session:
