@@ -196,6 +196,7 @@ def _roots(targets: list, structure: Any) -> list[str]:
 
 def write_sentinel_outputs(sentinel: Any, folder: str | Path) -> Path:
     """A Sentinel's trip: the repro bundle `repro-step<N>/` and the reports, into `folder`."""
+    from nanaudit.integrations.sentinel_replay import named_optimizers
     from nanaudit.report.formats import renderer_for
     report = sentinel.report
     trip, state = sentinel.tripped
@@ -209,7 +210,7 @@ def write_sentinel_outputs(sentinel: Any, folder: str | Path) -> Path:
     else:
         meta["loss_recipe"] = {"why": f"the loss_fn cannot be imported: {why}"}
     bundle = write_step_bundle(Path(folder) / f"repro-step{trip.step}", sentinel.model,
-                               sentinel.named_optimizers, trip, state, finding,
+                               named_optimizers(sentinel.optimizers), trip, state, finding,
                                renderer_for("json").render(report), meta)
     report.repro = str(bundle)
     write_reports(report, folder, echo=False)

@@ -65,7 +65,12 @@ from nanaudit.integrations.sentinel_ranks import (
     rank_trip,
     with_rank_flags,
 )
-from nanaudit.integrations.sentinel_replay import RecordedBatch, ReplayTarget, localize_step
+from nanaudit.integrations.sentinel_replay import (
+    RecordedBatch,
+    ReplayTarget,
+    localize_step,
+    named_optimizers,
+)
 from nanaudit.report.bad_steps import BadStepLog
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.vocabulary import BadStepAction, Check, Status
@@ -154,18 +159,11 @@ class Sentinel:
         self.replaying: RecordedBatch | None = None   # the micro-batch a replay is running
         # FSDP2 under torchrun: the ranks decide together (sentinel_ranks.py)
         self.ranks = join_ranks(model)
-        self._target = ReplayTarget(model, self.named_optimizers, loss_fn, self.device, scaler,
-                                    isolate_samples, self.ranks)
+        self._target = ReplayTarget(model, named_optimizers(self.optimizers), loss_fn,
+                                    self.device, scaler, isolate_samples, self.ranks)
         # on_finding="skip": every bad step's finding, and the buffers before the step
         self.bad_steps = BadStepLog(max_bad_steps) if on_finding == "skip" else None
         self._buffers = BufferCopy(model) if self.bad_steps is not None else None
-
-    @property
-    def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        """Every optimizer, by the name the report gives it: `optimizer`, `optimizer[1]`, ...
-        (all of them: a GAN's overflow may be the other optimizer's update)."""
-        return {("optimizer" if i == 0 else f"optimizer[{i}]"): o
-                for i, o in enumerate(self.optimizers)}
 
     @property
     def skipped(self) -> int:

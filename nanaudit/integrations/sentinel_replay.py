@@ -12,7 +12,7 @@ or the model), and the loss is scaled by the step's recorded scale.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,12 @@ class ReplayPrecision:
 
     def scaled(self, loss: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         return loss * scale if scale is not None else loss
+
+
+def named_optimizers(optimizers: Sequence[Any]) -> dict[str, Any]:
+    """A Sentinel's optimizers by the names its report gives them: `optimizer`, `optimizer[1]`,
+    ... (every one: a GAN's overflow may be the other optimizer's update)."""
+    return {("optimizer" if i == 0 else f"optimizer[{i}]"): o for i, o in enumerate(optimizers)}
 
 
 def replay_session(model: torch.nn.Module, optimizers: dict[str, Any], loss_fn: LossFn | None,

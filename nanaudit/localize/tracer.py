@@ -159,7 +159,7 @@ class OpTracer:
     def __init__(self, model: torch.nn.Module, others: dict[int, str] | None = None,
                  weights: WeightHistory | None = None):
         self.trace = Trace(weights=weights)    # `weights`: who updated the parameters (events.py)
-        self._grown = GrownWeights(weights)     # an op reading a grown weight keeps its inputs
+        self._grown = GrownWeights(self.trace)     # an op reading a grown weight keeps its inputs
         self.modules = ModuleStack(model, others)     # `others`: other modules' names
         self.phase = Where.FORWARD
         self._mode = _TracingMode(self)

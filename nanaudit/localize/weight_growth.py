@@ -163,11 +163,17 @@ DEPTH = 6
 
 class GrownWeights:
     """Which forward ops read a parameter an update grew (asked of each op the tracer records,
-    on replay; a parameter's answer is read once, one host read per parameter)."""
+    on replay; a parameter's answer is read once, one host read per parameter). `trace`: its
+    `weights` say who updated what (set when the tracer is made, or when it is armed)."""
 
-    def __init__(self, weights: WeightHistory | None) -> None:
-        self.weights = weights
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
         self._known: dict[int, bool] = {}
+        self.seen = False         # has any op read one? (else no path is looked for)
+
+    @property
+    def weights(self) -> WeightHistory | None:
+        return self.trace.weights
         self.seen = False         # has any op read one? (else no path is looked for)
 
     def read_by(self, inputs: list) -> bool:
@@ -202,7 +208,7 @@ def grown_makers(trace: Any, t: torch.Tensor) -> tuple | None:
     """The forward records from an op that read a grown parameter (its inputs kept: the tracer
     keeps them for such an op) to the one that made `t`, through CONTRACTIONS only, at most
     DEPTH of them; None when no such op made `t`'s values."""
-    record, path = trace.maker_of(t), []
+    record, path = trace.maker_of(t), list[Any]()
     while record is not None and len(path) < DEPTH:
         path.insert(0, record)
         if record.args is not None and trace.weights is not None and any(

@@ -110,7 +110,8 @@ class Session:
         names = parameter_names(model)
         from nanaudit.run.checks import canonical_device
         return cls(run_options, canonical_device(device), model, optimizer, loss_fn,
-                   lambda: batches, names, precision=precision, optimizers=optimizers)
+                   lambda: batches, names, precision=precision,
+                   optimizers=optimizers)  # type: ignore[arg-type]  # None: filled
 
 
 def build_session(config: Config, coordinator: Coordinator | None = None) -> Session:
