@@ -42,7 +42,6 @@ from nanaudit.script.readout import StepInbox, WeightsScope
 from nanaudit.script.step_checks import StepChecks
 from nanaudit.script.step_values import data_inputs
 from nanaudit.script.trip import ScriptTrip
-from nanaudit.script.weight_history import LedgerWeights
 
 
 class ScriptAuditor(StepChecks):
@@ -88,7 +87,8 @@ class ScriptAuditor(StepChecks):
             # who grew which weights, known before the step's ops run: an op reading grown
             # ones keeps its inputs for an overflow downstream (weight_growth.grown_upstream)
             armed = self.window.armed
-            if armed is not None:
+            if armed is not None:    # (the re-run's modules, imported on the re-run only)
+                from nanaudit.script.weight_history import LedgerWeights
                 armed.tracer.trace.weights = LedgerWeights(self.ledger, self.log.first_norms)
             if self.ranks is not None:
                 self.ranks.tracing(True)
