@@ -19,10 +19,10 @@ SMALL_TENSOR = 16   # at most this many elements: show the values themselves
 
 def tensor_stats(name: str, t: torch.Tensor) -> TensorStats:
     """min/max/mean over the finite elements, plus counts of NaN, +inf, -inf, zeros, negatives
-    (none of them for a tensor whose memory was released since the op read it)."""
+    (none of them for a tensor whose memory was released since the op read it: `released`)."""
     if released(t):
         return TensorStats(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.numel(),
-                           None, None, None, 0, 0, 0, 0, 0)
+                           None, None, None, None, None, None, None, None, released=True)
     t = dense_values(t.detach())
     if t.is_complex():
         t = t.abs()

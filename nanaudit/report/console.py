@@ -21,6 +21,8 @@ from nanaudit.report.sections import (
     UserCodeFailure,
 )
 from nanaudit.report.text import (
+    RELEASED,
+    RELEASED_WHY,
     describe,
     describe_coordinate,
     finding_facts,
@@ -191,13 +193,19 @@ def _stats_table(title: str, stats: list[TensorStats]) -> Table:
     for col in ("input", "shape", "dtype", "min", "max", "nan", "+inf", "-inf", "zeros", "neg"):
         table.add_column(col, justify="left" if col in ("input", "dtype") else "right")
     for s in stats:
+        counts = [_count(s.nan), _count(s.posinf), _count(s.neginf), Text(str(s.zeros)),
+                  Text(str(s.negatives))]
+        if s.released:      # no values were read: no counts, and the row says why
+            counts = [Text(RELEASED, style="dim")] + [Text("")] * 4
         table.add_row(Text(s.name), str(list(s.shape)), s.dtype, _num(s.min), _num(s.max),
-                      _count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
-                      str(s.negatives))
+                      *counts)
+    if any(s.released for s in stats):
+        table.caption = f"{RELEASED}: {RELEASED_WHY}"
+        table.caption_justify = "left"
     return table
 
 
-def _count(n: int) -> Text:
+def _count(n: int | None) -> Text:
     return Text(str(n), style="bold red" if n else "")
 
 

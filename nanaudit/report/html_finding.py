@@ -15,6 +15,8 @@ import os
 from nanaudit.report.html_text import esc, facts_table, number, number_text, table
 from nanaudit.report.model import Finding, SourceLine, TensorStats
 from nanaudit.report.text import (
+    RELEASED,
+    RELEASED_WHY,
     describe,
     finding_facts,
     module_label,
@@ -90,7 +92,7 @@ def source_block(src: SourceLine) -> str:
             f'<table class="source mono"><tbody>{rows}</tbody></table>')
 
 
-def _count(n: int) -> str:
+def _count(n: int | None) -> str:
     return f'<span class="bad">{n}</span>' if n else "0"
 
 
@@ -102,9 +104,12 @@ def stats_table(stats: list[TensorStats]) -> str:
         if isinstance(s.value, (list, tuple)):
             shown = ", ".join(number(v) for v in s.value[:VALUES_SHOWN])
             values = shown + (" …" if len(s.value) > VALUES_SHOWN else "")
+        counts = [_count(s.nan), _count(s.posinf), _count(s.neginf), str(s.zeros),
+                  str(s.negatives)]
+        if s.released:      # no values were read: no counts, and the row says why
+            counts = [f'<span title="{esc(RELEASED_WHY)}">{RELEASED}</span>'] + [""] * 4
         rows.append([esc(s.name), esc(list(s.shape)), esc(s.dtype), number(s.min),
-                     number(s.max), number(s.mean), _count(s.nan), _count(s.posinf),
-                     _count(s.neginf), str(s.zeros), str(s.negatives),
+                     number(s.max), number(s.mean), *counts,
                      f'<span class="mono">{values}</span>'])
     return table(("input", "shape", "dtype", "min", "max", "mean", "nan", "+inf", "-inf",
                   "zeros", "neg", "values"), rows, numeric=tuple(range(3, 11)))

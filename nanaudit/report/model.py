@@ -50,7 +50,11 @@ REPORT_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Statistics of one tensor (an op input, a batch leaf): enough to see why an op failed."""
+    """Statistics of one tensor (an op input, a batch leaf): enough to see why an op failed.
+    A tensor whose memory was released after the op read it (FSDP2 frees a layer's unsharded
+    weights after its forward) has its shape and dtype, no values and no counts (None)."""
+
+    OMIT_EMPTY = ("released",)    # in the JSON only when true
 
     name: str
     shape: tuple
@@ -59,12 +63,13 @@ class TensorStats:
     min: float | None
     max: float | None
     mean: float | None
-    nan: int
-    posinf: int
-    neginf: int
-    zeros: int
-    negatives: int
+    nan: int | None
+    posinf: int | None
+    neginf: int | None
+    zeros: int | None
+    negatives: int | None
     value: Any = None             # the values themselves, when the tensor is tiny
+    released: bool = False        # its memory was gone when it was read for these statistics
 
 
 @dataclass(frozen=True)

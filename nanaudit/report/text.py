@@ -200,10 +200,17 @@ def warning_line(w: EarlyWarning) -> str:
     return f"step {w.step}{began}: {w.kind}{module}: {w.message}"
 
 
+# What a statistics row says of a tensor whose memory was gone when it was read (no values).
+RELEASED = "released"
+RELEASED_WHY = "its memory was freed after the op read it (FSDP2's unsharded weights)"
+
+
 def describe(stats: TensorStats) -> str:
     """One line, lovely-tensors style: `f32[16, 8] x∈[-2.0, 3.1] μ=0.12 nan=3 zeros=2`."""
     dims = ", ".join(str(d) for d in stats.shape)
     parts = [f"{stats.dtype}[{dims}]"]
+    if stats.released:
+        return f"{parts[0]} {RELEASED}: {RELEASED_WHY}"
     if stats.min is not None:
         parts.append(f"x∈[{stats.min:.4g}, {stats.max:.4g}]")
         parts.append(f"μ={stats.mean:.4g}")

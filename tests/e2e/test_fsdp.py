@@ -122,3 +122,5 @@ def test_scan_confirms_each_ranks_shard_before_a_huge_updates_weights_trip(tmp_p
                                                             "divergence")
     released = next(s for s in f["inputs"] if s["name"] == "mat2")
     assert released["shape"] == [8, 8] and released["min"] is None
+    # the row says so, with no counts (zeros beside "—" read as "no NaN, no zeros")
+    assert released["released"] is True and released["nan"] is None

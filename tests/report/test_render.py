@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from nanaudit.report.console import print_report
@@ -254,3 +255,32 @@ def test_console_log_facts_are_not_padded_to_the_longest_value():
     assert step == step.rstrip() and len(step) < 40
     tensors = next(line for line in lines if line.startswith("all tensors"))
     assert tensors.endswith("blocks.11.attn.c_attn.weight")
+
+
+def test_a_released_tensors_row_says_released_in_every_format_instead_of_zero_counts():
+    # FSDP2 frees a layer's unsharded weights after its forward (storage resized to 0): the
+    # op read them, their statistics cannot be taken, and zero counts beside "—" would read
+    # as "no NaN, no zeros" (localize/overflow.released).
+    from nanaudit.localize.stats import tensor_stats
+    weight = torch.nn.Parameter(torch.ones(8, 8))
+    weight.data.untyped_storage().resize_(0)
+    stats = tensor_stats("mat2", weight)
+    assert (stats.shape, stats.dtype, stats.released) == ((8, 8), "float32", True)
+    assert (stats.min, stats.nan, stats.zeros, stats.negatives) == (None, None, None, None)
+    report = canonical_report()
+    assert report.finding is not None
+    report.finding.inputs = [report.finding.inputs[0], stats]
+    row = _json(report)["finding"]["inputs"]
+    assert row[1]["released"] is True and row[1]["nan"] is None and row[1]["zeros"] is None
+    assert "released" not in row[0]            # a row with values keeps its keys as they were
+    console = Console(record=True, width=160, color_system=None)
+    print_report(report, console)
+    text = console.export_text()
+    line = next(t for t in text.splitlines() if t.strip().startswith("mat2"))
+    assert "released" in line and " 0 " not in line
+    assert "released: its memory was freed after the op read it" in text
+    markdown = renderer_for("markdown").render(report)
+    assert "| mat2 | `float32[8, 8] released: its memory was freed" in markdown
+    html = renderer_for("html").render(report)
+    cells = html.split("<td>mat2</td>", 1)[1].split("</tr>", 1)[0]
+    assert ">released</span>" in cells and "<td>0</td>" not in cells
