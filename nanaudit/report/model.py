@@ -10,14 +10,13 @@ Glossary:
   op        the aten op that *created* the non-finite value (not one that passed it on)
   module    the qualified name of the innermost nn.Module running the op ("" for the root)
 
-The report's sections beyond the finding and the timeline are in sections.py. Every section
-is a dataclass whose fields are its JSON keys, in JSON order. A key that is in
-the JSON only sometimes is declared on its class: OMIT_WHEN_NONE (left out while None) and
-OMIT_EMPTY (left out while empty). A section with several shapes (the error, bisect's two
-modes) is one class per shape, so that each keeps the keys and key order schema version 1
-gave it; the shapes of one section share the fields their readers use. Closed vocabularies
-are `str` enums (vocabulary.py); names that come from the user's code or the system
-(exception classes, files, hosts, backends, precisions) are plain text.
+The report's sections beyond the finding and the timeline are in sections.py. Every section is a
+dataclass whose fields are its JSON keys, in JSON order. A key that is in the JSON only sometimes is
+declared on its class: OMIT_WHEN_NONE (left out while None) and OMIT_EMPTY (left out while empty). A
+section with several shapes (the error, bisect's two modes) is one class per shape, so that each
+keeps the keys and key order schema version 1 gave it; the shapes of one section share the fields
+their readers use. Closed vocabularies are `str` enums (vocabulary.py); names that come from the
+user's code or the system (exception classes, files, hosts, backends, precisions) are plain text.
 
 A run that keeps going past bad steps (--keep-going) adds, within schema version 1, `findings`
 (after `finding`, which stays its first) and the `bad_steps` section; each of its findings
@@ -50,12 +49,9 @@ REPORT_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Statistics of one tensor (an op input, a batch leaf): enough to see why an op failed.
-    A tensor whose memory was released after the op read it (FSDP2 frees a layer's unsharded
-    weights after its forward) has its shape and dtype, no values and no counts (None)."""
+    """Statistics of one tensor (an op input, a batch leaf): enough to see why an op failed."""
 
     OMIT_EMPTY = ("released",)    # in the JSON only when true
-
     name: str
     shape: tuple
     dtype: str
@@ -69,7 +65,7 @@ class TensorStats:
     zeros: int | None
     negatives: int | None
     value: Any = None             # the values themselves, when the tensor is tiny
-    released: bool = False        # its memory was gone when it was read for these statistics
+    released: bool = False        # memory gone when read (FSDP2's freed weights): no counts
 
 
 @dataclass(frozen=True)
@@ -111,8 +107,7 @@ class ChainLink:
     module: str | None
     value: list                # the non-finite kinds the op's output held
     line: int | None
-    # What it received: each tensor input by its schema name and the non-finite kinds it
-    # carried in ("self: nan", "other: finite").
+    # What it received: each input by its schema name and its non-finite kinds ("self: nan").
     received: list[str] = field(default_factory=list)
 
 

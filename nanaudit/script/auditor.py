@@ -108,6 +108,10 @@ class ScriptAuditor(StepChecks):
         else:
             self.window.armed.sinks.append(loss)   # no ops of ours inside the traced window
 
+    def clipped(self, total_norm: Any) -> None:
+        if self.window.armed is None:
+            self._inbox.add_clip(total_norm)
+
     def backward_started(self) -> None:
         if self.keep is not None and self.keep.held.active:
             # The gradients of another step: without a module call between (a script that

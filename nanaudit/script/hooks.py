@@ -19,7 +19,10 @@ Nothing in the script changes. What is installed, and what each tells the audito
   group, ZeRO-3 per sub-group), so the ZeRO step is the step, checked once at its entry, and a
   step DeepSpeed skips is told as such (zero_steps.py);
 * `Optimizer.__init__` wrapped to count the optimizers the script builds: a script that builds
-  none updates its weights by hand, and each backward is then its step.
+  none updates its weights by hand, and each backward is then its step;
+* `torch.nn.utils.clip_grad_norm_` wrapped: the total norm it returns (before clipping, what
+  the script's log prints) is kept on the device for the step's one read, whose timeline
+  shows it as the step's gradient norm (the check reads the gradients as clipped).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Listener(Protocol):
                       params: list[torch.Tensor], scaler: str = ...) -> None: ...
     def optimizer_built(self) -> None: ...
     def stepped(self) -> int: ...
+    def clipped(self, total_norm: Any) -> None: ...
 
 
 class ScriptHooks:
@@ -94,6 +98,7 @@ class ScriptHooks:
         self._tap.install()
         self.tap.install()
         self._restore.append(_wrap_scaler_step(self))
+        self._restore.append(_wrap_clip(self.listener))
         self._wrap_optimizer_init()
         self._compiled.install()
         self.await_forward()
@@ -290,3 +295,22 @@ def _wrap_scaler_step(hooks: ScriptHooks) -> Any:
         return result
     GradScaler.step = step  # type: ignore[method-assign,assignment]
     return lambda: setattr(GradScaler, "step", original)
+
+
+def _wrap_clip(listener: Listener) -> Any:
+    """`clip_grad_norm_` wrapped where a script finds it (`torch.nn.utils`, its `clip_grad`
+    module, which the deprecated `clip_grad_norm` calls): its returned total norm is told, no
+    host read; returns what restores it."""
+    from torch.nn.utils import clip_grad
+    original = clip_grad.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        total = original(*args, **kwargs)
+        listener.clipped(total)
+        return total
+    torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+    def restore() -> None:
+        torch.nn.utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = original
+    return restore

@@ -64,6 +64,7 @@ class StepInbox:
     factors: list = field(default_factory=list)      # what each was divided by, or None
     input_peaks: list = field(default_factory=list)  # finite iff each call's inputs are
     inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
+    clip_norms: list = field(default_factory=list)   # what each `clip_grad_norm_` returned
 
     def add_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach()
@@ -75,6 +76,13 @@ class StepInbox:
     def add_inputs(self, inputs: list[tuple[str, torch.Tensor]]) -> None:
         self.inputs = inputs
         self.input_peaks.extend(input_peaks([t for _, t in inputs]))
+
+    def add_clip(self, total_norm: Any) -> None:
+        """The total norm `clip_grad_norm_` returned (before it clipped): read with the step.
+        A plain 0-dim tensor only (an FSDP2 DTensor's would need a collective to read)."""
+        if type(total_norm) is torch.Tensor and total_norm.numel() == 1:
+            value = total_norm.detach().reshape(())
+            self.clip_norms.append(value if value.dtype in _FLOAT32_OR_64 else value.float())
 
     def __bool__(self) -> bool:
         return bool(self.losses or self.input_peaks)
@@ -196,6 +204,7 @@ class StepRead:
     grad_norm: float | None = None
     table: tuple = ()            # under torchrun: every rank's flags, read with the rest
     buffers_ok: bool = True      # the model's floating buffers finite (as the forward left them)
+    clip_norm: float | None = None   # the last total norm `clip_grad_norm_` returned, if any
 
 
 def buffer_peaks(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -241,18 +250,24 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
     stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:])
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
     start = n_loss + n_in
+    # The script's clipped norms ride along after everything else (no summary reads them).
+    clips = [c if c.device == device else c.to(device) for c in inbox.clip_norms[-1:]]
     if exchange is not None:
         flags = exchange(step_summary(stacked, n_loss, n_in, len(state), len(grad_parts)))
-        values = torch.cat([stacked.to(torch.float64), flags]).tolist()
-        table = tuple(values[len(stacked):])
-        values = values[:len(stacked)]
+        values = torch.cat([stacked.to(torch.float64), flags]
+                           + [c.reshape(1).to(torch.float64) for c in clips]).tolist()
+        table = tuple(values[len(stacked):len(values) - len(clips)])
     else:
-        values, table = stacked.tolist(), ()
+        values, table = (torch.cat([stacked, *(c.reshape(1) for c in clips)]) if clips
+                         else stacked).tolist(), ()
+    clip_norm = values[-1] if clips else None
+    values = values[:len(stacked)]
     loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
     inputs_ok = all(map(math.isfinite, values[n_loss:start]))
     buffers_ok = all(map(math.isfinite, values[len(values) - n_buf:])) if n_buf else True
     if scope is None:
-        return StepRead(inputs_ok, loss, table=table, buffers_ok=buffers_ok)
+        return StepRead(inputs_ok, loss, table=table, buffers_ok=buffers_ok,
+                        clip_norm=clip_norm)
     return StepRead(inputs_ok, loss, math.hypot(*values[start:start + len(state)]),
                     math.hypot(*values[start + len(state):len(values) - n_buf]), table,
-                    buffers_ok)
+                    buffers_ok, clip_norm)

@@ -105,7 +105,7 @@ class StepChecks:
         assert norm is not None and grad_norm is not None
         norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
         scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
-        entry = self._entry(optimizer, loss, grad_norm / scale if scale else grad_norm, norm)
+        entry = self._entry(optimizer, loss, _shown_norm(read, grad_norm, scale), norm)
         trip = None
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
             trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
@@ -279,3 +279,12 @@ def _confirmed(norm: float, grad_norm: float, scope: WeightsScope,
     if not math.isfinite(norm) and not confirm_nonfinite(scope.local(scope.params)):
         norm = exact_norm(scope.local(scope.params))
     return norm, grad_norm
+
+
+def _shown_norm(read: StepRead, grad_norm: float, scale: float | None) -> float:
+    """The timeline's gradient norm: the total norm the script's `clip_grad_norm_` returned
+    (before clipping: what its log prints, as the Trainer's and llm.c's do), else the norm of
+    the gradients the check read (DeepSpeed fp16's unscaled)."""
+    if read.clip_norm is not None:
+        return read.clip_norm
+    return grad_norm / scale if scale else grad_norm
