@@ -80,9 +80,11 @@ class StepInbox:
     def add_clip(self, total_norm: Any) -> None:
         """The total norm `clip_grad_norm_` returned (before it clipped): read with the step.
         A plain 0-dim tensor only (an FSDP2 DTensor's would need a collective to read)."""
-        if type(total_norm) is torch.Tensor and total_norm.numel() == 1:
-            value = total_norm.detach().reshape(())
-            self.clip_norms.append(value if value.dtype in _FLOAT32_OR_64 else value.float())
+        if type(total_norm) is not torch.Tensor or total_norm.dim():
+            return
+        # computed under no_grad: kept as it is, no op (a float32 norm needs no conversion)
+        value = total_norm.detach() if total_norm.requires_grad else total_norm
+        self.clip_norms.append(value if value.dtype in _FLOAT32_OR_64 else value.float())
 
     def __bool__(self) -> bool:
         return bool(self.losses or self.input_peaks)
@@ -247,21 +249,23 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
     parts = [t if t.device == device else t.to(device) for t in extra + buffer_parts]
     # The buffers' last: [losses, input peaks, weights, gradients, buffers].
     ahead = len(parts) - n_buf
-    stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:])
+    # The norm the script's last `clip_grad_norm_` returned rides along last (no summary reads
+    # it): [losses, input peaks, weights, gradients, buffers, clip].
+    clips = [c if c.device == device else c.to(device) for c in inbox.clip_norms[-1:]]
+    stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:] + clips)
+    body = len(stacked) - len(clips)
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
     start = n_loss + n_in
-    # The script's clipped norms ride along after everything else (no summary reads them).
-    clips = [c if c.device == device else c.to(device) for c in inbox.clip_norms[-1:]]
     if exchange is not None:
-        flags = exchange(step_summary(stacked, n_loss, n_in, len(state), len(grad_parts)))
-        values = torch.cat([stacked.to(torch.float64), flags]
-                           + [c.reshape(1).to(torch.float64) for c in clips]).tolist()
-        table = tuple(values[len(stacked):len(values) - len(clips)])
+        flags = exchange(step_summary(stacked[:body], n_loss, n_in, len(state),
+                                      len(grad_parts)))
+        values = torch.cat([stacked.to(torch.float64), flags]).tolist()
+        table = tuple(values[len(stacked):])
+        values = values[:len(stacked)]
     else:
-        values, table = (torch.cat([stacked, *(c.reshape(1) for c in clips)]) if clips
-                         else stacked).tolist(), ()
+        values, table = stacked.tolist(), ()
     clip_norm = values[-1] if clips else None
-    values = values[:len(stacked)]
+    values = values[:body]
     loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
     inputs_ok = all(map(math.isfinite, values[n_loss:start]))
     buffers_ok = all(map(math.isfinite, values[len(values) - n_buf:])) if n_buf else True
