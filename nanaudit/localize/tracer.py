@@ -320,8 +320,7 @@ class OpTracer:
             args=args, kwargs=kwargs, arg_names=schema_names(func), func=func,
             untracked={i: self._untracked_origin(t, node) for i, (t, k, p)
                        in enumerate(zip(inputs, in_kinds, in_producers)) if k and p is None},
-            grown_paths=() if backward else self._grown.paths(self.trace, schema_names(func),
-                                                              args, kwargs))
+            grown_paths=() if backward else self._grown.paths(schema_names(func), args, kwargs))
         self.trace.events.append(event)
         if record is not None:
             record.event = event.index

@@ -174,7 +174,6 @@ class GrownWeights:
     @property
     def weights(self) -> WeightHistory | None:
         return self.trace.weights
-        self.seen = False         # has any op read one? (else no path is looked for)
 
     def read_by(self, inputs: list) -> bool:
         """Does an op with these tensor inputs read a grown parameter?"""
@@ -191,14 +190,14 @@ class GrownWeights:
         self.seen = self.seen or found
         return found
 
-    def paths(self, trace: Any, arg_names: tuple, args: tuple, kwargs: dict) -> tuple:
+    def paths(self, arg_names: tuple, args: tuple, kwargs: dict) -> tuple:
         """(name, input, grown_makers path) of each input of a forward op that went bad which
         an op reading a grown parameter made; () when no op read one."""
         if not self.seen:
             return ()
         found = []
         for name, t in named_tensors(arg_names, args, kwargs):
-            path = grown_makers(trace, t)    # a parameter itself has no maker: None
+            path = grown_makers(self.trace, t)    # a parameter itself has no maker: None
             if path is not None:
                 found.append((name, t, path))
         return tuple(found)
