@@ -177,7 +177,7 @@ def trip_run(script: Path, variant: str, layout: str, bad: int, folder: Path) ->
     finding, run = body["finding"], body["run"]
     assert (finding["step"], finding["cause"], finding["localized_by"]) == (
         bad, "sqrt-domain", "in-process" if variant == "run" else "re-run"), finding
-    return wall, (run.get("replay") or run.get("rerun"))["duration_s"]
+    return wall, run["rerun" if variant == "rerun" else "replay"]["duration_s"]
 
 
 def trips(script: Path, layout: str, rounds: int, bads: list[int], folder: Path) -> dict:
