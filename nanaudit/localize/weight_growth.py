@@ -111,6 +111,12 @@ def _grown_update(t: Any, weights: WeightHistory) -> tuple[WeightUpdate, float] 
     return update, peak
 
 
+def _grown_local(t: Any, weights: WeightHistory) -> tuple[WeightUpdate, float] | None:
+    """`_grown_update` of a plain tensor; None for a tensor subclass (a DTensor: reading its
+    peak is a collective, or has no sharding strategy, inside a traced op)."""
+    return _grown_update(t, weights) if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+
+
 def grown_weight(event: Any, bound: Bound, out_dtype: torch.dtype | None,
                  weights: WeightHistory | None) -> Reason | None:
     """`divergence` when one of the overflowing op's inputs is a parameter an optimizer grew
@@ -185,7 +191,7 @@ class GrownWeights:
             if parameter is None:
                 continue
             if id(parameter) not in self._known:
-                self._known[id(parameter)] = _grown_update(parameter, self.weights) is not None
+                self._known[id(parameter)] = _grown_local(parameter, self.weights) is not None
             found = found or self._known[id(parameter)]
         self.seen = self.seen or found
         return found
@@ -211,7 +217,7 @@ def grown_makers(trace: Any, t: torch.Tensor) -> tuple | None:
     while record is not None and len(path) < DEPTH:
         path.insert(0, record)
         if record.args is not None and trace.weights is not None and any(
-                _grown_update(a, trace.weights) is not None
+                _grown_local(a, trace.weights) is not None
                 for _, a in named_tensors(record.arg_names, record.args, record.kwargs)):
             return tuple(path)
         if op_base(record.op) not in CONTRACTIONS or not record.input_makers:
@@ -244,7 +250,7 @@ def _grown_args(record: Any, weights: WeightHistory) -> list:
     """(tensor, update, peak) of each grown parameter a forward record read."""
     found = []
     for _, a in named_tensors(record.arg_names, record.args, record.kwargs):
-        grown = _grown_update(a, weights)
+        grown = _grown_local(a, weights)
         if grown is not None:
             found.append((a, *grown))
     return found

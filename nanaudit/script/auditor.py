@@ -84,12 +84,6 @@ class ScriptAuditor(StepChecks):
             # the script's other models named as the in-process replay names them
             self.window.arm(module, args, kwargs, self.hooks.entry,
                             self.ledger.tracer_names(sys._getframe()))
-            # who grew which weights, known before the step's ops run: an op reading grown
-            # ones keeps its inputs for an overflow downstream (weight_growth.grown_upstream)
-            armed = self.window.armed
-            if armed is not None:    # (the re-run's modules, imported on the re-run only)
-                from nanaudit.script.weight_history import LedgerWeights
-                armed.tracer.trace.weights = LedgerWeights(self.ledger, self.log.first_norms)
             if self.ranks is not None:
                 self.ranks.tracing(True)
         if self.window.armed is not None:

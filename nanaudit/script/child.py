@@ -5,6 +5,7 @@ re-run followed the first run before it believes the finding)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,6 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
     if armed is None or (optimizer is None and spec.check != Check.LOSS):
         return
     trace = armed.tracer.trace
-    trace.weights = _weights(auditor)
     result.ops_traced = trace.ops_seen
     if spec.buffers:
         # Buffers the forward made non-finite: walked back from the first bad one.
@@ -80,7 +80,6 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
     if armed is None:
         return
     result.ops_traced = armed.tracer.trace.ops_seen
-    armed.tracer.trace.weights = _weights(auditor)
     sink = raised_sink(armed.tracer)
     if sink is None:
         return
@@ -117,15 +116,18 @@ def rerun(spec: RerunSpec) -> RerunResult:
                             rerun_evaluation=spec.evaluation, rerun_skips=spec.skips,
                             tracer=OpTracer,
                             rank=script_rank())
+    # The step's tracer knows who grew which weights before its ops run: an op reading grown
+    # ones keeps its inputs, for an overflow they made downstream (weight_growth.py).
+    tracer = auditor.window.tracer = functools.partial(OpTracer, weights=_weights(auditor))
     result = RerunResult()
     skip = None
     if spec.check == Check.INPUT:           # the batch was bad: trace the data code instead
-        window = auditor.window = DataWindow(spec.step, OpTracer, spec.trace_from)
+        window = auditor.window = DataWindow(spec.step, tracer, spec.trace_from)
         if spec.skip_model:
             skip = window.skip = ModelSkip(spec.step, lambda: auditor.step).install()
         window.start()
     elif spec.before:                 # the value was made before step N's first model call
-        before = auditor.window = BeforeWindow(spec.step, spec.evaluation, OpTracer, spec.skips)
+        before = auditor.window = BeforeWindow(spec.step, spec.evaluation, tracer, spec.skips)
         before.start()
         # The step's loss code recorded as the first run's is: a loss it skipped before
         # backward (an EMA copy's evaluation) is heard, and is the sink.
