@@ -37,6 +37,7 @@ class StepTap:
         self._recorder = LossCodeRecorder()
         self._hooked: dict[int, Any] = {}   # id(module) -> its forward hook's handle
         self._pending: ModelCall | None = None
+        self._frozen: ModelCall | None = None   # a frozen call not yet returned
         self._restore: list = []
         self.muted = False                # nanaudit's own replay calls the model: not heard
         # The current step has made no training call so far (its code is recorded from its
@@ -103,7 +104,7 @@ class StepTap:
         """A micro-batch's outermost module call (before its forward)."""
         if not self.enabled:
             return
-        self._pending = None
+        self._pending = self._frozen = None
         self._code_step = self.opening = False
         if self._recorder.pushed:
             self._recorder.stop()
@@ -113,7 +114,37 @@ class StepTap:
             if id(module) not in self._hooked:    # once per model, removed with the rest
                 self._hooked[id(module)] = module.register_forward_hook(self._returned)
 
+    def frozen_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A module with parameters called without autograd while the step's training call is
+        awaited (a distillation teacher's forward under `no_grad`): kept with its output and
+        the code after it (`StepRecord.frozen_call`), replayed before the training call. The
+        modules it calls are no calls of their own. A call in the loss code (after the
+        training call returned) is recorded as the loss code's ops, as is one in a step recorded
+        from its start (it calls no module)."""
+        recording = self._recorder.code
+        if (not self.enabled or self.muted or self._frozen is not None
+                or self.record.code_window is not None
+                or (recording is not None and not self._frozen_code(recording))
+                or next(module.parameters(), None) is None):
+            return
+        if recording is not None:
+            self._recorder.stop()       # the previous frozen call's code ends here
+        self._frozen = self.record.frozen_call(module, args, kwargs)
+        if id(module) not in self._hooked:
+            self._hooked[id(module)] = module.register_forward_hook(self._returned)
+
+    def _frozen_code(self, code: Any) -> bool:
+        """Whether the code being recorded is a frozen call's (not a training call's)."""
+        last = self.record.frozen_last
+        return last is not None and last.code is code
+
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        frozen = self._frozen
+        if frozen is not None and frozen.module is module:
+            self._frozen = None
+            frozen.output = output
+            self._recorder.start(frozen.code)
+            return
         call = self._pending
         if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
@@ -192,7 +223,7 @@ class StepTap:
 
     def stop(self) -> None:
         """The loss code ended (a model call, an optimizer step, the script's end)."""
-        self._pending = None
+        self._pending = self._frozen = None
         if self._recorder.pushed:   # else there is nothing to stop (most calls: a clean step)
             self._recorder.stop()
 
@@ -200,7 +231,7 @@ class StepTap:
         """The window was checked: drop it (what `stop` does, inline: this runs each step). A
         step that called no module and reached backward: the next step's code is recorded from
         now (a step that calls a module pays one attribute read for this)."""
-        self._pending = None
+        self._pending = self._frozen = None
         if self._recorder.pushed:
             self._recorder.stop()
         code_step = self._code_step and self._code_reached

@@ -284,3 +284,23 @@ def test_a_released_tensors_row_says_released_in_every_format_instead_of_zero_co
     html = renderer_for("html").render(report)
     cells = html.split("<td>mat2</td>", 1)[1].split("</tr>", 1)[0]
     assert ">released</span>" in cells and "<td>0</td>" not in cells
+
+
+def test_a_format_imports_its_own_renderer_alone():
+    # `nanaudit run --json` at its end: the HTML renderer's and the console's imports (pygments,
+    # rich's syntax) are not paid for a format that was not asked for.
+    import subprocess
+    import sys
+    probe = ("import sys; from nanaudit.report.formats import renderer_for; "
+             "kind = type(renderer_for('json')).__name__; "
+             "print(kind, sorted(m for m in ('nanaudit.report.html', 'nanaudit.report.junit', "
+             "'nanaudit.report.markdown', 'nanaudit.report.github', 'nanaudit.report.console', "
+             "'pygments') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split(maxsplit=1) == ["JsonRenderer", "[]\n"]
+    names = {"json": "JsonRenderer", "junit": "JunitRenderer", "github": "GithubRenderer",
+             "markdown": "MarkdownRenderer", "html": "HtmlRenderer"}
+    assert {name: type(renderer_for(name)).__name__ for name in names} == names
+    with pytest.raises(KeyError):
+        renderer_for("yaml")
