@@ -1,0 +1,96 @@
+"""`nanaudit run` on a step that calls no module (a model of raw tensors), the trips beyond a
+loss or gradient that reached backward: the script's own raise in the step's code (its
+`assert torch.isfinite(loss)`, `torch.linalg.cholesky` refusing a NaN matrix) is replayed
+in-process as a module step's is, and a loss the step's code computed and skipped before
+`backward` (`if not torch.isfinite(loss): continue`) is a finding with its op and line."""
+
+from __future__ import annotations
+
+import textwrap
+
+from helpers import line_of
+
+from nanaudit.commands.common import exit_code
+from nanaudit.commands.run import run_script
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+
+def _run(tmp_path, code: str, **options):
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(code))
+    return path, run_script(ScriptTarget(path=str(path)), ScriptOptions(**options))
+
+
+# A logistic regression written by hand (as test_run_code_step.py's); at the bad steps the batch
+# is scaled up so that the sigmoid saturates: log(1 - 1) = -inf. GUARD: the script's own check.
+LOGISTIC = """
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(4))
+    b = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w, b], lr=0.5)
+    for step in range(6):
+        x = torch.randn(32, 4)
+        y = (x[:, 0] > 0).float()
+        if step in BAD:
+            x = x * 1e4
+        x = F.dropout(x, 0.1, training=True)
+        p = torch.sigmoid(x @ w + b)
+        loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+        GUARD
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"w {w.sum().item():.6f}")
+"""
+ASSERT = "assert torch.isfinite(loss), 'the loss went non-finite'"
+
+
+def test_the_scripts_assert_in_a_raw_tensor_step_is_localized_in_process(tmp_path):
+    path, report = _run(tmp_path, LOGISTIC.replace("BAD", "(3,)").replace("GUARD", ASSERT))
+    f = report.finding
+    assert exit_code(report) == 1 and report.error.exception == "AssertionError"
+    assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
+    assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
+    assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
+    assert report.run.rerun is None
+
+
+# A Gaussian process's kernel written by hand: at step 2 the length scale is multiplied by 0,
+# so the kernel's diagonal is 0/0 and `torch.linalg.cholesky` refuses the NaN matrix (it raises
+# in torch's own code: no op of the step's record made the raise, the division made the NaN).
+CHOLESKY = """
+    import torch
+
+    torch.manual_seed(0)
+    log_ls = torch.nn.Parameter(torch.zeros(()))
+    alpha = torch.nn.Parameter(torch.zeros(6))
+    opt = torch.optim.Adam([log_ls, alpha], lr=1e-2)
+    for step in range(4):
+        x = torch.randn(6, 2)
+        y = torch.randn(6)
+        scale = 0.0 if step == 2 else 1.0
+        d2 = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+        k = torch.exp(-d2 / (torch.exp(log_ls) * scale) ** 2) + 1e-3 * torch.eye(6)
+        chol = torch.linalg.cholesky(k)
+        loss = ((chol @ alpha - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_a_cholesky_error_in_a_raw_tensor_step_is_localized_in_process(tmp_path):
+    for keep_going in (False, True):        # an error trip is not skippable: it stops alike
+        path, report = _run(tmp_path, CHOLESKY, keep_going=keep_going)
+        f = report.finding
+        assert exit_code(report) == 1 and "cholesky" in report.error.message
+        assert (f.step, f.where, f.op, f.cause) == (2, "forward", "aten.div.Tensor",
+                                                    "div-by-zero")
+        assert f.source.line == line_of(path, "k = torch.exp(-d2")
+        assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
+        assert report.run.rerun is None
+        if keep_going:
+            assert [(g.step, g.action) for g in report.findings] == [(2, "stopped")]
