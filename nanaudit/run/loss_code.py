@@ -91,6 +91,34 @@ class LossCode:
         return None
 
 
+    def earlier_losses(self) -> list[torch.Tensor]:
+        """A whole step's code that ran its loss line again before its first backward (a loop
+        whose guard skipped a loss: `if not torch.isfinite(loss): continue`): the losses of the
+        earlier passes. Each is a differentiable floating scalar made at a line that made
+        another one later, and read by no later op into a differentiable value (a sum built up
+        over a loop, `loss = loss + ce`, is read by its next term). No tensor is read."""
+        made: dict[tuple[str, int, str], list[tuple[int, torch.Tensor]]] = {}
+        for i, op in enumerate(self.ops):
+            out = op.out
+            if (op.where is not None and isinstance(out, torch.Tensor) and out.numel() == 1
+                    and out.requires_grad and out.is_floating_point()):
+                made.setdefault(op.where, []).append((i, out))
+        candidates = [(i, t) for again in made.values() for i, t in again[:-1]]
+        if not candidates:
+            return []        # the common case: one pass over the ops, no argument read
+        return [t for i, t in candidates if not self._read_later(i, t)]
+
+    def _read_later(self, index: int, tensor: torch.Tensor) -> bool:
+        """An op after `index` took `tensor` and made a differentiable value of it."""
+        for op in self.ops[index + 1:]:
+            if not any(isinstance(o, torch.Tensor) and o.requires_grad
+                       for o in tree_flatten(op.out)[0]):
+                continue
+            if any(t is tensor for t in tree_flatten((op.args, op.kwargs))[0]):
+                return True
+        return False
+
+
 @functools.lru_cache(maxsize=1024)
 def is_user_file(name: str) -> bool:
     path = os.path.abspath(name)

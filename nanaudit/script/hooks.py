@@ -222,7 +222,8 @@ class ScriptHooks:
         return seen
 
     def _loss(self, loss: torch.Tensor) -> None:
-        self.tap.loss(loss)
+        for skipped in self.tap.loss(loss):     # none on the common path
+            self.listener.loss(skipped)
         self.listener.loss(loss)
 
     def _backward_ended(self, raised: bool) -> None:

@@ -139,16 +139,35 @@ class StepTap:
         if self.on_return is not None:
             self.on_return()
 
-    def loss(self, loss: torch.Tensor) -> None:
+    def loss(self, loss: torch.Tensor) -> list[torch.Tensor]:
         """An unscaled loss reaching backward: the current micro-batch's (or the step's code's,
-        when it called no module)."""
+        when it called no module). Returns the non-finite losses the step's code computed
+        before it and skipped (`skipped_code_losses`), which join the step's losses first."""
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
-        elif self._code_step:
-            self._code_reached = True
-            if self.record.code_window is not None:
-                self.record.code_window.losses.append(loss)
+            return []
+        if not self._code_step:
+            return []
+        first, self._code_reached = not self._code_reached, True
+        window = self.record.code_window
+        if window is None:
+            return []
+        skipped = self.skipped_code_losses(window) if first else []
+        window.losses += [*skipped, loss]
+        return skipped
+
+    @staticmethod
+    def skipped_code_losses(window: ModelCall) -> list[torch.Tensor]:
+        """The non-finite losses of earlier passes over a step's code that reached no backward
+        (LossCode.earlier_losses): one host read, only for a step whose code made any."""
+        earlier = window.code.earlier_losses()
+        if not earlier:
+            return []
+        finite = torch.isfinite(torch.stack([t.detach().float() for t in earlier])).tolist()
+        skipped = [t for t, ok in zip(earlier, finite) if not ok]
+        window.skipped = window.skipped or bool(skipped)
+        return skipped
 
     def begin_code(self, opening: bool = False) -> None:
         """A step's start (`opening`: the optimizer built; else the update after a step that

@@ -94,3 +94,65 @@ def test_a_cholesky_error_in_a_raw_tensor_step_is_localized_in_process(tmp_path)
         assert report.run.rerun is None
         if keep_going:
             assert [(g.step, g.action) for g in report.findings] == [(2, "stopped")]
+
+
+SKIP = "if not torch.isfinite(loss):\n            continue"
+
+
+def test_a_loss_a_raw_tensor_step_skipped_before_backward_is_a_finding(tmp_path, capsys):
+    # Iteration 3's loss is -inf and skipped: the optimizer's step 3 is iteration 4's, and
+    # its window's code ran the loss line twice before backward.
+    path, report = _run(tmp_path, LOGISTIC.replace("BAD", "(3,)").replace("GUARD", SKIP))
+    f = report.finding
+    assert exit_code(report) == 1 and report.error is None
+    assert (f.step, f.where, f.op, f.cause) == (3, "forward", "aten.log.default", "log-domain")
+    assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
+    assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
+    assert "skipped it before backward" in f.explanation
+
+
+def test_keep_going_names_each_loss_a_raw_tensor_step_skipped(tmp_path, capsys):
+    # Iterations 1 and 4 skip their loss: the optimizer's steps 1 and 3 hold them. The guard
+    # left the bad losses out already, so those steps' updates (the next batches') apply.
+    path, report = _run(tmp_path, LOGISTIC.replace("BAD", "(1, 4)").replace("GUARD", SKIP),
+                        keep_going=True)
+    assert exit_code(report) == 1 and report.error is None
+    assert "w " in capsys.readouterr().out           # the script went on to its end
+    assert [f.step for f in report.findings] == [1, 3]
+    for f in report.findings:
+        assert (f.op, f.cause, f.action) == ("aten.log.default", "log-domain", "skipped")
+        assert f.localized_by == "in-process"
+        assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
+
+
+# A loss summed over a loop inside the step (a recurrent model's per-time-step terms): its line
+# makes a differentiable scalar on each pass, each read by the next term; none was skipped. At
+# step 1 a term is log(0): the sum reaching backward is -inf, a loss trip like any other.
+SUMMED = """
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 3) * 0.1)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(3):
+        xs = torch.randn(5, 4, 3)
+        h = torch.zeros(4, 3)
+        loss = torch.zeros(())
+        for t, x in enumerate(xs):
+            h = torch.tanh(x + h @ w)
+            scale = 0.0 if (step, t) == (1, 2) else 1.0
+            loss = loss + torch.log(h.pow(2).mean() * scale)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_a_loss_summed_over_a_loop_in_the_step_is_no_skipped_loss(tmp_path):
+    path, report = _run(tmp_path, SUMMED)
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.op, f.cause) == (1, "forward", "aten.log.default", "log-domain")
+    assert f.source.line == line_of(path, "loss = loss + torch.log(")
+    assert f.localized_by == "in-process"
+    assert "skipped" not in f.explanation
