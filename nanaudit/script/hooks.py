@@ -267,7 +267,7 @@ class ScriptHooks:
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
-            tap.begin_code(opening=True)    # the first step's start, should it call no module
+            tap.built(optimizer)    # the first step's start, should it call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

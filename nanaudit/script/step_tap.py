@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class StepTap:
         # start: `begin_code`), and a loss of it reached backward; `opening`: its window opened
         # at the optimizer's construction, before the script was seen to step.
         self._code_step = self._code_reached = self.opening = False
+        self._optimizers: list[weakref.ref] = []    # those the script built (weakly)
 
     def install(self) -> None:
         if not self.enabled:
@@ -183,16 +185,32 @@ class StepTap:
         if not _stack_depth():
             self._recorder.start(self.record.begin_code().code)
 
+    def built(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer was constructed: the first step's start, should it call no module."""
+        if self.enabled:
+            self._optimizers.append(weakref.ref(optimizer))
+        self.begin_code(opening=True)
+
     def untrained_call(self, module: torch.nn.Module) -> None:
         """A module call that is no training forward (under `no_grad`), in the window opened at
-        the optimizer's construction: an evaluation before training (Lightning's sanity check)
-        whose activations a recording would keep; the window is dropped. A step whose own code
-        calls a frozen module so is recorded from its next step on."""
+        the optimizer's construction. Of a model an optimizer trains, it is an evaluation
+        before training (Lightning's sanity check) whose activations a recording would keep:
+        the window is dropped. Of a module no optimizer holds (a frozen encoder whose features
+        a head of raw tensors trains on), it is part of the step, recorded with it."""
         if self.record.code_window is None or next(module.parameters(), None) is None:
             return                  # a parameterless module: a step's own ReLU
+        if not self._trained_by_optimizer(module):
+            return
         self.opening = False
         self.record.code_window = None
         self.stop()
+
+    def _trained_by_optimizer(self, module: torch.nn.Module) -> bool:
+        """An optimizer built so far holds a parameter of `module` (read in the opening window
+        only, once per call under `no_grad` until the window ends)."""
+        held = {id(p) for ref in self._optimizers if (optimizer := ref()) is not None
+                for group in optimizer.param_groups for p in group["params"]}
+        return any(id(p) in held for p in module.parameters())
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated

@@ -2,12 +2,15 @@
 loss or gradient that reached backward: the script's own raise in the step's code (its
 `assert torch.isfinite(loss)`, `torch.linalg.cholesky` refusing a NaN matrix) is replayed
 in-process as a module step's is, and a loss the step's code computed and skipped before
-`backward` (`if not torch.isfinite(loss): continue`) is a finding with its op and line."""
+`backward` (`if not torch.isfinite(loss): continue`) is a finding with its op and line; a
+frozen encoder's call under `no_grad` is part of the step (not an evaluation before training),
+so its first step is recorded too."""
 
 from __future__ import annotations
 
 import textwrap
 
+import pytest
 from helpers import line_of
 
 from nanaudit.commands.common import exit_code
@@ -156,3 +159,50 @@ def test_a_loss_summed_over_a_loop_in_the_step_is_no_skipped_loss(tmp_path):
     assert f.source.line == line_of(path, "loss = loss + torch.log(")
     assert f.localized_by == "in-process"
     assert "skipped" not in f.explanation
+
+
+# A frozen encoder called under no_grad (no optimizer holds its weights), a head of raw tensors
+# trained by Adam; the loss divides by a count of the batch's positives, none at step 0. The
+# encoder's call is part of the step, not an evaluation before training: step 0 is recorded
+# from the optimizer's construction like any other.
+FROZEN_STEP_0 = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+    head = torch.zeros(16, 1, requires_grad=True)
+    opt = torch.optim.Adam([head], lr=1e-2)
+    for step in range(3):
+        x = torch.randn(16, 8)
+        y = torch.zeros(16) if step == 0 else (x[:, 0] > 0).float()
+        with torch.no_grad():
+            features = encoder(x)
+        score = (features @ head).squeeze(1)
+        loss = ((score - y) ** 2 * y).sum() / y.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+# ... after an evaluation of the head on the frozen features before training (the call that
+# used to end the first step's recording, as an evaluation of a trained model does).
+EVALUATED_FIRST = FROZEN_STEP_0.replace("    for step in range(3):\n", """\
+    with torch.no_grad():
+        for _ in range(2):
+            print("val", (encoder(torch.randn(4, 8)) @ head).mean().item())
+    for step in range(3):
+""")
+
+
+@pytest.mark.parametrize("script", [FROZEN_STEP_0, EVALUATED_FIRST], ids=["plain", "evaluated"])
+def test_a_frozen_encoders_first_step_is_localized_in_process(tmp_path, script):
+    assert script.count("encoder(") == (1 if script is FROZEN_STEP_0 else 2)
+    path, report = _run(tmp_path, script)
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.op, f.cause) == (0, "forward", "aten.div.Tensor", "div-by-zero")
+    assert f.source.line == line_of(path, "loss = ((score - y)")
+    assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
+    assert report.run.rerun is None
