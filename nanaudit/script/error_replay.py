@@ -34,6 +34,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.code_batch import step_batch
 from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
@@ -46,7 +47,6 @@ from nanaudit.script.inprocess import (
     timed_replay,
     window_params,
 )
-from nanaudit.script.step_values import leading_size
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip, nonfinite_locals
 
@@ -151,6 +151,7 @@ def _named(tracer: OpTracer, sink: torch.Tensor, last: ModelCall, trip: ScriptTr
     loc = walk_raised(tracer, sink, timeline)
     if not loc.reproduced or loc.event is None:
         return None, ops, "the in-process replay named no op that made the value"
-    finding = finding_at(tracer, loc, trip.step, None, leading_size(last.args, last.kwargs))
+    batch = step_batch(last)
+    finding = batch.told(finding_at(tracer, loc, trip.step, None, batch.size))
     finding.tensor = trip.tensors[0] if trip.tensors else None    # the frame's, as the run saw
     return finding, ops, event_precision(loc.event)

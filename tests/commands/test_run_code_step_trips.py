@@ -112,6 +112,7 @@ def test_a_loss_a_raw_tensor_step_skipped_before_backward_is_a_finding(tmp_path,
     assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
     assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
     assert "skipped it before backward" in f.explanation
+    assert f.sample_search.batch_size == 32 and 0 < len(f.samples) < 32   # the saturated rows
 
 
 def test_keep_going_names_each_loss_a_raw_tensor_step_skipped(tmp_path, capsys):
@@ -206,3 +207,47 @@ def test_a_frozen_encoders_first_step_is_localized_in_process(tmp_path, script):
     assert f.source.line == line_of(path, "loss = ((score - y)")
     assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
     assert report.run.rerun is None
+
+
+# A DataLoader over a data set whose row 37 is all zero: without shuffling, step 4's batch
+# holds it at row 5, where sqrt's derivative at 0 is inf (x 0 = NaN).
+LOADER = """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = torch.randn(64, 4)
+    data[37] = 0.0
+    loader = DataLoader(TensorDataset(data, torch.randn(64)), batch_size=8)
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([w], lr=0.01)
+    for x, target in loader:
+        loss = (torch.sqrt((x @ w) ** 2) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_a_raw_tensor_steps_rows_are_counted_in_the_batch_it_read(tmp_path):
+    path, report = _run(tmp_path, LOADER)
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.cause) == (4, "backward", "sqrt-domain")
+    assert f.source.line == line_of(path, "loss = (torch.sqrt(")
+    assert f.localized_by == "in-process"
+    assert f.samples == [5] and f.sample_search.batch_size == 8
+
+
+def test_a_raw_tensor_step_whose_batch_is_not_known_says_so(tmp_path):
+    # A constant (3, 1) projection read beside the (8, ...) batch: two leading sizes, which is
+    # the batch is not known, so no rows are counted.
+    path, report = _run(tmp_path, LOADER.replace(
+        "torch.randn(4))", "torch.randn(4, 3))\n    project = torch.ones(3, 1)").replace(
+        "(x @ w) ** 2", "(x @ w @ project).squeeze(1) ** 2"))
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.cause) == (4, "backward", "sqrt-domain")
+    assert f.localized_by == "in-process" and f.samples is None
+    assert f.sample_search.batch_size is None
+    assert "leading sizes 3, 8" in f.sample_search.note
