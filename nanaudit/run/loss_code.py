@@ -97,26 +97,37 @@ class LossCode:
         earlier passes. Each is a differentiable floating scalar made at a line that made
         another one later, and read by no later op into a differentiable value (a sum built up
         over a loop, `loss = loss + ce`, is read by its next term). No tensor is read."""
+        candidates = [(i, t) for again in self._scalars().values() for i, t in again[:-1]]
+        if not candidates:
+            return []        # the common case: one pass over the ops, no argument read
+        return self._unread(candidates)
+
+    def dead_losses(self) -> list[torch.Tensor]:
+        """Every differentiable floating scalar the code made and no later op read into a
+        differentiable value, in the order made: a step's code that reached no backward at
+        all (its loop's last pass skipped its loss, then the script ended)."""
+        made = sorted((pair for again in self._scalars().values() for pair in again),
+                      key=lambda pair: pair[0])
+        return self._unread(made) if made else []
+
+    def _scalars(self) -> dict[tuple[str, int, str], list[tuple[int, torch.Tensor]]]:
+        """The differentiable floating scalars the ops made, by the user's line: (index, it)."""
         made: dict[tuple[str, int, str], list[tuple[int, torch.Tensor]]] = {}
         for i, op in enumerate(self.ops):
             out = op.out
             if (op.where is not None and isinstance(out, torch.Tensor) and out.numel() == 1
                     and out.requires_grad and out.is_floating_point()):
                 made.setdefault(op.where, []).append((i, out))
-        candidates = [(i, t) for again in made.values() for i, t in again[:-1]]
-        if not candidates:
-            return []        # the common case: one pass over the ops, no argument read
-        return [t for i, t in candidates if not self._read_later(i, t)]
+        return made
 
-    def _read_later(self, index: int, tensor: torch.Tensor) -> bool:
-        """An op after `index` took `tensor` and made a differentiable value of it."""
-        for op in self.ops[index + 1:]:
-            if not any(isinstance(o, torch.Tensor) and o.requires_grad
-                       for o in tree_flatten(op.out)[0]):
-                continue
-            if any(t is tensor for t in tree_flatten((op.args, op.kwargs))[0]):
-                return True
-        return False
+    def _unread(self, made: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """Those of `made` no op read into a differentiable value (a tensor is read only after
+        it was made, and the record keeps each alive: ids are unique)."""
+        read = {id(t) for op in self.ops
+                if any(isinstance(o, torch.Tensor) and o.requires_grad
+                       for o in tree_flatten(op.out)[0])
+                for t in tree_flatten((op.args, op.kwargs))[0]}
+        return [t for _i, t in made if id(t) not in read]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -171,7 +171,8 @@ def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[Mode
     record = auditor.hooks.tap.record
     calls = record.calls
     code = record.code_window
-    if not calls and code is not None and (code.code.roots or code.code.overflowed):
+    if not calls and code is not None and (code.code.roots or code.code.overflowed
+                                           or code.skipped):
         calls = [code]              # a step that called no module: its code alone
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")

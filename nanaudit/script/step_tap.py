@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
+from nanaudit.script.code_window import earlier_skipped, last_skipped, trained_by
 
 _stack_depth = torch._C._len_torch_function_stack
 
@@ -155,20 +156,8 @@ class StepTap:
         window = self.record.code_window
         if window is None:
             return []
-        skipped = self.skipped_code_losses(window) if first else []
+        skipped = earlier_skipped(window) if first else []
         window.losses += [*skipped, loss]
-        return skipped
-
-    @staticmethod
-    def skipped_code_losses(window: ModelCall) -> list[torch.Tensor]:
-        """The non-finite losses of earlier passes over a step's code that reached no backward
-        (LossCode.earlier_losses): one host read, only for a step whose code made any."""
-        earlier = window.code.earlier_losses()
-        if not earlier:
-            return []
-        finite = torch.isfinite(torch.stack([t.detach().float() for t in earlier])).tolist()
-        skipped = [t for t, ok in zip(earlier, finite) if not ok]
-        window.skipped = window.skipped or bool(skipped)
         return skipped
 
     def begin_code(self, opening: bool = False) -> None:
@@ -199,18 +188,11 @@ class StepTap:
         a head of raw tensors trains on), it is part of the step, recorded with it."""
         if self.record.code_window is None or next(module.parameters(), None) is None:
             return                  # a parameterless module: a step's own ReLU
-        if not self._trained_by_optimizer(module):
+        if not trained_by(self._optimizers, module):
             return
         self.opening = False
         self.record.code_window = None
         self.stop()
-
-    def _trained_by_optimizer(self, module: torch.nn.Module) -> bool:
-        """An optimizer built so far holds a parameter of `module` (read in the opening window
-        only, once per call under `no_grad` until the window ends)."""
-        held = {id(p) for ref in self._optimizers if (optimizer := ref()) is not None
-                for group in optimizer.param_groups for p in group["params"]}
-        return any(id(p) in held for p in module.parameters())
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -218,6 +200,9 @@ class StepTap:
         One host read, only after a forward that had no backward. A bad one joins the
         micro-batch's losses: the step's check reads it, the replay verifies it."""
         last = self.record.last
+        if self.enabled and last is None:   # a step that calls no module, at the script's end
+            window = self.record.code_window
+            return last_skipped(window) if window is not None and self._code_step else None
         if not self.enabled or last is None or last.losses or last.output is None:
             return None
         loss = last.code.skipped_loss()

@@ -129,6 +129,17 @@ def test_keep_going_names_each_loss_a_raw_tensor_step_skipped(tmp_path, capsys):
         assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
 
 
+def test_a_loss_the_last_pass_of_a_raw_tensor_loop_skipped_is_a_finding(tmp_path):
+    # Iteration 5, the last, skips its loss: no backward follows it, the script ends. The
+    # script's final `w.sum()` (finite, never differentiated either) is no finding.
+    path, report = _run(tmp_path, LOGISTIC.replace("BAD", "(5,)").replace("GUARD", SKIP))
+    f = report.finding
+    assert exit_code(report) == 1 and report.error is None
+    assert (f.step, f.where, f.op, f.cause) == (5, "forward", "aten.log.default", "log-domain")
+    assert f.source.line == line_of(path, "loss = -(y * torch.log(p)")
+    assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
+
+
 # A loss summed over a loop inside the step (a recurrent model's per-time-step terms): its line
 # makes a differentiable scalar on each pass, each read by the next term; none was skipped. At
 # step 1 a term is log(0): the sum reaching backward is -inf, a loss trip like any other.
