@@ -8,46 +8,17 @@ so its first step is recorded too."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 from helpers import line_of
+from test_run_code_step import FROZEN_ENCODER, _run
+from test_run_code_step import LOGISTIC as CODE_STEP_LOGISTIC
 
 from nanaudit.commands.common import exit_code
-from nanaudit.commands.run import run_script
-from nanaudit.script.target import ScriptOptions, ScriptTarget
 
-
-def _run(tmp_path, code: str, **options):
-    path = tmp_path / "train.py"
-    path.write_text(textwrap.dedent(code))
-    return path, run_script(ScriptTarget(path=str(path)), ScriptOptions(**options))
-
-
-# A logistic regression written by hand (as test_run_code_step.py's); at the bad steps the batch
-# is scaled up so that the sigmoid saturates: log(1 - 1) = -inf. GUARD: the script's own check.
-LOGISTIC = """
-    import torch
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.zeros(4))
-    b = torch.nn.Parameter(torch.zeros(()))
-    opt = torch.optim.SGD([w, b], lr=0.5)
-    for step in range(6):
-        x = torch.randn(32, 4)
-        y = (x[:, 0] > 0).float()
-        if step in BAD:
-            x = x * 1e4
-        x = F.dropout(x, 0.1, training=True)
-        p = torch.sigmoid(x @ w + b)
-        loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
-        GUARD
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    print(f"w {w.sum().item():.6f}")
-"""
+# test_run_code_step.py's logistic regression written by hand: at the bad steps the batch is
+# scaled up so that the sigmoid saturates, log(1 - 1) = -inf. GUARD: the script's own check.
+LOGISTIC = CODE_STEP_LOGISTIC.replace("        opt.zero_grad()\n",
+                                      "        GUARD\n        opt.zero_grad()\n")
 ASSERT = "assert torch.isfinite(loss), 'the loss went non-finite'"
 
 
@@ -173,29 +144,12 @@ def test_a_loss_summed_over_a_loop_in_the_step_is_no_skipped_loss(tmp_path):
     assert "skipped" not in f.explanation
 
 
-# A frozen encoder called under no_grad (no optimizer holds its weights), a head of raw tensors
-# trained by Adam; the loss divides by a count of the batch's positives, none at step 0. The
+# test_run_code_step.py's frozen encoder called under no_grad (no optimizer holds its weights),
+# a head of raw tensors trained by Adam; the loss divides by a count of the batch's positives,
+# none at step 0. The
 # encoder's call is part of the step, not an evaluation before training: step 0 is recorded
 # from the optimizer's construction like any other.
-FROZEN_STEP_0 = """
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
-    head = torch.zeros(16, 1, requires_grad=True)
-    opt = torch.optim.Adam([head], lr=1e-2)
-    for step in range(3):
-        x = torch.randn(16, 8)
-        y = torch.zeros(16) if step == 0 else (x[:, 0] > 0).float()
-        with torch.no_grad():
-            features = encoder(x)
-        score = (features @ head).squeeze(1)
-        loss = ((score - y) ** 2 * y).sum() / y.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-"""
+FROZEN_STEP_0 = FROZEN_ENCODER.replace("step == 2", "step == 0").replace("range(5)", "range(3)")
 
 
 # ... after an evaluation of the head on the frozen features before training (the call that
