@@ -146,9 +146,8 @@ def test_a_loss_summed_over_a_loop_in_the_step_is_no_skipped_loss(tmp_path):
 
 # test_run_code_step.py's frozen encoder called under no_grad (no optimizer holds its weights),
 # a head of raw tensors trained by Adam; the loss divides by a count of the batch's positives,
-# none at step 0. The
-# encoder's call is part of the step, not an evaluation before training: step 0 is recorded
-# from the optimizer's construction like any other.
+# none at step 0. The encoder's call is part of the step, not an evaluation before training:
+# step 0 is recorded from the optimizer's construction like any other.
 FROZEN_STEP_0 = FROZEN_ENCODER.replace("step == 2", "step == 0").replace("range(5)", "range(3)")
 
 
