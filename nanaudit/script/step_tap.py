@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -142,20 +143,21 @@ class StepTap:
         if self.on_return is not None:
             self.on_return()
 
-    def loss(self, loss: torch.Tensor) -> list[torch.Tensor]:
+    def loss(self, loss: torch.Tensor) -> Sequence[torch.Tensor]:
         """An unscaled loss reaching backward: the current micro-batch's (or the step's code's,
         when it called no module). Returns the non-finite losses the step's code computed
-        before it and skipped (`skipped_code_losses`), which join the step's losses first."""
+        before it and skipped (code_window.earlier_skipped), which join the step's losses
+        first; none (a shared empty tuple, nothing made) for a step that calls a module."""
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
-            return []
+            return ()
         if not self._code_step:
-            return []
+            return ()
         first, self._code_reached = not self._code_reached, True
         window = self.record.code_window
         if window is None:
-            return []
+            return ()
         skipped = earlier_skipped(window) if first else []
         window.losses += [*skipped, loss]
         return skipped
