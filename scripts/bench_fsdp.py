@@ -99,8 +99,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list, nproc: int, timeout_s: float = 600) -> float:
-    """Run `python ARGV` as `nproc` ranks (torchrun's environment); seconds to the last exit."""
+def launch(argv: list, nproc: int, timeout_s: float = 600, expect: int = 0) -> float:
+    """Run `python ARGV` as `nproc` ranks (torchrun's environment); seconds to the last exit.
+    A rank that exits other than `expect` is an error."""
     port = _free_port()
     started = time.perf_counter()
     procs = []
@@ -112,7 +113,7 @@ def launch(argv: list, nproc: int, timeout_s: float = 600) -> float:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     for proc in procs:
         _, err = proc.communicate(timeout=timeout_s)
-        if proc.returncode != 0:
+        if proc.returncode != expect:
             raise RuntimeError(f"a rank exited {proc.returncode}: {err.decode()[-2000:]}")
     return time.perf_counter() - started
 

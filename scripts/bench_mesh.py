@@ -16,6 +16,17 @@ issued per step on every process group (each group's sequence number as the scri
 
     python scripts/bench_mesh.py                  # both layouts, 5 rounds x 20 steps
     python scripts/bench_mesh.py --quick          # a smoke run
+
+`--trip N [N ...]`: the time from a trip to the report instead. At step N the last rank's
+batch has a zero row under a `sqrt` of each row's length (backward-only: its gradient is NaN
+and reaches that rank's own gradients before FSDP's reduce-scatter), and each variant runs the
+script to it, interleaved round by round: `plain` (the script alone, stopped after step N),
+`run` (`nanaudit run`: every rank replays step N together, in-process) and `rerun` (the same
+with `--rerun`: every rank runs the script again from the start). Reported per N: each
+variant's whole-launch wall time (median), run / plain, and the localization's own duration
+from rank 0's report.
+
+    python scripts/bench_mesh.py --trip 20 200 --rounds 1
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--layout", choices=["hsdp", "fsdp-tp"], default="hsdp")
 parser.add_argument("--times")
+parser.add_argument("--bad", type=int, default=-1)
 args = parser.parse_args()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,7 +102,12 @@ times, cpu = [], []
 for step in range(args.steps):
     started, started_cpu = time.perf_counter(), time.process_time()
     x = torch.randn(16, 128, generator=g)
-    loss = (model(x) - x[:, :1]).pow(2).mean()
+    out = model(x)
+    loss = (out - x[:, :1]).pow(2).mean()
+    if step == args.bad:
+        keep = torch.ones(16, 1)
+        keep[0] = 0 if rank == world - 1 else 1
+        loss = loss + 1e-3 * torch.sqrt((out * keep).pow(2).sum(1)).sum()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -147,6 +164,37 @@ def bench(script: Path, layout: str, rounds: int, steps: int, folder: Path) -> d
     return result
 
 
+def trip_run(script: Path, variant: str, layout: str, bad: int, folder: Path) -> tuple:
+    """(whole-launch seconds, rank 0's localization seconds or None) of one variant."""
+    report = folder / "report.json"
+    script_args = [str(script), "--steps", str(bad + 1), "--layout", layout, "--bad", str(bad)]
+    options = {"plain": None, "run": [], "rerun": ["--rerun"]}[variant]
+    if options is None:
+        return launch(script_args, RANKS), None
+    wall = launch(["-m", "nanaudit", "run", "-q", *options, "--json", str(report),
+                   *script_args], RANKS, expect=1)
+    body = json.loads(report.read_text())
+    finding, run = body["finding"], body["run"]
+    assert (finding["step"], finding["cause"], finding["localized_by"]) == (
+        bad, "sqrt-domain", "in-process" if variant == "run" else "re-run"), finding
+    return wall, run["rerun" if variant == "rerun" else "replay"]["duration_s"]
+
+
+def trips(script: Path, layout: str, rounds: int, bads: list[int], folder: Path) -> dict:
+    """`--trip`: per bad step, each variant's median wall, run / plain, the localization."""
+    result: dict = {}
+    for bad in bads:
+        runs: dict = {"plain": [], "run": [], "rerun": []}
+        for _ in range(rounds):
+            for variant in runs:
+                runs[variant].append(trip_run(script, variant, layout, bad, folder))
+        med = {v: round(statistics.median(w for w, _ in r), 2) for v, r in runs.items()}
+        result[bad] = {"wall_s": med, "run_over_plain": round(med["run"] / med["plain"], 3),
+                       "localization_s": {v: round(statistics.median(d for _, d in r), 3)
+                                          for v, r in runs.items() if v != "plain"}}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -154,6 +202,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layout", choices=["hsdp", "fsdp-tp", "both"], default="both")
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--trip", type=int, nargs="+", metavar="N",
+                        help="time a trip at step N to the report instead (see above)")
     args = parser.parse_args()
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     layouts = ["hsdp", "fsdp-tp"] if args.layout == "both" else [args.layout]
@@ -163,7 +213,8 @@ def main() -> None:
         script = folder / "train_mesh.py"
         script.write_text(textwrap.dedent(SCRIPT))
         for layout in layouts:
-            results[layout] = bench(script, layout, rounds, steps, folder)
+            results[layout] = (trips(script, layout, rounds, args.trip, folder) if args.trip
+                               else bench(script, layout, rounds, steps, folder))
             print(layout, json.dumps(results[layout]))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(results, indent=2) + "\n")

@@ -95,35 +95,48 @@ def rank_reports(out: Path, nproc: int) -> list:
 
 
 def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, list]:
-    """Start `python ARGV...` as `nproc` ranks with torchrun's environment
-    variables (env:// rendezvous on a free port); return each rank's exit code and
-    (stdout, stderr). Every rank is killed past `timeout_s`: no test hangs.
+    """Start `python ARGV...` as `nproc` ranks with torchrun's environment variables (env://
+    rendezvous on a free port); return each rank's exit code and (stdout, stderr). The ranks
+    are forks of one interpreter that imported torch once (forked_ranks.py: a rank started
+    apart pays its own import, seconds of CPU). Every rank is killed past `timeout_s`: no test
+    hangs.
 
-    Each rank pays an interpreter and a torch import (seconds of CPU): where several runs
-    can share the ranks, give them one launch (tests/e2e/count_collectives.py's `--then`
-    runs command lines in turn in the same processes, each at its own `free_port()`)."""
+    Where several runs can share the ranks, give them one launch (tests/e2e/
+    count_collectives.py's `--then` runs command lines in turn in the same processes, each at
+    its own `free_port()`)."""
     import os
+    import signal
     import subprocess
-    import sys
+    import tempfile
     port = free_port()
-    procs = []
+    envs = []
     for rank in range(nproc):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc)}
         env.pop("GITHUB_ACTIONS", None)
-        procs.append(subprocess.Popen([sys.executable, *map(str, argv)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout_s))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return [proc.returncode for proc in procs], outputs
+        envs.append(env)
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        spec = os.path.join(folder, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"argv": list(map(str, argv)), "envs": envs, "outputs": folder}, f)
+        parent = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forked_ranks.py"), spec],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        try:
+            out, err = parent.communicate(timeout=timeout_s)
+        finally:
+            if parent.poll() is None:
+                os.killpg(parent.pid, signal.SIGKILL)     # the parent and every rank
+                parent.wait()
+        assert parent.returncode == 0, err
+        outputs = []
+        for rank in range(nproc):
+            with open(os.path.join(folder, f"{rank}.out")) as o, \
+                    open(os.path.join(folder, f"{rank}.err")) as e:
+                outputs.append((o.read(), e.read()))
+    return json.loads(out.splitlines()[-1]), outputs
 
 
 def wait_for(path, proc, timeout: float = 60) -> None:

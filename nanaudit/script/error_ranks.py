@@ -62,8 +62,8 @@ def forward_alone(ranks: RankChecks, calls: list) -> bool:
                             "peers wait in")
     layout = not_replayed_here(ranks)
     if layout is None and replayed_together(ranks):
-        layout = ("under FSDP2 the replay's forward all-gathers the weights with every rank, "
-                  "and the peers are blocked in another collective")
+        layout = ("under FSDP2 or tensor parallel the replay's forward joins collectives "
+                  "with every rank, and the peers are blocked in another collective")
     if layout is None:
         return True
     why = _output_refusal(calls[-1].output)

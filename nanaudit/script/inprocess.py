@@ -10,7 +10,7 @@ tripped) before it names anything; when it does not, or cannot run, it says why 
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
 as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun the
 rank that made the value replays its own step on its local module (DDP), or every rank replays
-the step together (FSDP2), and every rank gets the finding (rank_replay.py).
+it together (FSDP2, HSDP, tensor parallel), and every rank gets the finding (rank_replay.py).
 
 A compiled model's step call is replayed eagerly (the module's own `_call_impl`, its output
 heard as the compiled call returned, compiled_calls.py); a loss the eager replay does not
@@ -137,7 +137,6 @@ def bad_step_finding(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> 
     replay, localized = localize_in_process(auditor, options, trip, auditor.timeline)
     if localized is not None:
         localized = adopt(localized, trip)
-        localized.element = localized.element or trip.element
         return _linked(auditor, localized, trip, replay.precision if replay else None)
     why = (replay.note if replay is not None and replay.note else
            "the batch was non-finite before the model got it: only a re-run traces the data "
@@ -169,8 +168,7 @@ def adopt(finding: Finding, trip: ScriptTrip) -> Finding:
 def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[ModelCall]:
     replay_allowed(options)
     record = auditor.hooks.tap.record
-    calls = record.calls
-    code = record.code_window
+    calls, code = record.calls, record.code_window
     if not calls and code is not None and (code.code.roots or code.code.overflowed
                                            or code.skipped):
         calls = [code]              # a step that called no module: its code alone
@@ -244,7 +242,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         # A loss trip is walked back from the first non-finite loss, made in forward: the
         # backward after it and the micro-batches after it made nothing earlier, and tracing
         # them costs several steps on a large model (every op after the value goes bad reads
-        # its tensors' kinds). FSDP2's ranks replay together: their collectives need it all.
+        # its tensors' kinds). Ranks that replay together run it all: their collectives do.
         stop = trip.check == Check.LOSS and not replayed_together(auditor.ranks)
         try:
             with tracer:
@@ -390,5 +388,6 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
     before = made_before_window(tracer, loc, calls, trip.step)
     if before is not None:
         raise MadeBefore(before, ops)
-    finding = batch.told(finding_at(tracer, loc, trip.step, names, batch.size))
-    return finding, ops, event_precision(loc.event)
+    found = batch.told(finding_at(tracer, loc, trip.step, names, batch.size))
+    found.element = found.element or trip.element    # this rank's own, before any gather
+    return found, ops, event_precision(loc.event)

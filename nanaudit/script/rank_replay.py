@@ -1,22 +1,25 @@
 """`nanaudit run`'s in-process replay under torchrun. DDP: the rank that made the value replays
 its own step on its local module (the DDP wrapper's `.module`: no gradient all-reduce, no peer
 waited on), so its gradients are its own, from before the reduction that mixed them into every
-rank's. FSDP2 (one data-parallel mesh dimension): every rank replays the same step together,
-since each forward all-gathers the weights and each backward reduce-scatters the gradients with
-every peer; the step's own reduce-scatter wrapper (run/sharded.PreReduceFlags) keeps each
-rank's own gradients before the reduce-scatter as the values its walk starts from, and a walk
-that ends at a collective is a peer's value (localize/sharded_replay.made_here), as in the
-re-run. Then every rank gets the finding through the rendezvous store, bounded by the
+rank's. FSDP2, HSDP and tensor parallel (any device mesh, one dimension or two): every rank
+replays the same step together, since each forward all-gathers the weights (or all-reduces TP's
+partial sums) and each backward reduce-scatters the gradients with every peer; the step's own
+reduce-scatter wrapper (run/sharded.PreReduceFlags) keeps each rank's own gradients before the
+reduce-scatter as the values its walk starts from (tensor parallel alone: the gradients as the
+step left them), and a walk that ends at a collective (TP's all-reduce of a peer's partial
+sums, or of an input gradient) is a peer's value (localize/sharded_replay.made_here), as in
+the re-run. Then every rank gets the finding through the rendezvous store, bounded by the
 distributed timeout (a peer that died is a DistributedError, exit 8, never a hang).
 
 When the step's flags named no rank (DDP's gradients are checked as reduced: each rank's own
 are not flagged), every rank replays its own step, and the one whose replay traced the value to
 its own op is the origin (`origin_entry`, the rule scan uses). The decision to fall back to the
-re-run is taken from the gathered entries, so every rank takes it alike; under FSDP2 whether to
-replay at all is gathered first (one rank that cannot would leave its peers in a collective).
+re-run is taken from the gathered entries, so every rank takes it alike; when the ranks replay
+together whether to replay at all is gathered first (one rank that cannot would leave its peers
+in a collective).
 
-DeepSpeed ZeRO and meshes of more than one dimension (HSDP, tensor parallel) are not replayed
-here: they keep the re-run together."""
+DeepSpeed ZeRO is not replayed here (its forward gathers every rank's partition of the weights
+through hooks of its own): it keeps the re-run together."""
 
 from __future__ import annotations
 
@@ -42,9 +45,9 @@ def local_module(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def replayed_together(ranks: RankChecks | None) -> bool:
-    """FSDP2 over one mesh dimension: every rank replays the step at once."""
-    return ranks is not None and bool(ranks.fsdp) and (
-        ranks.mesh is None or len(ranks.mesh.shape) == 1)
+    """FSDP2, HSDP, tensor parallel: every rank replays the step at once (its forward
+    gathers, or all-reduces partial sums, with its peers)."""
+    return ranks is not None and (bool(ranks.fsdp) or ranks.mesh is not None)
 
 
 def not_replayed_here(ranks: RankChecks) -> str | None:
@@ -52,9 +55,6 @@ def not_replayed_here(ranks: RankChecks) -> str | None:
     if ranks.sharded and not ranks.fsdp:
         return ("the in-process replay is not built for DeepSpeed ZeRO, whose forward gathers "
                 "every rank's partition of the weights")
-    if ranks.mesh is not None and not replayed_together(ranks):
-        return ("the in-process replay is not built for a device mesh of several dimensions "
-                "(HSDP, tensor parallel), whose forward joins its peers' collectives")
     return None
 
 
@@ -102,9 +102,8 @@ def own_gradient(ranks: RankChecks | None, reduced: torch.Tensor) -> torch.Tenso
     """The gradient a rank's replay walks back from: under FSDP2 the first non-finite input of
     its reduce-scatters, its own (None: its own were finite, the value came from a peer);
     elsewhere `reduced` (DDP's local module reduces nothing)."""
-    if not replayed_together(ranks):
+    if ranks is None or not ranks.fsdp:
         return reduced
-    assert ranks is not None
     return own_sink(ranks.flags)
 
 

@@ -36,6 +36,8 @@ def merge_ranks(checks: RankChecks, report: Report, origin: int | None) -> None:
         report.status = Status.NONFINITE     # every rank stops on the value, and says so
         if report.run is not None and chosen[2] is not None:
             report.run.rerun = chosen[2]
+    for finding in report.findings:      # --keep-going: every bad step's, named alike
+        name_on_mesh(checks.mesh, finding)
     section = checks.coord.describe()
     section.ranks = [status for status, _, _ in gathered]
     section.note = checks.note or section.note      # DeepSpeed asked for, dropped

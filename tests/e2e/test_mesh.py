@@ -18,9 +18,9 @@ COUNT = ROOT / "tests" / "e2e" / "count_collectives.py"
 RANKS, STEPS = 4, 5
 
 
-def run(tmp_path, layout, fault):
+def run(tmp_path, layout, fault, *options):
     out = tmp_path / "report.json"
-    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--json", out, SCRIPT,
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", *options, "--json", out, SCRIPT,
                                    "--layout", layout, "--fault", fault], nproc=RANKS,
                                   timeout_s=240)
     return codes, rank_reports(out, RANKS), outputs
@@ -42,7 +42,8 @@ def test_hsdp_forward_value_names_its_rank_and_mesh_coordinate(tmp_path):
         assert f["placements"]["blocks.0.up.weight"] == "dp_replicate=Replicate(), " \
                                                        "dp_shard=Shard(dim=0)"
     rank0 = reports[0]
-    assert rank0["run"]["rerun"]["status"] == "reproduced"
+    # named at the trip by every rank replaying the step together, the collectives included
+    assert rank0["run"]["replay"]["status"] == "reproduced" and "rerun" not in rank0["run"]
     assert statuses(rank0) == [(r, "nonfinite", 4) for r in range(RANKS)]
     assert [r["mesh"] for r in rank0["distributed"]["ranks"]] == [
         {"dp_replicate": i, "dp_shard": j} for i in range(2) for j in range(2)]
@@ -91,9 +92,13 @@ def test_fsdp_tp_step_flags_alone_name_the_rank_whose_partial_sum_went_bad_first
 
 def test_fsdp_tp_backward_only_value_names_a_rank_of_the_dp_group_that_made_it(tmp_path):
     # Both tp ranks of dp group 1 compute `length` on the replicated activations: both made it.
-    codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "backward")
+    # --keep-going: every rank replays the bad step together, skips it, and trains on.
+    codes, (rank0, *_), outputs = run(tmp_path, "fsdp-tp", "backward", "--keep-going")
     assert codes == [1] * RANKS, outputs
-    f = rank0["finding"]
+    assert statuses(rank0) == [(r, "nonfinite", STEPS) for r in range(RANKS)]
+    assert (rank0["bad_steps"]["count"], rank0["bad_steps"]["skipped"]) == (1, 1)
+    [f] = rank0["findings"]
+    assert f["localized_by"] == "in-process" and f == rank0["finding"]
     assert f["rank"] in (2, 3) and f["mesh"]["dp"] == 1
     assert (f["step"], f["where"], f["forward_op"], f["module"], f["cause"], f["samples"]) == (
         2, "backward", "aten.sqrt.default", "length", "sqrt-domain", [5])

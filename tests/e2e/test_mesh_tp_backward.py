@@ -39,7 +39,8 @@ def test_step_flags_alone_name_the_rank_whose_column_wise_backward_made_the_valu
 
 
 def test_the_rerun_names_the_op_module_line_rows_and_cause_on_the_rank_that_made_it(tmp_path):
-    codes, reports, outputs = audit(tmp_path)
+    # `--rerun`: the path kept for what the in-process replay cannot reproduce
+    codes, reports, outputs = audit(tmp_path, "--rerun")
     assert codes == [1] * RANKS, outputs
     for report in reports:
         f = report["finding"]
@@ -79,3 +80,17 @@ def test_scan_names_the_tp_rank_whose_column_wise_backward_made_the_value(tmp_pa
     # rows 4-7, so its local row 0 is the whole gradient's row 4
     assert f["element"] == {"tensor": "stem.weight.grad", "local_index": [0, 0],
                             "global_index": [4, 0]}
+
+
+def test_tp_alone_is_localized_at_the_trip_on_the_rank_whose_columns_made_the_value(tmp_path):
+    # No FSDP: the gradients as the step left them are where the walk starts; rank 0's ends at
+    # the all-reduce of `up`'s input gradient (a peer's value), rank 1's at its own sqrt.
+    codes, (report, _), outputs = audit(tmp_path, nproc=2, layout="tp")
+    assert codes == [1, 1], outputs
+    f = report["finding"]
+    assert (f["rank"], f["mesh"], f["step"], f["where"], f["forward_op"], f["module"],
+            f["cause"], f["localized_by"]) == (1, {"tp": 1}, 2, "backward", "aten.sqrt.default",
+                                               "blocks.0", "sqrt-domain", "in-process")
+    assert f["element"] == {"tensor": "blocks.0.up.weight.grad", "local_index": [0, 0],
+                            "global_index": [8, 0]}
+    assert "rerun" not in report["run"]
