@@ -187,10 +187,16 @@ class StepTap:
         the optimizer's construction. Of a model an optimizer trains, it is an evaluation
         before training (Lightning's sanity check) whose activations a recording would keep:
         the window is dropped. Of a module no optimizer holds (a frozen encoder whose features
-        a head of raw tensors trains on), it is part of the step, recorded with it."""
-        if self.record.code_window is None or next(module.parameters(), None) is None:
+        a head of raw tensors trains on), it is part of the step: the window starts again at
+        its call (until a backward), so an evaluation of it before training keeps no more than
+        its last call's activations, and what the step read before the call (its batch) is
+        the replay's leaves."""
+        window = self.record.code_window
+        if window is None or next(module.parameters(), None) is None:
             return                  # a parameterless module: a step's own ReLU
         if not trained_by(self._optimizers, module):
+            if not window.code.roots:
+                self.begin_code(opening=True)
             return
         self.opening = False
         self.record.code_window = None

@@ -153,12 +153,17 @@ FROZEN_STEP_0 = FROZEN_ENCODER.replace("step == 2", "step == 0").replace("range(
 
 # ... after an evaluation of the head on the frozen features before training (the call that
 # used to end the first step's recording, as an evaluation of a trained model does).
-EVALUATED_FIRST = FROZEN_STEP_0.replace("    for step in range(3):\n", """\
+EVALUATED_FIRST = FROZEN_STEP_0.replace(
+    "    import torch\n", "    import torch\n    import weakref\n").replace(
+    "    for step in range(3):\n", """\
     with torch.no_grad():
         for _ in range(2):
-            print("val", (encoder(torch.randn(4, 8)) @ head).mean().item())
+            val = encoder(torch.randn(4, 8)) @ head
+            print("val", val.mean().item())
+    kept = weakref.ref(val)
+    del val
     for step in range(3):
-""")
+""").replace("        score = ", "        print('evaluation kept', kept() is not None)\n        score = ")
 
 
 @pytest.mark.parametrize("script", [FROZEN_STEP_0, EVALUATED_FIRST], ids=["plain", "evaluated"])
@@ -171,6 +176,15 @@ def test_a_frozen_encoders_first_step_is_localized_in_process(tmp_path, script):
     assert f.source.line == line_of(path, "loss = ((score - y)")
     assert f.localized_by == "in-process" and report.run.replay.status == "reproduced"
     assert report.run.rerun is None
+
+
+def test_an_evaluation_of_a_frozen_encoder_before_training_keeps_no_activations(tmp_path, capsys):
+    # The first step's window starts again at each call of the frozen encoder: once the step
+    # called it, the evaluation's output, which the script let go, is not kept alive by the
+    # record.
+    _run(tmp_path, EVALUATED_FIRST)
+    printed = [line for line in capsys.readouterr().out.splitlines() if "kept" in line]
+    assert printed == ["evaluation kept False"]
 
 
 # A DataLoader over a data set whose row 37 is all zero: without shuffling, step 4's batch
