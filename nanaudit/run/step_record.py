@@ -43,6 +43,7 @@ class ModelCall:
         "_site",
         "args",
         "autocast",
+        "before",
         "code",
         "entry",
         "kwargs",
@@ -51,6 +52,7 @@ class ModelCall:
         "output",
         "rng",
         "skipped",
+        "trains",
     )
 
     def __init__(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict,
@@ -61,6 +63,10 @@ class ModelCall:
         self.losses: list[torch.Tensor] = []
         self.rng = rng
         self.skipped = False
+        # the frozen calls (a teacher's, under no_grad) the script made since the previous
+        # training call, each with the code after it: replayed before this one
+        self.before: list[ModelCall] = []
+        self.trains = True                  # False: a frozen call, replayed without autograd
         # the autocast regions the call ran in (one C call when none is: the common case)
         self.autocast = autocast_state() if _any_autocast() else ()
         # The frames' code and line up to the script's own (read now: a frame kept would keep
@@ -101,6 +107,9 @@ class ModelCall:
 
 
 _NO_MODEL = torch.nn.Module()         # a step-code window's module: no call, no parameters
+# Frozen calls kept between two training calls, the latest: a teacher is called once or twice
+# a micro-batch; an evaluation loop between steps would otherwise keep every batch it ran.
+_FROZEN_KEPT = 4
 
 
 class BufferCopy:
@@ -160,6 +169,7 @@ class StepRecord:
         self.calls: list[ModelCall] = []
         # A step that calls no module: its code since the step's start (dropped at a call)
         self.code_window: ModelCall | None = None
+        self._frozen: list[ModelCall] = []     # frozen calls since the last training call
         self._rng: RngStates | None = None
         self._buffers: BufferCopy | None = None
 
@@ -180,7 +190,17 @@ class StepRecord:
             if buffers.tensors:
                 buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)
+        call.before, self._frozen = self._frozen, []
         self.calls.append(call)
+        return call
+
+    def frozen_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> ModelCall:
+        """A call of a module made without autograd before a training call (a distillation
+        teacher's, an EMA model's): its arguments, output and the code after it are kept, so
+        that a value it made reaches the replay traced (the latest _FROZEN_KEPT only)."""
+        call = ModelCall(module, module, args, kwargs, rng=rng_states())
+        call.trains = False
+        self._frozen = [*self._frozen[1 - _FROZEN_KEPT:], call]
         return call
 
     def begin_code(self) -> ModelCall:
@@ -190,6 +210,11 @@ class StepRecord:
         self._rng, self._buffers = rng, None
         self.code_window = ModelCall.code_only(rng)
         return self.code_window
+
+    @property
+    def frozen_last(self) -> ModelCall | None:
+        """The latest frozen call since the last training call (None: none)."""
+        return self._frozen[-1] if self._frozen else None
 
     @property
     def skipped(self) -> bool:
@@ -207,6 +232,7 @@ class StepRecord:
         """The window was checked (or skipped): drop its references."""
         self.calls = []
         self.code_window = None
+        self._frozen = []
 
     def restore_buffers(self) -> None:
         """The buffers as they were before the window's first forward."""

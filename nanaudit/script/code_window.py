@@ -11,11 +11,48 @@ script's end when the step reached no backward. A non-finite one joins the windo
 
 from __future__ import annotations
 
+import enum
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from nanaudit.run.step_record import ModelCall
+
+
+class Untrained(enum.Enum):
+    """What a module call under `no_grad` in the first step's window does to it."""
+
+    KEEP = "keep"           # a parameterless module (a step's own ReLU), or after a backward
+    RESTART = "restart"     # a frozen module's: part of the step, the window starts again
+    DROP = "drop"           # an evaluation of a model being trained: the window is dropped
+
+
+def untrained(window: ModelCall | None, optimizers: list[weakref.ref],
+              module: torch.nn.Module) -> Untrained:
+    """A module called under `no_grad` in the window opened at the optimizer's construction.
+    Of a model an optimizer trains, it is an evaluation before training (Lightning's sanity
+    check) whose activations a recording would keep: DROP. Of a module no optimizer holds (a
+    frozen encoder whose features a head of raw tensors trains on), it is part of the step:
+    the window starts again at its call (until a backward), so an evaluation of it before
+    training keeps no more than its last call's activations, and what the step read before the
+    call (its batch) is the replay's leaves."""
+    if window is None or next(module.parameters(), None) is None:
+        return Untrained.KEEP
+    if trained_by(optimizers, module):
+        return Untrained.DROP
+    return Untrained.KEEP if window.code.roots else Untrained.RESTART
+
+
+def reached(window: ModelCall | None, loss: torch.Tensor, first: bool) -> Sequence[torch.Tensor]:
+    """A loss of a step that calls no module reaching backward (`first`: the window's first):
+    it joins the window's losses, after the non-finite ones its code skipped before it
+    (`earlier_skipped`), which are returned."""
+    if window is None:
+        return ()
+    skipped = earlier_skipped(window) if first else []
+    window.losses += [*skipped, loss]
+    return skipped
 
 
 def earlier_skipped(window: ModelCall) -> list[torch.Tensor]:

@@ -39,7 +39,6 @@ from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
     Replayed,
-    loss_mismatch,
     replay_allowed,
     replay_call,
     replay_tracer,
@@ -47,6 +46,7 @@ from nanaudit.script.inprocess import (
     timed_replay,
     window_params,
 )
+from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip, nonfinite_locals
 

@@ -164,6 +164,10 @@ class ScriptHooks:
         if seen is None:
             if self.tap.opening:        # the first step's window: an evaluation's call
                 self.tap.untrained_call(module)
+            elif not torch.is_grad_enabled() and id(module) not in self._trained:
+                # a teacher's, an EMA model's: its value may reach the loss (a model the
+                # script trains, evaluated under no_grad between steps, is not kept)
+                self.tap.frozen_called(module, args, caller_kwargs())
             return
         if self._after_return and self._second_call():   # no call on the common path
             self.stop_waiting()
@@ -267,7 +271,7 @@ class ScriptHooks:
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
-            tap.built(optimizer)    # the first step's start, should it call no module
+            tap.begin_code(opening=True, optimizer=optimizer)   # should step 0 call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

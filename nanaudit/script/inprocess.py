@@ -49,7 +49,7 @@ from nanaudit.script.rank_replay import (
     replayed_on_ranks,
     replayed_together,
 )
-from nanaudit.script.step_values import same_value
+from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 from nanaudit.script.weight_history import LedgerWeights
@@ -283,8 +283,10 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     `forward` False: the loss code alone, from the model's output as the first run recorded it
     (detached: a value it held came from outside the replayed ops). `stop_at_bad_loss`: no
     backward after a replayed loss that is non-finite."""
-    call.seed_replay()
     env = {} if env is None else env
+    for frozen in call.before:      # a teacher's call, and its code, before this one
+        replay_call(tracer, frozen, None, env)
+    call.seed_replay()
 
     def at(where: tuple[str, int, str] | None, module: Any = None) -> None:
         REPLAYED_LINE.set(_line(where))
@@ -294,7 +296,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         return env.get(id(value), value) if isinstance(value, torch.Tensor) else value
     try:
         at(call.where)          # the script's model call: the line of a torch module's ops
-        with autocast(call.autocast):
+        with autocast(call.autocast), torch.set_grad_enabled(call.trains):
             # `_call_impl`: the module's own forward and hooks, eagerly also when the script
             # compiled it (`module.compile()` calls its compiled code from `__call__`).
             output = (local_module(call.module)._call_impl(*tree_map(swap, call.args),
@@ -343,16 +345,6 @@ def _line(where: tuple[str, int, str] | None) -> SourceLine | None:
     return SourceLine(file, line, linecache.getline(file, line).strip(), function)
 
 
-def loss_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    for i, (first, again) in enumerate(pairs):
-        a, b = float(first.detach()), float(again.detach())
-        if not same_value(a, b):
-            return (f"the in-process replay of the step made loss {b:.6g} where the run saw "
-                    f"{a:.6g} (micro-batch {i}): a non-deterministic op, or state the step "
-                    f"reads outside the model's parameters and buffers")
-    return None
-
-
 def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
            pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, trip: ScriptTrip,
            timeline: Any, ops: int) -> tuple[Finding | None, int, str | None]:
@@ -385,7 +377,8 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
         loc = walk_from_sink(tracer.trace, sink, Where.BACKWARD, timeline, names)
     if not loc.reproduced or loc.event is None or not made_on_this_rank(auditor.ranks, loc):
         return None, ops, "the in-process replay named no op that made the value"
-    before = made_before_window(tracer, loc, calls, trip.step)
+    before = made_before_window(tracer, loc, [*(b for c in calls for b in c.before), *calls],
+                                trip.step)
     if before is not None:
         raise MadeBefore(before, ops)
     found = batch.told(finding_at(tracer, loc, trip.step, names, batch.size))

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
-from nanaudit.script.code_window import earlier_skipped, last_skipped, trained_by
+from nanaudit.script.code_window import Untrained, last_skipped, reached, untrained
 
 _stack_depth = torch._C._len_torch_function_stack
 
@@ -40,6 +40,7 @@ class StepTap:
         self._recorder = LossCodeRecorder()
         self._hooked: dict[int, Any] = {}   # id(module) -> its forward hook's handle
         self._pending: ModelCall | None = None
+        self._frozen: ModelCall | None = None   # a frozen call not yet returned
         self._restore: list = []
         self.muted = False                # nanaudit's own replay calls the model: not heard
         # The current step has made no training call so far (its code is recorded from its
@@ -107,7 +108,7 @@ class StepTap:
         """A micro-batch's outermost module call (before its forward)."""
         if not self.enabled:
             return
-        self._pending = None
+        self._pending = self._frozen = None
         self._code_step = self.opening = False
         if self._recorder.pushed:
             self._recorder.stop()
@@ -117,7 +118,37 @@ class StepTap:
             if id(module) not in self._hooked:    # once per model, removed with the rest
                 self._hooked[id(module)] = module.register_forward_hook(self._returned)
 
+    def frozen_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A module with parameters called without autograd while the step's training call is
+        awaited (a distillation teacher's forward under `no_grad`): kept with its output and
+        the code after it (`StepRecord.frozen_call`), replayed before the training call. The
+        modules it calls are no calls of their own. A call in the loss code (after the
+        training call returned) is recorded as the loss code's ops, as is one in a step recorded
+        from its start (it calls no module)."""
+        recording = self._recorder.code
+        if (not self.enabled or self.muted or self._frozen is not None
+                or self.record.code_window is not None
+                or (recording is not None and not self._frozen_code(recording))
+                or next(module.parameters(), None) is None):
+            return
+        if recording is not None:
+            self._recorder.stop()       # the previous frozen call's code ends here
+        self._frozen = self.record.frozen_call(module, args, kwargs)
+        if id(module) not in self._hooked:
+            self._hooked[id(module)] = module.register_forward_hook(self._returned)
+
+    def _frozen_code(self, code: Any) -> bool:
+        """Whether the code being recorded is a frozen call's (not a training call's)."""
+        last = self.record.frozen_last
+        return last is not None and last.code is code
+
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
+        frozen = self._frozen
+        if frozen is not None and frozen.module is module:
+            self._frozen = None
+            frozen.output = output
+            self._recorder.start(frozen.code)
+            return
         call = self._pending
         if call is None or call.module is not module or self.muted:
             return                  # another call of the model (an evaluation)
@@ -145,9 +176,8 @@ class StepTap:
 
     def loss(self, loss: torch.Tensor) -> Sequence[torch.Tensor]:
         """An unscaled loss reaching backward: the current micro-batch's (or the step's code's,
-        when it called no module). Returns the non-finite losses the step's code computed
-        before it and skipped (code_window.earlier_skipped), which join the step's losses
-        first; none (a shared empty tuple, nothing made) for a step that calls a module."""
+        when it called no module). Returns the losses the step's code skipped before it
+        (code_window.reached); a shared empty tuple for a step that calls a module."""
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
@@ -155,19 +185,16 @@ class StepTap:
         if not self._code_step:
             return ()
         first, self._code_reached = not self._code_reached, True
-        window = self.record.code_window
-        if window is None:
-            return ()
-        skipped = earlier_skipped(window) if first else []
-        window.losses += [*skipped, loss]
-        return skipped
+        return reached(self.record.code_window, loss, first)
 
-    def begin_code(self, opening: bool = False) -> None:
-        """A step's start (`opening`: the optimizer built; else the update after a step that
+    def begin_code(self, opening: bool = False, optimizer: Any = None) -> None:
+        """A step's start (`opening`: `optimizer` built; else the update after a step that
         called no module): the script's code is recorded from here until a model call (which
         drops it) or `backward` (which ends it), so that a step that calls no module is
         replayed from its code. Not under another torch function mode: that one's `__exit__`
         pops the innermost."""
+        if optimizer is not None and self.enabled:
+            self._optimizers.append(weakref.ref(optimizer))
         if not self.enabled or self.muted or self.record.calls:
             return
         self._code_step, self._code_reached, self.opening = True, False, opening
@@ -176,31 +203,16 @@ class StepTap:
         if not _stack_depth():
             self._recorder.start(self.record.begin_code().code)
 
-    def built(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer was constructed: the first step's start, should it call no module."""
-        if self.enabled:
-            self._optimizers.append(weakref.ref(optimizer))
-        self.begin_code(opening=True)
-
     def untrained_call(self, module: torch.nn.Module) -> None:
-        """A module call that is no training forward (under `no_grad`), in the window opened at
-        the optimizer's construction. Of a model an optimizer trains, it is an evaluation
-        before training (Lightning's sanity check) whose activations a recording would keep:
-        the window is dropped. Of a module no optimizer holds (a frozen encoder whose features
-        a head of raw tensors trains on), it is part of the step: the window starts again at
-        its call (until a backward), so an evaluation of it before training keeps no more than
-        its last call's activations, and what the step read before the call (its batch) is
-        the replay's leaves."""
-        window = self.record.code_window
-        if window is None or next(module.parameters(), None) is None:
-            return                  # a parameterless module: a step's own ReLU
-        if not trained_by(self._optimizers, module):
-            if not window.code.roots:
-                self.begin_code(opening=True)
-            return
-        self.opening = False
-        self.record.code_window = None
-        self.stop()
+        """A module call under `no_grad` in the window opened at the optimizer's construction:
+        the window starts again, or is dropped (code_window.untrained says which)."""
+        action = untrained(self.record.code_window, self._optimizers, module)
+        if action is Untrained.RESTART:
+            self.begin_code(opening=True)
+        elif action is Untrained.DROP:
+            self.opening = False
+            self.record.code_window = None
+            self.stop()
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -222,7 +234,7 @@ class StepTap:
 
     def stop(self) -> None:
         """The loss code ended (a model call, an optimizer step, the script's end)."""
-        self._pending = None
+        self._pending = self._frozen = None
         if self._recorder.pushed:   # else there is nothing to stop (most calls: a clean step)
             self._recorder.stop()
 
@@ -230,7 +242,7 @@ class StepTap:
         """The window was checked: drop it (what `stop` does, inline: this runs each step). A
         step that called no module and reached backward: the next step's code is recorded from
         now (a step that calls a module pays one attribute read for this)."""
-        self._pending = None
+        self._pending = self._frozen = None
         if self._recorder.pushed:
             self._recorder.stop()
         code_step = self._code_step and self._code_reached

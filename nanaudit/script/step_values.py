@@ -1,6 +1,7 @@
 """What the script's hooks read off a step they do not own: the data among the model's first
 call's arguments, the batch size, what a loss was divided by before backward (gradient
-accumulation), the loss of one optimizer step, and when two runs' losses agree."""
+accumulation), the loss of one optimizer step, and when two runs' (or a replay's) losses
+agree."""
 
 from __future__ import annotations
 
@@ -86,3 +87,15 @@ def same_value(a: float | None, b: float | None) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12)
+
+
+def loss_mismatch(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why a replay did not reproduce the run: the first (run's, replay's) loss pair that
+    differs (None: every one agrees)."""
+    for i, (first, again) in enumerate(pairs):
+        a, b = float(first.detach()), float(again.detach())
+        if not same_value(a, b):
+            return (f"the in-process replay of the step made loss {b:.6g} where the run saw "
+                    f"{a:.6g} (micro-batch {i}): a non-deterministic op, or state the step "
+                    f"reads outside the model's parameters and buffers")
+    return None

@@ -1,11 +1,14 @@
 """Issue 35: a value the script's own code made before the step's first model call, then used by
-the step's loss code or model. The in-process replay runs the step's model calls and recorded
-loss code only, so its walk back ends at that value as if no torch op had made it; it must not
-name the op that passed it on (nor blame numpy, a C extension or divergence), but fall back to
-the re-run, saying why, and the re-run traces the script's code before the step's first model
-call and names the op there.
+the step's loss code or model. A module called without autograd before the training call (a
+distillation teacher under `no_grad`) is kept with the step's record, with the code after it,
+and replayed before the training call: a value its forward or that code made is named at the
+trip, in-process. What the record does not hold (a weight the script changed in place between
+steps) ends the replay's walk at a value no replayed op made: it must not name the op that
+passed it on (nor blame numpy, a C extension or divergence), but fall back to the re-run,
+saying why, and the re-run traces the script's code before the step's first model call and
+names the op there.
 
-The two scripts follow public patterns: knowledge distillation's temperature-scaled softmax of
+The scripts follow public patterns: knowledge distillation's temperature-scaled softmax of
 a frozen teacher's logits as the target (`F.kl_div(log_softmax(s), softmax(t / T))`, with T
 reaching 0), and a hand-written EMA of the weights updated in place under `no_grad` after the
 optimizer's step (`ema_p.mul_(decay).add_(p, alpha=1 - decay)`, the timm/`torch.optim.swa_utils`
@@ -78,17 +81,64 @@ def fell_back(report, step: int, what: str) -> None:
 
 @pytest.mark.slow
 def test_a_distillation_target_made_non_finite_under_no_grad_names_the_division(tmp_path):
+    # The teacher's call under no_grad and the code after it are kept with the step's record
+    # (frozen calls) and replayed before the student's call: named at the trip, in-process.
     path = write(tmp_path, TEACHER)
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
     f = report.finding
     assert exit_code(report) == 1
-    # Before: aten.xlogy.Tensor (kl_div's), cause unknown, "created outside torch ops".
+    # Before: aten.xlogy.Tensor (kl_div's), cause unknown, "created outside torch ops"; then
+    # a re-run from the start.
     assert (f.step, f.where, f.op, f.cause) == (30, "forward", "aten.div.Tensor", "div-by-zero")
     assert f.source.line == line_of(path, "p = F.softmax(t / T")
-    assert "before step 30's first model call" in f.explanation
     assert not any(word in f.explanation for word in WRONG)
-    assert f.producer is not None and f.producer.made_by == "torch-op"
-    fell_back(report, 30, "a tensor the loss code reads")
+    assert f.localized_by == "in-process" and report.run.rerun is None
+    assert report.run.replay.status == "reproduced"
+
+
+TEACHER_FORWARD = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+    torch.manual_seed(0)
+
+    class Teacher(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.head(torch.sqrt(h.abs() - (x[:, :1] < -50).float()))
+
+    teacher = Teacher().eval()
+    student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+    for step in range(60):
+        x = torch.randn(8, 16)
+        if step == 40:
+            x[3, 0] = -100.0
+        with torch.no_grad():
+            target = F.softmax(teacher(torch.relu(x) + (x < -50).float() * x) / 2.0, dim=-1)
+        out = student(x)
+        loss = F.kl_div(F.log_softmax(out / 2.0, dim=-1), target, reduction="batchmean")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_value_a_frozen_teachers_forward_made_is_named_in_the_teacher(tmp_path):
+    # Public pattern: knowledge distillation with an eval-mode teacher under no_grad. Row 3's
+    # input makes the teacher's sqrt see a negative value; only its output reaches the loss.
+    path = write(tmp_path, TEACHER_FORWARD)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert exit_code(report) == 1
+    # Before: a re-run from the start (the replay's walk ended at the teacher's output).
+    assert (f.step, f.where, f.op, f.module, f.cause, f.samples) == (
+        40, "forward", "aten.sqrt.default", "teacher", "sqrt-domain", [3])
+    assert f.source.line == line_of(path, "return self.head(torch.sqrt(")
+    assert f.localized_by == "in-process" and report.run.rerun is None
 
 
 @pytest.mark.slow
@@ -108,16 +158,17 @@ def test_an_ema_copy_updated_in_place_with_an_infinite_decay_names_the_update(tm
     fell_back(report, 34, "Linear.weight")
 
 
-def test_keep_going_keeps_the_first_runs_finding_and_says_why(tmp_path):
-    # A skipped step is never re-run: the first run's finding, with why no op is named.
+def test_keep_going_names_a_skipped_steps_distillation_target_in_process(tmp_path):
+    # A skipped step is never re-run: its finding is the in-process replay's or none.
     path = write(tmp_path, TEACHER.replace("if step == 30: T = 0.0",
                                            "T = 0.0 if step == 30 else 1.0"))
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions(keep_going=True))
     first = report.findings[0]
     assert exit_code(report) == 1 and report.run.rerun is None
-    assert (first.step, first.op, first.localized_by) == (30, None, None)
-    assert "not localized: a tensor the loss code reads" in first.explanation
-    assert "never re-run" in first.explanation
+    # Before: no op ("not localized: a tensor the loss code reads ..."): the teacher's code
+    # is now part of the step's record, so the skipped step is named in-process.
+    assert (first.step, first.op, first.cause, first.localized_by) == (
+        30, "aten.div.Tensor", "div-by-zero", "in-process")
     assert not any(word in first.explanation for word in WRONG)
 
 
