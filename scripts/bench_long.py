@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_inprocess import compile_package
+
 ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = '''
@@ -195,6 +197,7 @@ def main() -> None:
         variants.insert(0, "plain")
     print(f"{platform.machine()} {platform.system()}, python {platform.python_version()}, "
           f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    compile_package()            # as installed: no variant compiles nanaudit from source
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-long-") as name:
         folder = Path(name)
         (folder / "tiny_model.py").write_text(MODEL)

@@ -172,7 +172,6 @@ class Requested:
         """Write every requested output, the files first, then print the console report (a
         console that fails cannot cost a file); returns the outputs that failed to write (a
         console failure stays in `terminal.failures`, which final_code reads)."""
-        from nanaudit.report.console import print_report
         from nanaudit.report.plot import PlotUnavailable
         failed = []
         for fmt, destination in sorted(self.writes, key=lambda w: w[1] in ("-", STDERR)):
@@ -184,7 +183,8 @@ class Requested:
             problem = write(fmt.what, destination, data)
             if problem:
                 failed.append(problem)
-        if not terminal.quiet:
+        if not terminal.quiet:        # the console renderer's imports only when it prints
+            from nanaudit.report.console import print_report
             terminal.show(lambda console: print_report(report, console))
         elif report.status == Status.ERROR and report.error:
             terminal.error(report.error.message)

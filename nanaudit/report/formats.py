@@ -5,18 +5,22 @@ compare it to golden files.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from nanaudit.report.interface import Renderer
 
+# Each renderer's module, imported only when its format is asked for: a run writing JSON does
+# not pay for the HTML renderer's or the console's imports (pygments, rich's syntax).
+_RENDERERS = {"json": ("nanaudit.report.json", "JsonRenderer"),
+              "junit": ("nanaudit.report.junit", "JunitRenderer"),
+              "github": ("nanaudit.report.github", "GithubRenderer"),
+              "markdown": ("nanaudit.report.markdown", "MarkdownRenderer"),
+              "html": ("nanaudit.report.html", "HtmlRenderer")}
+
 
 def renderer_for(name: str) -> Renderer:
-    from nanaudit.report.github import GithubRenderer
-    from nanaudit.report.html import HtmlRenderer
-    from nanaudit.report.json import JsonRenderer
-    from nanaudit.report.junit import JunitRenderer
-    from nanaudit.report.markdown import MarkdownRenderer
-    formats: dict[str, Callable[[], Renderer]] = {
-        "json": JsonRenderer, "junit": JunitRenderer, "github": GithubRenderer,
-        "markdown": MarkdownRenderer, "html": HtmlRenderer}
-    return formats[name]()
+    module, attribute = _RENDERERS[name]
+    made: Callable[[], Renderer] = getattr(
+        importlib.import_module(module), attribute)
+    return made()

@@ -2,9 +2,10 @@
 not pay for nanaudit more than the step loop of `scan` makes it pay.
 
 Between two checks the hooks leave what they collect on the device (`StepInbox`): each loss
-that reached backward, detached as it is, and for each outermost module call the largest
-|value| of each data input (from its min and max: finite exactly when every element is, and
-never an overflow, which a sum of squares can be). The check adds the optimizer's weights and
+that reached backward, detached as it is, and for each outermost module call the min and the
+max of each data input (one `aminmax`: both finite exactly when every element is, and never an
+overflow, which a sum of squares can be; read as they are, not folded into one |value| on the
+device, which costs two more kernels a step). The check adds the optimizer's weights and
 gradients as per-tensor norms from one fused `_foreach_norm` (small CPU tensors flattened into
 one first, as the step loop packs them below run/checks.PACK_BELOW), stacks everything and
 reads it with ONE `.tolist()`; the host combines the norms (`math.hypot`) and the losses
@@ -56,13 +57,23 @@ def input_peaks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p if p.dtype in _FLOAT32_OR_64 else p.float() for p in peaks]
 
 
+def input_extremes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-dim tensors, two per input that has elements: its min and its max (NaN propagates
+    through `aminmax`; -inf is the min, inf the max), so all are finite exactly when every
+    element is; in float32 unless the input is float64. The step's read takes them as they
+    are: one kernel an input (input_peaks folds them into one |value|, two kernels more)."""
+    extremes = [e for t in tensors if t.numel()
+                for e in torch.aminmax(t.detach() if t.requires_grad else t)]
+    return [e if e.dtype in _FLOAT32_OR_64 else e.float() for e in extremes]
+
+
 @dataclass(slots=True)
 class StepInbox:
     """What the hooks collected since the last check, on the device (no read yet)."""
 
     losses: list = field(default_factory=list)       # 0-dim losses that reached backward
     factors: list = field(default_factory=list)      # what each was divided by, or None
-    input_peaks: list = field(default_factory=list)  # finite iff each call's inputs are
+    input_peaks: list = field(default_factory=list)  # all finite iff each call's inputs are
     inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
 
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -74,7 +85,7 @@ class StepInbox:
 
     def add_inputs(self, inputs: list[tuple[str, torch.Tensor]]) -> None:
         self.inputs = inputs
-        self.input_peaks.extend(input_peaks([t for _, t in inputs]))
+        self.input_peaks.extend(input_extremes([t for _, t in inputs]))
 
     def __bool__(self) -> bool:
         return bool(self.losses or self.input_peaks)

@@ -15,16 +15,10 @@ from nanaudit.report.sections import FirstRun, ScriptRun
 from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
-from nanaudit.script.before_window import traces_before
-from nanaudit.script.error_ranks import not_rerun_note
-from nanaudit.script.error_replay import localize_error
 from nanaudit.script.findings import first_run_finding, link_warnings
-from nanaudit.script.inprocess import adopt, localize_in_process
-from nanaudit.script.rerun import localize_by_rerun
 from nanaudit.script.scratch import FolderState
 from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
 from nanaudit.script.trip import ScriptTrip
-from nanaudit.script.update_replay import localize_update
 
 
 def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
@@ -89,6 +83,13 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
                    auditor: ScriptAuditor, trip: ScriptTrip,
                    before: FolderState | None) -> Finding:
     """The finding of the step the run stopped at, in `report.finding` (and returned)."""
+    # The localizers, imported at a trip only: a clean run's start-up does not pay for them.
+    from nanaudit.script.before_window import traces_before
+    from nanaudit.script.error_ranks import not_rerun_note
+    from nanaudit.script.error_replay import localize_error
+    from nanaudit.script.inprocess import adopt, localize_in_process
+    from nanaudit.script.rerun import localize_by_rerun
+    from nanaudit.script.update_replay import localize_update
     assert report.run is not None
     trip.unreached = trip.check == Check.LOSS and auditor.hooks.tap.record.skipped
     report.finding = first_run_finding(trip)

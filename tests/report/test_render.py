@@ -254,3 +254,23 @@ def test_console_log_facts_are_not_padded_to_the_longest_value():
     assert step == step.rstrip() and len(step) < 40
     tensors = next(line for line in lines if line.startswith("all tensors"))
     assert tensors.endswith("blocks.11.attn.c_attn.weight")
+
+
+def test_a_format_imports_its_own_renderer_alone():
+    # `nanaudit run --json` at its end: the HTML renderer's and the console's imports (pygments,
+    # rich's syntax) are not paid for a format that was not asked for.
+    import subprocess
+    import sys
+    probe = ("import sys; from nanaudit.report.formats import renderer_for; "
+             "kind = type(renderer_for('json')).__name__; "
+             "print(kind, sorted(m for m in ('nanaudit.report.html', 'nanaudit.report.junit', "
+             "'nanaudit.report.markdown', 'nanaudit.report.github', 'nanaudit.report.console', "
+             "'pygments') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.split(maxsplit=1) == ["JsonRenderer", "[]\n"]
+    names = {"json": "JsonRenderer", "junit": "JunitRenderer", "github": "GithubRenderer",
+             "markdown": "MarkdownRenderer", "html": "HtmlRenderer"}
+    assert {name: type(renderer_for(name)).__name__ for name in names} == names
+    with pytest.raises(KeyError):
+        renderer_for("yaml")

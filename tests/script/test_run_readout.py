@@ -11,7 +11,13 @@ import torch
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
-from nanaudit.script.readout import StepInbox, WeightsScope, input_peaks, read_step
+from nanaudit.script.readout import (
+    StepInbox,
+    WeightsScope,
+    input_extremes,
+    input_peaks,
+    read_step,
+)
 from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 
@@ -54,6 +60,31 @@ def test_input_peaks_are_finite_exactly_when_the_inputs_are():
     values = torch.stack(peaks).tolist()
     assert [math.isfinite(v) for v in values] == [True, True, False, False]
     assert all(not p.requires_grad for p in peaks)
+
+
+def test_input_extremes_are_finite_exactly_when_the_inputs_are():
+    # What the step's read takes of each input: its min and max from one kernel, read as they
+    # are (no |value| folded on the device); a sum of squares would overflow on `big`.
+    nan64 = torch.tensor([1.0, math.nan], dtype=torch.float64)
+    big = torch.full((4,), 3e38)
+    inputs = [big, torch.zeros(0), torch.ones(2, requires_grad=True), nan64,
+              torch.tensor([-math.inf], dtype=torch.bfloat16),
+              torch.tensor([0.0, math.inf], dtype=torch.float16)]
+    extremes = input_extremes(inputs)
+    assert len(extremes) == 10                    # two a non-empty input
+    assert all(e.dim() == 0 and not e.requires_grad for e in extremes)
+    assert [e.dtype for e in extremes[4:6]] == [torch.float64, torch.float64]
+    assert all(e.dtype == torch.float32 for e in extremes[:4] + extremes[6:])
+    values = torch.stack([e.double() for e in extremes]).tolist()
+    assert [math.isfinite(v) for v in values] == [True] * 4 + [False] * 4 + [True, False]
+    assert values[:4] == [float(big[0])] * 2 + [1.0, 1.0]
+    for bad in (nan64, torch.tensor([-math.inf]), torch.tensor([2.0, math.inf])):
+        inbox = StepInbox()
+        inbox.add_inputs([("x", torch.ones(3)), ("y", bad)])
+        assert not read_step(inbox).inputs_ok
+    inbox = StepInbox()
+    inbox.add_inputs([("x", big), ("y", torch.zeros(0))])
+    assert read_step(inbox).inputs_ok
 
 
 def test_the_losses_of_a_window_and_odd_shapes_and_dtypes():
