@@ -91,6 +91,60 @@ class LossCode:
         return None
 
 
+    def earlier_losses(self) -> list[torch.Tensor]:
+        """A whole step's code that ran its loss line again before its first backward (a loop
+        whose guard skipped a loss: `if not torch.isfinite(loss): continue`): the losses of the
+        earlier passes. Each is a differentiable floating scalar made at a line whose ops ran
+        again after another line's (`-(...).mean()` makes two scalars in one run of its line),
+        and read by no later op into a differentiable value (a sum built up over a loop, `loss
+        = loss + ce`, is read by its next term). No tensor is read."""
+        made = self._scalars()
+        last_run = {}
+        for where, _i, _t, run in made:
+            last_run[where] = run
+        candidates = [(i, t) for where, i, t, run in made if run < last_run[where]]
+        if not candidates:
+            return []        # the common case: one pass over the ops, no argument read
+        return self._unread(candidates)
+
+    def dead_losses(self) -> list[torch.Tensor]:
+        """Every differentiable floating scalar the code made and no later op read into a
+        differentiable value, in the order made: a step's code that reached no backward at
+        all (its loop's last pass skipped its loss, then the script ended)."""
+        made = [(i, t) for _where, i, t, _run in self._scalars()]
+        return self._unread(made) if made else []
+
+    def _scalars(self) -> list[tuple[tuple[str, int, str], int, torch.Tensor, int]]:
+        """The differentiable floating scalars the ops made: (the user's line, the op's index,
+        the scalar, the run of consecutive ops at one line it was made in)."""
+        made, run, before = [], 0, None
+        for i, op in enumerate(self.ops):
+            where, out = op.where, op.out
+            if where != before:
+                run, before = run + 1, where
+            if (where is not None and isinstance(out, torch.Tensor) and out.numel() == 1
+                    and out.requires_grad and out.is_floating_point()):
+                made.append((where, i, out, run))
+        return made
+
+    def _unread(self, made: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """Those of `made` no op read into a differentiable value (a tensor is read only after
+        it was made, and the record keeps each alive: ids are unique)."""
+        read = {id(t) for op in self.ops if any(t.requires_grad for t in _tensors(op.out))
+                for t in _tensors((*op.args, *op.kwargs.values()))}
+        return [t for _i, t in made if id(t) not in read]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an op's output or arguments: flat ones without a pytree walk."""
+    for v in (value,) if isinstance(value, torch.Tensor) else value if isinstance(
+            value, tuple) else tree_flatten(value)[0]:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple, dict)):
+            yield from (t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+
+
 @functools.lru_cache(maxsize=1024)
 def is_user_file(name: str) -> bool:
     path = os.path.abspath(name)

@@ -218,8 +218,11 @@ class StepRecord:
 
     @property
     def skipped(self) -> bool:
-        """A micro-batch of the window computed a loss and skipped its backward."""
-        return any(call.skipped for call in self.calls)
+        """A micro-batch of the window (or the step's code, when it called no module)
+        computed a loss and skipped its backward."""
+        window = self.code_window
+        return any(call.skipped for call in self.calls) or (window is not None
+                                                             and window.skipped)
 
     @property
     def last(self) -> ModelCall | None:

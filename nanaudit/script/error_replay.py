@@ -4,7 +4,9 @@ the script's own `assert torch.isfinite(loss)`). The step record (run/step_recor
 window's model calls up to the raise and the loss code each recorded until then: they are
 replayed under the op tracer as a loss trip's are (inprocess.py; a call whose loss reached
 backward, with its backward), and the value the script's frames held is walked back to the op
-that made it. Its cost is one step's, whatever the step's number.
+that made it. A step that calls no module (a model of raw tensors) is replayed from its code as
+recorded up to the raise (run/step_record.py's code window). Its cost is one step's, whatever
+the step's number.
 
 The replay must reproduce what the first run saw before it names anything: each finished
 micro-batch's loss; the exception, of the same type, when the first run raised inside what the
@@ -32,6 +34,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.step_record import ModelCall
+from nanaudit.script.code_batch import step_batch
 from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
@@ -43,7 +46,7 @@ from nanaudit.script.inprocess import (
     timed_replay,
     window_params,
 )
-from nanaudit.script.step_values import leading_size, loss_mismatch
+from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip, nonfinite_locals
 
@@ -63,7 +66,10 @@ def _window(auditor: Any, options: ScriptOptions,
     """(the window's calls, whether their forwards are replayed: under torchrun a rank whose
     forward needs its peers replays the loss code alone, error_ranks.py)."""
     replay_allowed(options)
-    calls = list(auditor.hooks.tap.record.calls)
+    record = auditor.hooks.tap.record
+    calls = list(record.calls)
+    if not calls and record.code_window is not None:
+        calls = [record.code_window]    # a step that calls no module: its code so far
     if not calls:
         raise NotReplayable(f"the script raised before any model call of step {trip.step}")
     forward = True
@@ -71,7 +77,8 @@ def _window(auditor: Any, options: ScriptOptions,
         forward = forward_alone(auditor.ranks, calls)
     for call in calls[:-1]:
         replayable(call)
-    if calls[-1].output is not None:       # else its forward raised: replayed up to the raise
+    if calls[-1].output is not None or not calls[-1].model_called:
+        # else its forward raised: replayed up to the raise
         replayable(calls[-1])
     return calls, forward
 
@@ -107,7 +114,9 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
 def _other_raise(raised: Exception | None, last: ModelCall, trip: ScriptTrip) -> str | None:
     """Why the replay's exception (or its lack) is not the first run's; None: it is."""
     kind = trip.error.split(":", 1)[0]
-    inside = last.output is None or trip.where == Where.BACKWARD
+    # A step's own code (no module called) raised in an op its record never kept (it kept
+    # only what returned) or in Python (`assert`): its replay runs no raising code.
+    inside = ((last.output is None and last.model_called) or trip.where == Where.BACKWARD)
     if raised is None:
         return (f"the in-process replay of the step did not raise the run's {kind}"
                 if inside else None)
@@ -142,6 +151,7 @@ def _named(tracer: OpTracer, sink: torch.Tensor, last: ModelCall, trip: ScriptTr
     loc = walk_raised(tracer, sink, timeline)
     if not loc.reproduced or loc.event is None:
         return None, ops, "the in-process replay named no op that made the value"
-    finding = finding_at(tracer, loc, trip.step, None, leading_size(last.args, last.kwargs))
+    batch = step_batch(last)
+    finding = batch.told(finding_at(tracer, loc, trip.step, None, batch.size))
     finding.tensor = trip.tensors[0] if trip.tensors else None    # the frame's, as the run saw
     return finding, ops, event_precision(loc.event)

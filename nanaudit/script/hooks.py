@@ -231,7 +231,8 @@ class ScriptHooks:
         return seen
 
     def _loss(self, loss: torch.Tensor) -> None:
-        self.tap.loss(loss)
+        for skipped in self.tap.loss(loss):     # none on the common path
+            self.listener.loss(skipped)
         self.listener.loss(loss)
 
     def _backward_ended(self, raised: bool) -> None:
@@ -275,7 +276,7 @@ class ScriptHooks:
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built()
             original(optimizer, *args, **kwargs)
-            tap.begin_code(opening=True)    # the first step's start, should it call no module
+            tap.begin_code(opening=True, optimizer=optimizer)   # should step 0 call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

@@ -40,6 +40,7 @@ from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.before_window import made_before_window
+from nanaudit.script.code_batch import micro_batch, step_batch
 from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
     local_module,
@@ -48,7 +49,7 @@ from nanaudit.script.rank_replay import (
     replayed_on_ranks,
     replayed_together,
 )
-from nanaudit.script.step_values import leading_size, loss_mismatch
+from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
 from nanaudit.script.weight_history import LedgerWeights
@@ -168,7 +169,8 @@ def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[Mode
     replay_allowed(options)
     record = auditor.hooks.tap.record
     calls, code = record.calls, record.code_window
-    if not calls and code is not None and (code.code.roots or code.code.overflowed):
+    if not calls and code is not None and (code.code.roots or code.code.overflowed
+                                           or code.skipped):
         calls = [code]              # a step that called no module: its code alone
     if not calls:
         raise NotReplayable(f"no model call was heard in step {trip.step}")
@@ -324,15 +326,6 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     return pairs
 
 
-def micro_batch(calls: list[ModelCall], index: int) -> int | None:
-    """The accumulation window's micro-batch of model call `index`: how many backward calls
-    the window made before it (a model called once a token before one backward is one
-    micro-batch). None: the window is one backward, no accumulation."""
-    if sum(bool(call.code.roots) for call in calls) < 2:
-        return None
-    return sum(bool(call.code.roots) for call in calls[:index])
-
-
 def _finite(loss: torch.Tensor) -> bool:
     return math.isfinite(float(loss.detach()))
 
@@ -356,7 +349,7 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
            pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, trip: ScriptTrip,
            timeline: Any, ops: int) -> tuple[Finding | None, int, str | None]:
     """Walk back from the replay's bad loss (or gradients) to the op that made it."""
-    batch = leading_size(calls[0].args, calls[0].kwargs)
+    batch = step_batch(calls[0])
     names: list[str] = []
     if trip.in_buffers:
         # Buffers the replayed forward made non-finite: walked back from the first bad one.
@@ -388,6 +381,6 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
                                 trip.step)
     if before is not None:
         raise MadeBefore(before, ops)
-    found = finding_at(tracer, loc, trip.step, names, batch)
+    found = batch.told(finding_at(tracer, loc, trip.step, names, batch.size))
     found.element = found.element or trip.element    # this rank's own, before any gather
     return found, ops, event_precision(loc.event)

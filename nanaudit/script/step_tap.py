@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
+from nanaudit.script.code_window import Untrained, last_skipped, reached, untrained
 
 _stack_depth = torch._C._len_torch_function_stack
 
@@ -44,6 +47,7 @@ class StepTap:
         # start: `begin_code`), and a loss of it reached backward; `opening`: its window opened
         # at the optimizer's construction, before the script was seen to step.
         self._code_step = self._code_reached = self.opening = False
+        self._optimizers: list[weakref.ref] = []    # those the script built (weakly)
 
     def install(self) -> None:
         if not self.enabled:
@@ -170,23 +174,27 @@ class StepTap:
         if self.on_return is not None:
             self.on_return()
 
-    def loss(self, loss: torch.Tensor) -> None:
+    def loss(self, loss: torch.Tensor) -> Sequence[torch.Tensor]:
         """An unscaled loss reaching backward: the current micro-batch's (or the step's code's,
-        when it called no module)."""
+        when it called no module). Returns the losses the step's code skipped before it
+        (code_window.reached); a shared empty tuple for a step that calls a module."""
         calls = self.record.calls
         if calls:                   # none when not enabled
             calls[-1].losses.append(loss)
-        elif self._code_step:
-            self._code_reached = True
-            if self.record.code_window is not None:
-                self.record.code_window.losses.append(loss)
+            return ()
+        if not self._code_step:
+            return ()
+        first, self._code_reached = not self._code_reached, True
+        return reached(self.record.code_window, loss, first)
 
-    def begin_code(self, opening: bool = False) -> None:
-        """A step's start (`opening`: the optimizer built; else the update after a step that
+    def begin_code(self, opening: bool = False, optimizer: Any = None) -> None:
+        """A step's start (`opening`: `optimizer` built; else the update after a step that
         called no module): the script's code is recorded from here until a model call (which
         drops it) or `backward` (which ends it), so that a step that calls no module is
         replayed from its code. Not under another torch function mode: that one's `__exit__`
         pops the innermost."""
+        if optimizer is not None and self.enabled:
+            self._optimizers.append(weakref.ref(optimizer))
         if not self.enabled or self.muted or self.record.calls:
             return
         self._code_step, self._code_reached, self.opening = True, False, opening
@@ -196,15 +204,15 @@ class StepTap:
             self._recorder.start(self.record.begin_code().code)
 
     def untrained_call(self, module: torch.nn.Module) -> None:
-        """A module call that is no training forward (under `no_grad`), in the window opened at
-        the optimizer's construction: an evaluation before training (Lightning's sanity check)
-        whose activations a recording would keep; the window is dropped. A step whose own code
-        calls a frozen module so is recorded from its next step on."""
-        if self.record.code_window is None or next(module.parameters(), None) is None:
-            return                  # a parameterless module: a step's own ReLU
-        self.opening = False
-        self.record.code_window = None
-        self.stop()
+        """A module call under `no_grad` in the window opened at the optimizer's construction:
+        the window starts again, or is dropped (code_window.untrained says which)."""
+        action = untrained(self.record.code_window, self._optimizers, module)
+        if action is Untrained.RESTART:
+            self.begin_code(opening=True)
+        elif action is Untrained.DROP:
+            self.opening = False
+            self.record.code_window = None
+            self.stop()
 
     def skipped_loss(self) -> torch.Tensor | None:
         """The loss the last micro-batch's code made, non-finite, and never differentiated
@@ -212,6 +220,9 @@ class StepTap:
         One host read, only after a forward that had no backward. A bad one joins the
         micro-batch's losses: the step's check reads it, the replay verifies it."""
         last = self.record.last
+        if self.enabled and last is None:   # a step that calls no module, at the script's end
+            window = self.record.code_window
+            return last_skipped(window) if window is not None and self._code_step else None
         if not self.enabled or last is None or last.losses or last.output is None:
             return None
         loss = last.code.skipped_loss()
