@@ -70,6 +70,15 @@ class TripNamer:
             return self.input_trip(step, inputs, loss, grad_norm)
         if verdict.in_forward:
             return self.buffer_trip(step, optimizer, loss, grad_norm, buffers)
+        if verdict.check in (Check.LOSS, Check.GRADIENT) and self.rank is None \
+                and len(self.ledger.stepped) > 1:
+            # Another optimizer's update (a GAN's generator's) left its weights non-finite,
+            # and this step read them: that update made the value (one read, at a trip only;
+            # this step's own weights were read finite). Not under torchrun: the ranks' one
+            # exchange decided the trip's kind for all of them.
+            earlier = self.last_updates(step)
+            if earlier is not None:
+                return earlier
         if verdict.check in (Check.OPTIMIZER, Check.PARAMETER):
             bad = nonfinite_shards(params)
             trip = self.trip(step, verdict.check, value_kind(bad[0][1]) if bad else "nan",

@@ -72,3 +72,41 @@ def test_an_update_whose_rule_is_not_evaluated_keeps_the_first_runs_finding(tmp_
     assert report.run.replay.note.startswith("the update rule of SGD is not evaluated")
     # --no-rerun: not evaluated either.
     assert audit(SCRIPT, "adam-eps", rerun=False).run.replay is None
+
+
+GAN = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+generator = nn.Sequential(nn.Linear(16, 64))
+critic = nn.Sequential(nn.Linear(64, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+opt_g = torch.optim.Adam(generator.parameters(), lr=float("inf"))
+opt_d = torch.optim.Adam(critic.parameters(), lr=2e-4)
+bce = nn.BCEWithLogitsLoss()
+for step in range(4):
+    real, z = torch.randn(16, 64), torch.randn(16, 16)
+    fake = generator(z)
+    d_loss = bce(critic(real), torch.ones(16, 1)) + bce(critic(fake.detach()),
+                                                         torch.zeros(16, 1))
+    opt_d.zero_grad(); d_loss.backward(); opt_d.step()
+    g_loss = bce(critic(fake), torch.ones(16, 1))
+    opt_g.zero_grad(); g_loss.backward(); opt_g.step()
+'''
+
+
+def test_another_optimizers_update_that_a_later_step_read_is_the_update_trip(tmp_path):
+    # The generator's update (step 1) leaves its weights non-finite; only the critic's next
+    # step (2), whose own weights are finite, reads them, in its forward. Before: a loss trip at
+    # step 2, `aten.t` of the generator's weight, cause unknown, "created outside torch ops".
+    from nanaudit.commands.run import run_script
+    from nanaudit.script.target import ScriptOptions, ScriptTarget
+    path = tmp_path / "gan.py"
+    path.write_text(GAN)
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert exit_code(report) == 1
+    assert (f.step, f.where, f.cause, f.tensors) == (1, "optimizer", "optimizer-update",
+                                                     ["0.weight", "0.bias"])
+    assert "the learning rate is inf" in f.explanation
+    assert report.run.rerun is None
