@@ -9,6 +9,8 @@ from helpers import ROOT
 from test_run_inprocess import audit
 
 from nanaudit.commands.common import exit_code
+from nanaudit.commands.run import run_script
+from nanaudit.script.target import ScriptOptions, ScriptTarget
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "update_trip.py"
 
@@ -99,8 +101,6 @@ def test_another_optimizers_update_that_a_later_step_read_is_the_update_trip(tmp
     # The generator's update (step 1) leaves its weights non-finite; only the critic's next
     # step (2), whose own weights are finite, reads them, in its forward. Before: a loss trip at
     # step 2, `aten.t` of the generator's weight, cause unknown, "created outside torch ops".
-    from nanaudit.commands.run import run_script
-    from nanaudit.script.target import ScriptOptions, ScriptTarget
     path = tmp_path / "gan.py"
     path.write_text(GAN)
     report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
