@@ -159,6 +159,7 @@ class ScriptAuditor(StepChecks):
         if keep is None or not (keep.held.active and keep.held.release(optimizer)):
             self.scaler_watch.applied()
             self.ledger.updated(optimizer, self.step)
+            self.ledger.sites.stepped(optimizer, 3)    # out: the hook, torch's step wrapper
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self.step += 1
         if self.window.step is not None:
@@ -167,10 +168,11 @@ class ScriptAuditor(StepChecks):
     def stepped(self) -> int:
         return self.ledger.steps_taken
 
-    def optimizer_built(self) -> None:
+    def optimizer_built(self, optimizer: Any) -> None:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
         self.ledger.optimizer_made()
+        self.ledger.sites.built(optimizer, 2)          # out: the hook, Optimizer.__init__'s caller
         if self.ledger.optimizers_made == 1:
             self._number_afresh()
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nanaudit.run.names import user_named
+from nanaudit.script.call_sites import CallSites
 from nanaudit.script.held_modules import held_modules
 
 
@@ -45,6 +46,7 @@ class Ledger:
         self.steps_taken = 0                     # post-hook calls, every one
         self.backwards = 0                       # backward calls that returned
         self.by_hand_anyway = False              # optimizers built, yet updated by hand
+        self.sites = CallSites()                 # the lines that built and stepped each one
 
     def updated(self, optimizer: Any, step: int) -> None:
         """`optimizer` applied its update of `step`, with its groups' learning rates as they

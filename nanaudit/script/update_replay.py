@@ -36,8 +36,10 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
 from nanaudit.run.sharded import is_sharded
+from nanaudit.script.call_sites import where
 from nanaudit.script.inprocess import IN_PROCESS
-from nanaudit.script.trip import ScriptTrip
+from nanaudit.script.trip import ScriptTrip, float_kind
+from nanaudit.script.update_op import state_inputs, update_op
 from nanaudit.script.update_rules import EVALUATED, Division, evaluate
 
 
@@ -55,7 +57,9 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
         return Rerun(status=RerunStatus.SKIPPED, note="the update rule is not evaluated on a "
                      "sharded (DTensor) parameter: its elements live on several ranks")
     index = _first_bad(param)
-    rule = _rule(optimizer, group, optimizer.state.get(param, {}), param, index)
+    built = auditor.ledger.sites.built_line(optimizer)
+    at = f" at {where(built)}" if built is not None else ""
+    rule = _rule(optimizer, group, optimizer.state.get(param, {}), param, index, at)
     if rule is None:
         return Rerun(status=RerunStatus.SKIPPED, note=(
             f"the update rule of {type(optimizer).__name__} is not evaluated in-process at "
@@ -67,10 +71,27 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
         return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED,
                      note=rule.text[1:])
     finding.explain(f"at {name}{list(index)}{_rows(param, name)}: {rule.text}")
+    if built is not None:
+        finding.explain(f"{type(optimizer).__name__} was built{at} (`{built.code}`)")
     if rule.fix is not None:
         finding.fix = rule.fix
+    _name_the_op(auditor, finding, optimizer, group, param, index, name)
     finding.localized_by = IN_PROCESS
     return Rerun(steps=1, duration_s=took, status=RerunStatus.REPRODUCED, ops_traced=0)
+
+
+def _name_the_op(auditor: Any, finding: Finding, optimizer: Any, group: dict,
+                 param: torch.Tensor, index: tuple[int, ...], name: str) -> None:
+    """The finding's op (verified on copies: update_op.py), the script's line that called the
+    step, the module holding the parameter and the state the rule read."""
+    kind = float_kind(float(param.detach()[index].double()))
+    named = update_op(optimizer, group, param, index, kind)
+    finding.op = named.op
+    if named.op is None:
+        finding.explain(named.note)
+    finding.source = auditor.ledger.sites.step_line(optimizer)
+    finding.module = None if name.startswith("<") else name.rpartition(".")[0]
+    finding.inputs = state_inputs(optimizer, group, param)
 
 
 def _bad_parameter(auditor: Any, trip: ScriptTrip) -> tuple[Any, dict, torch.Tensor, str] | None:
@@ -110,7 +131,7 @@ def _rows(param: torch.Tensor, name: str) -> str:
 
 
 def _rule(optimizer: Any, group: dict, state: dict, param: torch.Tensor,
-          index: tuple[int, ...]) -> _Said | None:
+          index: tuple[int, ...], at: str) -> _Said | None:
     """What made the element, from the optimizer's state after the step; None: not evaluated
     for this optimizer (or this element); a text starting with "!": the state cannot have made
     it."""
@@ -121,7 +142,7 @@ def _rule(optimizer: Any, group: dict, state: dict, param: torch.Tensor,
     if division is None:
         return None
     if division.denominator == 0:
-        return _zero_denominator(optimizer, group, division, param, index)
+        return _zero_denominator(optimizer, group, division, param, index, at)
     if division.term is None:
         return None            # its numerator, the step's gradient, is gone by the check
     return _Said(_added(division.term, division.said, param, index))
@@ -136,7 +157,7 @@ class _Said:
 
 
 def _zero_denominator(optimizer: Any, group: dict, division: Division, param: torch.Tensor,
-                      index: tuple[int, ...]) -> _Said:
+                      index: tuple[int, ...], at: str) -> _Said:
     zero = division.numerator_zero
     if zero is None:           # the numerator is gone: the value the run saw says which
         zero = math.isnan(float(param.detach()[index].double()))
@@ -149,7 +170,7 @@ def _zero_denominator(optimizer: Any, group: dict, division: Division, param: to
     return _Said(
         f"{division.said}: {made} (the {division.accumulator} is 0 where no gradient reached "
         f"the element since the state was made, and eps is {eps:g})",
-        f"give {name} a positive eps{usual}: with eps {eps:g} an element no gradient has "
+        f"give {name} a positive eps{usual}{at}: with eps {eps:g} an element no gradient has "
         f"reached divides by 0 (1e-8 is 0 in float16: keep such state in float32)")
 
 

@@ -48,7 +48,7 @@ def _sqrt(x: float) -> float:
 
 def _adam(group: dict, state: dict, index: Index, lr: float) -> Division | None:
     m = _at(state, "exp_avg", index)
-    v = _at(state, "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq", index)
+    v = _at(state, _second_moment(group), index)
     t = _at(state, "step", ())
     if m is None or v is None or t is None:
         return None
@@ -59,6 +59,11 @@ def _adam(group: dict, state: dict, index: Index, lr: float) -> Division | None:
             f"{v:.6g}) / sqrt(1 - beta2^t) + eps {eps:g} = {denom:.6g}")
     term = lr / (1 - beta1 ** t) * m / denom if denom else None
     return Division(said, denom, term, m == 0)
+
+
+def _second_moment(group: dict) -> str:
+    """The state Adam's update divides by: its running max under amsgrad."""
+    return "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
 
 
 def _adamax(group: dict, state: dict, index: Index, lr: float) -> Division | None:
@@ -166,3 +171,21 @@ def evaluate(optimizer: Any, group: dict, state: dict, index: Index) -> Division
     evaluated (another optimizer, or its state lacks what the rule reads)."""
     rule = _RULES.get(type(optimizer))
     return None if rule is None else rule(group, state, index, float(group["lr"]))
+
+
+# The state each rule reads (the moments it divides, the accumulator, the update itself), by key.
+_READ: dict[type, tuple[str, ...]] = {
+    torch.optim.Adam: ("exp_avg", "exp_avg_sq"), torch.optim.AdamW: ("exp_avg", "exp_avg_sq"),
+    torch.optim.Adamax: ("exp_avg", "exp_inf"), torch.optim.RAdam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.NAdam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.RMSprop: ("square_avg", "grad_avg", "momentum_buffer"),
+    torch.optim.Adagrad: ("sum",), torch.optim.Adadelta: ("square_avg", "acc_delta"),
+    torch.optim.SGD: ("momentum_buffer",),
+}
+
+
+def state_read(optimizer: Any, group: dict) -> tuple[str, ...]:
+    """The state keys `optimizer`'s rule reads for `group` (none for another optimizer)."""
+    keys = _READ.get(type(optimizer), ())
+    return tuple(_second_moment(group) if key == "exp_avg_sq" and type(optimizer) in
+                 (torch.optim.Adam, torch.optim.AdamW) else key for key in keys)

@@ -1,0 +1,112 @@
+"""The script's lines an update trip names (script/update_replay.py): where it built each
+optimizer (its hyper-parameters, the line a fix edits) and where it called the step that made
+the value (`optimizer.step()`, `scaler.step(optimizer)`, `trainer.fit(...)`).
+
+The user's line is the innermost frame of the script's own code: not torch's, not nanaudit's,
+and not an installed library's (the Trainer's, Accelerate's and Lightning's frames sit between
+the script and the step); with no such frame, the innermost frame outside torch and nanaudit,
+the tracer's rule. The build is walked once per optimizer. The step is heard on every clean
+step, so it costs C-level frame lookups and a dict store, nothing formatted: how many frames
+out from the step's caller the script's frame lies is learned once per caller's code, and the
+step keeps that frame's code and line number only (a reference), read into a line at a trip."""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import sys
+import sysconfig
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from nanaudit.errors import is_own_file
+from nanaudit.report.model import SourceLine
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+Site = tuple[CodeType, int]
+
+
+class CallSites:
+    """The build and latest step call of each optimizer, by id, as (code, line)."""
+
+    def __init__(self) -> None:
+        self._hops: dict[CodeType, int] = {}    # step caller's code -> frames out to the script
+        self._steps: dict[int, Site] = {}
+        self._built: dict[int, Site] = {}
+
+    def built(self, optimizer: Any, depth: int) -> None:
+        """`optimizer` is being built; the frame `depth` out from the caller is inside the
+        build (walked outward to the script's frame: once per optimizer)."""
+        frame = sys._getframe(depth + 1)
+        for _ in range(_hops_to_script(frame)):
+            frame = frame.f_back or frame
+        self._built[id(optimizer)] = (frame.f_code, frame.f_lineno)
+
+    def stepped(self, optimizer: Any, depth: int) -> None:
+        """`optimizer`'s step was called from the frame `depth` out from the caller (a clean
+        step's cost: see the module docstring)."""
+        caller = sys._getframe(depth + 1)
+        hops = self._hops.get(caller.f_code)
+        if hops is None:
+            hops = self._hops[caller.f_code] = _hops_to_script(caller)
+        try:
+            frame = sys._getframe(depth + 1 + hops) if hops else caller
+        except ValueError:      # a shallower stack under the same caller: not said
+            return
+        self._steps[id(optimizer)] = (frame.f_code, frame.f_lineno)
+
+    def step_line(self, optimizer: Any) -> SourceLine | None:
+        """The script's line that called `optimizer`'s latest step (None: not heard)."""
+        return _line(self._steps.get(id(optimizer)))
+
+    def built_line(self, optimizer: Any) -> SourceLine | None:
+        """The script's line that built `optimizer` (None: built before the hooks)."""
+        return _line(self._built.get(id(optimizer)))
+
+
+def where(line: SourceLine) -> str:
+    """`train.py:21`, as the console's hints name a line."""
+    return f"{os.path.basename(line.file)}:{line.line}"
+
+
+def _line(site: Site | None) -> SourceLine | None:
+    if site is None:
+        return None
+    code, line = site
+    text = linecache.getline(code.co_filename, line).strip()
+    return SourceLine(code.co_filename, line, text, code.co_name)
+
+
+def _hops_to_script(frame: FrameType) -> int:
+    """How many frames out from `frame` the script's own frame lies (see the module
+    docstring); 0 when no frame qualifies."""
+    fallback, hops = None, 0
+    current: FrameType | None = frame
+    while current is not None:
+        kind = _owner(current.f_code.co_filename)
+        if kind == "script":
+            return hops
+        if kind == "library" and fallback is None:
+            fallback = hops
+        current, hops = current.f_back, hops + 1
+    return fallback if fallback is not None else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner(name: str) -> str:
+    """"skip" (torch, nanaudit, frozen modules), "library" (installed packages and the
+    standard library) or "script"."""
+    path = os.path.abspath(name)
+    if path.startswith(_TORCH_DIR) or name.startswith("<frozen") or is_own_file(path):
+        return "skip"
+    return "library" if path.startswith(_library_dirs()) else "script"
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(os.path.abspath(paths[key]) + os.sep
+                 for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key))
