@@ -54,21 +54,27 @@ def update_op(optimizer: Any, group: dict, param: torch.Tensor, index: Index,
         return UpdateOp(None, "torch's update function could not be run again for this "
                               "parameter")
     copied, clone = _copies(optimizer, group, param, index)
+    held = [key for key, value in clone.state[copied].items()
+            if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all())]
+    if held:
+        return UpdateOp(None, f"the optimizer's state after the step is non-finite at the "
+                              f"element ({', '.join(held)}): it cannot stand for the state "
+                              f"before the step, which is gone, so the update is not run again "
+                              f"and the op is not named")
     try:
         with OpTracer(torch.nn.Module()) as tracer:
             step(clone)
     except Exception as error:    # the copy's step is torch's: report it, never raise it
         return UpdateOp(None, f"the update run again on a copy of the element raised "
                               f"{type(error).__name__}: {error}")
-    events = tracer.trace.events
-    if not events:
+    made = value_kind(copied) if not bool(torch.isfinite(copied).all()) else "finite"
+    if made == "finite":
         return UpdateOp(None, "the update run again on a copy of the element stayed finite "
                               "(its inputs before the step, a weight near its limit, are gone)")
-    made = value_kind(copied) if not bool(torch.isfinite(copied).all()) else "finite"
     if made != kind:
         return UpdateOp(None, f"the update run again on a copy of the element made {made}, "
                               f"not the {kind} the run saw: the op is not named")
-    return UpdateOp(events[0].op)
+    return UpdateOp(tracer.trace.events[0].op)    # its inputs, the copies, were all finite
 
 
 def _copies(optimizer: Any, group: dict, param: torch.Tensor,

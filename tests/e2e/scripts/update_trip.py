@@ -3,8 +3,9 @@ reports: Adam with eps=0 over embedding rows no batch has reached (their second 
 0/0), a learning rate a scheduler or a flag made inf, SGD whose momentum step overflows
 float32, eps=0 in the other adaptive optimizers of torch.optim (an OPTIMIZER-eps case), and SGD
 without momentum whose step overflows (its update, the gradient, is not kept: not evaluated
-in-process). Usage: update_trip.py adam-eps|adam-inf-lr|sgd-overflow|sgd-plain|NAME-eps
-[LOG_PATH], NAME one of torch.optim's classes taking eps."""
+in-process); Adam's eps=0 and SGD's overflow again under the foreach and fused implementations.
+Usage: update_trip.py adam-eps|adam-inf-lr|sgd-overflow|sgd-plain|adam-foreach|adam-fused|
+sgd-foreach|NAME-eps [LOG_PATH], NAME one of torch.optim's classes taking eps."""
 
 import sys
 
@@ -24,6 +25,10 @@ elif case == "sgd-overflow":
     optimizer = torch.optim.SGD(params, lr=1e38, momentum=0.9)
 elif case == "sgd-plain":
     optimizer = torch.optim.SGD(params, lr=1e38)
+elif case in ("adam-foreach", "adam-fused"):   # the implementations a flag chooses on CPU
+    optimizer = torch.optim.Adam(params, lr=1e-2, eps=0.0, **{case[5:]: True})
+elif case == "sgd-foreach":
+    optimizer = torch.optim.SGD(params, lr=1e38, momentum=0.9, foreach=True)
 else:
     optimizer = getattr(torch.optim, case.removesuffix("-eps"))(params, eps=0.0)
 for step in range(8):
