@@ -329,6 +329,10 @@ def _next_steps(report: Report) -> Text:
         # The op only overflowed where the grown weights met it: the fix is the optimizer's.
         hints.append(f"change the optimizer as the fix says ({os.path.basename(f.source.file)}:"
                      f"{f.source.line} is where the grown weights overflowed, not the bug)")
+    elif f.source and f.cause == Cause.OPTIMIZER_UPDATE:
+        # the line is the step that applied the update; the fix is where it was built
+        hints.append(f"change the optimizer as the fix says ({os.path.basename(f.source.file)}:"
+                     f"{f.source.line} is the step that applied the update)")
     elif f.source and f.reproduced is not False:
         hints.append(f"edit {os.path.basename(f.source.file)}:{f.source.line} as the fix says")
     elif f.cause == Cause.COMPILED_ONLY:

@@ -172,6 +172,9 @@ def test_every_format_shows_the_op_its_inputs_and_the_line_escaped(tmp_path):
     console = out.getvalue()
     assert "inputs of the op that created it" in console and "exp_avg_sq" in console
     assert "aten.addcdiv_.default" in console and "scaler.step(optimizer)" in console
+    # the hint names the build as where to edit, the step line as where the update ran
+    assert (f"change the optimizer as the fix says (train.py:{line_of(path, 'scaler.step(')} "
+            f"is the step that applied the update)") in console
     texts = {fmt: renderer_for(fmt).render(report) for fmt in ("markdown", "html", "junit",
                                                                "github", "json")}
     for fmt, text in texts.items():
