@@ -16,7 +16,6 @@ import functools
 import linecache
 import os
 import sys
-import sysconfig
 from types import CodeType, FrameType
 from typing import Any
 
@@ -107,6 +106,8 @@ def _owner(name: str) -> str:
 
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
+    # imported at the first step only: a clean run's start-up does not pay for it
+    import sysconfig
     paths = sysconfig.get_paths()
     return tuple(os.path.abspath(paths[key]) + os.sep
                  for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key))
