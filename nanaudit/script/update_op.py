@@ -12,15 +12,14 @@ same quotient); the first op whose output held a non-finite value is named only 
 ends with the kind of value the run saw (NaN, inf or -inf), else why not is said.
 
 The update is torch's step function itself, called past torch's step wrapper (so neither the
-script's nor nanaudit's step hooks run) on a shallow copy of the optimizer holding only the
-copies: the script's tensors, state and hooks are not touched. Only torch.optim's own classes
-are run: a subclass's step is the script's code. The inputs the finding shows are the state the
-rule read (the moments, the accumulator) over the whole parameter: a read per tensor, at the
-trip only."""
+script's nor nanaudit's step hooks run) on a shallow copy of the optimizer (made without its
+`__init__` or `__setstate__`) holding only the copies: the script's tensors, state and hooks are
+not touched. Only torch.optim's own classes are run: a subclass's step is the script's code.
+The inputs the finding shows are the state the rule read (the moments, the accumulator) over
+the whole parameter: a read per tensor, at the trip only."""
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ class UpdateOp:
 
     op: str | None
     note: str = ""
+    ops: int = 0             # the aten ops the copies' update ran under the tracer
 
 
 def update_op(optimizer: Any, group: dict, param: torch.Tensor, index: Index,
@@ -67,14 +67,16 @@ def update_op(optimizer: Any, group: dict, param: torch.Tensor, index: Index,
     except Exception as error:    # the copy's step is torch's: report it, never raise it
         return UpdateOp(None, f"the update run again on a copy of the element raised "
                               f"{type(error).__name__}: {error}")
+    ops = tracer.trace.ops_seen
     made = value_kind(copied) if not bool(torch.isfinite(copied).all()) else "finite"
     if made == "finite":
         return UpdateOp(None, "the update run again on a copy of the element stayed finite "
-                              "(its inputs before the step, a weight near its limit, are gone)")
+                              "(its inputs before the step, a weight near its limit, are gone)",
+                        ops)
     if made != kind:
         return UpdateOp(None, f"the update run again on a copy of the element made {made}, "
-                              f"not the {kind} the run saw: the op is not named")
-    return UpdateOp(tracer.trace.events[0].op)    # its inputs, the copies, were all finite
+                              f"not the {kind} the run saw: the op is not named", ops)
+    return UpdateOp(tracer.trace.events[0].op, ops=ops)    # its inputs were all finite
 
 
 def _copies(optimizer: Any, group: dict, param: torch.Tensor,
@@ -86,7 +88,8 @@ def _copies(optimizer: Any, group: dict, param: torch.Tensor,
     element.grad = torch.zeros_like(element)
     state = {key: _element(key, value, param, index) for key, value in
              optimizer.state.get(param, {}).items()}
-    clone = copy.copy(optimizer)
+    clone = object.__new__(type(optimizer))     # no __init__ nor __setstate__: no side effect
+    clone.__dict__.update(optimizer.__dict__)
     clone.state = defaultdict(dict, {element: state})
     clone.param_groups = [{**group, "params": [element], **_implementation(group)}]
     return element, clone
@@ -108,14 +111,17 @@ def _element(key: str, value: Any, param: torch.Tensor, index: Index) -> Any:
 
 
 def _implementation(group: dict) -> dict:
-    """The group's foreach / fused choice as torch made it for the group's own parameters
-    (`_default_to_fused_or_foreach` when neither was asked), for the copy to run the same."""
+    """The group's implementation where torch's default chose it for the group's own
+    parameters (`_default_to_fused_or_foreach`, when neither flag was given): a group the
+    default keeps off foreach (a tensor subclass, a device without foreach kernels among its
+    parameters) runs the copy off foreach too; otherwise the copy, a tensor of the same device
+    and dtype, gets torch's own choice."""
     if group.get("foreach") is not None or group.get("fused") or "foreach" not in group:
         return {}
     from torch.optim.optimizer import _default_to_fused_or_foreach
     params = [p for p in group["params"] if isinstance(p, torch.Tensor)]
     _, foreach = _default_to_fused_or_foreach(params, bool(group.get("differentiable")))
-    return {"foreach": foreach}
+    return {} if foreach else {"foreach": False}
 
 
 def state_inputs(optimizer: Any, group: dict, param: torch.Tensor) -> list:

@@ -20,7 +20,13 @@ quotient that overflowed; or a finite update whose sum with the weight overflowe
 cannot have made the value the run saw is not believed. A term whose numerator is the gradient
 (overwritten since) and a non-zero denominator, other optimizers (a subclass too: its step may
 differ), SGD without momentum, a sharded (DTensor) parameter and a
-hand-written update keep the first run's finding, and the record says why."""
+hand-written update keep the first run's finding, and the record says why.
+
+Where the rule explains the element, the finding names as for any other op: the op, from
+torch's own update run on one-element copies standing for the update's inputs and checked
+against the run's value (update_op.py: not a replay of the step, and said to be none where it
+does not hold); the script's line that called the step and the one that built the optimizer
+(call_sites.py); the module holding the parameter; the state the rule read as the op's inputs."""
 
 from __future__ import annotations
 
@@ -66,24 +72,25 @@ def localize_update(auditor: Any, trip: ScriptTrip, finding: Finding) -> Rerun:
             f"this element (torch.optim's {EVALUATED} are, from their state after the step, "
             f"where it holds the update or the zero it divided by; SGD without momentum's "
             f"update is the gradient, overwritten since)"))
-    took = round(time.perf_counter() - started, 3)
     if rule.text.startswith("!"):
-        return Rerun(steps=1, duration_s=took, status=RerunStatus.NOT_REPRODUCED,
-                     note=rule.text[1:])
+        return Rerun(steps=1, duration_s=round(time.perf_counter() - started, 3),
+                     status=RerunStatus.NOT_REPRODUCED, note=rule.text[1:])
     finding.explain(f"at {name}{list(index)}{_rows(param, name)}: {rule.text}")
     if built is not None:
         finding.explain(f"{type(optimizer).__name__} was built{at} (`{built.code}`)")
     if rule.fix is not None:
         finding.fix = rule.fix
-    _name_the_op(auditor, finding, optimizer, group, param, index, name)
+    traced = _name_the_op(auditor, finding, optimizer, group, param, index, name)
     finding.localized_by = IN_PROCESS
-    return Rerun(steps=1, duration_s=took, status=RerunStatus.REPRODUCED, ops_traced=0)
+    return Rerun(steps=1, duration_s=round(time.perf_counter() - started, 3),
+                 status=RerunStatus.REPRODUCED, ops_traced=traced)
 
 
 def _name_the_op(auditor: Any, finding: Finding, optimizer: Any, group: dict,
-                 param: torch.Tensor, index: tuple[int, ...], name: str) -> None:
+                 param: torch.Tensor, index: tuple[int, ...], name: str) -> int:
     """The finding's op (verified on copies: update_op.py), the script's line that called the
-    step, the module holding the parameter and the state the rule read."""
+    step, the module holding the parameter and the state the rule read; returns the ops the
+    copies' update ran."""
     kind = float_kind(float(param.detach()[index].double()))
     named = update_op(optimizer, group, param, index, kind)
     finding.op = named.op
@@ -92,6 +99,7 @@ def _name_the_op(auditor: Any, finding: Finding, optimizer: Any, group: dict,
     finding.source = auditor.ledger.sites.step_line(optimizer)
     finding.module = None if name.startswith("<") else name.rpartition(".")[0]
     finding.inputs = state_inputs(optimizer, group, param)
+    return named.ops
 
 
 def _bad_parameter(auditor: Any, trip: ScriptTrip) -> tuple[Any, dict, torch.Tensor, str] | None:
