@@ -49,6 +49,7 @@ def test_an_update_trip_names_the_op_the_step_line_the_module_and_the_state(case
     f = report.finding
     assert exit_code(report) == 1 and f.cause == "optimizer-update"
     assert (f.op, f.module, f.localized_by) == (op, "0", "in-process")
+    assert report.run.replay.status == "reproduced" and report.run.replay.ops_traced > 0
     assert f.source.file == str(SCRIPT) and f.source.code == "optimizer.step()"
     assert f.source.line == line_of(SCRIPT, "    optimizer.step()")
     built = line_of(SCRIPT, BUILT[case])
@@ -187,3 +188,27 @@ def test_every_format_shows_the_op_its_inputs_and_the_line_escaped(tmp_path):
     assert f"line={line}" in errors[0] and errors[0].count("::") == 2
     body = json.loads(texts["json"])["finding"]
     assert body["source"]["line"] == line and "::error::" in body["source"]["code"]
+
+
+ONE_STEP = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
+loss = model(torch.tensor([0, 2, 3, 2])).pow(2).mean()
+loss.backward()
+optimizer.step()
+print("trained")
+'''
+
+
+def test_an_update_found_at_the_scripts_end_names_the_step_it_kept(tmp_path):
+    # The only update is found when the script has ended: no step is on the stack then, and
+    # the line is the one kept when the step ran.
+    path = write(tmp_path, ONE_STEP)
+    f = audit(path).finding
+    assert (f.step, f.cause, f.op) == (0, "optimizer-update", "aten.addcdiv_.default")
+    assert (f.source.line, f.source.code) == (line_of(path, "optimizer.step()"),
+                                              "optimizer.step()")
