@@ -9,9 +9,11 @@ class hears the hooks and acts on them.
 
 A closure's later evaluations in a step (LBFGS evaluates it up to `max_iter` times) are checked
 too: the step's timeline entry is its first evaluation, and any evaluation may trip, named with
-its index. A step the GradScaler skips (inf gradients) is not a step: its losses and inputs are
-checked (a NaN loss is still a finding) and dropped. So is a step DeepSpeed skips under fp16's
-dynamic loss scale (script/zero_steps.py), unless the scale collapses. A script that builds no
+its index. A step the GradScaler skips (inf gradients) is a step, marked skipped, and no finding,
+as `scan`'s loop, the Trainer's `global_step` and DeepSpeed's `global_steps` count it (so the
+steps named are the script's own loop's): its losses and inputs are checked (a NaN loss is still
+a finding). So is a step DeepSpeed skips under fp16's dynamic loss scale
+(script/zero_steps.py); either is a finding when the scale collapses. A script that builds no
 optimizer updates its weights by hand (`p.data.add_(p.grad, alpha=-lr)`): each backward is then
 its step, checked when backward returns, before the script's own update.
 
@@ -161,9 +163,7 @@ class ScriptAuditor(StepChecks):
             self.ledger.updated(optimizer, self.step)
             self.ledger.sites.stepped(optimizer, 3)    # out: the hook, torch's step wrapper
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
-        self.step += 1
-        if self.window.step is not None:
-            self.window.enter_data_code(self.step)
+        self._next_step()
 
     def stepped(self) -> int:
         return self.ledger.steps_taken
@@ -209,8 +209,8 @@ class ScriptAuditor(StepChecks):
         return keep.skip(trip, self.hooks.tap.record)
 
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
-        """The GradScaler skipped this step's update (its gradients held inf or NaN): not a
-        step and not a finding, unless the loss or the inputs were non-finite already (then
+        """The GradScaler skipped this step's update (its gradients held inf or NaN): a step,
+        skipped, and not a finding, unless the loss or the inputs were non-finite already (then
         the forward made the value, not the loss scale, and every later step would be skipped
         too). One host read, on skipped steps only; the step's losses and inputs are dropped."""
         self.ledger.stepped[id(optimizer)] = optimizer   # skipped, not an update by hand
@@ -240,16 +240,25 @@ class ScriptAuditor(StepChecks):
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip
         self._skip_or_stop(skippable=True)      # the scaler already left its update out
+        self._next_step()     # a step all the same, as the loop, `global_step` count it
+
+    def _next_step(self) -> None:
+        """A step went by, updated or skipped (a re-run numbers them as the first run did)."""
+        self.step += 1
+        if self.window.step is not None:
+            self.window.enter_data_code(self.step)
 
     def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
                       params: list[torch.Tensor], scaler: str = "the GradScaler") -> None:
         """A skip with finite losses and inputs at loss scale `scale` (a GradScaler's, or
         DeepSpeed fp16's dynamic one: zero_steps.py), which its backoff moves to `next_scale`:
-        normal, unless the scale collapsed (the check core's rule; `params`: whose gradients)."""
+        a step, skipped, and normal, unless the scale collapsed (the check core's rule;
+        `params`: whose gradients)."""
         reason = self.scaler_watch.skip(scale, next_scale, scaler)
-        if reason is None or self.window.step is not None:
-            return          # a re-run: its window, armed at the step, decides (skipped_try_was_bad)
         self.log.append(self._entry(optimizer, None, None, None, skipped=True, scale=scale))
+        if reason is None or self.window.step is not None:
+            self._next_step()   # a re-run's armed window decides there (skipped_try_was_bad)
+            return
         self.trip = self.namer.collapse_trip(self.step, optimizer, params, reason,
                                              self.scaler_watch.in_row, scaler)
         self._skip_or_stop(skippable=False)     # the scaler skips every step already

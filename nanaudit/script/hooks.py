@@ -13,7 +13,8 @@ Nothing in the script changes. What is installed, and what each tells the audito
   (compiled_calls.py);
 * the loss tap (intercept.py): the scalar reaching `backward`, unscaled, kept on the device
   until the step's read;
-* `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is not a step;
+* `GradScaler.step` wrapped: a step the scaler skips (inf gradients) is heard, as a step
+  skipped (its optimizer's step hooks never run);
 * a DeepSpeed engine's ZeRO optimizer's `step` wrapped (on the instance, when the engine is
   first called): every stage steps the torch optimizer once per part (ZeRO-1/2 per param
   group, ZeRO-3 per sub-group), so the ZeRO step is the step, checked once at its entry, and a

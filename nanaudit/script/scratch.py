@@ -111,14 +111,15 @@ def prepare(state: FolderState | None, into: Path) -> Scratch:
 
 def inside(path: str, state: FolderState | None, scratch: Scratch) -> str:
     """The script's path for the re-run: its copy in the scratch folder when it lies in the
-    copied folder (a script writing next to `__file__` writes into the copy)."""
+    copied folder (a script writing next to `__file__` writes into the copy); else the path
+    made absolute (`../train.py` read from the scratch folder would name nothing)."""
     if state is None or scratch.folder == state.root:
         return path
     full = os.path.abspath(path)
     root = os.path.abspath(state.root)
     if full.startswith(root + os.sep) and os.path.relpath(full, root) in state.files:
         return os.path.join(scratch.folder, os.path.relpath(full, root))
-    return path
+    return full
 
 
 def relocated(value: Any, scratch: Scratch, root: str) -> Any:

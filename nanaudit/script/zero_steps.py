@@ -14,7 +14,8 @@ only non-finite gradients (losses, inputs, weights and buffers finite, on every 
 finding there: DeepSpeed will skip the step, as a GradScaler does while it calibrates. When the
 step returns skipped, `scale_skipped` hears the scale it skipped at and the one DeepSpeed's own
 backoff (its scale factor, its hysteresis) moved it to, read off its scaler (Python floats, no
-host read): not a step, unless the scale collapsed (run/check/scaler.py, the GradScaler's rule).
+host read): a step, skipped, as DeepSpeed's `global_steps` counts it; a finding only when the
+scale collapsed (run/check/scaler.py, the GradScaler's rule).
 A skip whose loss or inputs were already non-finite trips at the entry: the forward made the
 value. Under a static scale, fp32 or bf16, non-finite gradients trip at the entry: a skip there
 is a finding.
@@ -94,7 +95,7 @@ class ZeroSteps:
 
     def _left(self, zero: Any, updated: bool) -> None:
         """The ZeRO step returned: one step when DeepSpeed updated; a step it skipped with
-        nothing found at the check is not a step (as a GradScaler's skip is not), and under a
+        nothing found at the check is a step, skipped (as a GradScaler's is), and under a
         dynamic loss scale a finding only when the scale collapsed."""
         optimizer, self.running = self.running, None
         scale, self._scale = self._scale, None

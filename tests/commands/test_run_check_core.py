@@ -101,8 +101,10 @@ def test_a_scale_collapse_is_a_finding_even_when_every_step_is_skipped(tmp_path,
     f = report.finding
     assert "skipped 10 steps in a row" in f.explanation
     assert (f.where, f.op, f.cause) == ("backward", "aten.mm.default", "dtype-overflow")
-    # No update ran: step 0 is the one step audited, every try of it skipped.
-    assert report.steps_run == 1 and f.step == 0 and report.timeline[-1].skipped
+    # No update ran: each step skipped is a step, as `scan` numbers them (its
+    # amp_scale_collapse example trips at step 9 too); before, all ten were "tries" of step 0.
+    assert report.steps_run == 10 and f.step == 9
+    assert all(entry.skipped for entry in report.timeline)
     assert report.run.first_run.skipped == 10
 
 
@@ -187,3 +189,34 @@ def test_under_torchrun_a_buffer_one_rank_made_nonfinite_names_that_rank(tmp_pat
         f = report["finding"]
         assert (f["step"], f["rank"], f["where"], f["tensor"]) == (3, 1, "forward", "spread"), f
         assert "buffer" in f["explanation"]
+
+
+# A GradScaler whose first scales overflow (AMP's calibration: skipped steps, no findings),
+# then a division by zero in the loss code at the loop's step 6.
+SCALER_CALIBRATING = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    for step in range(10):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8)).float()
+        loss = (out / (out - out)).mean() if step == 6 else out.pow(2).mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+"""
+
+
+def test_a_step_the_gradscaler_skips_is_a_step_as_the_loop_counts_it(tmp_path):
+    """The finding's step is the script's own loop's (and `scan`'s, the Trainer's): before,
+    the scaler's calibration skips went uncounted and the finding said step 0."""
+    _, report = _run(tmp_path, SCALER_CALIBRATING)
+    assert exit_code(report) == ExitCode.NONFINITE
+    assert (report.finding.step, report.finding.op) == (6, "aten.div.Tensor")
+    skipped = [entry.step for entry in report.timeline if entry.skipped]
+    assert skipped[:2] == [0, 1] and [entry.step for entry in report.timeline] == list(range(7))

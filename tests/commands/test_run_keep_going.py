@@ -92,10 +92,11 @@ SHAPES = {
     # One bad micro-batch (the second of two) skips its whole step, both micro-batches'
     # BatchNorm updates undone.
     "accumulate": ("2:forward,5:backward", [2, 5]),
-    # The scale starts at 1e38: the first tries overflow, the scaler's own skips (not steps, not
-    # findings). Step 5's NaN loss is skipped by the scaler too; step 7's inf loss has finite
-    # gradients, so nanaudit holds the update back and the scale backs off as after an overflow.
-    "scaler": ("5:forward,7:loss", [3, 4]),
+    # The scale starts at 1e38: the first steps overflow, the scaler's own skips (steps, as the
+    # loop counts them, not findings). Step 5's NaN loss is skipped by the scaler too; step 7's
+    # inf loss has finite gradients, so nanaudit holds the update back and the scale backs off
+    # as after an overflow. (Before: steps 3 and 4, the scaler's skips left uncounted.)
+    "scaler": ("5:forward,7:loss", [5, 7]),
     # LBFGS: the closure's first evaluation trips; the optimizer must not move, and its state
     # (func_evals, which it counts before it looks at the gradient) stays as it was.
     "closure": ("3:forward,6:loss", [3, 6]),

@@ -214,14 +214,16 @@ def run_fp16(tmp_path, *script_args):
 @pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
 def test_fp16_calibration_skips_under_zero_are_a_clean_run(tmp_path, stage):
     # Before: the first skip was a finding at step 0 on a healthy run (every rank's own scaled
-    # gradients, flagged as autograd made them, overflowed). Now 14 skips, no finding, the 16
-    # steps numbered 0..15, and the timeline's gradient norm the unscaled one (the scale is
-    # 2**17 by then: scaled, each norm would be thousands).
+    # gradients, flagged as autograd made them, overflowed). Now 14 skips, no finding, the 30
+    # steps numbered 0..29 as the loop and DeepSpeed's global_steps count them (the first 14
+    # skipped), and the timeline's gradient norm the unscaled one (the scale is 2**17 by then:
+    # scaled, each norm would be thousands).
     codes, report, outputs = run_fp16(tmp_path, "--stage", stage, "--fault", "none")
     assert codes == [0, 0], outputs
     assert report["status"] == "clean" and report["run"]["first_run"]["skipped"] == 14
-    assert [entry["step"] for entry in report["timeline"]] == list(range(16))
-    assert all(0 < entry["grad_norm"] < 10 for entry in report["timeline"])
+    assert [entry["step"] for entry in report["timeline"]] == list(range(30))
+    assert [entry["skipped"] for entry in report["timeline"]] == [True] * 14 + [False] * 16
+    assert all(0 < entry["grad_norm"] < 10 for entry in report["timeline"][14:])
 
 
 @pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
@@ -230,7 +232,7 @@ def test_fp16_forward_value_is_named_at_its_step_after_the_skips(tmp_path, stage
     assert codes == [1, 1], outputs
     f = report["finding"]
     assert (f["rank"], f["step"], f["where"], f["cause"], f["samples"]) == (
-        1, 6, "forward", "log-domain", [2])
+        1, 20, "forward", "log-domain", [2])        # the loop's step 20, after 14 skips
     assert f["source"]["line"] == line_of("h = torch.log(x)")
     assert report["run"]["first_run"]["skipped"] == 14
 
@@ -241,10 +243,13 @@ def test_fp16_skips_that_never_end_collapse_into_a_finding(tmp_path):
     codes, report, outputs = run_fp16(tmp_path, "--fault", "overflow")
     assert codes == [1, 1], outputs
     f = report["finding"]
+    # The 25th skip is the step traced (before, all were "tries" of step 0, traced at a scale
+    # of 2**30, where loss * scale overflowed float32 already). At the scale of 64 it had then,
+    # the float32 gradient of `.float()` is cast back to float16 in backward, past its range.
     assert (f["step"], f["where"], f["cause"], f["op"]) == (
-        0, "backward", "dtype-overflow", "aten.mul.Tensor")
+        24, "backward", "dtype-overflow", "aten._to_copy.default")
     assert "DeepSpeed's loss scale collapsed: DeepSpeed skipped 10 steps in a row" in (
-        f["explanation"])
-    assert FP16.read_text().splitlines()[f["source"]["line"] - 1].strip() == (
-        "loss = loss * 1e30")
+        f["explanation"]) and "float16 max is 65504" in f["explanation"]
+    assert FP16.read_text().splitlines()[f["source"]["line"] - 1].strip().startswith(
+        "loss = engine(x.half(), torch.ones(8, 1).half()).float()")
     assert report["run"]["first_run"]["skipped"] == 25

@@ -34,3 +34,19 @@ def test_a_folder_past_the_limit_is_not_listed(tmp_path, monkeypatch):
     for i in range(2):
         (tmp_path / "deep" / f"{i}.txt").write_text("x")
     assert FolderState.take(str(tmp_path)) is None
+
+
+def test_a_script_outside_the_copied_folder_is_named_by_its_absolute_path(tmp_path,
+                                                                          monkeypatch):
+    """`nanaudit run ../train.py`: the re-run runs in the scratch copy of the working folder,
+    where the relative path names nothing (before: FileNotFoundError, the re-run failed)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("x")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    monkeypatch.chdir(work)
+    state = FolderState.take(str(work))
+    copy = scratch.prepare(state, tmp_path / "scratch")
+    assert copy.folder == str(tmp_path / "scratch")
+    assert scratch.inside("../train.py", state, copy) == str(tmp_path / "train.py")
+    assert scratch.inside("notes.txt", state, copy) == str(tmp_path / "scratch" / "notes.txt")

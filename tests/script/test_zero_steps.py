@@ -191,22 +191,24 @@ class Fp16Run:
         self.zero.step()
 
 
-def test_fp16_calibration_skips_are_not_steps_and_the_norm_is_unscaled():
+def test_fp16_calibration_skips_are_skipped_steps_and_the_norm_is_unscaled():
     from nanaudit.run.intercept import StepHalted
     run = Fp16Run(scale=2.0 ** 20)
     try:
         for _ in range(3):             # scaled gradients overflow: DeepSpeed backs off
             run.step(math.inf)
-        assert (run.auditor.step, run.auditor.skipped, run.auditor.trip) == (0, 3, None)
-        assert len(run.auditor.timeline) == 0 and run.zero.loss_scale == 2.0 ** 17
+        # Steps, skipped (DeepSpeed's global_steps counts them), not findings.
+        assert (run.auditor.step, run.auditor.skipped, run.auditor.trip) == (3, 3, None)
+        assert [e.skipped for e in run.auditor.timeline] == [True] * 3
+        assert run.zero.loss_scale == 2.0 ** 17
         run.step(2.0 ** 17 * 2.0)      # a finite scaled gradient: each element 2 unscaled
-        assert run.auditor.step == 1 and run.auditor.trip is None
-        entry = run.auditor.timeline[0]
-        assert entry.step == 0 and entry.grad_norm == pytest.approx(2.0 * math.sqrt(5))
+        assert run.auditor.step == 4 and run.auditor.trip is None
+        entry = run.auditor.timeline[3]
+        assert entry.step == 3 and entry.grad_norm == pytest.approx(2.0 * math.sqrt(5))
         run.step(math.inf, loss=math.nan)     # the forward made it: a finding, at the entry
     except StepHalted:
         trip = run.auditor.trip
-        assert (trip.step, trip.check.value) == (1, "loss")
+        assert (trip.step, trip.check.value) == (4, "loss")
         assert run.auditor.skipped == 3
     else:
         pytest.fail("a non-finite loss under fp16 was no finding")
@@ -222,7 +224,7 @@ def test_fp16_skips_that_never_stop_collapse_into_a_finding():
             for _ in range(30):        # a backward that overflows whatever the scale
                 run.step(math.inf)
         trip = run.auditor.trip
-        assert trip.check.value == "gradient" and trip.step == 0
+        assert trip.check.value == "gradient" and trip.step == 9     # the tenth skip
         assert trip.collapsed.startswith("DeepSpeed skipped 10 steps in a row")
         assert run.auditor.skipped == 10 and run.zero.loss_scale == 2.0 ** 6
     finally:

@@ -12,7 +12,7 @@ supported on your device.". The flag gates nothing else: torch runs float16 ops 
 (slowly), so this script claims the support to run DeepSpeed's own fp16 optimizer and loss
 scaler (stage_1_and_2.py, fp16/loss_scaler.py), the code a GPU run steps through.
 
-  --fault forward   rank 1's batch at loop step 20 (nanaudit's step 6, after the 14 skips)
+  --fault forward   rank 1's batch at loop step 20 (after the 14 skips: nanaudit's step 20 too)
                     holds a 0 in row 2: `log` makes -inf in the forward, the loss is not finite
   --fault overflow  the loss is multiplied by 1e30 before backward (finite in float32): its
                     float16 gradients overflow whatever the scale, so every step is skipped
