@@ -161,7 +161,6 @@ class ScriptAuditor(StepChecks):
         if keep is None or not (keep.held.active and keep.held.release(optimizer)):
             self.scaler_watch.applied()
             self.ledger.updated(optimizer, self.step)
-            self.ledger.sites.stepped(optimizer, 3)    # out: the hook, torch's step wrapper
         self.hooks.tap.close()           # a step by hand: the hooks saw no optimizer step
         self._next_step()
 
@@ -171,8 +170,7 @@ class ScriptAuditor(StepChecks):
     def optimizer_built(self, optimizer: Any) -> None:
         """An optimizer after backward calls already checked as steps: those were not training
         steps of an optimizer (a warm-up, a gradient-based init): number the steps afresh."""
-        self.ledger.optimizer_made()
-        self.ledger.sites.built(optimizer, 2)          # out: the hook, Optimizer.__init__'s caller
+        self.ledger.optimizer_made(optimizer)
         if self.ledger.optimizers_made == 1:
             self._number_afresh()
 

@@ -53,6 +53,8 @@ class Ledger:
         are now (its post-hook: a scheduler steps after it)."""
         self.updated_at[id(optimizer)] = step
         self.update_rates[id(optimizer)] = [g.get("lr") for g in optimizer.param_groups]
+        # the step's caller: out past the auditor, its hook and torch's step wrapper
+        self.sites.stepped(optimizer, 4)
 
     def update_rate(self, optimizer: Any, group: int) -> Any:
         """Group `group`'s learning rate as `optimizer`'s latest update ran (None: unknown)."""
@@ -106,8 +108,9 @@ class Ledger:
         module trained: each backward is the script's step."""
         return (not self.optimizers_made or self.by_hand_anyway) and bool(self.roots)
 
-    def optimizer_made(self) -> None:
+    def optimizer_made(self, optimizer: Any) -> None:
         self.optimizers_made += 1
+        self.sites.built(optimizer, 3)       # out past the auditor and the wrapped __init__
         self.backwards = 0          # those before it were not for it (a warm-up, an init)
 
     def cleared_by_hand(self) -> bool:
