@@ -77,10 +77,27 @@ class Blamer:
             if creator.infinite_inputs() or creator.scalar_infinities() \
                     or creator.scalar_overflows():
                 return self.nan_from_infinity(creator, chain)
+            if creator.phase == Where.FORWARD and chain[-1].phase == Where.BACKWARD:
+                return self.masked_nan(creator, chain)
             return Blame(creator, chain, self.diagnose(creator, kind))
         source = self.sources.classify(creator, [creator])
         return self.by_source.of(source, chain[1:], None) or \
             self.unexplained_infinity(source, chain)
+
+    def masked_nan(self, creator: OpEvent, chain: list) -> Blame:
+        """A forward op made NaN that reached a gradient and not the loss (a gradient's walk
+        runs through backward): the value was masked or indexed away in forward
+        (`torch.where(d > 0, d.sqrt(), 0)`), and backward still ran through the op."""
+        own = self.diagnose(creator, "nan")
+        text = (f"in forward, {own.explanation}; that NaN was masked or indexed away "
+                f"(`torch.where`, indexing), so the loss stayed finite, but backward still runs "
+                f"through {op_base(creator.op)}, whose gradient read the NaN: a zero gradient "
+                f"times NaN is NaN (pytorch issue 4132)")
+        fix = fix_for(Cause.MASKED_NONFINITE_GRADIENT)
+        if own.cause != Cause.UNKNOWN:
+            fix += f"; or remove the {own.cause} at its source: {own.fix}"
+        return Blame(creator, chain, Diagnosis(Cause.MASKED_NONFINITE_GRADIENT, text, fix,
+                                               own.operand, own.mask))
 
     def nan_from_infinity(self, creator: OpEvent, chain: list) -> Blame:
         """`creator` made NaN of the infinities it received: blame their maker when it explains

@@ -39,6 +39,7 @@ from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
 from nanaudit.script.trained import TrainedModules
+from nanaudit.script.warning_site import show_at_script_lines
 from nanaudit.script.zero_steps import ZeroSteps
 
 
@@ -96,6 +97,7 @@ class ScriptHooks:
         self.tap.install()
         self._restore.append(_wrap_scaler_step(self))
         self._restore.append(_wrap_clip(self.listener))
+        self._restore.append(show_at_script_lines())
         self._wrap_optimizer_init()
         self._compiled.install()
         self.await_forward()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import linecache
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -108,7 +109,10 @@ def timed_replay(replayed: Callable[[], Replayed]) -> tuple[Rerun | None, Findin
     creating op's precision or why it named none); NotReplayable is a skipped record."""
     started = time.perf_counter()
     try:
-        finding, ops, precision = replayed()
+        with warnings.catch_warnings():
+            # The step's ops again: the warnings they raise were the run's, shown once.
+            warnings.simplefilter("ignore")
+            finding, ops, precision = replayed()
     except NotReplayable as why:
         return Rerun(status=RerunStatus.SKIPPED, note=str(why)), None
     except MadeBefore as why:

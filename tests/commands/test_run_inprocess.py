@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,31 @@ def test_a_hand_written_update_without_an_optimizer_is_replayed_in_process(tmp_p
     assert (f.step, f.where, f.forward_op, f.cause, f.samples) == (
         4, "backward", "aten.sqrt.default", "sqrt-domain", [1])
     in_process(report)
+
+
+VAR_OF_ONE_ROW = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, rows in enumerate([16, 16, 16, 1]):
+        out = model(torch.randn(rows, 8))
+        loss = out.mean() + 0.1 * out.var(0).sum()     # var of one row: NaN, and a warning
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_torchs_warning_in_the_loss_code_names_the_scripts_line_once(tmp_path):
+    """torch warns in an op the step's record ran through its mode: the warning names the
+    script's line (not nanaudit's frame that called the op), and the replay at the trip does
+    not repeat it."""
+    path = write(tmp_path, VAR_OF_ONE_ROW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = audit(path)
+    assert (report.finding.step, report.finding.op) == (3, "aten.var.correction")
+    in_process(report)
+    seen = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
+    assert seen == [(str(path), line_of(path, "out.var(0)"))]

@@ -167,6 +167,28 @@ def test_masked_gradient_names_the_forward_line(case, tmp_path):
     assert result.report["timeline"][0]["loss"] != "nan"
 
 
+def test_a_nan_made_in_forward_and_masked_by_where_is_the_masked_gradient(case, tmp_path):
+    """`where(d > 0, sqrt(d), 0)`: sqrt makes NaN itself (not an infinity) where d < 0, the
+    where keeps it out of the loss, and its gradient reads it: the masked-gradient trap, named
+    at sqrt with both fixes (before: sqrt-domain, as if the NaN had reached the loss)."""
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 1)
+            def forward(self, x):
+                d = self.lin(x)
+                return torch.where(d > 0, torch.sqrt(d), torch.zeros_like(d))
+        """
+    result = scan(_case(case, body), tmp_path=tmp_path)
+    f = result.finding
+    assert (f["where"], f["op"], f["cause"]) == ("forward", "aten.sqrt.default",
+                                                 "masked-nonfinite-gradient")
+    assert "torch.sqrt(d)" in f["source"]["code"] and result.report["timeline"][0]["loss"] != "nan"
+    assert "masked or indexed away" in f["explanation"] and "negative" in f["explanation"]
+    assert f["fix"].startswith("mask *before* the op") and "sqrt(x.clamp(min=eps))" in f["fix"]
+
+
 def test_optimizer_update_attributed_to_parameter(case, tmp_path):
     body = """
         class M(nn.Module):
