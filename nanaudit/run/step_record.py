@@ -212,11 +212,6 @@ class StepRecord:
         return self.code_window
 
     @property
-    def frozen_last(self) -> ModelCall | None:
-        """The latest frozen call since the last training call (None: none)."""
-        return self._frozen[-1] if self._frozen else None
-
-    @property
     def skipped(self) -> bool:
         """A micro-batch of the window (or the step's code, when it called no module)
         computed a loss and skipped its backward."""

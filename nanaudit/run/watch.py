@@ -16,6 +16,7 @@ Each warning names the step it was seen at and the step its growth began.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from functools import partial
 from typing import Any
@@ -39,7 +40,7 @@ class ActivationWatch:
         self.active = False
         self.maxima: list[torch.Tensor] = []
         self.labels: list[tuple[str, torch.dtype]] = []
-        self._seen: set[int] = set()
+        self._seen: dict[int, weakref.ref] = {}
         self.warned: set[str] = set()
         self.handles = []
         if every:
@@ -50,7 +51,7 @@ class ActivationWatch:
     def begin(self, step: int) -> None:
         self.active = bool(self.every) and step % self.every == 0
         if self.active or self.maxima:
-            self.maxima, self.labels, self._seen = [], [], set()
+            self.maxima, self.labels, self._seen = [], [], {}
 
     def _hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not self.active:
@@ -58,11 +59,18 @@ class ActivationWatch:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for t in outputs:
             # A container returns its last child's tensor: measure each tensor once per step.
+            # By identity through a weak reference, not by id alone: an output no backward
+            # keeps (a norm's before a dropout) is freed within the forward, and a later
+            # module's output may be given its id (which skipped it, by the heap's state).
             if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-                    and id(t) not in self._seen):
-                self._seen.add(id(t))
+                    and not self._measured(t)):
+                self._seen[id(t)] = weakref.ref(t)
                 self.maxima.append(t.detach().abs().amax().float())
                 self.labels.append((name, t.dtype))
+
+    def _measured(self, t: torch.Tensor) -> bool:
+        ref = self._seen.get(id(t))
+        return ref is not None and ref() is t
 
     def pending(self) -> torch.Tensor | None:
         """The step's maxima as one tensor for the readout (None when not sampled)."""

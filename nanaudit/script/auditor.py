@@ -233,7 +233,7 @@ class ScriptAuditor(StepChecks):
         self.scaler_watch.skip(None, None)
         self.log.append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
-        trip = self._loss_trip(inbox, read)
+        trip = self.namer.unread_trip(self.step, inbox.inputs, read)
         trip.skipped = True
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip

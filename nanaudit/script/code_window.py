@@ -12,7 +12,6 @@ script's end when the step reached no backward. A non-finite one joins the windo
 from __future__ import annotations
 
 import enum
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -28,9 +27,9 @@ class Untrained(enum.Enum):
     DROP = "drop"           # an evaluation of a model being trained: the window is dropped
 
 
-def untrained(window: ModelCall | None, optimizers: list[weakref.ref],
-              module: torch.nn.Module) -> Untrained:
-    """A module called under `no_grad` in the window opened at the optimizer's construction.
+def untrained(window: ModelCall | None, module: torch.nn.Module, trained: bool) -> Untrained:
+    """A module called under `no_grad` in the window opened at the optimizer's construction
+    (`trained`: an optimizer the script built holds its parameters, script/trained.py).
     Of a model an optimizer trains, it is an evaluation before training (Lightning's sanity
     check) whose activations a recording would keep: DROP. Of a module no optimizer holds (a
     frozen encoder whose features a head of raw tensors trains on), it is part of the step:
@@ -39,7 +38,7 @@ def untrained(window: ModelCall | None, optimizers: list[weakref.ref],
     call (its batch) is the replay's leaves."""
     if window is None or next(module.parameters(), None) is None:
         return Untrained.KEEP
-    if trained_by(optimizers, module):
+    if trained:
         return Untrained.DROP
     return Untrained.KEEP if window.code.roots else Untrained.RESTART
 
@@ -83,12 +82,3 @@ def _nonfinite(losses: list[torch.Tensor]) -> list[torch.Tensor]:
         return []
     finite = torch.isfinite(torch.stack([t.detach().float() for t in losses])).tolist()
     return [t for t, ok in zip(losses, finite) if not ok]
-
-
-def trained_by(optimizers: list[weakref.ref], module: torch.nn.Module) -> bool:
-    """An optimizer of `optimizers` (weak references to those the script built) holds a
-    parameter of `module`: its call under `no_grad` is an evaluation of a model being trained,
-    not a frozen module's part of the step. Read in the first step's window only."""
-    held = {id(p) for ref in optimizers if (optimizer := ref()) is not None
-            for group in optimizer.param_groups for p in group["params"]}
-    return any(id(p) in held for p in module.parameters())

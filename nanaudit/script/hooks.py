@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
-from nanaudit.run.deepspeed_zero import is_engine
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
+from nanaudit.script.trained import TrainedModules
 from nanaudit.script.warning_site import show_at_script_lines
 from nanaudit.script.zero_steps import ZeroSteps
 
@@ -75,9 +74,7 @@ class ScriptHooks:
         self._handles: list = []
         self._forward_handle: Any = None
         self._restore: list = []
-        # Modules holding parameters by id (a weak reference tells a new one under a dead one's
-        # id apart), and whether each is a DeepSpeed engine: a dict lookup in C at each step.
-        self._trained: dict[int, tuple[weakref.ref, bool]] = {}
+        self.trained = TrainedModules()    # which modules the script trains
         self._tap = LossTap(self._loss, before=listener.backward_started,
                             after=self._backward_ended)
         self._compiled = CompiledCalls(self)
@@ -168,11 +165,11 @@ class ScriptHooks:
         return skipped is not None
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
-        seen = self._trains(module)
+        seen = self.trained.training_call(module)
         if seen is None:
             if self.tap.opening:        # the first step's window: an evaluation's call
-                self.tap.untrained_call(module)
-            elif not torch.is_grad_enabled() and id(module) not in self._trained:
+                self.tap.untrained_call(module, self.trained.trains(module))
+            elif not torch.is_grad_enabled() and not self.trained.trains(module):
                 # a teacher's, an EMA model's: its value may reach the loss (a model the
                 # script trains, evaluated under no_grad between steps, is not kept)
                 self.tap.frozen_called(module, args, caller_kwargs())
@@ -200,7 +197,7 @@ class ScriptHooks:
         removed): the step's first call when it trains; `entry` is what the script called (a
         `torch.compile` wrapper of `module`). True when taken (or left unheard, as a second
         model call of a micro-batch is: no wait after it)."""
-        seen = self._trains(module)
+        seen = self.trained.training_call(module)
         if seen is None:
             return False
         if self._after_return and self._second_call():
@@ -217,21 +214,6 @@ class ScriptHooks:
     def compiled_returned(self, module: torch.nn.Module, output: Any) -> None:
         """A compiled step call returned (compiled_calls.py): the tap's model return."""
         self.tap.returned(module, output)
-
-    def _trains(self, module: torch.nn.Module) -> tuple[weakref.ref, bool] | None:
-        """(a weak reference to the module, whether it is a DeepSpeed engine) when its call is
-        a training forward, else None: not a call without autograd (an evaluation under
-        `no_grad`), nor a module without parameters (a data transform the DataLoader calls on
-        each sample, as torchvision's `Normalize`). Modules holding parameters are remembered."""
-        if not torch.is_grad_enabled():
-            return None
-        seen = self._trained.get(id(module))
-        if seen is not None and seen[0]() is module:
-            return seen
-        if next(module.parameters(), None) is None:
-            return None
-        seen = self._trained[id(module)] = (weakref.ref(module), is_engine(module))
-        return seen
 
     def _loss(self, loss: torch.Tensor) -> None:
         for skipped in self.tap.loss(loss):     # none on the common path
@@ -273,13 +255,15 @@ class ScriptHooks:
 
     def _wrap_optimizer_init(self) -> None:
         from torch.optim import Optimizer
-        original, listener, tap = Optimizer.__init__, self.listener, self.tap
+        original, listener, tap, trained = (Optimizer.__init__, self.listener, self.tap,
+                                            self.trained)
 
         @functools.wraps(original)
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built(optimizer)
             original(optimizer, *args, **kwargs)
-            tap.begin_code(opening=True, optimizer=optimizer)   # should step 0 call no module
+            trained.built(optimizer)
+            tap.begin_code(opening=True)        # should step 0 call no module
         Optimizer.__init__ = init  # type: ignore[method-assign,assignment]
         self._restore.append(lambda: setattr(Optimizer, "__init__", original))
 

@@ -38,7 +38,7 @@ from nanaudit.script.readout import (
 from nanaudit.script.rerun_window import RerunWindow
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_values import same_value
-from nanaudit.script.trip import ScriptTrip, float_kind, nonfinite_locals
+from nanaudit.script.trip import ScriptTrip, nonfinite_locals
 from nanaudit.script.trip_namer import TripNamer
 
 
@@ -54,7 +54,7 @@ class StepChecks:
         self.timeline = self.log.timeline
         self.trip: ScriptTrip | None = None
         self.rank = rank
-        self.host_reads = 0
+        self._reads = 0                  # the checks' host reads (the namer counts its own)
         self.device = ""
         # A GradScaler's skipped tries (not steps), and when they collapse: the check core's
         # rule, as scan's and Sentinel's, at their defaults (a script has no amp: options).
@@ -100,7 +100,7 @@ class StepChecks:
                          self.ranks.table if self.ranks is not None else None, buffers)
         if not read.buffers_ok and not confirm_nonfinite(buffers or []):
             read = dataclasses.replace(read, buffers_ok=True)   # an L2 norm overflowed
-        self.host_reads += 1
+        self._reads += 1
         loss, norm, grad_norm = read.loss, read.norm, read.grad_norm
         assert norm is not None and grad_norm is not None
         norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
@@ -201,7 +201,6 @@ class StepChecks:
         return self.trip
 
     def _last_updates(self) -> None:
-        self.host_reads += bool(self.ledger.stepped)
         self.trip = self.namer.last_updates(self.step)
 
     def _unstepped_losses(self) -> None:
@@ -213,12 +212,12 @@ class StepChecks:
         if (read := self._bad_losses(inbox)) is None:
             return
         self._log_unread(read)
-        self.trip = self._loss_trip(inbox, read)
+        self.trip = self.namer.unread_trip(self.step, inbox.inputs, read)
 
     def _bad_losses(self, inbox: StepInbox) -> StepRead | None:
         """One host read of the losses and inputs no optimizer check read; None: all finite."""
         read = read_step(inbox)
-        self.host_reads += 1
+        self._reads += 1
         if read.inputs_ok and (read.loss is None or math.isfinite(read.loss)):
             return None
         return read
@@ -246,12 +245,10 @@ class StepChecks:
         last = next(reversed(self.ledger.stepped.values()), self.ledger.manual)
         self.log.append(self._entry(last, read.loss, None, None))
 
-    def _loss_trip(self, inbox: StepInbox, read: StepRead) -> ScriptTrip:
-        """The trip of a non-finite read outside an optimizer check: the inputs, else the loss."""
-        loss = read.loss if read.loss is not None else 0.0
-        if not read.inputs_ok:
-            return self.namer.input_trip(self.step, inbox.inputs, loss, None)
-        return self.namer.trip(self.step, Check.LOSS, float_kind(loss), [], loss=loss)
+    @property
+    def host_reads(self) -> int:
+        """The run's host reads: one a check, and the namer's of the weights updates left."""
+        return self._reads + self.namer.reads
 
     @property
     def optimizer_count(self) -> int:

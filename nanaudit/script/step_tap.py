@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,13 +40,13 @@ class StepTap:
         self._hooked: dict[int, Any] = {}   # id(module) -> its forward hook's handle
         self._pending: ModelCall | None = None
         self._frozen: ModelCall | None = None   # a frozen call not yet returned
+        self._after_frozen: Any = None  # the code after the latest frozen call (its recording)
         self._restore: list = []
         self.muted = False                # nanaudit's own replay calls the model: not heard
         # The current step has made no training call so far (its code is recorded from its
         # start: `begin_code`), and a loss of it reached backward; `opening`: its window opened
         # at the optimizer's construction, before the script was seen to step.
         self._code_step = self._code_reached = self.opening = False
-        self._optimizers: list[weakref.ref] = []    # those the script built (weakly)
 
     def install(self) -> None:
         if not self.enabled:
@@ -108,7 +107,7 @@ class StepTap:
         """A micro-batch's outermost module call (before its forward)."""
         if not self.enabled:
             return
-        self._pending = self._frozen = None
+        self._pending = self._frozen = self._after_frozen = None
         self._code_step = self.opening = False
         if self._recorder.pushed:
             self._recorder.stop()
@@ -128,7 +127,8 @@ class StepTap:
         recording = self._recorder.code
         if (not self.enabled or self.muted or self._frozen is not None
                 or self.record.code_window is not None
-                or (recording is not None and not self._frozen_code(recording))
+                # recording a training call's loss code, not what followed a frozen call
+                or (recording is not None and recording is not self._after_frozen)
                 or next(module.parameters(), None) is None):
             return
         if recording is not None:
@@ -137,15 +137,10 @@ class StepTap:
         if id(module) not in self._hooked:
             self._hooked[id(module)] = module.register_forward_hook(self._returned)
 
-    def _frozen_code(self, code: Any) -> bool:
-        """Whether the code being recorded is a frozen call's (not a training call's)."""
-        last = self.record.frozen_last
-        return last is not None and last.code is code
-
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         frozen = self._frozen
         if frozen is not None and frozen.module is module:
-            self._frozen = None
+            self._frozen, self._after_frozen = None, frozen.code
             frozen.output = output
             self._recorder.start(frozen.code)
             return
@@ -187,14 +182,12 @@ class StepTap:
         first, self._code_reached = not self._code_reached, True
         return reached(self.record.code_window, loss, first)
 
-    def begin_code(self, opening: bool = False, optimizer: Any = None) -> None:
-        """A step's start (`opening`: `optimizer` built; else the update after a step that
+    def begin_code(self, opening: bool = False) -> None:
+        """A step's start (`opening`: an optimizer built; else the update after a step that
         called no module): the script's code is recorded from here until a model call (which
         drops it) or `backward` (which ends it), so that a step that calls no module is
         replayed from its code. Not under another torch function mode: that one's `__exit__`
         pops the innermost."""
-        if optimizer is not None and self.enabled:
-            self._optimizers.append(weakref.ref(optimizer))
         if not self.enabled or self.muted or self.record.calls:
             return
         self._code_step, self._code_reached, self.opening = True, False, opening
@@ -203,10 +196,11 @@ class StepTap:
         if not _stack_depth():
             self._recorder.start(self.record.begin_code().code)
 
-    def untrained_call(self, module: torch.nn.Module) -> None:
-        """A module call under `no_grad` in the window opened at the optimizer's construction:
-        the window starts again, or is dropped (code_window.untrained says which)."""
-        action = untrained(self.record.code_window, self._optimizers, module)
+    def untrained_call(self, module: torch.nn.Module, trained: bool) -> None:
+        """A module call under `no_grad` in the window opened at the optimizer's construction
+        (`trained`: of a module the script trains, script/trained.py): the window starts
+        again, or is dropped (code_window.untrained says which)."""
+        action = untrained(self.record.code_window, module, trained)
         if action is Untrained.RESTART:
             self.begin_code(opening=True)
         elif action is Untrained.DROP:
@@ -242,7 +236,7 @@ class StepTap:
         """The window was checked: drop it (what `stop` does, inline: this runs each step). A
         step that called no module and reached backward: the next step's code is recorded from
         now (a step that calls a module pays one attribute read for this)."""
-        self._pending = self._frozen = None
+        self._pending = self._frozen = self._after_frozen = None
         if self._recorder.pushed:
             self._recorder.stop()
         code_step = self._code_step and self._code_reached

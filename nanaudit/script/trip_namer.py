@@ -17,6 +17,7 @@ from nanaudit.run.mesh import first_element
 from nanaudit.run.optimizer_state import nonfinite_state
 from nanaudit.run.sharded import local_shards, nonfinite_shards
 from nanaudit.script.ledger import Ledger, describe_optimizer
+from nanaudit.script.readout import StepRead
 from nanaudit.script.trip import ScriptTrip, float_kind, input_fields
 
 
@@ -25,6 +26,7 @@ class TripNamer:
 
     def __init__(self, ledger: Ledger, rank: int | None):
         self.ledger, self.rank = ledger, rank
+        self.reads = 0      # host reads of the weights the last updates left (at a trip, the end)
 
     def trip(self, step: int, check: Check, value: str, tensors: list,
              **fields: Any) -> ScriptTrip:
@@ -39,6 +41,14 @@ class TripNamer:
         fields = input_fields(inputs)
         return self.trip(step, Check.INPUT, fields.pop("value"), fields.pop("tensors"),
                          loss=loss, grad_norm=grad_norm, **fields)
+
+    def unread_trip(self, step: int, inputs: list, read: StepRead) -> ScriptTrip:
+        """The trip of a non-finite read outside an optimizer check (the losses after the
+        script, a GradScaler's skipped try): the inputs, else the loss."""
+        loss = read.loss if read.loss is not None else 0.0
+        if not read.inputs_ok:
+            return self.input_trip(step, inputs, loss, None)
+        return self.trip(step, Check.LOSS, float_kind(loss), [], loss=loss)
 
     def buffer_trip(self, step: int, optimizer: Any, loss: float | None,
                     grad_norm: float | None, buffers: BufferScope) -> ScriptTrip:
@@ -110,6 +120,7 @@ class TripNamer:
             return None
         shards = local_shards(tensors)
         norm = finite_norms([[p.detach() for p in shards]], tensors[0].device)[0]
+        self.reads += 1
         if math.isfinite(norm.item()) or not confirm_nonfinite(shards):
             return None
         for opt in self.ledger.stepped.values():

@@ -110,3 +110,6 @@ def test_another_optimizers_update_that_a_later_step_read_is_the_update_trip(tmp
                                                      ["0.weight", "0.bias"])
     assert "the learning rate is inf" in f.explanation
     assert report.run.rerun is None
+    # One read a check (steps 0 to 2), and the trip's read of the weights every optimizer's
+    # last update left.
+    assert report.run.first_run.host_reads == 4
