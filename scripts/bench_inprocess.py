@@ -19,6 +19,8 @@ replay's own duration from the JSON report.
     python scripts/bench_inprocess.py --steps 1000 10000 --rounds 1 --no-rerun-variant
     python scripts/bench_inprocess.py --width 512            # a plain step of a few ms
     python scripts/bench_inprocess.py --device cuda          # the same loop on the GPU
+    python scripts/bench_inprocess.py --fsdp --steps 100000 --rounds 1 --no-rerun-variant \
+        --no-plain                                           # `run` alone: the localization
 
 `--producer`: a data-code producer instead: the loop's own standardization of each batch
 `(raw - raw.mean(0)) / raw.std(0)` divides 0 by 0 at step N (a constant feature), so the batch is
@@ -205,6 +207,18 @@ def compile_package() -> None:
                    stdout=subprocess.DEVNULL, check=True)
 
 
+def _plain_figures(runs: dict[str, list[dict]], bad: int) -> tuple[float, float]:
+    """The plain variant's median wall and CPU seconds, printed (0, 0 when it was left out)."""
+    if "plain" not in runs:
+        print(f"bad step {bad:,}: no plain variant (--no-plain)")
+        return 0.0, 0.0
+    plain = statistics.median(r["wall_s"] for r in runs["plain"])
+    plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
+    print(f"bad step {bad:,}: plain {plain:.2f} s, {plain_cpu:.2f} s CPU "
+          f"({plain / (bad + 1) * 1000:.2f} ms a step, with start-up)")
+    return plain, plain_cpu
+
+
 def _children_cpu() -> float:
     """The CPU seconds (user and system) of the finished child processes so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -228,6 +242,9 @@ def main() -> None:
                         "the plain script then syncs only at its end, `run` once a step)")
     parser.add_argument("--producer", action="store_true",
                         help="a data-code producer (the loop's standardization) instead")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="leave out the plain variant: the localization at the trip alone "
+                             "(100,000 steps of FSDP2 on gloo take hours on a CPU per variant)")
     parser.add_argument("--error", action="store_true",
                         help="with --ddp: rank 1's script asserts on its -inf loss (an error "
                              "trip)")
@@ -236,7 +253,8 @@ def main() -> None:
         parser.error("--error goes with --ddp")
     ranks = args.ddp or args.fsdp
     other = "full" if args.producer else "rerun"
-    variants = ["plain", "run"] + ([] if args.no_rerun_variant or args.error else [other])
+    variants = ([] if args.no_plain else ["plain"]) + ["run"] + (
+        [] if args.no_rerun_variant or args.error else [other])
     loop = (PRODUCER_LOOP if args.producer else FSDP_LOOP if args.fsdp else
             ERROR_LOOP if args.error else DDP_LOOP if args.ddp else LOOP)
     compile_package()
@@ -251,11 +269,8 @@ def main() -> None:
                 for variant in variants:
                     runs[variant].append(measure(variant, folder, bad, args.width, ranks,
                                                  args.device, args.producer, args.error))
-            plain = statistics.median(r["wall_s"] for r in runs["plain"])
-            plain_cpu = statistics.median(r["cpu_s"] for r in runs["plain"])
-            print(f"bad step {bad:,}: plain {plain:.2f} s, {plain_cpu:.2f} s CPU "
-                  f"({plain / (bad + 1) * 1000:.2f} ms a step, with start-up)")
-            for variant in variants[1:]:
+            plain, plain_cpu = _plain_figures(runs, bad)
+            for variant in variants[0 if args.no_plain else 1:]:
                 wall = statistics.median(r["wall_s"] for r in runs[variant])
                 cpu = statistics.median(r["cpu_s"] for r in runs[variant])
                 last = runs[variant][-1]
@@ -263,10 +278,11 @@ def main() -> None:
                     last["replay_s"]
                 stood = (f", {last['stood_in']} model calls stood in for"
                          if last.get("stood_in") else "")
-                print(f"  {variant:6} {wall:.2f} s = {wall / plain:.2f}x plain, "
-                      f"+{wall - plain:.2f} s; CPU {cpu:.2f} s = {cpu / plain_cpu:.2f}x plain; "
-                      f"named by {last['localized_by']} (its localization {took} s{stood}; "
-                      f"first run {last['first_run_s']} s)")
+                against = (f" = {wall / plain:.2f}x plain, +{wall - plain:.2f} s; CPU "
+                           f"{cpu:.2f} s = {cpu / plain_cpu:.2f}x plain" if plain else
+                           f"; CPU {cpu:.2f} s")
+                print(f"  {variant:6} {wall:.2f} s{against}; named by {last['localized_by']} "
+                      f"(its localization {took} s{stood}; first run {last['first_run_s']} s)")
                 if "after_trip_s" in last:
                     print(f"         rank 1 from its raise to its report: "
                           f"{statistics.median(r['after_trip_s'] for r in runs[variant]):.3f} s")
