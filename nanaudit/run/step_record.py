@@ -170,6 +170,10 @@ class StepRecord:
         # A step that calls no module: its code since the step's start (dropped at a call)
         self.code_window: ModelCall | None = None
         self._frozen: list[ModelCall] = []     # frozen calls since the last training call
+        # The latest call of a model the script trains, made without autograd since the last
+        # check (an evaluation, a sample drawn between steps): replayed only for an error the
+        # script raised before the next training call (script/error_replay.py)
+        self.evaluated: ModelCall | None = None
         self._rng: RngStates | None = None
         self._buffers: BufferCopy | None = None
 
@@ -190,7 +194,7 @@ class StepRecord:
             if buffers.tensors:
                 buffers.save()
         call = ModelCall(module, entry, args, kwargs, rng=rng)
-        call.before, self._frozen = self._frozen, []
+        call.before, self._frozen, self.evaluated = self._frozen, [], None
         self.calls.append(call)
         return call
 
@@ -201,6 +205,16 @@ class StepRecord:
         call = ModelCall(module, module, args, kwargs, rng=rng_states())
         call.trains = False
         self._frozen = [*self._frozen[1 - _FROZEN_KEPT:], call]
+        return call
+
+    def evaluation_call(self, module: torch.nn.Module, args: tuple,
+                        kwargs: dict) -> ModelCall:
+        """A call of a trained module made without autograd between steps (an evaluation, the
+        sampling of minGPT's or makemore's `generate`): the latest only, with the code after
+        it, never part of a step's replay."""
+        call = ModelCall(module, module, args, kwargs, rng=rng_states())
+        call.trains = False
+        self.evaluated = call
         return call
 
     def begin_code(self) -> ModelCall:
@@ -226,7 +240,7 @@ class StepRecord:
     def close(self) -> None:
         """The window was checked (or skipped): drop its references."""
         self.calls = []
-        self.code_window = None
+        self.code_window = self.evaluated = None
         self._frozen = []
 
     def restore_buffers(self) -> None:
@@ -235,10 +249,12 @@ class StepRecord:
             self._buffers.restore()
 
     @contextlib.contextmanager
-    def replaying(self, params: list[torch.Tensor]) -> Iterator[None]:
+    def replaying(self, params: list[torch.Tensor], evaluation: bool = False) -> Iterator[None]:
         """The window's start for a replay (RNG streams, buffers, `params` without gradients);
-        afterwards the state the trip left, gradients included."""
-        assert self._rng is not None, "a window with a call"
+        afterwards the state the trip left, gradients included. `evaluation`: a replay of
+        `evaluated` alone, which seeds its own RNG streams and reads the buffers as they are
+        (the training window's start is before the update the evaluation came after)."""
+        assert evaluation or self._rng is not None, "a window with a call"
         now_rng = rng_states()
         buffers = self._buffers
         now_buffers = [b.detach().clone() for b in buffers.tensors] if buffers else []
@@ -246,8 +262,10 @@ class StepRecord:
         try:
             for p in params:
                 p.grad = None
-            _set_rng_states(self._rng)
-            self.restore_buffers()
+            if not evaluation:
+                assert self._rng is not None
+                _set_rng_states(self._rng)
+                self.restore_buffers()
             yield
         finally:
             for p, g in zip(params, grads):

@@ -70,6 +70,10 @@ def _window(auditor: Any, options: ScriptOptions,
     calls = list(record.calls)
     if not calls and record.code_window is not None:
         calls = [record.code_window]    # a step that calls no module: its code so far
+    if not calls and record.evaluated is not None:
+        # before the step's first call, after the trained model's latest evaluation (a
+        # sample drawn between steps): that call and the code after it up to the raise
+        calls = [record.evaluated]
     if not calls:
         raise NotReplayable(f"the script raised before any model call of step {trip.step}")
     forward = True
@@ -89,8 +93,9 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
     env: dict[int, torch.Tensor] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     raised: Exception | None = None
-    with auditor.hooks.muted(), \
-            auditor.hooks.tap.record.replaying(window_params(auditor, calls)), \
+    record = auditor.hooks.tap.record
+    evaluation = calls[0] is record.evaluated
+    with auditor.hooks.muted(), record.replaying(window_params(auditor, calls), evaluation), \
             torch.enable_grad():
         tracer = replay_tracer(auditor, calls)
         with tracer:

@@ -54,6 +54,7 @@ class Listener(Protocol):
     def update_starting(self) -> None: ...
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
     def after_update(self, optimizer: Any) -> None: ...
+    def scaling(self, scaler: Any) -> None: ...
     def scaler_skipped(self, optimizer: Any, scaler: Any) -> None: ...
     def scale_skipped(self, optimizer: Any, scale: float, next_scale: float | None,
                       params: list[torch.Tensor], scaler: str = ...) -> None: ...
@@ -169,10 +170,11 @@ class ScriptHooks:
         if seen is None:
             if self.tap.opening:        # the first step's window: an evaluation's call
                 self.tap.untrained_call(module, self.trained.trains(module))
-            elif not torch.is_grad_enabled() and not self.trained.trains(module):
-                # a teacher's, an EMA model's: its value may reach the loss (a model the
-                # script trains, evaluated under no_grad between steps, is not kept)
-                self.tap.frozen_called(module, args, caller_kwargs())
+            elif not torch.is_grad_enabled() and not self.tap.inside_kept_call:
+                # a teacher's, an EMA model's: its value may reach the loss; a model the script
+                # trains, evaluated between steps: an error its outputs cause is replayed
+                self.tap.called_without_grad(module, args, caller_kwargs(),
+                                             self.trained.trains(module))
             return
         if self._after_return and self._second_call():   # no call on the common path
             self.stop_waiting()
@@ -277,6 +279,8 @@ def _wrap_scaler_step(hooks: ScriptHooks) -> Any:
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         before = listener.stepped()
         hooks.scaler = scaler
+        if scaler.is_enabled():
+            listener.scaling(scaler)
         try:
             result = original(scaler, optimizer, *args, **kwargs)
         finally:

@@ -76,6 +76,7 @@ class StepInbox:
     input_peaks: list = field(default_factory=list)  # all finite iff each call's inputs are
     inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
     clip_norms: list = field(default_factory=list)   # what each `clip_grad_norm_` returned
+    scale: Any = None            # the loss scale a GradScaler's `step` ran with (a tensor)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach()
@@ -218,6 +219,7 @@ class StepRead:
     table: tuple = ()            # under torchrun: every rank's flags, read with the rest
     buffers_ok: bool = True      # the model's floating buffers finite (as the forward left them)
     clip_norm: float | None = None   # the last total norm `clip_grad_norm_` returned, if any
+    scale: float | None = None       # the GradScaler's loss scale of the step, if any
 
 
 def buffer_peaks(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -260,11 +262,14 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
     parts = [t if t.device == device else t.to(device) for t in extra + buffer_parts]
     # The buffers' last: [losses, input peaks, weights, gradients, buffers].
     ahead = len(parts) - n_buf
-    # The norm the script's last `clip_grad_norm_` returned rides along last (no summary reads
-    # it): [losses, input peaks, weights, gradients, buffers, clip].
+    # The norm the script's last `clip_grad_norm_` returned and the GradScaler's scale ride
+    # along last (no summary reads them): [losses, input peaks, weights, gradients, buffers,
+    # clip, scale].
     clips = [c if c.device == device else c.to(device) for c in inbox.clip_norms[-1:]]
-    stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:] + clips)
-    body = len(stacked) - len(clips)
+    scales = [inbox.scale.reshape(()).to(device, torch.float32)] if isinstance(
+        inbox.scale, torch.Tensor) else []
+    stacked = torch.stack(parts[:ahead] + state + grad_parts + parts[ahead:] + clips + scales)
+    body = len(stacked) - len(clips) - len(scales)
     n_loss, n_in = len(inbox.losses), len(inbox.input_peaks)
     start = n_loss + n_in
     if exchange is not None:
@@ -275,14 +280,15 @@ def read_step(inbox: StepInbox, scope: WeightsScope | None = None,
         values = values[:len(stacked)]
     else:
         values, table = stacked.tolist(), ()
-    clip_norm = values[-1] if clips else None
+    clip_norm = values[body] if clips else None
+    scale = values[-1] if scales else None
     values = values[:body]
     loss = window_loss(values[:n_loss], inbox.factors) if n_loss else None
     inputs_ok = all(map(math.isfinite, values[n_loss:start]))
     buffers_ok = all(map(math.isfinite, values[len(values) - n_buf:])) if n_buf else True
     if scope is None:
         return StepRead(inputs_ok, loss, table=table, buffers_ok=buffers_ok,
-                        clip_norm=clip_norm)
+                        clip_norm=clip_norm, scale=scale)
     return StepRead(inputs_ok, loss, math.hypot(*values[start:start + len(state)]),
                     math.hypot(*values[start + len(state):len(values) - n_buf]), table,
-                    buffers_ok, clip_norm)
+                    buffers_ok, clip_norm, scale)

@@ -158,9 +158,9 @@ def _unlocalized(result: RerunResult, step: int) -> tuple[RerunStatus, str]:
             f"collective: none of its own ops made it")
     if not result.traced:
         return RerunStatus.NOT_TRACED, (
-            f"the re-run reached step {step} but no module was called between step "
-            f"{step - 1}'s update and step {step}'s optimizer step: nothing was traced, so the "
-            f"op is not named")
+            f"the re-run reached step {step} but no module was called with autograd between "
+            f"step {step - 1}'s update and step {step}'s optimizer step (the re-run's tracer "
+            f"arms at such a call): nothing was traced, so the op is not named")
     return RerunStatus.NOT_REPRODUCED, (
         f"the re-run matched the first run's losses up to step {step}, but its step {step} came "
         f"out finite under the tracer: a non-deterministic kernel or a transient fault, not a "

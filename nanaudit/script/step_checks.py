@@ -105,7 +105,8 @@ class StepChecks:
         assert norm is not None and grad_norm is not None
         norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
         scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
-        entry = self._entry(optimizer, loss, _shown_norm(read, grad_norm, scale), norm)
+        entry = self._entry(optimizer, loss, _shown_norm(read, grad_norm, scale), norm,
+                            scale=scale or read.scale)
         trip = None
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
             trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
@@ -163,6 +164,10 @@ class StepChecks:
         if self.ranks is not None:
             trip.rank = verdict.part
         return trip
+
+    def scaling(self, scaler: Any) -> None:
+        """A GradScaler's `step` begins: its loss scale rides with the step's one read."""
+        self._inbox.scale = getattr(scaler, "_scale", None)
 
     def parameter_name(self, p: torch.Tensor) -> str:
         return self.ledger.name(p)
@@ -251,13 +256,11 @@ class StepChecks:
         return self._reads + self.namer.reads
 
     @property
-    def optimizer_count(self) -> int:
-        """The optimizers the script stepped (its own update counts as one)."""
+    def optimizer_count(self) -> int:   # the optimizers it stepped (its own update is one)
         return len(self.ledger.stepped)
 
     @property
-    def skipped(self) -> int:
-        """The tries a GradScaler skipped (not steps)."""
+    def skipped(self) -> int:       # the tries a GradScaler skipped (not steps)
         return self.scaler_watch.skipped
 
 

@@ -117,13 +117,13 @@ class StepTap:
             if id(module) not in self._hooked:    # once per model, removed with the rest
                 self._hooked[id(module)] = module.register_forward_hook(self._returned)
 
-    def frozen_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """A module with parameters called without autograd while the step's training call is
-        awaited (a distillation teacher's forward under `no_grad`): kept with its output and
-        the code after it (`StepRecord.frozen_call`), replayed before the training call. The
-        modules it calls are no calls of their own. A call in the loss code (after the
-        training call returned) is recorded as the loss code's ops, as is one in a step recorded
-        from its start (it calls no module)."""
+    def called_without_grad(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                            trained: bool) -> None:
+        """A module called without autograd while the step's training call is awaited, kept
+        with its output and the code after it: a frozen one's (a teacher's) is replayed before
+        the training call; of one it trains (minGPT's `generate` sampling between steps), the
+        latest, for an error raised before the next training call (`StepRecord.evaluated`).
+        A call in a loss code or a step's code recorded already is that code's op."""
         recording = self._recorder.code
         if (not self.enabled or self.muted or self._frozen is not None
                 or self.record.code_window is not None
@@ -133,9 +133,14 @@ class StepTap:
             return
         if recording is not None:
             self._recorder.stop()       # the previous frozen call's code ends here
-        self._frozen = self.record.frozen_call(module, args, kwargs)
+        self._frozen = (self.record.evaluation_call if trained else
+                        self.record.frozen_call)(module, args, kwargs)
         if id(module) not in self._hooked:
             self._hooked[id(module)] = module.register_forward_hook(self._returned)
+
+    @property
+    def inside_kept_call(self) -> bool:     # the calls a kept call makes are its own
+        return self._frozen is not None
 
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         frozen = self._frozen

@@ -220,3 +220,23 @@ def test_a_step_the_gradscaler_skips_is_a_step_as_the_loop_counts_it(tmp_path):
     assert (report.finding.step, report.finding.op) == (6, "aten.div.Tensor")
     skipped = [entry.step for entry in report.timeline if entry.skipped]
     assert skipped[:2] == [0, 1] and [entry.step for entry in report.timeline] == list(range(7))
+
+
+def test_the_timeline_has_the_gradscalers_scale_on_every_step_applied_or_skipped(tmp_path):
+    """Each step's entry carries the loss scale it ran with, as `scan`'s does: read with the
+    step's one read on the steps the scaler applied (before, only the skipped ones had it),
+    and equal to what the script's own `get_scale()` said before each `scaler.step`."""
+    scales = tmp_path / "scales.txt"
+    code = SCALER_CALIBRATING.replace("if step == 6 else", "if step == 99 else").replace(
+        "range(10)", "range(16)").replace(
+        'init_scale=2.0 ** 24)', 'init_scale=2.0 ** 24, growth_interval=2)').replace(
+        "        scaler.step(optimizer)\n",
+        f"        open({str(scales)!r}, 'a').write(f'{{scaler.get_scale()}}\\n')\n"
+        "        scaler.step(optimizer)\n")
+    _, report = _run(tmp_path, code)
+    assert exit_code(report) == ExitCode.CLEAN
+    expected = [float(x) for x in scales.read_text().split()]
+    assert [entry.scale for entry in report.timeline] == expected
+    applied = [entry.scale for entry in report.timeline if not entry.skipped]
+    assert applied and all(scale is not None for scale in applied)
+    assert len(set(applied)) > 1            # it grew while the steps applied

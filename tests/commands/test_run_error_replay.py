@@ -147,3 +147,119 @@ def test_an_error_trip_names_the_element_of_a_sharded_op_output_as_the_rerun_doe
     rerun = audit(path, force_rerun=True).finding
     assert rerun.localized_by == "re-run"
     assert (rerun.op, rerun.samples, rerun.element) == (f.op, f.samples, f.element)
+
+
+# A character model in the shape of minGPT's chargpt and makemore: trained a step at a time, and
+# sampled from between steps under `no_grad` (`generate`: softmax of the last position's logits,
+# then `torch.multinomial`). The script's own log gets a line per step.
+SAMPLER = """
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class CharModel(nn.Module):
+        def __init__(self, vocab=12, dim=16):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.ln = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, idx):
+            return self.head(self.ln(self.emb(idx)))
+
+    @torch.no_grad()
+    def generate(model, idx, steps, temperature):
+        for _ in range(steps):
+            logits = model(idx)[:, -1, :]
+            probs = F.softmax(logits / temperature, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, num_samples=1)], dim=1)
+        return idx
+
+    torch.manual_seed(0)
+    model = CharModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    blow_up, cold = int(sys.argv[2]), int(sys.argv[3])
+    with open(sys.argv[1], "a") as log:
+        for step in range(30):
+            x, y = torch.randint(0, 12, (4, 8)), torch.randint(0, 12, (4, 8))
+            loss = F.cross_entropy(model(x).view(-1, 12), y.view(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            # a learning rate that blows the weights up (finite) at one update
+            optimizer.param_groups[0]["lr"] = 1e33 if step == blow_up else 0.1
+            optimizer.step()
+            log.write(f"step {step} {loss.item():.4f}\\n")
+            model.eval()
+            generate(model, torch.zeros(1, 1, dtype=torch.long), 4,
+                     0.0 if step == cold else 0.8)
+            model.train()
+"""
+
+
+@pytest.mark.parametrize(("blow_up", "cold", "op", "module", "cause", "line"), [
+    # The update left the embedding near 1e31: the sampling forward's layer norm overflows.
+    (20, -1, "aten.native_layer_norm.default", "ln", "divergence",
+     "return self.head(self.ln(self.emb(idx)))"),
+    # A temperature of 0: the sampling code's own division, after a finite forward.
+    (-1, 12, "aten.div.Tensor", None, "div-by-zero", "probs = F.softmax(logits / temperature"),
+])
+def test_a_raise_while_sampling_between_steps_is_replayed_from_the_models_evaluation(
+        tmp_path, blow_up, cold, op, module, cause, line):
+    # Before: "the script raised before any model call of step N", a re-run from the start,
+    # which traced nothing either (no model call between the update and the raise): no op.
+    log = tmp_path / "train_log.txt"
+    path = write(tmp_path, SAMPLER)
+    report = audit(path, str(log), str(blow_up), str(cold))
+    f = report.finding
+    bad = max(blow_up, cold)
+    assert exit_code(report) == 1 and report.error.exception == "RuntimeError"
+    assert (f.step, f.where, f.op, f.module, f.cause) == (bad + 1, "forward", op, module, cause)
+    assert f.source.file == str(path) and f.source.line == line_of(path, line)
+    assert "the script then raised RuntimeError: probability tensor contains" in f.explanation
+    in_process(report)
+    # The script's own log: one line per step it took, written once.
+    assert [x.split()[1] for x in log.read_text().splitlines()] == [
+        str(i) for i in range(bad + 1)]
+
+
+def test_a_sampling_raise_the_evaluations_replay_does_not_make_again_names_nothing(tmp_path):
+    # The sampling forward divides by a countdown of its own calls: the replay is one call
+    # later and finite, so nothing is named in-process (never a guess) and the re-run is
+    # used; it arms its tracer at a training call, so it names nothing either, and says so.
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class Countdown(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 3)
+                self.evaluations = 0
+
+            def forward(self, x):
+                if not torch.is_grad_enabled():
+                    self.evaluations += 1
+                    return self.lin(x) / (3 - self.evaluations)
+                return self.lin(x)
+
+        torch.manual_seed(0)
+        model = Countdown()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(6):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                probs = torch.softmax(model(torch.randn(1, 4)), dim=-1)
+            torch.multinomial(probs, 1)
+    """)
+    report = audit(path)
+    replay = report.run.replay
+    assert replay.status == "not-reproduced" and "made finite" in replay.note
+    f = report.finding
+    assert (f.step, f.op, f.cause, f.localized_by) == (3, None, "unknown", None)
+    assert report.run.rerun.status == "not-traced"
+    assert "no module was called with autograd between step 2's update" in f.explanation
