@@ -319,3 +319,21 @@ def test_torchs_warning_in_the_loss_code_names_the_scripts_line_once(tmp_path):
     in_process(report)
     seen = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
     assert seen == [(str(path), line_of(path, "out.var(0)"))]
+
+
+def test_the_same_torch_warning_from_two_script_lines_is_shown_at_each(tmp_path):
+    """Under the default action a warning shows once per location: per script line, as without
+    nanaudit. Before, Python keyed it by nanaudit's line and the second line's went unshown."""
+    path = write(tmp_path, VAR_OF_ONE_ROW.replace(
+        "        loss = out.mean() + 0.1 * out.var(0).sum()     # var of one row: NaN, and a "
+        "warning\n",
+        "        spread = out.var(0).sum()\n"
+        "        loss = out.mean() + 0.1 * spread + 0.1 * out.var(0).mean()\n"))
+    assert "spread = out.var(0)" in path.read_text()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        report = audit(path)
+    assert report.finding.step == 3 and report.finding.localized_by == "in-process"
+    seen = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
+    assert seen == [(str(path), line_of(path, "spread = out.var(0)")),
+                    (str(path), line_of(path, "0.1 * out.var(0).mean()"))]
