@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from nanaudit.report.vocabulary import Check
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import backoff_scale
 from nanaudit.run.intercept import StepHalted
@@ -234,7 +235,7 @@ class ScriptAuditor(StepChecks):
         self.log.append(self._entry(optimizer, read.loss, None, None,
                                  skipped=True, scale=float(scaler.get_scale())))
         trip = self.namer.unread_trip(self.step, inbox.inputs, read)
-        trip.skipped = True
+        trip.skipped = trip.check is not Check.OPTIMIZER   # else the update before it
         trip.optimizer = describe_optimizer(optimizer)
         self.trip = trip
         self._skip_or_stop(skippable=True)      # the scaler already left its update out

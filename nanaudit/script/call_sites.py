@@ -7,8 +7,11 @@ and not an installed library's (the Trainer's, Accelerate's and Lightning's fram
 the script and the step); with no such frame, the innermost frame outside torch and nanaudit,
 the tracer's rule. The build is walked once per optimizer. The step is heard on every clean
 step, so it costs C-level frame lookups and a dict store, nothing formatted: how many frames
-out from the step's caller the script's frame lies is learned once per caller's code, and the
-step keeps that frame's code and line number only (a reference), read into a line at a trip."""
+out from the step's caller the script's frame lies is learned once per caller's code (and
+learned again when the frame found there is not the script's: a library's code reached at two
+depths, a `step` wrapper called by the script itself and through a helper of the library), and
+the step keeps that frame's code and line number only (a reference), read into a line at a
+trip."""
 
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ class CallSites:
     """The build and latest step call of each optimizer, by id, as (code, line)."""
 
     def __init__(self) -> None:
-        self._hops: dict[CodeType, int] = {}    # step caller's code -> frames out to the script
+        # step caller's code -> (frames out to the script, the owner of the frame found there)
+        self._hops: dict[CodeType, tuple[int, str]] = {}
         self._steps: dict[int, Site] = {}
         self._built: dict[int, Site] = {}
 
@@ -40,7 +44,7 @@ class CallSites:
         """`optimizer` is being built; the frame `depth` out from the caller is inside the
         build (walked outward to the script's frame: once per optimizer)."""
         frame = sys._getframe(depth + 1)
-        for _ in range(_hops_to_script(frame)):
+        for _ in range(_hops_to_script(frame)[0]):
             frame = frame.f_back or frame
         self._built[id(optimizer)] = (frame.f_code, frame.f_lineno)
 
@@ -48,13 +52,13 @@ class CallSites:
         """`optimizer`'s step was called from the frame `depth` out from the caller (a clean
         step's cost: see the module docstring)."""
         caller = sys._getframe(depth + 1)
-        hops = self._hops.get(caller.f_code)
-        if hops is None:
-            hops = self._hops[caller.f_code] = _hops_to_script(caller)
-        try:
-            frame = sys._getframe(depth + 1 + hops) if hops else caller
-        except ValueError:      # a shallower stack under the same caller: not said
-            return
+        learned = self._hops.get(caller.f_code)
+        frame = _out(caller, depth + 1, learned)
+        if frame is None or learned is None or _owner(frame.f_code.co_filename) != learned[1]:
+            learned = self._hops[caller.f_code] = _hops_to_script(caller)
+            frame = _out(caller, depth + 1, learned)
+            if frame is None:
+                return
         self._steps[id(optimizer)] = (frame.f_code, frame.f_lineno)
 
     def step_line(self, optimizer: Any) -> SourceLine | None:
@@ -79,19 +83,33 @@ def _line(site: Site | None) -> SourceLine | None:
     return SourceLine(code.co_filename, line, text, code.co_name)
 
 
-def _hops_to_script(frame: FrameType) -> int:
-    """How many frames out from `frame` the script's own frame lies (see the module
-    docstring); 0 when no frame qualifies."""
+def _out(caller: FrameType, depth: int, learned: tuple[int, str] | None) -> FrameType | None:
+    """The frame `learned[0]` out from `caller` (`depth` out from this function's caller's
+    frame), by one C-level lookup; None when the stack is shallower or nothing is learned."""
+    if learned is None:
+        return None
+    try:
+        return sys._getframe(depth + 1 + learned[0]) if learned[0] else caller
+    except ValueError:
+        return None
+
+
+def _hops_to_script(frame: FrameType) -> tuple[int, str]:
+    """(how many frames out from `frame` the script's own frame lies, "script"), see the
+    module docstring; (the innermost library frame's, "library") when no frame is the
+    script's, else (0, the owner of `frame`)."""
     fallback, hops = None, 0
     current: FrameType | None = frame
     while current is not None:
         kind = _owner(current.f_code.co_filename)
         if kind == "script":
-            return hops
+            return hops, kind
         if kind == "library" and fallback is None:
             fallback = hops
         current, hops = current.f_back, hops + 1
-    return fallback if fallback is not None else 0
+    if fallback is not None:
+        return fallback, "library"
+    return 0, _owner(frame.f_code.co_filename)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -44,11 +44,14 @@ class TripNamer:
 
     def unread_trip(self, step: int, inputs: list, read: StepRead) -> ScriptTrip:
         """The trip of a non-finite read outside an optimizer check (the losses after the
-        script, a GradScaler's skipped try): the inputs, else the loss."""
+        script, a GradScaler's skipped try): the inputs; else the update that left the weights
+        non-finite, whose loss this is (no check read the weights since: under a GradScaler
+        the next step's NaN loss makes it skip that step); else the loss."""
         loss = read.loss if read.loss is not None else 0.0
         if not read.inputs_ok:
             return self.input_trip(step, inputs, loss, None)
-        return self.trip(step, Check.LOSS, float_kind(loss), [], loss=loss)
+        return self.last_updates(step) or self.trip(step, Check.LOSS, float_kind(loss), [],
+                                                    loss=loss)
 
     def buffer_trip(self, step: int, optimizer: Any, loss: float | None,
                     grad_norm: float | None, buffers: BufferScope) -> ScriptTrip:

@@ -212,3 +212,56 @@ def test_an_update_found_at_the_scripts_end_names_the_step_it_kept(tmp_path):
     assert (f.step, f.cause, f.op) == (0, "optimizer-update", "aten.addcdiv_.default")
     assert (f.source.line, f.source.code) == (line_of(path, "optimizer.step()"),
                                               "optimizer.step()")
+
+
+TWO_DEPTHS = '''
+import contextlib
+
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    if step == 3:
+        optimizer.param_groups[0]["lr"] = float("inf")
+        with contextlib.ExitStack() as later:
+            later.callback(scaler.step, optimizer)
+    else:
+        scaler.step(optimizer)
+    scaler.update()
+'''
+
+
+def test_an_update_under_a_gradscaler_that_left_the_weights_non_finite_is_its_steps_finding(
+        tmp_path):
+    # The NaN loss the next step's forward makes of those weights makes the GradScaler skip
+    # that step, where no check reads the weights: before, the finding was that step's forward
+    # (step 4, cause unknown, a re-run from the start), not the update.
+    path = write(tmp_path, TWO_DEPTHS.replace("with contextlib.ExitStack() as later:\n"
+                                              "            later.callback(scaler.step, "
+                                              "optimizer)", "scaler.step(optimizer)"))
+    assert "ExitStack" not in path.read_text()
+    report = audit(path)
+    f = report.finding
+    assert (f.step, f.where, f.cause, f.op) == (3, "optimizer", "optimizer-update",
+                                                "aten.addcdiv_.default")
+    assert "GradScaler skipped this step" not in f.explanation
+    assert report.run.rerun is None
+
+
+def test_a_step_wrapper_reached_at_two_depths_names_the_scripts_line_each_time(tmp_path):
+    # GradScaler's step is called by the script at steps 0-2, and at step 3 through the
+    # standard library (an ExitStack's callback): two frames more between torch's caller of
+    # the optimizer's step and the script. The depth learned at step 0 named contextlib's
+    # line at step 3; it is learned again when the frame it finds is not the script's.
+    path = write(tmp_path, TWO_DEPTHS)
+    f = audit(path).finding
+    assert (f.step, f.cause) == (3, "optimizer-update")
+    assert f.source.file == str(path)
+    assert f.source.line == line_of(path, "with contextlib.ExitStack() as later:")
