@@ -72,7 +72,8 @@ class OncePerLine:
 
 def _script_line(named: str) -> tuple[str, int, dict] | None:
     """(file, line) of the innermost frame of the script's own code outside the frame of
-    nanaudit's file `named`, which the warning named, and that frame's warning registry."""
+    nanaudit's file `named`, which the warning named, and the warning registry of that
+    nanaudit frame's module (where Python marked the warning as shown)."""
     frame: Any = sys._getframe(2)     # past this module's and the warnings module's frames
     while frame is not None and frame.f_code.co_filename != named:
         frame = frame.f_back
