@@ -66,12 +66,17 @@ def calls_per_step(step: Any, steps: int = 10) -> Counter:
             counts[name[name.rfind("nanaudit/"):] if "nanaudit/" in name else "other"] += 1
     for _ in range(3):
         step()                         # the first steps build the optimizer's state
+    # Another test's garbage collected mid-count would run its finalizers here ("other" one
+    # call higher in a full suite): collect it first and keep the collector off while counting.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         for _ in range(steps):
             step()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return Counter({name: n // steps for name, n in counts.items()})
 
 
