@@ -5,8 +5,9 @@ A rank is `python ARGV...` (a script, or `-m module`) with its own torchrun envi
 apart, every rank pays an interpreter and a torch import: about 2.3 s of CPU each, the larger
 part of a short multi-process test's cost (a 4-rank launch of a 5-step FSDP2 + TP script takes
 about 14 s of CPU, 9 of them imports). Here the parent imports torch and its distributed stack
-once, while it runs a single thread (so a fork copies no lock another thread held), and forks
-one child per rank; each child sets its rank's environment, points its stdout and stderr at
+once (dynamo too: FSDP2 and DTensor import it at their first use, another 1.5 s of CPU a rank),
+while it runs a single thread (so a fork copies no lock another thread held), and forks one
+child per rank; each child sets its rank's environment, points its stdout and stderr at
 its own files, and runs the command line as `python` would (`sys.argv`, `sys.path[0]`, the
 module or script run as `__main__`; an uncaught exception prints its traceback and exits 1; a
 SystemExit's code is the exit code; atexit handlers run). Nothing of nanaudit is imported
@@ -24,6 +25,7 @@ import sys
 import threading
 
 import torch
+import torch._dynamo
 import torch.distributed
 import torch.distributed.fsdp
 import torch.distributed.tensor.parallel  # noqa: F401
