@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - the older package name
-    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+    from pytorch_lightning.callbacks import Callback
 
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
 
@@ -239,7 +239,7 @@ def _manual_replay(model: LightningModule, trainer: Trainer
     """During a manual-optimization replay: `manual_backward` records its loss instead of
     backpropagating, and the optimizers neither step nor zero their gradients."""
     losses: list[torch.Tensor] = []
-    model.manual_backward = (   # type: ignore[method-assign]  # patched for the replay only
+    model.manual_backward = (   # patched for the replay only
         lambda loss, *args, **kwargs: losses.append(loss))
     wrappers = model.optimizers(use_pl_optimizer=True)
     wrappers = wrappers if isinstance(wrappers, list) else [wrappers]

@@ -140,7 +140,7 @@ class NanauditCallback(TrainerCallback):
             callback._batches_seen += 1
             return out
         # An instance attribute shadows the class's method: the wrap `_unwrap` deletes.
-        trainer.compute_loss = compute_loss  # type: ignore[method-assign]
+        trainer.compute_loss = compute_loss
 
     def _replay_loss(self, model: torch.nn.Module, batch: Any) -> Any:
         """The Trainer's own compute_loss on the recorded inputs, under its autocast."""
