@@ -18,6 +18,7 @@ import torch
 
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import ShardElement
+from nanaudit.run.live import holds_hook
 from nanaudit.run.sharded import is_sharded
 
 
@@ -161,7 +162,7 @@ class PartialFlags:
     it. While a replay traces the hooks compute nothing."""
 
     def __init__(self) -> None:
-        self.hooked: set[int] = set()
+        self.hooked: dict[int, Any] = {}     # id(module) -> its forward hook's handle
         self._extremes: list[torch.Tensor] = []    # each partial output's least and greatest
         self._gradients: list[torch.Tensor] = []   # each partial input gradient's
         self.tracing = False
@@ -172,11 +173,10 @@ class PartialFlags:
         if not tensor_parallel(model):
             return
         for module in model.modules():
-            if id(module) in self.hooked or not any(
+            if holds_hook(self.hooked, module) or not any(
                     is_sharded(p) for p in module.parameters(recurse=False)):
                 continue
-            self.hooked.add(id(module))
-            module.register_forward_hook(self._note, prepend=True)
+            self.hooked[id(module)] = module.register_forward_hook(self._note, prepend=True)
             module.register_forward_pre_hook(self._hook_inputs)
 
     def _note(self, module: torch.nn.Module, args: Any, output: Any) -> None:

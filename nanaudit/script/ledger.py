@@ -5,11 +5,13 @@ how an optimizer is described in a finding."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 
+from nanaudit.run.live import LiveObjects
 from nanaudit.run.names import user_named
 from nanaudit.script.call_sites import CallSites
 from nanaudit.script.held_modules import held_modules
@@ -28,17 +30,21 @@ class Ledger:
     outermost ones) and their parameters' names, the optimizers it built and stepped, and when
     each last updated. A script that builds no optimizer updates by hand: `manual` stands in."""
 
-    def __init__(self) -> None:
+    def __init__(self, forgotten: list[Callable[[int], None]] | None = None) -> None:
         self.names: dict[int, str] = {}          # id(parameter) -> qualified name
         # The names of the modules the script holds and of their parameters (learned at a
         # trip: held_modules.py), asked after the roots' own; the step last learned at.
         self.module_names: dict[int, str] = {}
         self._held_names: dict[int, str] = {}
         self._learned_at: int | None = None
-        self.roots: dict[int, torch.nn.Module] = {}
+        # The live ones (live.py: a script training models in turn frees each, as without us)
+        self.roots = LiveObjects(forget=self._root_died)    # id(module) -> module
         self.optimizers_made = 0                 # torch.optim optimizers the script built
         self.manual = ManualUpdate()
-        self.stepped: dict[int, Any] = {}        # id -> every optimizer checked, for the end
+        # id -> every optimizer checked and still alive, for the end
+        self.stepped = LiveObjects(forget=self._optimizer_died)
+        # what else keeps something by an optimizer's id, told when it died
+        self.forgotten = forgotten or []
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
         # id(optimizer) -> each group's learning rate as its latest update ran: a scheduler
         # (a warm-up, the Trainer's) sets the next step's before an update trip is read.
@@ -64,8 +70,23 @@ class Ledger:
     def called(self, module: torch.nn.Module) -> None:
         if id(module) not in self.roots:
             self.roots[id(module)] = module
-            for name, p in user_named(module, module.named_parameters()):
-                self.names.setdefault(id(p), name)
+            self._name_parameters(module)
+
+    def _name_parameters(self, module: torch.nn.Module) -> None:
+        for name, p in user_named(module, module.named_parameters()):
+            self.names.setdefault(id(p), name)   # a parameter two roots share: the first's
+
+    def _root_died(self, _key: int) -> None:
+        """Its parameters' ids are free for others: named again from the live roots."""
+        self.names.clear()
+        for module in self.roots.values():
+            self._name_parameters(module)
+
+    def _optimizer_died(self, key: int) -> None:
+        self.updated_at.pop(key, None)
+        self.update_rates.pop(key, None)
+        for forget in self.forgotten:
+            forget(key)
 
     def name(self, p: torch.Tensor) -> str:
         name = self.names.get(id(p)) or self._held_names.get(id(p))
@@ -142,7 +163,7 @@ class Ledger:
         optimizer's training steps (a warm-up, a gradient-based init)."""
         self.steps_taken = 0
         self.updated_at.clear()
-        self.stepped.pop(id(self.manual), None)
+        self.stepped.discard(id(self.manual))
 
 
 def describe_optimizer(optimizer: Any, rates: list | None = None) -> str:

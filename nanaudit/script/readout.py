@@ -197,6 +197,10 @@ class OptimizerScopes:
                 self._scopes[id(optimizer)] = scope
         return scope
 
+    def forget(self, key: int) -> None:
+        """The optimizer `id` names died: its tensors are not kept alive for it."""
+        self._scopes.pop(key, None)
+
 
 def _scope_of(optimizer: Any, params: list[torch.Tensor]) -> WeightsScope:
     """The scope of `params`, an optimizer's: a ZeRO optimizer's flats (only their valid parts

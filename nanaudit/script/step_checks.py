@@ -67,9 +67,9 @@ class StepChecks:
         self.expected_losses = expected_losses      # the first run's, by step
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
-        self.ledger = Ledger()
-        self.namer = TripNamer(self.ledger, rank)
         self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
+        self.ledger = Ledger(forgotten=[self._scopes.forget, self.log.forget])
+        self.namer = TripNamer(self.ledger, rank)
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         # An error trip: the non-finite tensors the script's frames held (error_replay.py).
         self.error_values: list[torch.Tensor] = []

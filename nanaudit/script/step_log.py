@@ -29,6 +29,10 @@ class StepLog:
         # no weight's |value| was larger then (weight_growth.py weighs an overflow against it)
         self.first_norms: dict[int, float] = {}
 
+    def forget(self, key: int) -> None:
+        """The optimizer `key` names died: the next one at its id starts its own history."""
+        self.first_norms.pop(key, None)
+
     def entry(self, step: int, optimizer: Any, loss: float | None, grad_norm: float | None,
               norm: float | None, **fields: Any) -> TimelineEntry:
         now = time.perf_counter()      # one clock read a step: the time since the last check

@@ -21,11 +21,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.run.live import holds_hook
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
 from nanaudit.script.code_window import Untrained, last_skipped, reached, untrained
 
 _stack_depth = torch._C._len_torch_function_stack
+
+
+def _hook_once(hooked: dict[int, Any], module: torch.nn.Module, hook: Any) -> None:
+    """`hook` on `module`'s return, once per model (`hooked`: id -> handle; live.py)."""
+    if not holds_hook(hooked, module):
+        hooked[id(module)] = module.register_forward_hook(hook)
 
 
 class StepTap:
@@ -114,8 +121,7 @@ class StepTap:
         call = self.record.called(module, entry, args, kwargs)
         if entry is module:         # a compiled call never meets the module's hooks
             self._pending = call
-            if id(module) not in self._hooked:    # once per model, removed with the rest
-                self._hooked[id(module)] = module.register_forward_hook(self._returned)
+            _hook_once(self._hooked, module, self._returned)
 
     def called_without_grad(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                             trained: bool) -> None:
@@ -135,8 +141,7 @@ class StepTap:
             self._recorder.stop()       # the previous frozen call's code ends here
         self._frozen = (self.record.evaluation_call if trained else
                         self.record.frozen_call)(module, args, kwargs)
-        if id(module) not in self._hooked:
-            self._hooked[id(module)] = module.register_forward_hook(self._returned)
+        _hook_once(self._hooked, module, self._returned)
 
     @property
     def inside_kept_call(self) -> bool:     # the calls a kept call makes are its own

@@ -142,12 +142,12 @@ def test_partial_flags_hook_a_tensor_parallel_layout_and_never_plain_fsdp2():
         fully_shard(plain, mesh=mesh["dp"])
         before, flags = hooks(plain), PartialFlags()
         flags.install(plain)
-        assert not tensor_parallel(plain) and flags.hooked == set() and hooks(plain) == before
+        assert not tensor_parallel(plain) and flags.hooked == {} and hooks(plain) == before
         tp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
         parallelize_module(tp, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
         fully_shard(tp, mesh=mesh["dp"])
         before = hooks(tp)
         flags.install(tp)
-        assert tensor_parallel(tp) and flags.hooked == {id(tp[0]), id(tp[1])}
+        assert tensor_parallel(tp) and set(flags.hooked) == {id(tp[0]), id(tp[1])}
         assert hooks(tp) == before + 4        # a forward hook and an input pre-hook each
     on_fake_mesh(0, check)
