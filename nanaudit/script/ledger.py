@@ -37,13 +37,13 @@ class Ledger:
         self.module_names: dict[int, str] = {}
         self._held_names: dict[int, str] = {}
         self._learned_at: int | None = None
-        # The live ones (live.py: a script training models in turn frees each, as without us)
-        self.roots = LiveObjects(forget=self._root_died)    # id(module) -> module
+        # Let go once only we hold them (live.py: a script training models in turn frees each)
+        self.roots = LiveObjects(forget=self._root_let_go)    # id(module) -> module
         self.optimizers_made = 0                 # torch.optim optimizers the script built
         self.manual = ManualUpdate()
-        # id -> every optimizer checked and still alive, for the end
-        self.stepped = LiveObjects(forget=self._optimizer_died)
-        # what else keeps something by an optimizer's id, told when it died
+        # id -> every optimizer checked that the script still holds, for the end
+        self.stepped = LiveObjects(forget=self._optimizer_let_go)
+        # what else keeps something by an optimizer's id, told when it is let go
         self.forgotten = forgotten or []
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
         # id(optimizer) -> each group's learning rate as its latest update ran: a scheduler
@@ -76,13 +76,13 @@ class Ledger:
         for name, p in user_named(module, module.named_parameters()):
             self.names.setdefault(id(p), name)   # a parameter two roots share: the first's
 
-    def _root_died(self, _key: int) -> None:
+    def _root_let_go(self, _key: int) -> None:
         """Its parameters' ids are free for others: named again from the live roots."""
         self.names.clear()
         for module in self.roots.values():
             self._name_parameters(module)
 
-    def _optimizer_died(self, key: int) -> None:
+    def _optimizer_let_go(self, key: int) -> None:
         self.updated_at.pop(key, None)
         self.update_rates.pop(key, None)
         for forget in self.forgotten:

@@ -198,7 +198,7 @@ class OptimizerScopes:
         return scope
 
     def forget(self, key: int) -> None:
-        """The optimizer `id` names died: its tensors are not kept alive for it."""
+        """The optimizer `key` named was let go: its tensors are not kept alive for it."""
         self._scopes.pop(key, None)
 
 

@@ -30,7 +30,7 @@ class StepLog:
         self.first_norms: dict[int, float] = {}
 
     def forget(self, key: int) -> None:
-        """The optimizer `key` names died: the next one at its id starts its own history."""
+        """The optimizer `key` named was let go: the next one at its id has its own history."""
         self.first_norms.pop(key, None)
 
     def entry(self, step: int, optimizer: Any, loss: float | None, grad_norm: float | None,
