@@ -3,6 +3,8 @@ the error shell every command shares. Returns a Report; never prints or exits.""
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanaudit.commands.common import base_report, guarded, rank_failed
 from nanaudit.errors import UserCodeError
 from nanaudit.report.model import Report
@@ -27,9 +29,12 @@ def summary(target: ScriptTarget, options: ScriptOptions) -> dict:
 def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Report:
     """The first run, then the re-run of a loss, gradient or error trip."""
     options = options or ScriptOptions()
+    if options.audit_child is None:       # the processes the script starts: audited as it is
+        options = dataclasses.replace(options, audit_child=run_script)
     report = base_report(target.display, None)
     report.config, report.command = summary(target, options), "run"
     auditor = ScriptAuditor(rank=script_rank())
+    auditor.joins_late = target.call is not None    # a process the script started
     if options.keep_going:
         auditor.keep = KeepGoing(options.max_bad_steps,
                                  lambda trip: bad_step_finding(auditor, options, trip))

@@ -266,8 +266,9 @@ class ScriptRun:
     first_run: FirstRun | None = None
     rerun: Rerun | None = None
     replay: Rerun | None = None     # the in-process replay at the trip (the same fields)
+    process: str | None = None      # the process the script started that trained, if not itself
 
-    OMIT_WHEN_NONE = ("rank", "first_run", "rerun", "replay")
+    OMIT_WHEN_NONE = ("rank", "first_run", "rerun", "replay", "process")
 
 
 @dataclass(frozen=True)

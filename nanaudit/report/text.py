@@ -44,7 +44,9 @@ def sparkline(values: list, log: bool = False) -> str:
 
 def headline(report: Report) -> str:
     if report.status == "clean":
-        return f"clean: {report.steps_run} step(s) audited, every value finite"
+        run = report.run     # `nanaudit run` of a script that trained in a process it started
+        where = f" in {run.process}" if run is not None and run.process else ""
+        return f"clean: {report.steps_run} step(s) audited{where}, every value finite"
     if report.status == "interrupted":
         return f"interrupted after {report.steps_run} step(s): partial report"
     if report.status == "error":

@@ -7,7 +7,10 @@ every model and optimizer to the end held their weights, gradients and optimizer
 GPU too. They are held (the report after a trip reads them, when the script's own names for them
 are gone), and when a new one is registered, those only nanaudit still holds are let go, and
 what was learned of each (its parameters' names, its last update) is forgotten with it: its id
-goes to the next object at that address.
+goes to the next object at that address. Before one goes, its owner may take a last look and
+keep it (`keep`): an optimizer's last update is read then, as the end of the script reads the
+last updates of those it still holds (a fold whose last update left NaN weights, which the
+script saved, is a finding), and a model stays while an optimizer still held trains it.
 """
 
 from __future__ import annotations
@@ -30,20 +33,28 @@ _ALONE = _refs_alone()
 
 
 class LiveObjects:
-    """id -> object, in the order first registered. `forget(id)` is called for each let go."""
+    """id -> object, in the order first registered. `forget(id)` is called for each let go;
+    `keep(object)`, asked of each only nanaudit holds, true: held still."""
 
-    def __init__(self, forget: Callable[[int], None] | None = None) -> None:
+    def __init__(self, forget: Callable[[int], None] | None = None,
+                 keep: Callable[[Any], bool] | None = None) -> None:
         self._objects: dict[int, Any] = {}
         self.forget = forget
+        self.keep = keep
 
     def __setitem__(self, key: int, obj: Any) -> None:
         if self._objects.get(key) is obj:
             return                        # every step registers its optimizer again: cheap
-        self._let_go()
+        self.let_go()
         self._objects[key] = obj
 
-    def _let_go(self) -> None:
-        for key in [k for k in self._objects if sys.getrefcount(self._objects[k]) <= _ALONE]:
+    def let_go(self) -> None:
+        """Let go of those only nanaudit holds (and `keep` does not keep)."""
+        # `self._objects[k]` in the call itself: the count `_ALONE` was calibrated that way
+        alone = [k for k in self._objects if sys.getrefcount(self._objects[k]) <= _ALONE]
+        for key in alone:
+            if self.keep is not None and self.keep(self._objects[key]):
+                continue
             del self._objects[key]
             if self.forget is not None:
                 self.forget(key)

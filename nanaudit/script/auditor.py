@@ -37,7 +37,6 @@ from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import backoff_scale
 from nanaudit.run.intercept import StepHalted
 from nanaudit.run.optimizer_state import creates_state_only
-from nanaudit.run.rank_checks import RankChecks
 from nanaudit.script.hooks import ScriptHooks
 from nanaudit.script.keep_going import KeepGoing
 from nanaudit.script.ledger import describe_optimizer
@@ -79,8 +78,8 @@ class ScriptAuditor(StepChecks):
             self.keep.held.next_step()     # a skipped step's updates were held back
         self.ledger.called(module)
         self.buffers.add(module)
-        if self.rank is not None:        # torchrun: once the script joined a process group
-            self.ranks = RankChecks.saw(self.ranks, module)
+        if self.rank is not None or self.joins_late:  # torchrun: once it joined a group
+            self._see_ranks(module)
         if not self.ledger.stepped and self.ledger.cleared_by_hand():    # until a step
             self._step_by_hand()        # the backward before was a step the script took itself
         if rerun and self.window.armed is None and self.window.arms_at(self.step, self._evaluation):

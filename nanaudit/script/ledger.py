@@ -30,19 +30,22 @@ class Ledger:
     outermost ones) and their parameters' names, the optimizers it built and stepped, and when
     each last updated. A script that builds no optimizer updates by hand: `manual` stands in."""
 
-    def __init__(self, forgotten: list[Callable[[int], None]] | None = None) -> None:
+    def __init__(self, forgotten: list[Callable[[int], None]] | None = None,
+                 last_look: Callable[[Any], bool] | None = None) -> None:
         self.names: dict[int, str] = {}          # id(parameter) -> qualified name
         # The names of the modules the script holds and of their parameters (learned at a
         # trip: held_modules.py), asked after the roots' own; the step last learned at.
         self.module_names: dict[int, str] = {}
         self._held_names: dict[int, str] = {}
         self._learned_at: int | None = None
-        # Let go once only we hold them (live.py: a script training models in turn frees each)
-        self.roots = LiveObjects(forget=self._root_let_go)    # id(module) -> module
+        # Let go once only we hold them (live.py: a script training models in turn frees each);
+        # a model while an optimizer still held trains it: its last update names its weights.
+        self.roots = LiveObjects(forget=self._root_let_go, keep=self._trained_by_one_held)
         self.optimizers_made = 0                 # torch.optim optimizers the script built
         self.manual = ManualUpdate()
-        # id -> every optimizer checked that the script still holds, for the end
-        self.stepped = LiveObjects(forget=self._optimizer_let_go)
+        # id -> every optimizer checked that the script still holds, for the end; one it let go
+        # gets `last_look` first (its last update read: true keeps it, for the trip's account)
+        self.stepped = LiveObjects(forget=self._optimizer_let_go, keep=last_look)
         # what else keeps something by an optimizer's id, told when it is let go
         self.forgotten = forgotten or []
         self.updated_at: dict[int, int] = {}     # id(optimizer) -> the step of its last update
@@ -82,11 +85,19 @@ class Ledger:
         for module in self.roots.values():
             self._name_parameters(module)
 
+    def _trained_by_one_held(self, module: torch.nn.Module) -> bool:
+        """Whether an optimizer still held trains `module`'s parameters (not the script's own
+        update, which lists every root's)."""
+        held = {id(p) for opt in self.stepped.values() if not isinstance(opt, ManualUpdate)
+                for group in opt.param_groups for p in group["params"]}
+        return any(id(p) in held for p in module.parameters())
+
     def _optimizer_let_go(self, key: int) -> None:
         self.updated_at.pop(key, None)
         self.update_rates.pop(key, None)
         for forget in self.forgotten:
             forget(key)
+        self.roots.let_go()        # the models it alone kept
 
     def name(self, p: torch.Tensor) -> str:
         name = self.names.get(id(p)) or self._held_names.get(id(p))

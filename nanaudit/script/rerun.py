@@ -137,6 +137,8 @@ def _op_made(result: RerunResult | None) -> bool:
 def _why_not(options: ScriptOptions, trip: ScriptTrip) -> tuple[str, str] | None:
     """(the re-run's note, the finding's clause) when the re-run is not made; else None."""
     steps = trip.step + 1
+    if options.no_rerun_because is not None:
+        return options.no_rerun_because, options.no_rerun_because
     if not options.rerun:
         return "--no-rerun", "not re-run (--no-rerun): the op is not named"
     if options.max_rerun_steps is not None and steps > options.max_rerun_steps:

@@ -16,8 +16,15 @@ from nanaudit.report.vocabulary import Check, Status
 from nanaudit.run.timeline import report_timeline
 from nanaudit.script.auditor import ScriptAuditor
 from nanaudit.script.findings import first_run_finding, link_warnings
+from nanaudit.script.processes import ChildAudits, adopt
 from nanaudit.script.scratch import FolderState
-from nanaudit.script.target import ScriptOptions, ScriptTarget, check_target, execute
+from nanaudit.script.target import (
+    Ended,
+    ScriptOptions,
+    ScriptTarget,
+    check_target,
+    execute,
+)
 from nanaudit.script.trip import ScriptTrip
 
 
@@ -29,10 +36,12 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     started = time.perf_counter()
     check_target(target)
     # The folder before the first run: the re-run, if one is needed, runs in a copy of it.
-    before = FolderState.take(os.getcwd()) if options.rerun else None
-    script_error, forks = None, 0
+    before = (FolderState.take(os.getcwd())
+              if options.rerun and options.no_rerun_because is None else None)
+    script_error, ended = None, Ended()
     try:
-        forks = execute(target, auditor, options.seed)
+        with ChildAudits(target, options) as children:
+            ended = execute(target, auditor, options.seed, children)
     except UserCodeError as error:
         # A script that raised because of a non-finite value (BCELoss refusing a NaN, a
         # weight an update made NaN): the value is the finding, the exception its effect.
@@ -49,14 +58,19 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
                                     host_reads=auditor.host_reads, skipped=auditor.skipped)
     trip, keep = auditor.trip, auditor.keep
     if trip is None and (keep is None or not keep.log.count):
+        if auditor.step == 0 and ended.children:
+            # it trained in processes it started (processes.py): theirs is the account
+            adopt(report, ended.children[0], len(ended.children))
+            return None
         if auditor.step == 0:
             did = (f"after calling backward {auditor.ledger.backwards} time(s) but never stepping "
                    f"the optimizer it built, nor clearing the gradients with `zero_grad()` "
                    f"between backward calls" if auditor.ledger.backwards else
                    "without stepping an optimizer or calling backward")
-            forked = (f"; it forked {forks} process(es), and training in a forked process is "
-                      f"not audited: train in the main process, or check the child's loop with "
-                      f"`nanaudit.Sentinel`" if forks else "")
+            forked = (f"; it forked {ended.forks} process(es), and training in a forked "
+                      f"process is not audited: train in the main process, or start the process "
+                      f"with `multiprocessing`, or check the child's loop with "
+                      f"`nanaudit.Sentinel`" if ended.forks else "")
             raise NothingAuditedError(
                 f"the script `{target.display}` finished {did}: nanaudit checks at each "
                 f"`optimizer.step()` (at each backward in a script that builds no optimizer, or "
@@ -122,7 +136,10 @@ def _localize_stop(target: ScriptTarget, options: ScriptOptions, report: Report,
 
 
 def record(report: Report, auditor: ScriptAuditor) -> None:
-    """What the first run saw so far, also when it was stopped or failed."""
+    """What the first run saw so far, also when it was stopped or failed; nothing once the
+    report is a child process's account (processes.py: this process's auditor saw no step)."""
+    if report.run is not None and report.run.process is not None:
+        return
     report.timeline, report.timeline_summary = report_timeline(auditor.timeline)
     report.steps_run = auditor.timeline.steps
     report.device = auditor.device or report.device

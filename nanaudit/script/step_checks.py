@@ -21,7 +21,6 @@ from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.decision import StepDecision
 from nanaudit.run.check.scaler import ScalerWatch
 from nanaudit.run.check.scope import BufferScope
-from nanaudit.run.check.verdict import tripped_check
 from nanaudit.run.checks import confirm_nonfinite, exact_norm
 from nanaudit.run.deepspeed_zero import loss_scale_of
 from nanaudit.run.distributed import is_collective_failure
@@ -68,18 +67,24 @@ class StepChecks:
         self._inbox = StepInbox()
         self._evaluation = 0             # closure calls checked in the current step
         self._scopes = OptimizerScopes()         # each optimizer's tensors, as read
-        self.ledger = Ledger(forgotten=[self._scopes.forget, self.log.forget])
+        self._let_go_trip: ScriptTrip | None = None    # what an optimizer let go last left
+        self.ledger = Ledger(forgotten=[self._scopes.forget, self.log.forget],
+                             last_look=self._last_look)
         self.namer = TripNamer(self.ledger, rank)
         self.ranks: RankChecks | None = None     # torchrun: the script's process group
         # An error trip: the non-finite tensors the script's frames held (error_replay.py).
         self.error_values: list[torch.Tensor] = []
+        self.joins_late = False     # a process the script started: its rank is its group's
 
     def _decide(self, optimizer: Any, evaluation: int) -> StepDecision:
         """One host read (readout.py): the inputs' finiteness, the parameter norm, the window's
         loss, the gradient norm and the buffers' peaks, and what it decides. A closure's later
         evaluations in the same step add no timeline entry. Under DeepSpeed fp16's dynamic loss
         scale, gradients alone non-finite are its calibration, no trip (zero_steps.py)."""
-        self.ledger.stepped[id(optimizer)] = optimizer
+        self.ledger.stepped[id(optimizer)] = optimizer     # may let others go (_last_look)
+        if self._let_go_trip is not None:
+            self.trip, self._let_go_trip = self._let_go_trip, None
+            return StepDecision.STOP
         window = self.window
         if window.step is not None:            # a re-run (the first run asks nothing here)
             if window.arms_at(self.step, self._evaluation):
@@ -109,8 +114,9 @@ class StepChecks:
                             scale=scale or read.scale)
         trip = None
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
-            trip = self._classify(optimizer, read, norm, loss if loss is not None else 0.0,
-                                  grad_norm, scope.params, inbox.inputs)
+            trip = self.namer.classify(self.step, optimizer, read, (norm, grad_norm),
+                                       loss if loss is not None else 0.0, scope.params,
+                                       inbox.inputs, self.ranks, self.buffers)
         if trip is not None and scale and trip.check is Check.GRADIENT:
             return StepDecision.APPLY      # fp16 calibration: DeepSpeed skips it (zero_steps.py)
         if evaluation == 0:
@@ -124,6 +130,24 @@ class StepChecks:
                 self.log.replace_last(entry)
             self.trip = trip
         return StepDecision.of(trip)
+
+    def _see_ranks(self, module: torch.nn.Module) -> None:
+        """The ranks, once the script joined a process group, told of the step's `module`; a
+        process the script started (processes.py) then takes its group's rank."""
+        self.ranks = RankChecks.saw(self.ranks, module)
+        if self.joins_late and self.ranks is not None:
+            self.rank = self.namer.rank = self.ranks.rank
+            self.joins_late = False
+
+    def _last_look(self, optimizer: Any) -> bool:
+        """An optimizer the script let go: the weights its last update left, read once (a
+        fold's last update to NaN weights, which the script saved); non-finite, that is the
+        trip, and the optimizer is kept for its account. Not in a re-run, nor under torchrun
+        (one rank's trip alone would leave the others in the step's exchange)."""
+        if self.trip is not None or self.window.step is not None or self.ranks is not None:
+            return False
+        self._let_go_trip = self.namer.left_by([optimizer], self.step)
+        return self._let_go_trip is not None
 
     def _entry(self, optimizer: Any, loss: float | None, grad_norm: float | None,
                norm: float | None, **fields: Any) -> TimelineEntry:
@@ -143,28 +167,6 @@ class StepChecks:
             return False
         return not same_value(expected[self.step], loss)
 
-    def _classify(self, optimizer: Any, read: StepRead, norm: float, loss: float,
-                  grad_norm: float, params: list, inputs: list) -> ScriptTrip | None:
-        """The step's trip, by the one rule every checker names what tripped with (under
-        torchrun from every rank's flags: the same trip on every rank, naming the rank whose
-        own value went bad; the details are that rank's)."""
-        updated_at = self.ledger.updated_at.get(id(optimizer))
-        if self.ranks is not None:
-            verdict = self.ranks.verdict(self.step, read.table, updated_at, (norm, grad_norm))
-        else:
-            verdict = tripped_check(self.step, inputs_ok=read.inputs_ok,
-                                    weights_finite=math.isfinite(norm), updated_at=updated_at,
-                                    loss_finite=math.isfinite(loss),
-                                    grads_finite=math.isfinite(grad_norm),
-                                    buffers_finite=read.buffers_ok)
-        if verdict is None:
-            return None
-        trip = self.namer.from_verdict(self.step, verdict, optimizer, loss, grad_norm, params,
-                                       inputs, self.buffers)
-        if self.ranks is not None:
-            trip.rank = verdict.part
-        return trip
-
     def scaling(self, scaler: Any) -> None:
         """A GradScaler's `step` begins: its loss scale rides with the step's one read."""
         self._inbox.scale = getattr(scaler, "_scale", None)
@@ -178,7 +180,7 @@ class StepChecks:
         last updates left (one read each)."""
         self._unstepped_losses()
         if self.trip is None:
-            self._last_updates()
+            self.trip = self.namer.last_updates(self.step)
 
     def raised(self, exc: BaseException, in_backward: bool) -> ScriptTrip | None:
         """The script raised: was a non-finite value behind it? First the parameters the last
@@ -190,7 +192,7 @@ class StepChecks:
             return self.trip
         self.ledger.learn_held(innermost_frame(exc))
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        self._last_updates()
+        self.trip = self.namer.last_updates(self.step)
         if self.trip is None and self.ranks is None:
             self._bad_inputs()          # a batch already bad: the model only passed it on
         if self.trip is not None:
@@ -204,9 +206,6 @@ class StepChecks:
             error=f"{type(exc).__name__}: {first}",
             where=Where.BACKWARD if in_backward else Where.FORWARD)
         return self.trip
-
-    def _last_updates(self) -> None:
-        self.trip = self.namer.last_updates(self.step)
 
     def _unstepped_losses(self) -> None:
         """The losses and inputs no check read: non-finite, they are this step's finding (a

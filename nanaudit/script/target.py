@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,11 +37,13 @@ _RUNPY = os.path.abspath(runpy.__file__)
 
 @dataclass(frozen=True)
 class ScriptTarget:
-    """What to run: a script path or a module (`-m`), and the script's own arguments."""
+    """What to run: a script path or a module (`-m`), and the script's own arguments; `call`:
+    in a process the script started, that process's own run instead (processes.py)."""
 
     path: str | None = None
     module: str | None = None
     args: tuple = ()
+    call: Callable[[], None] | None = None
 
     @property
     def display(self) -> str:
@@ -62,6 +64,10 @@ class ScriptOptions:
     keep_going: bool = False          # skip a bad step's update and go on (--keep-going) ...
     max_bad_steps: int = MAX_BAD_STEPS   # ... at most this many; the next one stops the run
     skip_model: bool = True           # an input trip's re-run tries without the model first
+    no_rerun_because: str | None = None   # why no re-run can be made here (a child process)
+    # How a process the script starts is audited (commands/run.run_script; processes.py);
+    # None: not audited (the re-run's processes)
+    audit_child: Callable[..., Any] | None = None
 
 
 class Hooks(Protocol):
@@ -165,10 +171,23 @@ class Interrupts:
             raise KeyboardInterrupt()
 
 
-def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
+@dataclass
+class Ended:
+    """How the script's run ended, past what it raised: the processes it forked, and the
+    reports of the processes it started that trained (processes.py), those that tripped first."""
+
+    forks: int = 0
+    children: list = field(default_factory=list)      # [processes.ChildReport]
+
+
+def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None) -> Ended:
     """Run the script as `__main__` under `hooks`; StepHalted (a check stopped it, in any of
-    its threads) ends it quietly. The script's exceptions become UserCodeError with its frames
-    (runpy's and ours removed). Returns how many processes it forked (not audited)."""
+    its threads, or in a process it started) ends it quietly. The script's exceptions become
+    UserCodeError with its frames (runpy's and ours removed). `children`: the processes it
+    starts, audited (processes.ChildAudits, entered by the caller; their reports are read
+    here, before it lets go of them)."""
+    if target.call is not None:
+        return _execute_call(target, hooks)
     saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts().__enter__()
     hooks.install()
@@ -187,6 +206,39 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
     except StepHalted:
         pass
     except SystemExit as exc:
+        if exc.code not in (None, 0) and not _child_tripped(children):
+            raise user_error(target, exc, f"exited with status {exc.code}") from None
+    except (KeyboardInterrupt, NanauditError):
+        raise
+    except USER_FAILURES as exc:
+        if not _child_tripped(children):   # else `mp.spawn`'s join saw a child stop at a trip
+            raise (own_error_within(exc) or user_error(target, exc)) from exc
+    finally:
+        threads.__exit__()
+        hooks.remove()
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+        _return_to(saved_cwd)
+        interrupts.__exit__()
+        ended = Ended(threads.forks, children.reports() if children is not None else [])
+    interrupts.raise_if_stopped()
+    return ended
+
+
+def _child_tripped(children: Any) -> bool:
+    return children is not None and children.tripped()
+
+
+def _execute_call(target: ScriptTarget, hooks: Hooks) -> Ended:
+    """A process's own run, in the child the script started (processes.py), as `execute` runs
+    the script; the child's signals, argv and seeds are its own."""
+    assert target.call is not None
+    hooks.install()
+    threads = ScriptThreads(undo_in_child=[hooks.remove]).__enter__()
+    try:
+        target.call()
+    except StepHalted:
+        pass
+    except SystemExit as exc:
         if exc.code not in (None, 0):
             raise user_error(target, exc, f"exited with status {exc.code}") from None
     except (KeyboardInterrupt, NanauditError):
@@ -196,11 +248,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int) -> int:
     finally:
         threads.__exit__()
         hooks.remove()
-        sys.argv[:], sys.path[:] = saved_argv, saved_path
-        _return_to(saved_cwd)
-        interrupts.__exit__()
-    interrupts.raise_if_stopped()
-    return threads.forks
+    return Ended(threads.forks)
 
 
 def _return_to(folder: str) -> None:

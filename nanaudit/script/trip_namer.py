@@ -11,7 +11,7 @@ from typing import Any
 
 from nanaudit.report.vocabulary import Check, Where
 from nanaudit.run.check.scope import BufferScope
-from nanaudit.run.check.verdict import Tripped
+from nanaudit.run.check.verdict import Tripped, tripped_check
 from nanaudit.run.checks import confirm_nonfinite, finite_norms, value_kind
 from nanaudit.run.mesh import first_element
 from nanaudit.run.optimizer_state import nonfinite_state
@@ -35,6 +35,31 @@ class TripNamer:
                           rank=self.rank, optimizers=len(self.ledger.stepped),
                           manual=not self.ledger.optimizers_made or self.ledger.by_hand_anyway,
                           **fields)
+
+    def classify(self, step: int, optimizer: Any, read: StepRead, norms: tuple[float, float],
+                 loss: float, params: list, inputs: list, ranks: Any,
+                 buffers: BufferScope) -> ScriptTrip | None:
+        """The step's trip, by the one rule every checker names what tripped with, from the
+        step's read and its (weights', gradients') `norms`; under torchrun (`ranks`) from every
+        rank's flags: the same trip on every rank, naming the rank whose own value went bad
+        (the details are that rank's)."""
+        norm, grad_norm = norms
+        updated_at = self.ledger.updated_at.get(id(optimizer))
+        if ranks is not None:
+            verdict = ranks.verdict(step, read.table, updated_at, norms)
+        else:
+            verdict = tripped_check(step, inputs_ok=read.inputs_ok,
+                                    weights_finite=math.isfinite(norm), updated_at=updated_at,
+                                    loss_finite=math.isfinite(loss),
+                                    grads_finite=math.isfinite(grad_norm),
+                                    buffers_finite=read.buffers_ok)
+        if verdict is None:
+            return None
+        trip = self.from_verdict(step, verdict, optimizer, loss, grad_norm, params, inputs,
+                                 buffers)
+        if ranks is not None:
+            trip.rank = verdict.part
+        return trip
 
     def input_trip(self, step: int, inputs: list, loss: float,
                    grad_norm: float | None) -> ScriptTrip:
@@ -117,8 +142,11 @@ class TripNamer:
     def last_updates(self, step: int) -> ScriptTrip | None:
         """The parameters the script's last updates left, non-finite: the update that made
         them (one read, then one per tensor only when one is bad)."""
-        tensors = [p for opt in self.ledger.stepped.values()
-                   for group in opt.param_groups for p in group["params"]]
+        return self.left_by(self.ledger.stepped.values(), step)
+
+    def left_by(self, optimizers: list, step: int) -> ScriptTrip | None:
+        """What the last updates of `optimizers` left, as `last_updates`."""
+        tensors = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         if not tensors:
             return None
         shards = local_shards(tensors)
@@ -126,7 +154,7 @@ class TripNamer:
         self.reads += 1
         if math.isfinite(norm.item()) or not confirm_nonfinite(shards):
             return None
-        for opt in self.ledger.stepped.values():
+        for opt in optimizers:
             bad = nonfinite_shards([p for group in opt.param_groups for p in group["params"]])
             if bad:
                 trip = self.trip(step, Check.OPTIMIZER, value_kind(bad[0][1]),
@@ -135,5 +163,3 @@ class TripNamer:
                 trip.optimizer = describe_optimizer(opt, self.ledger.update_rates.get(id(opt)))
                 return trip
         return None
-
-

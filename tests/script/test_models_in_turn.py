@@ -1,7 +1,9 @@
 """A script that trains models in turn (k-fold cross-validation, a sweep) frees each when it is
 done, and under `nanaudit run` too (run/live.py): the models it called and the optimizers it
 stepped that only the auditor still holds are let go when the next one arrives, with what it
-learned of each, and a later fold's bad step is named as any other."""
+learned of each, and a later fold's bad step is named as any other. An optimizer let go gets the
+read the end of the script gives those still held: a fold whose last update left non-finite
+weights (which the script saved) is a finding."""
 
 from __future__ import annotations
 
@@ -80,6 +82,62 @@ def test_a_later_folds_loss_code_value_is_named_in_process(tmp_path):
     assert (f.step, f.op, f.cause, f.localized_by) == (14, "aten.sqrt.default", "sqrt-domain",
                                                       "in-process")
     assert alive == [0, 0, 0]                # folds 0 to 2 ran to their end
+
+
+LAST_UPDATE = '''
+import torch
+from torch import nn
+
+def train_fold(fold, data):
+    torch.manual_seed(fold)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for step, (x, y) in enumerate(data):
+        if fold == 1 and step == len(data) - 1:
+            for group in optimizer.param_groups:
+                group["lr"] = 1e38           # a schedule's last value gone wrong
+        loss = ((model(x) - y) ** 2).mean() * 100
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.save(model.state_dict(), f"fold{fold}.pt")
+
+g = torch.Generator().manual_seed(0)
+data = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(4)]
+for fold in range(3):
+    train_fold(fold, data)
+'''
+
+
+def test_a_let_go_folds_last_update_to_inf_weights_is_the_finding(tmp_path, monkeypatch):
+    # Fold 1's last update overflows its weights and the script saves them; the next fold's
+    # optimizer lets fold 1's go, and its weights are read first (before: "clean", exit 0).
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "folds.py"
+    script.write_text(LAST_UPDATE)
+    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
+    f = report.finding
+    assert report.status != "clean"
+    assert (f.step, f.where, f.cause, f.tensor, f.value) == (7, "optimizer", "optimizer-update",
+                                                             "0.weight", "inf")
+    assert f.op == "aten.add_.Tensor" and "lr 1e+38" in f.explanation
+    assert (tmp_path / "fold1.pt").exists() and not (tmp_path / "fold2.pt").exists()
+
+
+def test_a_let_go_object_is_kept_while_its_owner_asks():
+    asked: list = []
+    live = LiveObjects(keep=lambda obj: asked.append(obj.out_features) or obj.out_features == 3)
+    a, b = nn.Linear(2, 3), nn.Linear(2, 2)
+    live[id(a)] = a
+    live[id(b)] = b
+    gone_a, gone_b = weakref.ref(a), weakref.ref(b)
+    del a, b
+    c = nn.Linear(2, 2)
+    live[id(c)] = c                          # both only held here: `a` kept, `b` let go
+    assert asked == [3, 2] and gone_a() is not None and gone_b() is None and len(live) == 2
+    live.keep = None
+    live.let_go()
+    assert gone_a() is None and live.values() == [c]
 
 
 def test_what_only_nanaudit_holds_is_let_go_and_forgotten_when_a_new_one_arrives():

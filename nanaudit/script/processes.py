@@ -1,0 +1,214 @@
+"""Training in the processes a script starts with `multiprocessing` (the ranks of
+`torch.multiprocessing.spawn`, a hogwild trainer's `Process`es), audited as the script is.
+
+`ChildAudits`, around the script in the parent, makes a private folder (mkdtemp: this user's
+alone) for the children's reports and patches `BaseProcess._bootstrap`, so that each process
+the script starts runs its target (`Process.run`) under an auditor of its own, as `nanaudit
+run` runs a script (commands/run.py with `ScriptTarget.call`): a check at every step, the trip
+localized in that process (no re-run: the script is the parent's), the ranks' exchange once its
+processes join a group. A forked child inherits the patch; a spawned one (a new interpreter),
+or one the forkserver forks, gets it from the preparation data its parent sends for it, as
+coverage.py does: a stowaway whose unpickling patches the child before it imports the script
+again as `__mp_main__`. DataLoader
+workers only load data (the run's own account of their values is elsewhere): not audited.
+
+A child that audited a step writes its report (its error too, when it raised) into the folder
+(pickled, written atomically, read back only by the parent that made the folder). One that
+tripped then exits with status 1, as a failed process does, so a parent that checks its
+children (`mp.spawn`'s join raises) stops there, as a script stops at its bad step: that raise
+is the stop, not the script's error. The parent's report, when it trained nothing itself, is
+the first child's to trip, else that of the child that audited the most steps (its error, when
+it raised); the report says which process."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import multiprocessing.spawn
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanaudit.report.model import Report
+from nanaudit.run.intercept import StepHalted
+
+_Process: Any = multiprocessing.process.BaseProcess
+_ORIGINAL_BOOTSTRAP = _Process._bootstrap
+_ORIGINAL_PREPARATION = multiprocessing.spawn.get_preparation_data
+_KEY = "nanaudit_child_audits"       # the preparation data's entry (multiprocessing ignores it)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What a child needs to audit its run: the folder for its report, the script's path, and
+    the run's options that hold in a child (--keep-going and its limit, and `audit`: how a run
+    is audited, commands/run.run_script, handed down: this stage does not import commands)."""
+
+    folder: str
+    script: str | None
+    module: str | None
+    keep_going: bool
+    max_bad_steps: int
+    audit: Callable[..., Report]
+
+
+_ACTIVE: _Where | None = None        # set in the parent around the script, inherited by a fork
+
+
+@dataclass(frozen=True)
+class ChildReport:
+    """A child's report, with which process it was and when it tripped (None: clean)."""
+
+    report: Report
+    process: str
+    tripped_at: float | None
+
+
+class ChildAudits:
+    """Around one script run in the parent (a context manager): `reports()` once it ended."""
+
+    def __init__(self, target: Any, options: Any) -> None:
+        """`target`, `options`: the script's ScriptTarget and ScriptOptions; no audit (nothing
+        patched) when `options` is None or has no `audit_child`."""
+        audit = options.audit_child if options is not None else None
+        self._run = None if audit is None else (
+            target.path, target.module, options.keep_going, options.max_bad_steps, audit)
+        self._folder: str | None = None
+
+    def __enter__(self) -> ChildAudits:
+        global _ACTIVE
+        if self._run is None:
+            return self
+        self._folder = tempfile.mkdtemp(prefix="nanaudit-children-")
+        _ACTIVE = _Where(self._folder, *self._run)
+        _Process._bootstrap = _bootstrap
+        multiprocessing.spawn.get_preparation_data = _preparation_data
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        if self._run is None:
+            return
+        _ACTIVE = None
+        _Process._bootstrap = _ORIGINAL_BOOTSTRAP
+        multiprocessing.spawn.get_preparation_data = _ORIGINAL_PREPARATION
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)     # ours: made in __enter__
+            self._folder = None
+
+    def reports(self) -> list[ChildReport]:
+        """The children's reports so far: those that tripped first, in the order they did."""
+        if self._folder is None:
+            return []
+        found = []
+        for path in sorted(Path(self._folder).glob("*.report")):
+            try:
+                with path.open("rb") as f:
+                    found.append(pickle.load(f))       # our own folder's, written by our child
+            except (OSError, EOFError, pickle.UnpicklingError, AttributeError):
+                continue                               # a child killed while writing
+        return sorted(found, key=lambda c: (c.tripped_at is None, c.tripped_at or 0.0,
+                                            -c.report.steps_run))
+
+    def tripped(self) -> bool:
+        return any(c.tripped_at is not None for c in self.reports())
+
+
+def adopt(report: Report, child: ChildReport, started: int) -> None:
+    """`report` (the parent's, which trained nothing) becomes the child's account."""
+    for name in ("status", "finding", "timeline", "timeline_summary", "warnings", "steps_run",
+                 "device", "error", "run", "distributed", "findings", "bad_steps", "skip_list"):
+        setattr(report, name, getattr(child.report, name))
+    if report.run is not None:
+        report.run.process = child.process
+    if report.finding is not None:
+        report.finding.explain(f"made in {child.process}, one of {started} process(es) the "
+                               f"script started with multiprocessing that trained")
+
+
+def _preparation_data(name: str) -> dict:
+    data = _ORIGINAL_PREPARATION(name)
+    if _ACTIVE is not None:
+        data[_KEY] = _Stowaway(_ACTIVE)
+    return data
+
+
+class _Stowaway:
+    """Rides in a spawned child's preparation data; unpickled there, it patches the child."""
+
+    def __init__(self, where: _Where) -> None:
+        self.where = where
+
+    def __reduce__(self) -> tuple:
+        return _arrive, (self.where,)
+
+
+def _arrive(where: _Where) -> None:
+    """In a spawned child, before it imports the script again: its processes are audited."""
+    global _ACTIVE
+    _ACTIVE = where
+    _Process._bootstrap = _bootstrap
+
+
+def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """`BaseProcess._bootstrap` in a child: its run audited (not a DataLoader worker's)."""
+    where = _ACTIVE
+    if where is not None and not _loads_data(self):
+        run = self.run
+        self.run = lambda: _audited(run, where, self)
+    return _ORIGINAL_BOOTSTRAP(self, *args, **kwargs)
+
+
+def _loads_data(process: Any) -> bool:
+    target = getattr(process, "_target", None)
+    return getattr(target, "__module__", "").startswith("torch.utils.data")
+
+
+def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
+    """The process's run under its own auditor; its report to the parent when it audited a
+    step; then what the run raised, raised again (the child ends as it would have), or, at a
+    trip, status 1."""
+    from nanaudit.script.target import ScriptOptions, ScriptTarget
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            run()
+        except StepHalted:
+            raise
+        except BaseException as exc:       # the child's own: raised again after the report
+            raised.append(exc)
+            raise
+
+    target = ScriptTarget(path=where.script, module=where.module, call=call)
+    options = ScriptOptions(keep_going=where.keep_going, max_bad_steps=where.max_bad_steps,
+                            audit_child=where.audit, no_rerun_because=(
+        "not re-run: the value was made in a process the script started, whose run only the "
+        "whole script repeats"))
+    report = where.audit(target, options)
+    tripped = report.finding is not None
+    if tripped or report.steps_run:
+        _write(where.folder, ChildReport(report, f"{process.name} (pid {os.getpid()})",
+                                         time.time() if tripped else None))
+    if raised:
+        raise raised[0]
+    if tripped:
+        raise SystemExit(1)
+
+
+def _write(folder: str, child: ChildReport) -> None:
+    """Atomically: a parent reading the folder sees the whole report or none of it."""
+    final = Path(folder) / f"{os.getpid()}.report"
+    partial = final.with_suffix(".partial")
+    try:
+        with partial.open("wb") as f:
+            pickle.dump(child, f)
+        os.replace(partial, final)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+        # the parent then says it audited nothing: the child's own run is not ours to fail
+        partial.unlink(missing_ok=True)

@@ -1,0 +1,135 @@
+"""A script that trains in processes it starts with `multiprocessing` (pytorch/examples'
+mnist_hogwild: `Process`es sharing one model; the DDP tutorial: `mp.spawn` of the ranks) is
+audited in each of them (script/processes.py): a bad step is named in the process that made it,
+in-process, and the report says which process; before, `run` said it audited nothing."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from helpers import free_port
+
+from nanaudit.commands.run import run_script
+from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+HOGWILD = '''
+import multiprocessing as mp
+import sys
+import torch
+from torch import nn
+
+def train(rank, model, steps):
+    torch.manual_seed(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x = torch.rand(16, 4) + 0.5
+        if rank == {bad_rank} and step == 2:
+            x[3, 1] = 0.0                       # the data's own zero
+        loss = (model(x) * x.log()).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    {after}
+
+if __name__ == "__main__":
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model.share_memory()
+    context = mp.get_context("{method}")
+    workers = [context.Process(target=train, args=(rank, model, 5), name=f"trainer-{{rank}}")
+               for rank in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    with open(sys.argv[1], "w") as f:              # the parent goes on as it would
+        f.write(" ".join(str(w.exitcode) for w in workers))
+'''
+
+
+def _hogwild(tmp_path, bad_rank: int, method: str = "fork", after: str = "pass"):
+    script = tmp_path / "hogwild.py"
+    script.write_text(HOGWILD.format(bad_rank=bad_rank, method=method, after=after))
+    exits = tmp_path / "exits.txt"
+    report = run_script(ScriptTarget(path=str(script), args=(str(exits),)), ScriptOptions())
+    return report, exits.read_text().split() if exits.exists() else None
+
+
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                    pytest.param("forkserver", marks=pytest.mark.slow)])
+def test_a_trainers_bad_step_is_named_in_that_process(tmp_path, method):
+    # spawn (mnist_hogwild's own) and forkserver (Python 3.14's default): a child patched by
+    # what its parent sends for it
+    report, exits = _hogwild(tmp_path, bad_rank=1, method=method)
+    f = report.finding
+    assert report.status == "nonfinite" and exits == ["0", "1"]   # the bad one stopped there
+    assert (f.step, f.where, f.op, f.cause, f.localized_by) == (
+        2, "forward", "aten.log.default", "log-domain", "in-process")
+    assert report.run.process.startswith("trainer-1 (pid ")
+    assert "made in trainer-1 (pid" in f.explanation and "one of 2 process(es)" in f.explanation
+
+
+def test_clean_trainers_are_audited_not_nothing(tmp_path):
+    report, exits = _hogwild(tmp_path, bad_rank=-1)
+    assert report.status == "clean" and exits == ["0", "0"]
+    assert report.steps_run == 5 and report.run.process.startswith("trainer-")
+
+
+def test_a_trainers_own_error_is_its_error_as_without_nanaudit(tmp_path):
+    report, exits = _hogwild(tmp_path, bad_rank=-1,
+                             after="raise ValueError('the eval set is missing')")
+    assert exits == ["1", "1"]                  # each child failed as it would have
+    assert report.status == "error" and report.steps_run == 5
+    assert "ValueError: the eval set is missing" in report.error.message
+
+
+DDP_SPAWN = '''
+import os
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def demo_basic(rank, world_size):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = sys.argv[1]
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    for step in range(6):
+        x = torch.randn(20, 10)
+        if rank == 1 and step == 3:
+            x[4] = 0.0
+        optimizer.zero_grad()
+        out = model(x)
+        length = torch.sqrt((x * x).sum(1, keepdim=True) + 0 * out[:, :1])
+        loss = (out * length).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(demo_basic, args=(2,), nprocs=2, join=True)
+    print("not reached: the join raises when a rank stops")
+'''
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mp_spawn_ddp_ranks_replay_the_bad_step_together(tmp_path, capsys):
+    # The ranks join their group themselves (no torchrun env): each child's checks exchange
+    # flags once it did, so rank 1's own gradient is named, not rank 0's all-reduced copy.
+    script = tmp_path / "ddp_spawn.py"
+    script.write_text(textwrap.dedent(DDP_SPAWN))
+    report = run_script(ScriptTarget(path=str(script), args=(str(free_port()),)),
+                        ScriptOptions())
+    f = report.finding
+    assert report.status == "nonfinite" and report.error is None   # the join's raise: the stop
+    assert (f.step, f.rank, f.where, f.forward_op, f.cause, f.samples) == (
+        3, 1, "backward", "aten.sqrt.default", "sqrt-domain", [4])
+    assert f.localized_by == "in-process" and f.source.line == 23
+    assert [r.status for r in report.distributed.ranks] == ["nonfinite", "nonfinite"]
+    assert "not reached" not in capsys.readouterr().out
