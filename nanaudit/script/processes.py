@@ -171,15 +171,17 @@ def _loads_data(process: Any) -> bool:
 
 def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
     """The process's run under its own auditor; its report to the parent when it audited a
-    step; then what the run raised, raised again (the child ends as it would have), or, at a
-    trip, status 1."""
+    step; then what the run raised, raised again (the child ends as it would have), or, when a
+    trip stopped it, status 1 (under --keep-going a run that went on ends as it would have)."""
     from nanaudit.script.target import ScriptOptions, ScriptTarget
     raised: list[BaseException] = []
+    halted_at: list[float] = []
 
     def call() -> None:
         try:
             run()
         except StepHalted:
+            halted_at.append(time.time())     # when it tripped: the parent's first is first
             raise
         except BaseException as exc:       # the child's own: raised again after the report
             raised.append(exc)
@@ -191,13 +193,13 @@ def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
         "not re-run: the value was made in a process the script started, whose run only the "
         "whole script repeats"))
     report = where.audit(target, options)
-    tripped = report.finding is not None
-    if tripped or report.steps_run:
+    if report.finding is not None or report.steps_run:
+        tripped_at = (halted_at or [time.time()])[0] if report.finding is not None else None
         _write(where.folder, ChildReport(report, f"{process.name} (pid {os.getpid()})",
-                                         time.time() if tripped else None))
+                                         tripped_at))
     if raised:
         raise raised[0]
-    if tripped:
+    if halted_at:
         raise SystemExit(1)
 
 

@@ -69,6 +69,19 @@ def test_a_trainers_bad_step_is_named_in_that_process(tmp_path, method):
     assert "made in trainer-1 (pid" in f.explanation and "one of 2 process(es)" in f.explanation
 
 
+def test_a_trainer_that_keeps_going_skips_its_bad_step_and_ends_as_it_would(tmp_path):
+    script = tmp_path / "hogwild.py"
+    script.write_text(HOGWILD.format(bad_rank=0, method="fork", after="pass"))
+    exits = tmp_path / "exits.txt"
+    report = run_script(ScriptTarget(path=str(script), args=(str(exits),)),
+                        ScriptOptions(keep_going=True))
+    assert exits.read_text().split() == ["0", "0"]        # trainer-0 went on past step 2
+    assert report.status == "nonfinite" and report.run.process.startswith("trainer-0 (pid ")
+    assert [(f.step, f.op, f.action) for f in report.findings] == [
+        (2, "aten.log.default", "skipped")]
+    assert report.steps_run == 5
+
+
 def test_clean_trainers_are_audited_not_nothing(tmp_path):
     report, exits = _hogwild(tmp_path, bad_rank=-1)
     assert report.status == "clean" and exits == ["0", "0"]
