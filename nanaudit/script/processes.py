@@ -9,8 +9,9 @@ localized in that process (no re-run: the script is the parent's), the ranks' ex
 processes join a group. A forked child inherits the patch; a spawned one (a new interpreter),
 or one the forkserver forks, gets it from the preparation data its parent sends for it, as
 coverage.py does: a stowaway whose unpickling patches the child before it imports the script
-again as `__mp_main__`. DataLoader
-workers only load data (the run's own account of their values is elsewhere): not audited.
+again as `__mp_main__`. DataLoader workers only load data (the run's own account of their
+values is elsewhere) and a pool's workers run tasks for a parent waiting on each: neither is
+audited.
 
 A child that audited a step writes its report (its error too, when it raised) into the folder
 (pickled, written atomically, read back only by the parent that made the folder). One that
@@ -156,17 +157,23 @@ def _arrive(where: _Where) -> None:
 
 
 def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """`BaseProcess._bootstrap` in a child: its run audited (not a DataLoader worker's)."""
+    """`BaseProcess._bootstrap` in a child: its run audited (not a worker's, below)."""
     where = _ACTIVE
-    if where is not None and not _loads_data(self):
+    if where is not None and not _a_workers(self):
         run = self.run
         self.run = lambda: _audited(run, where, self)
     return _ORIGINAL_BOOTSTRAP(self, *args, **kwargs)
 
 
-def _loads_data(process: Any) -> bool:
+# The targets of workers that are not audited: a DataLoader's only load data, and a pool's run
+# tasks for a parent waiting on each result: a trip that stopped a task would leave
+# `Pool.map` waiting for ever (a ProcessPoolExecutor's worker would send the stop back).
+_WORKERS = ("torch.utils.data", "multiprocessing.pool", "concurrent.futures")
+
+
+def _a_workers(process: Any) -> bool:
     target = getattr(process, "_target", None)
-    return getattr(target, "__module__", "").startswith("torch.utils.data")
+    return getattr(target, "__module__", "").startswith(_WORKERS)
 
 
 def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:

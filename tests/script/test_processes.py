@@ -146,3 +146,34 @@ def test_mp_spawn_ddp_ranks_replay_the_bad_step_together(tmp_path, capsys):
     assert f.localized_by == "in-process" and f.source.line == 23
     assert [r.status for r in report.distributed.ranks] == ["nonfinite", "nonfinite"]
     assert "not reached" not in capsys.readouterr().out
+
+
+POOL = '''
+import multiprocessing as mp
+import torch
+from torch import nn
+
+def trial(lr):
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(3):
+        loss = model(torch.ones(8, 4)).pow(2).mean() * torch.tensor(lr).log()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return float(loss)
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(2) as pool:
+        print(pool.map(trial, [0.1, 0.0]))        # log(0): the second trial goes NaN
+'''
+
+
+def test_a_pools_workers_are_left_alone_never_a_hang(tmp_path, capsys):
+    # A trip that stopped a task would leave `pool.map` waiting for ever: a pool's workers are
+    # not audited (as before), and the script ends as it would.
+    script = tmp_path / "pool.py"
+    script.write_text(POOL)
+    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
+    assert report.status == "error" and "without stepping an optimizer" in report.error.message
+    assert "nan]" in capsys.readouterr().out        # the trial went on, as without nanaudit
