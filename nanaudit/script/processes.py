@@ -28,6 +28,7 @@ import multiprocessing.spawn
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ class _Where:
     keep_going: bool
     max_bad_steps: int
     audit: Callable[..., Report]
+    parent: int = 0                 # the pid of the run's own process, told of the first trip
 
 
 _ACTIVE: _Where | None = None        # set in the parent around the script, inherited by a fork
@@ -86,7 +88,7 @@ class ChildAudits:
         if self._run is None:
             return self
         self._folder = tempfile.mkdtemp(prefix="nanaudit-children-")
-        _ACTIVE = _Where(self._folder, *self._run)
+        _ACTIVE = _Where(self._folder, *self._run, parent=os.getpid())
         _Process._bootstrap = _bootstrap
         multiprocessing.spawn.get_preparation_data = _preparation_data
         return self
@@ -118,6 +120,23 @@ class ChildAudits:
 
     def tripped(self) -> bool:
         return any(c.tripped_at is not None for c in self.reports())
+
+    def settle(self) -> None:
+        """Wait for the non-daemon processes the script started and left running, as Python's
+        exit would (after the report): what they audit is in it. A child's stop arriving
+        meanwhile finds the script ended already."""
+        if self._run is None:
+            return
+        for child in multiprocessing.active_children():
+            while not child.daemon and child.is_alive():
+                try:
+                    child.join()
+                except StepHalted:
+                    continue
+
+    def halting(self) -> bool:
+        """A child that tripped told this process to stop (`_tell_parent`)."""
+        return self._folder is not None and os.path.exists(os.path.join(self._folder, _HALT))
 
 
 def adopt(report: Report, child: ChildReport, started: int) -> None:
@@ -207,7 +226,26 @@ def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
     if raised:
         raise raised[0]
     if halted_at:
+        _tell_parent(where)
         raise SystemExit(1)
+
+
+_HALT = "halt"
+
+
+def _tell_parent(where: _Where) -> None:
+    """The first child to trip stops the run's process with SIGINT, which its handler there
+    turns into the stop (target.Interrupts): a parent blocked on this child's result (a
+    queue's `get`, a join) would otherwise wait for ever. Once: the marker is made
+    exclusively, so a second child's signal never reaches a run that is already reporting."""
+    try:
+        os.close(os.open(os.path.join(where.folder, _HALT), os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        return                     # another child told it (or the run has ended)
+    try:
+        os.kill(where.parent, signal.SIGINT)
+    except OSError:
+        pass
 
 
 def _write(folder: str, child: ChildReport) -> None:

@@ -94,7 +94,11 @@ class Interrupts:
     every signal a Python handler takes, whoever's handler it is, so such a stop is still
     reported as interrupted (143), never as a clean run of the steps taken before it."""
 
-    def __init__(self) -> None:
+    def __init__(self, halting: Callable[[], bool] | None = None) -> None:
+        # `halting`: whether a SIGINT is a process the script started stopping the run at its
+        # trip (processes.py), not the user's Ctrl-C
+        self.halting = halting
+        self._halts = 0
         self.seen = False
         self._previous: dict = {}
         self._pipe: tuple[int, int] | None = None
@@ -137,9 +141,16 @@ class Interrupts:
             os.close(read)
             os.close(write)
         stops = {int(signal.Signals[name]) for name in STOP_SIGNALS}
-        return [signum for signum in heard if signum in stops]
+        heard_stops = [signum for signum in heard if signum in stops]
+        if self._halts and int(signal.SIGINT) in heard_stops:
+            heard_stops.remove(int(signal.SIGINT))     # a child's stop, not the user's
+        return heard_stops
 
     def _raise(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.halting is not None and self.halting() \
+                and not self._halts:
+            self._halts += 1
+            raise StepHalted()
         self.seen = True
         # The command's own handler (the CLI's) learns of it too: it names the signal in the
         # report and makes a second one exit at once.
@@ -189,7 +200,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
     if target.call is not None:
         return _execute_call(target, hooks)
     saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
-    interrupts = Interrupts().__enter__()
+    interrupts = Interrupts(children.halting if children is not None else None).__enter__()
     hooks.install()
     threads = ScriptThreads(undo_in_child=[hooks.remove, interrupts.in_child]).__enter__()
     try:
@@ -204,15 +215,19 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
             sys.path.insert(0, os.path.dirname(path))
             runpy.run_path(path, run_name="__main__")
     except StepHalted:
-        pass
+        _settle(children)
     except SystemExit as exc:
         if exc.code not in (None, 0) and not _child_tripped(children):
             raise user_error(target, exc, f"exited with status {exc.code}") from None
+        _settle(children)
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
         if not _child_tripped(children):   # else `mp.spawn`'s join saw a child stop at a trip
             raise (own_error_within(exc) or user_error(target, exc)) from exc
+        _settle(children)
+    else:
+        _settle(children)
     finally:
         threads.__exit__()
         hooks.remove()
@@ -226,6 +241,13 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
 
 def _child_tripped(children: Any) -> bool:
     return children is not None and children.tripped()
+
+
+def _settle(children: Any) -> None:
+    """The script ended (or stopped at a trip): the processes it left running are waited for
+    here, as Python's exit would after the report (processes.ChildAudits.settle)."""
+    if children is not None:
+        children.settle()
 
 
 def _execute_call(target: ScriptTarget, hooks: Hooks) -> Ended:

@@ -5,6 +5,9 @@ in-process, and the report says which process; before, `run` said it audited not
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -12,6 +15,8 @@ from helpers import free_port
 
 from nanaudit.commands.run import run_script
 from nanaudit.script.target import ScriptOptions, ScriptTarget
+
+HANG_S = 300      # a guard against a hang, not a speed bound (CI's workers share 2 cores)
 
 HOGWILD = '''
 import multiprocessing as mp
@@ -177,3 +182,49 @@ def test_a_pools_workers_are_left_alone_never_a_hang(tmp_path, capsys):
     report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
     assert report.status == "error" and "without stepping an optimizer" in report.error.message
     assert "nan]" in capsys.readouterr().out        # the trial went on, as without nanaudit
+
+
+QUEUE = '''
+import multiprocessing as mp
+import torch
+from torch import nn
+
+def train(results):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.rand(8, 4) + 0.5
+        if step == 2:
+            x[1, 0] = 0.0
+        loss = (model(x) * x.log()).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    results.put(float(loss))
+
+if __name__ == "__main__":
+    context = mp.get_context("{method}")
+    results = context.Queue()
+    worker = context.Process(target=train, args=(results,))
+    worker.start()
+    print("result", results.get())       # blocks until the trainer puts its loss
+    worker.join()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_parent_waiting_on_a_stopped_trainers_result_is_stopped_too(tmp_path, method):
+    # The trainer stopped at its trip never puts its result: the parent, blocked in the
+    # queue's `get`, is stopped by the first child to trip, never left waiting for ever.
+    (tmp_path / "trainer.py").write_text(QUEUE.format(method=method))
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "run", "-q", "--json", "r.json",
+                           "trainer.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=HANG_S)
+    report = json.loads((tmp_path / "r.json").read_text())
+    f = report["finding"]
+    assert done.returncode == 1 and "result" not in done.stdout, done.stderr
+    assert (f["step"], f["op"], f["cause"], report["status"]) == (
+        2, "aten.log.default", "log-domain", "nonfinite")
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
