@@ -15,9 +15,9 @@ audited.
 
 A child that audited a step writes its report (its error too, when it raised) into the folder
 (pickled, written atomically, read back only by the parent that made the folder). One that
-tripped then exits with status 1, as a failed process does, so a parent that checks its
-children (`mp.spawn`'s join raises) stops there, as a script stops at its bad step: that raise
-is the stop, not the script's error. The parent's report, when it trained nothing itself, is
+tripped then exits with status 1, as a failed process does, and the first to trip stops the
+parent too (`_tell_parent`), as a script stops at its bad step: `mp.spawn`'s join raising on
+that exit is the stop, not the script's error. The parent's report, when it trained nothing itself, is
 the first child's to trip, else that of the child that audited the most steps (its error, when
 it raised); the report says which process."""
 

@@ -67,7 +67,8 @@ def test_a_trainers_bad_step_is_named_in_that_process(tmp_path, method):
     # what its parent sends for it
     report, exits = _hogwild(tmp_path, bad_rank=1, method=method)
     f = report.finding
-    assert report.status == "nonfinite" and exits == ["0", "1"]   # the bad one stopped there
+    # the first trip stops the run: the parent's code after its joins did not run either
+    assert report.status == "nonfinite" and exits is None
     assert (f.step, f.where, f.op, f.cause, f.localized_by) == (
         2, "forward", "aten.log.default", "log-domain", "in-process")
     assert report.run.process.startswith("trainer-1 (pid ")
