@@ -17,9 +17,9 @@ A child that audited a step writes its report (its error too, when it raised) in
 (pickled, written atomically, read back only by the parent that made the folder). One that
 tripped then exits with status 1, as a failed process does, and the first to trip stops the
 parent too (`_tell_parent`), as a script stops at its bad step: `mp.spawn`'s join raising on
-that exit is the stop, not the script's error. The parent's report, when it trained nothing itself, is
-the first child's to trip, else that of the child that audited the most steps (its error, when
-it raised); the report says which process."""
+that exit is the stop, not the script's error. The parent's report, when it trained nothing
+itself, is the first child's to trip, else that of the child that audited the most steps (its
+error, when it raised); the report says which process."""
 
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ class ChildAudits:
 
     def __init__(self, target: Any, options: Any) -> None:
         """`target`, `options`: the script's ScriptTarget and ScriptOptions; no audit (nothing
-        patched) when `options` is None or has no `audit_child`."""
-        audit = options.audit_child if options is not None else None
+        patched) when `options` is None or has no `audit_child`, nor in a child itself (its
+        own children's training is not audited: it has no stop of its own to give them)."""
+        audit = options.audit_child if options is not None and target.call is None else None
         self._run = None if audit is None else (
             target.path, target.module, options.keep_going, options.max_bad_steps, audit)
         self._folder: str | None = None
