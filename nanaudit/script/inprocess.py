@@ -44,6 +44,7 @@ from nanaudit.script.before_window import made_before_window
 from nanaudit.script.code_batch import micro_batch, step_batch
 from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
+    local_call,
     local_module,
     made_on_this_rank,
     own_gradient,
@@ -303,7 +304,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         with autocast(call.autocast), torch.set_grad_enabled(call.trains):
             # `_call_impl`: the module's own forward and hooks, eagerly also when the script
             # compiled it (`module.compile()` calls its compiled code from `__call__`).
-            output = (local_module(call.module)._call_impl(*tree_map(swap, call.args),
+            output = (local_call(call.module, call.trains)(*tree_map(swap, call.args),
                                                            **tree_map(swap, call.kwargs))
                       if forward and call.model_called else tree_map(_recorded, call.output))
         env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],

@@ -23,7 +23,9 @@ through hooks of its own): it keeps the re-run together."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -42,6 +44,23 @@ def local_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module a rank replays: DDP's wrapped module (its forward and backward alone, no
     collective), anything else as it is."""
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def local_call(module: torch.nn.Module, trains: bool) -> Callable[..., Any]:
+    """What a replay calls for the script's call of `module`: its own call (forward and
+    hooks) on `local_module`, except a LightningModule that DDP wraps: Lightning's strategies
+    call it through DDP with its `forward` redirected, for that one call, to `training_step`
+    (`validation_step` for a call without autograd), so that step is what is called again."""
+    local: Any = local_module(module)
+    if local is not module and _lightning_module(local):
+        return local.training_step if trains else local.validation_step
+    return local._call_impl
+
+
+def _lightning_module(module: torch.nn.Module) -> bool:
+    classes = [getattr(sys.modules.get(name), "LightningModule", None)
+               for name in ("lightning.pytorch", "pytorch_lightning")]
+    return any(c is not None and isinstance(module, c) for c in classes)
 
 
 def replayed_together(ranks: RankChecks | None) -> bool:

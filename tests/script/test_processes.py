@@ -229,3 +229,54 @@ def test_a_parent_waiting_on_a_stopped_trainers_result_is_stopped_too(tmp_path, 
     assert (f["step"], f["op"], f["cause"], report["status"]) == (
         2, "aten.log.default", "log-domain", "nonfinite")
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+
+
+LIGHTNING_SPAWN = '''
+import torch
+from torch import nn
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        scale = x.abs().sum(1, keepdim=True)
+        if self.global_step == 3 and self.global_rank == 1:
+            scale[5] = 0.0
+        loss = ((out - y) ** 2 * torch.sqrt(scale + 0 * out)).mean()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1,
+                        enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.fit(Model(), DataLoader(data, batch_size=8))
+'''
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lightning_ddp_spawn_replays_the_training_step_on_its_rank(tmp_path):
+    # Lightning calls a DDP-wrapped LightningModule with its `forward` redirected to
+    # `training_step` for that one call: the replay calls that step (rank_replay.local_call),
+    # where it called the module's missing `forward` before.
+    pytest.importorskip("lightning")
+    script = tmp_path / "lit.py"
+    script.write_text(LIGHTNING_SPAWN)
+    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
+    f = report.finding
+    assert (f.step, f.rank, f.where, f.forward_op, f.cause, f.samples) == (
+        3, 1, "backward", "aten.sqrt.default", "sqrt-domain", [5])
+    assert f.localized_by == "in-process" and f.source.function == "training_step"
