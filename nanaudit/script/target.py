@@ -196,14 +196,14 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
     its threads, or in a process it started) ends it quietly. The script's exceptions become
     UserCodeError with its frames (runpy's and ours removed). `children`: the processes it
     starts, audited (processes.ChildAudits, entered by the caller; their reports are read
-    here, before it lets go of them)."""
+    here, before it lets go of them). In such a process (`target.call`) its run is run so,
+    with the process's own signals, argv and seeds."""
     if target.call is not None:
-        return _execute_call(target, hooks)
+        return _audited(target, hooks, target.call)
     saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts(children.halting if children is not None else None).__enter__()
-    hooks.install()
-    threads = ScriptThreads(undo_in_child=[hooks.remove, interrupts.in_child]).__enter__()
-    try:
+
+    def script() -> None:
         seed_everything(seed)
         if target.module:
             sys.argv = [target.module, *target.args]
@@ -214,63 +214,44 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
             sys.argv = [str(target.path), *target.args]
             sys.path.insert(0, os.path.dirname(path))
             runpy.run_path(path, run_name="__main__")
-    except StepHalted:
-        _settle(children)
-    except SystemExit as exc:
-        if exc.code not in (None, 0) and not _child_tripped(children):
-            raise user_error(target, exc, f"exited with status {exc.code}") from None
-        _settle(children)
-    except (KeyboardInterrupt, NanauditError):
-        raise
-    except USER_FAILURES as exc:
-        if not _child_tripped(children):   # else `mp.spawn`'s join saw a child stop at a trip
-            raise (own_error_within(exc) or user_error(target, exc)) from exc
-        _settle(children)
-    else:
-        _settle(children)
+    try:
+        ended = _audited(target, hooks, script, children, undo_in_child=[interrupts.in_child])
     finally:
-        threads.__exit__()
-        hooks.remove()
         sys.argv[:], sys.path[:] = saved_argv, saved_path
         _return_to(saved_cwd)
         interrupts.__exit__()
-        ended = Ended(threads.forks, children.reports() if children is not None else [])
     interrupts.raise_if_stopped()
     return ended
 
 
-def _child_tripped(children: Any) -> bool:
-    return children is not None and children.tripped()
-
-
-def _settle(children: Any) -> None:
-    """The script ended (or stopped at a trip): the processes it left running are waited for
-    here, as Python's exit would after the report (processes.ChildAudits.settle)."""
-    if children is not None:
-        children.settle()
-
-
-def _execute_call(target: ScriptTarget, hooks: Hooks) -> Ended:
-    """A process's own run, in the child the script started (processes.py), as `execute` runs
-    the script; the child's signals, argv and seeds are its own."""
-    assert target.call is not None
+def _audited(target: ScriptTarget, hooks: Hooks, run: Callable[[], None], children: Any = None,
+             undo_in_child: list[Callable[[], None]] | None = None) -> Ended:
+    """`run()` under `hooks`, as `execute` says. A child that stopped at a trip makes the
+    script's own failure to go on (`mp.spawn`'s join raising on its exit) the stop; once the
+    script ended or stopped, the processes it left running are waited for, as Python's exit
+    would after the report (processes.ChildAudits.settle)."""
+    tripped = children.tripped if children is not None else lambda: False
     hooks.install()
-    threads = ScriptThreads(undo_in_child=[hooks.remove]).__enter__()
+    threads = ScriptThreads(undo_in_child=[hooks.remove, *(undo_in_child or [])]).__enter__()
     try:
-        target.call()
+        run()
     except StepHalted:
         pass
     except SystemExit as exc:
-        if exc.code not in (None, 0):
+        if exc.code not in (None, 0) and not tripped():
             raise user_error(target, exc, f"exited with status {exc.code}") from None
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
-        raise (own_error_within(exc) or user_error(target, exc)) from exc
+        if not tripped():
+            raise (own_error_within(exc) or user_error(target, exc)) from exc
     finally:
         threads.__exit__()
         hooks.remove()
-    return Ended(threads.forks)
+    if children is None:
+        return Ended(threads.forks)
+    children.settle()
+    return Ended(threads.forks, children.reports())
 
 
 def _return_to(folder: str) -> None:
