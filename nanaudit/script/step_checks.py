@@ -144,8 +144,9 @@ class StepChecks:
         fold's last update to NaN weights, which the script saved); non-finite, that is the
         trip, and the optimizer is kept for its account. Not in a re-run, nor under torchrun
         (one rank's trip alone would leave the others in the step's exchange)."""
-        if self.trip is not None or self.window.step is not None or self.ranks is not None:
-            return False
+        if self.trip is not None or self._let_go_trip is not None \
+                or self.window.step is not None or self.ranks is not None:
+            return False             # the first one let go with bad weights is the trip
         self._let_go_trip = self.namer.left_by([optimizer], self.step)
         return self._let_go_trip is not None
 

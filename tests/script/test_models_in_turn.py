@@ -124,6 +124,26 @@ def test_a_let_go_folds_last_update_to_inf_weights_is_the_finding(tmp_path, monk
     assert (tmp_path / "fold1.pt").exists() and not (tmp_path / "fold2.pt").exists()
 
 
+TWO_OPTIMIZERS = LAST_UPDATE.replace(
+    "    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n",
+    "    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.01, momentum=0.9)\n"
+    "    other = torch.optim.SGD(model[2].parameters(), lr=0.01)\n").replace(
+    "        optimizer.step()\n", "        optimizer.step()\n        other.step()\n").replace(
+    "        optimizer.zero_grad()\n", "        optimizer.zero_grad()\n        other.zero_grad()\n")
+
+
+def test_of_two_optimizers_let_go_at_once_the_bad_one_is_the_finding(tmp_path, monkeypatch):
+    # Fold 1's first optimizer overflows its layer; its second, let go with it, is clean and
+    # read after it: the finding stays the first's.
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "folds.py"
+    script.write_text(TWO_OPTIMIZERS)
+    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
+    f = report.finding
+    # two optimizer steps an iteration: the first optimizer's last update is step 14
+    assert (f.step, f.cause, f.tensor) == (14, "optimizer-update", "0.weight")
+
+
 def test_a_let_go_object_is_kept_while_its_owner_asks():
     asked: list = []
     live = LiveObjects(keep=lambda obj: asked.append(obj.out_features) or obj.out_features == 3)
