@@ -177,8 +177,10 @@ def _arrive(where: _Where) -> None:
 
 
 def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """`BaseProcess._bootstrap` in a child: its run audited (not a worker's, below)."""
-    where = _ACTIVE
+    """`BaseProcess._bootstrap` in a child: its run audited (not a worker's, below); the
+    processes it forks in turn are not (it has no stop of its own to give them)."""
+    global _ACTIVE
+    where, _ACTIVE = _ACTIVE, None
     if where is not None and not _a_workers(self):
         run = self.run
         self.run = lambda: _audited(run, where, self)
