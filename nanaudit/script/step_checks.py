@@ -142,10 +142,9 @@ class StepChecks:
     def _last_look(self, optimizer: Any) -> bool:
         """An optimizer the script let go: the weights its last update left, read once (a
         fold's last update to NaN weights, which the script saved); non-finite, that is the
-        trip, and the optimizer is kept for its account. Not in a re-run, nor under torchrun
-        (one rank's trip alone would leave the others in the step's exchange)."""
-        if self.trip is not None or self._let_go_trip is not None \
-                or self.window.step is not None or self.ranks is not None:
+        trip, and it is kept for its account. Not in a re-run, nor under torchrun (one rank's
+        trip alone would leave the others in the step's exchange)."""
+        if self.trip or self._let_go_trip or self.window.step is not None or self.ranks:
             return False             # the first one let go with bad weights is the trip
         self._let_go_trip = self.namer.left_by([optimizer], self.step)
         return self._let_go_trip is not None
