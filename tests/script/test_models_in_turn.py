@@ -109,13 +109,18 @@ for fold in range(3):
 '''
 
 
+def _run_in(tmp_path, monkeypatch, code: str):
+    """`code` run under `run` from `tmp_path` (where it saves its folds)."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "folds.py"
+    script.write_text(code)
+    return run_script(ScriptTarget(path=str(script)), ScriptOptions())
+
+
 def test_a_let_go_folds_last_update_to_inf_weights_is_the_finding(tmp_path, monkeypatch):
     # Fold 1's last update overflows its weights and the script saves them; the next fold's
     # optimizer lets fold 1's go, and its weights are read first (before: "clean", exit 0).
-    monkeypatch.chdir(tmp_path)
-    script = tmp_path / "folds.py"
-    script.write_text(LAST_UPDATE)
-    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
+    report = _run_in(tmp_path, monkeypatch, LAST_UPDATE)
     f = report.finding
     assert report.status != "clean"
     assert (f.step, f.where, f.cause, f.tensor, f.value) == (7, "optimizer", "optimizer-update",
@@ -135,11 +140,7 @@ TWO_OPTIMIZERS = LAST_UPDATE.replace(
 def test_of_two_optimizers_let_go_at_once_the_bad_one_is_the_finding(tmp_path, monkeypatch):
     # Fold 1's first optimizer overflows its layer; its second, let go with it, is clean and
     # read after it: the finding stays the first's.
-    monkeypatch.chdir(tmp_path)
-    script = tmp_path / "folds.py"
-    script.write_text(TWO_OPTIMIZERS)
-    report = run_script(ScriptTarget(path=str(script)), ScriptOptions())
-    f = report.finding
+    f = _run_in(tmp_path, monkeypatch, TWO_OPTIMIZERS).finding
     # two optimizer steps an iteration: the first optimizer's last update is step 14
     assert (f.step, f.cause, f.tensor) == (14, "optimizer-update", "0.weight")
 
