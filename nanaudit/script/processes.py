@@ -57,7 +57,7 @@ class _Where:
     keep_going: bool
     max_bad_steps: int
     audit: Callable[..., Report]
-    parent: int = 0                 # the pid of the run's own process, told of the first trip
+    parent: int                     # the pid of the run's own process, told of the first trip
 
 
 _ACTIVE: _Where | None = None        # set in the parent around the script, inherited by a fork
