@@ -37,6 +37,7 @@ from nanaudit.run.deepspeed_zero import (
     is_engine,
     note_zero,
     zero_optimizer,
+    zero_stage,
 )
 from nanaudit.run.distributed import Coordinator, DistributedError
 from nanaudit.run.mesh import MeshView, PartialFlags
@@ -53,6 +54,7 @@ class RankChecks:
         self.flags = PreReduceFlags()
         self.sharded = False              # FSDP2: each rank holds its own shard of the weights
         self.fsdp: list = []              # the model's FSDP2 modules (replayed together)
+        self.zero_stage = 0               # DeepSpeed ZeRO's stage (0: none)
         self._seen: set[int] = set()      # the outermost modules looked into
         self.mesh: MeshView | None = None # the model's device mesh, once seen (run/mesh.py)
         self.partials = PartialFlags()    # TP: this rank's partial sums before the all-reduce
@@ -89,6 +91,7 @@ class RankChecks:
             flag_own_gradients(module, self.flags)
             note_zero(module)
             self.sharded = True
+            self.zero_stage = zero_stage(module)
         modules = fsdp_modules(module)
         if modules:
             self.flags.install(modules)

@@ -9,12 +9,13 @@ step together nor to re-run the script together (the re-run waited for the block
 the test's bound: issue 35).
 
 What is sound:
-  - DDP: the raising rank replays its window alone, on DDP's wrapped module (error_replay.py):
-    a forward through `.module` runs no collective (no buffer broadcast), and the loss code runs
-    none. A window whose replay would run a backward (an accumulation window's earlier
-    micro-batches, a raise inside backward) is refused: its gradients would reach DDP's reducer,
-    whose all-reduce the peers are waiting in.
-  - FSDP2, DeepSpeed ZeRO, meshes of several dimensions: a forward gathers every rank's weight
+  - DDP, and DeepSpeed ZeRO-1/2 (every weight whole on every rank): the raising rank replays
+    its window alone, on the wrapped module (error_replay.py): a forward through `.module` runs
+    no collective (no buffer broadcast), and the loss code runs none. A window whose replay
+    would run a backward (an accumulation window's earlier micro-batches, a raise inside
+    backward) is refused: its gradients would reach DDP's reducer, whose all-reduce the peers
+    are waiting in.
+  - FSDP2, DeepSpeed ZeRO-3, meshes of several dimensions: a forward gathers every rank's weight
     shards, with peers that wait in another collective, so the model is not run again: the
     loss code alone is replayed, from the model's output as the first run recorded it (a
     forward that returned, its output finite, plain tensors: a DTensor output's loss code joins

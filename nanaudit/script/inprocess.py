@@ -44,6 +44,7 @@ from nanaudit.script.before_window import made_before_window
 from nanaudit.script.code_batch import micro_batch, step_batch
 from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
+    local_backward,
     local_call,
     local_module,
     made_on_this_rank,
@@ -325,7 +326,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
     for func, args, kwargs in call.code.roots:
         tracer.start_backward()
         try:
-            func(*tree_map(swap, args), **tree_map(swap, kwargs))
+            local_backward(call.module, func)(*tree_map(swap, args), **tree_map(swap, kwargs))
         finally:
             tracer.end_backward()
     return pairs
@@ -373,7 +374,9 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
                if p.grad is not None and kinds_of(p.grad)]
         bad.sort(key=lambda nb: trip.tensors.index(nb[0]) if nb[0] in trip.tensors
                  else len(trip.tensors))
-        if not bad or not set(trip.tensors) & {n for n, _ in bad}:
+        # A check that read no parameter's own gradient names none (DeepSpeed ZeRO reads its
+        # flat partitions): any of the replay's is the trip's.
+        if not bad or (trip.tensors and not set(trip.tensors) & {n for n, _ in bad}):
             return None, ops, "the in-process replay's gradients came out finite"
         names = [n for n, _ in bad]
         sink = own_gradient(auditor.ranks, bad[0][1])    # FSDP2: before the reduce-scatter

@@ -18,14 +18,20 @@ re-run is taken from the gathered entries, so every rank takes it alike; when th
 together whether to replay at all is gathered first (one rank that cannot would leave its peers
 in a collective).
 
-DeepSpeed ZeRO is not replayed here (its forward gathers every rank's partition of the weights
-through hooks of its own): it keeps the re-run together."""
+DeepSpeed ZeRO-1 and ZeRO-2 keep every weight whole on every rank, as DDP does: the rank replays
+its step on the engine's own module, and its backward computes the gradients with
+`torch.autograd.grad` and sets them, so that no gradient is accumulated and DeepSpeed's hooks
+(which run after each accumulation and reduce the gradient with every peer, into DeepSpeed's own
+buckets) never run. ZeRO-3 is not replayed here (its forward gathers every rank's partition of
+the weights, and its backward reduce-scatters into its partitions, through hooks of its own):
+it keeps the re-run together."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,6 +41,7 @@ from nanaudit.localize.walk import Localization
 from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import RerunStatus
+from nanaudit.run.deepspeed_zero import is_engine
 from nanaudit.run.rank_checks import RankChecks, gather_by_store, origin_entry
 
 Replayed = tuple[Rerun | None, Finding | None]
@@ -42,8 +49,10 @@ Replayed = tuple[Rerun | None, Finding | None]
 
 def local_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module a rank replays: DDP's wrapped module (its forward and backward alone, no
-    collective), anything else as it is."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    collective), a DeepSpeed engine's own module, anything else as it is."""
+    if isinstance(module, DistributedDataParallel) or is_engine(module):
+        return cast(torch.nn.Module, module.module)
+    return module
 
 
 def local_call(module: torch.nn.Module, trains: bool) -> Callable[..., Any]:
@@ -55,6 +64,42 @@ def local_call(module: torch.nn.Module, trains: bool) -> Callable[..., Any]:
     if local is not module and _lightning_module(local):
         return local.training_step if trains else local.validation_step
     return local._call_impl
+
+
+def local_backward(module: torch.nn.Module, func: Callable[..., Any]) -> Callable[..., Any]:
+    """What a replay calls for the script's backward `func` (`Tensor.backward` or
+    `torch.autograd.backward`) after a call of `module`: `func` itself, except after a
+    DeepSpeed engine's call, where the gradients of its module's parameters are computed by
+    `torch.autograd.grad` and set: nothing is accumulated, so DeepSpeed's post-accumulation
+    hooks, which reduce each gradient with every peer, do not run (see the module docstring)."""
+    if not is_engine(module):
+        return func
+
+    def backward(*args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        # `Tensor.backward` by its signature: the one recorded may be a wrapper of it
+        if "self" in given:
+            outputs, seeds = [given["self"]], _listed(given["gradient"])
+        else:
+            outputs, seeds = _listed(given["tensors"]), _listed(given["grad_tensors"])
+        leaves = [p for p in (_listed(given["inputs"]) or local_module(module).parameters())
+                  if p.requires_grad]
+        grads = torch.autograd.grad(outputs, leaves, seeds or None,
+                                    retain_graph=given["retain_graph"],
+                                    create_graph=given["create_graph"], allow_unused=True)
+        for leaf, grad in zip(leaves, grads):
+            if grad is not None:
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+    return backward
+
+
+def _listed(value: Any) -> list:
+    """A tensor, a sequence of them, or None, as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
 def _lightning_module(module: torch.nn.Module) -> bool:
@@ -71,8 +116,8 @@ def replayed_together(ranks: RankChecks | None) -> bool:
 
 def not_replayed_here(ranks: RankChecks) -> str | None:
     """Why the ranks' step is not replayed in-process (None: it is)."""
-    if ranks.sharded and not ranks.fsdp:
-        return ("the in-process replay is not built for DeepSpeed ZeRO, whose forward gathers "
+    if ranks.zero_stage == 3:
+        return ("the in-process replay is not built for DeepSpeed ZeRO-3, whose forward gathers "
                 "every rank's partition of the weights")
     return None
 
@@ -90,7 +135,8 @@ def replayed_on_ranks(ranks: RankChecks, origin: int | None, replay_here: Callab
     if why is not None:
         return Rerun(status=RerunStatus.SKIPPED, note=why), None
     mine: Replayed = (_together(ranks, replay_here) if together else
-                      replay_here() if origin in (None, ranks.rank) else (None, None))
+                      _alone(ranks, replay_here) if origin in (None, ranks.rank) else
+                      (None, None))
     if mine[1] is not None:
         mine[1].rank = ranks.rank
     entries = gather_by_store(ranks.coord, "in-process-replay", mine)
@@ -115,6 +161,13 @@ def _together(ranks: RankChecks, replay_here: Callable[[], Replayed]) -> Replaye
     finally:
         for module in ranks.fsdp:
             module.reshard()
+
+
+def _alone(ranks: RankChecks, replay_here: Callable[[], Replayed]) -> Replayed:
+    """This rank's replay of its own step. Under DeepSpeed the gradient hooks that flag its
+    own gradients for the step's read see the replay's too: kept apart, not flagged."""
+    with traced_window(ranks.flags, None):
+        return replay_here()
 
 
 def own_gradient(ranks: RankChecks | None, reduced: torch.Tensor) -> torch.Tensor | None:

@@ -94,16 +94,18 @@ class ZeroSteps:
         self.running = zero.optimizer
 
     def _left(self, zero: Any, updated: bool) -> None:
-        """The ZeRO step returned: one step when DeepSpeed updated; a step it skipped with
-        nothing found at the check is a step, skipped (as a GradScaler's is), and under a
-        dynamic loss scale a finding only when the scale collapsed."""
+        """The ZeRO step returned: one step when DeepSpeed updated; under a dynamic loss scale
+        a step it skipped with nothing found at the check is a step, skipped (as a GradScaler's
+        is), and a finding only when the scale collapsed. Otherwise (fp32, bf16, a static
+        scale) a step it skipped held non-finite gradients, which the check at its entry found:
+        it went on only because --keep-going skipped the step, which is then one step, as every
+        step it skips is (its update, held back, is let go)."""
         optimizer, self.running = self.running, None
         scale, self._scale = self._scale, None
-        if updated:
+        if updated or scale is None:
             self.listener.after_update(optimizer)
         else:
-            if scale is not None:
-                self.listener.scale_skipped(optimizer, scale, dynamic_loss_scale(zero),
-                                            zero_flats(optimizer) or [], "DeepSpeed")
+            self.listener.scale_skipped(optimizer, scale, dynamic_loss_scale(zero),
+                                        zero_flats(optimizer) or [], "DeepSpeed")
             self.tap.close()
         self.await_forward()

@@ -65,6 +65,33 @@ def test_backward_only_value_under_zero_is_named_on_its_rank(tmp_path, setup):
         assert f["source"]["line"] == line_of("return torch.sqrt(")
         assert [(r["rank"], r["status"]) for r in report["distributed"]["ranks"]] == [
             (0, "nonfinite"), (1, "nonfinite")]
+        # ZeRO-1/2: rank 1 replays its step on the engine's module, in-process (a re-run of
+        # the script took 50 to 70 s here, DeepSpeed's start-up included); ZeRO-3's forward
+        # gathers the partitions: the re-run, and the report says why.
+        replay = report["run"]["replay"]
+        if "3" in setup:
+            assert f["localized_by"] == "re-run" and "ZeRO-3" in replay["note"], replay
+        else:
+            assert (f["localized_by"], replay["status"]) == ("in-process", "reproduced")
+            assert report["run"].get("rerun") is None
+
+
+def test_keep_going_under_zero2_skips_and_names_each_bad_step_in_process(tmp_path):
+    # Before: the skipped step was not named (no in-process replay under ZeRO, and a step the
+    # run went on from is never re-run), and it was no step: DeepSpeed's own overflow skip
+    # left it uncounted, so the steps after it took its number (the timeline read 0 1 2 2 3).
+    out = tmp_path / "report.json"
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--keep-going", "--json", out,
+                                   SCRIPT, "--stage", "2", "--fault", "backward"],
+                                  timeout_s=420)
+    assert codes == [1, 1], outputs
+    report = json.loads(out.read_text())
+    f = report["finding"]
+    assert (f["localized_by"], f["rank"], f["step"], f["forward_op"], f["cause"],
+            f["samples"], f["action"]) == ("in-process", 1, 2, "aten.sqrt.default",
+                                           "sqrt-domain", [5], "skipped")
+    assert [(e["step"], e.get("bad")) for e in report["timeline"]] == [
+        (0, None), (1, None), (2, "skipped"), (3, None), (4, None)]
 
 
 def partition_norm(rank: int, world: int = 2) -> float:
