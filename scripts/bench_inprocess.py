@@ -38,6 +38,11 @@ local module while rank 0 waits for the finding.
 of two ranks); the value is rank 1's own gradients before the reduce-scatter, and `run` has
 every rank replay the step together (its all-gathers and reduce-scatters need both).
 
+`--zero 1|2|3`: the same under DeepSpeed ZeRO at that stage (`deepspeed.initialize` with the
+loop's SGD, `engine.backward`, `engine.step`; needs deepspeed): the value is rank 1's own
+gradients before DeepSpeed reduces them; plain DeepSpeed skips step N on its overflow, and `run`
+has rank 1 replay its step on the engine's module (ZeRO-1/2; ZeRO-3 is re-run).
+
 `--error` (with `--ddp`): an error trip instead: the loop takes the log of each row's squared
 length, rank 1's zero row makes it -inf at step N, and the script's own `assert
 torch.isfinite(loss)` raises there while rank 0 waits in DDP's all-reduce; `run` has rank 1
@@ -147,6 +152,25 @@ FSDP_LOOP = DDP_LOOP.replace(
     "fully_shard(model, mesh=mesh)\n")
 
 
+# The DeepSpeed loop: the DDP loop with DeepSpeed's engine instead of DDP's wrapper (ZeRO stage
+# ZERO_STAGE, the script's own SGD), `engine.backward` and `engine.step`; rank 1's zero row makes
+# DeepSpeed skip step N on an overflow in plain, and makes `run` trip there.
+DEEPSPEED_LOOP = DDP_LOOP.replace(
+    "from torch.nn.parallel import DistributedDataParallel\n"
+    "dist.init_process_group(\"gloo\")\n",
+    "import deepspeed\n"
+    "deepspeed.init_distributed(dist_backend=\"gloo\")\n").replace(
+    "model = DistributedDataParallel(model)\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-8)\n",
+    "optimizer = torch.optim.SGD(model.parameters(), lr=1e-8)\n"
+    "model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={\n"
+    "    'train_micro_batch_size_per_gpu': 64, 'zero_allow_untested_optimizer': True,\n"
+    "    'zero_optimization': {'stage': ZERO_STAGE}})\n").replace(
+    "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n",
+    "    model.backward(loss)\n    model.step()\n")
+assert DEEPSPEED_LOOP.count("deepspeed.") == 2 and "model.step()" in DEEPSPEED_LOOP
+
+
 def command(variant: str, folder: Path, bad: int, width: int, ddp: bool,
             device: str = "cpu") -> list[str]:
     loop = "plain.py" if variant == "plain" and (folder / "plain.py").exists() else "loop.py"
@@ -245,17 +269,21 @@ def main() -> None:
     parser.add_argument("--no-plain", action="store_true",
                         help="leave out the plain variant: the localization at the trip alone "
                              "(100,000 steps of FSDP2 on gloo take hours on a CPU per variant)")
+    parser.add_argument("--zero", type=int, choices=[1, 2, 3],
+                        help="the loop under DeepSpeed ZeRO at this stage on two gloo ranks "
+                             "(needs deepspeed; ZeRO-3 is localized by the re-run)")
     parser.add_argument("--error", action="store_true",
                         help="with --ddp: rank 1's script asserts on its -inf loss (an error "
                              "trip)")
     args = parser.parse_args()
     if args.error and not args.ddp:
         parser.error("--error goes with --ddp")
-    ranks = args.ddp or args.fsdp
+    ranks = args.ddp or args.fsdp or args.zero is not None
     other = "full" if args.producer else "rerun"
     variants = ([] if args.no_plain else ["plain"]) + ["run"] + (
         [] if args.no_rerun_variant or args.error else [other])
     loop = (PRODUCER_LOOP if args.producer else FSDP_LOOP if args.fsdp else
+            DEEPSPEED_LOOP.replace("ZERO_STAGE", str(args.zero)) if args.zero else
             ERROR_LOOP if args.error else DDP_LOOP if args.ddp else LOOP)
     compile_package()
     with tempfile.TemporaryDirectory(prefix="nanaudit-bench-inprocess-") as name:

@@ -324,7 +324,9 @@ def run(seed: int, no_rerun: bool, force_rerun: bool, max_rerun_steps: int | Non
                                 f"non-finite at optimizer step {step}: re-running the script "
                                 f"from the start to localize it (--no-rerun skips this)"))
     report = _ran(lambda: run_script(target, options), stop)
-    rank = report.run.rank if report.run is not None else None
+    # This process's rank (a report adopted from a process the script started is that
+    # process's account: the run's own process writes where it was asked to)
+    rank = report.run.rank if report.run is not None and not report.run.process else None
     if rank:
         # Under torchrun every rank reports what it saw: rank r writes PATH.rank<r>.json.
         outputs = outputs.relocated(lambda path: rank_path(path, rank))

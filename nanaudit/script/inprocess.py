@@ -9,8 +9,9 @@ The replay must reproduce what the first run saw (each micro-batch's loss, and t
 tripped) before it names anything; when it does not, or cannot run, it says why and the caller
 falls back to the re-run from the start. Afterwards the RNG streams, buffers and gradients are
 as the trip left them. Its cost is one step's, whatever the step's number. Under torchrun the
-rank that made the value replays its own step on its local module (DDP), or every rank replays
-it together (FSDP2, HSDP, tensor parallel), and every rank gets the finding (rank_replay.py).
+rank that made the value replays its own step on its local module (DDP, DeepSpeed ZeRO-1/2),
+or every rank replays it together (FSDP2, HSDP, tensor parallel), and every rank gets the
+finding (rank_replay.py).
 
 A compiled model's step call is replayed eagerly (the module's own `_call_impl`, its output
 heard as the compiled call returned, compiled_calls.py); a loss the eager replay does not

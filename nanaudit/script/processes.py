@@ -23,12 +23,14 @@ error, when it raised); the report says which process."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.process
 import multiprocessing.spawn
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -182,9 +184,27 @@ def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
     global _ACTIVE
     where, _ACTIVE = _ACTIVE, None
     if where is not None and not _a_workers(self):
-        run = self.run
-        self.run = lambda: _audited(run, where, self)
+        _audit_run(self, where)
     return _ORIGINAL_BOOTSTRAP(self, *args, **kwargs)
+
+
+def _audit_run(process: Any, where: _Where) -> None:
+    """The process's run audited. A rank of torch's `mp.spawn` runs `fn(i, *args)` inside
+    `_wrap`, which turns the function's exception into exit status 1 (its traceback pickled for
+    the parent), so the audit goes inside `_wrap`, around `fn`: a rank's error is then the
+    audit's to analyse, before `_wrap` does what it does with it."""
+    spawn = sys.modules.get("torch.multiprocessing.spawn")
+    if spawn is not None and process._target is getattr(spawn, "_wrap", None):
+        fn, *rest = process._args
+        process._args = (functools.partial(_audited_rank, fn, where, process), *rest)
+        return
+    run = process.run
+    process.run = lambda: _audited(run, where, process)
+
+
+def _audited_rank(fn: Callable[..., Any], where: _Where, process: Any, rank: int,
+                  *args: Any) -> None:
+    _audited(lambda: fn(rank, *args), where, process)
 
 
 # The targets of workers that are not audited: a DataLoader's only load data, and a pool's run
@@ -203,7 +223,7 @@ def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
     step; then what the run raised, raised again (the child ends as it would have), or, when a
     trip stopped it, status 1 (under --keep-going a run that went on ends as it would have)."""
     from nanaudit.script.target import ScriptOptions, ScriptTarget
-    raised: list[BaseException] = []
+    raised: list[tuple[BaseException, Any]] = []
     halted_at: list[float] = []
 
     def call() -> None:
@@ -212,8 +232,9 @@ def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
         except StepHalted:
             halted_at.append(time.time())     # when it tripped: the parent's first is first
             raise
-        except BaseException as exc:       # the child's own: raised again after the report
-            raised.append(exc)
+        except BaseException as exc:       # the child's own: raised again after the report,
+            # raised again from the run's own frames: not the audit's, nor this one
+            raised.append((exc, getattr(exc.__traceback__, "tb_next", None)))
             raise
 
     target = ScriptTarget(path=where.script, module=where.module, call=call)
@@ -227,7 +248,8 @@ def _audited(run: Callable[[], Any], where: _Where, process: Any) -> None:
         _write(where.folder, ChildReport(report, f"{process.name} (pid {os.getpid()})",
                                          tripped_at))
     if raised:
-        raise raised[0]
+        exc, frames = raised[0]
+        raise exc.with_traceback(frames)
     if halted_at:
         _tell_parent(where)
         raise SystemExit(1)

@@ -154,6 +154,39 @@ def test_mp_spawn_ddp_ranks_replay_the_bad_step_together(tmp_path, capsys):
     assert "not reached" not in capsys.readouterr().out
 
 
+# The same ranks, rank 1's loss code taking the log of its zero row's squared length at step 3
+# and the script asserting its loss is finite (rank 0 meanwhile waits in DDP's all-reduce).
+DDP_SPAWN_ASSERT = DDP_SPAWN.replace(
+    "        length = torch.sqrt((x * x).sum(1, keepdim=True) + 0 * out[:, :1])\n"
+    "        loss = (out * length).pow(2).mean()\n",
+    "        length = torch.log((x * x).sum(1, keepdim=True) + 0 * out[:, :1])\n"
+    "        loss = (out * length).pow(2).mean()\n"
+    "        assert torch.isfinite(loss), f'loss diverged at step {step}'\n")
+assert DDP_SPAWN_ASSERT != DDP_SPAWN
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_ranks_own_assert_under_mp_spawn_is_analysed_and_reported_where_asked(tmp_path):
+    # Before: mp.spawn's `_wrap` turned rank 1's AssertionError into exit status 1 before the
+    # audit saw it: exit 4, "the script raised ProcessRaisedException", no op. And a report
+    # adopted from a rank was written to r.rank1.json, not the r.json the user asked for.
+    (tmp_path / "ddp_spawn.py").write_text(textwrap.dedent(DDP_SPAWN_ASSERT))
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "run", "-q", "--json", "r.json",
+                           "ddp_spawn.py", str(free_port())], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 1, done.stderr
+    assert not list(tmp_path.glob("r.rank*.json"))
+    report = json.loads((tmp_path / "r.json").read_text())
+    f = report["finding"]
+    assert (f["step"], f["rank"], f["where"], f["op"], f["cause"], f["samples"]) == (
+        3, 1, "forward", "aten.log.default", "log-domain", [4])
+    assert f["localized_by"] == "in-process" and f["source"]["line"] == 23
+    assert "AssertionError: loss diverged at step 3" in f["explanation"]
+    assert report["run"]["process"].startswith("SpawnProcess")
+    assert report["error"]["exception"] == "AssertionError"    # the rank's, not the join's
+
+
 POOL = '''
 import multiprocessing as mp
 import torch
