@@ -97,9 +97,12 @@ class ZeroSteps:
         """The ZeRO step returned: one step when DeepSpeed updated; under a dynamic loss scale
         a step it skipped with nothing found at the check is a step, skipped (as a GradScaler's
         is), and a finding only when the scale collapsed. Otherwise (fp32, bf16, a static
-        scale) a step it skipped held non-finite gradients, which the check at its entry found:
-        it went on only because --keep-going skipped the step, which is then one step, as every
-        step it skips is (its update, held back, is let go)."""
+        scale) a step it skipped is one step too, as the script's loop and DeepSpeed's
+        `global_steps` count it: mostly one whose non-finite gradients the check at its entry
+        found and --keep-going skipped (its update, held back, is let go); but DeepSpeed's own
+        check sums each gradient partition in float32, so finite gradients large enough to
+        overflow that sum are skipped too, and the check, which read them finite, does not
+        yet name that skip."""
         optimizer, self.running = self.running, None
         scale, self._scale = self._scale, None
         if updated or scale is None:
