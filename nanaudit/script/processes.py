@@ -193,8 +193,8 @@ def _audit_run(process: Any, where: _Where) -> None:
     `_wrap`, which turns the function's exception into exit status 1 (its traceback pickled for
     the parent), so the audit goes inside `_wrap`, around `fn`: a rank's error is then the
     audit's to analyse, before `_wrap` does what it does with it."""
-    spawn = sys.modules.get("torch.multiprocessing.spawn")
-    if spawn is not None and process._target is getattr(spawn, "_wrap", None):
+    wrap = getattr(sys.modules.get("torch.multiprocessing.spawn"), "_wrap", None)
+    if wrap is not None and process._target is wrap:
         fn, *rest = process._args
         process._args = (functools.partial(_audited_rank, fn, where, process), *rest)
         return

@@ -84,6 +84,15 @@ def test_a_later_folds_loss_code_value_is_named_in_process(tmp_path):
     assert alive == [0, 0, 0]                # folds 0 to 2 ran to their end
 
 
+# Three folds of the same four batches, each fold's weights saved by the script.
+THREE_FOLDS = '''    torch.save(model.state_dict(), f"fold{fold}.pt")
+
+g = torch.Generator().manual_seed(0)
+data = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(4)]
+for fold in range(3):
+    train_fold(fold, data)
+'''
+
 LAST_UPDATE = '''
 import torch
 from torch import nn
@@ -100,13 +109,7 @@ def train_fold(fold, data):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    torch.save(model.state_dict(), f"fold{fold}.pt")
-
-g = torch.Generator().manual_seed(0)
-data = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(4)]
-for fold in range(3):
-    train_fold(fold, data)
-'''
+''' + THREE_FOLDS
 
 
 def _run_in(tmp_path, monkeypatch, code: str):
@@ -148,13 +151,7 @@ def train_fold(fold, data):
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
-    torch.save(model.state_dict(), f"fold{fold}.pt")
-
-g = torch.Generator().manual_seed(0)
-data = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(4)]
-for fold in range(3):
-    train_fold(fold, data)
-'''
+''' + THREE_FOLDS
 
 
 def test_of_two_optimizers_let_go_at_once_the_bad_one_stops_the_next_fold(tmp_path, monkeypatch):
