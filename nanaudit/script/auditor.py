@@ -118,7 +118,7 @@ class ScriptAuditor(StepChecks):
 
     def backward_ended(self, raised: bool) -> None:
         if self.window.armed is not None:
-            self.window.armed.tracer.end_backward()
+            self.window.armed.backward_ended()
         self.ledger.backwards += not raised
         if not raised and self.ledger.updates_by_hand:
             self._step_by_hand()

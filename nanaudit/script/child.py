@@ -84,7 +84,7 @@ def localize_raised(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult
     if sink is None:
         return
     _adopt(armed, walk_raised(armed.tracer, sink, auditor.timeline), spec.step, None, result,
-           auditor.rank)
+           auditor.rank, raised=True)
     if result.finding is not None:
         result.finding.tensor = None
 
@@ -95,7 +95,8 @@ def _weights(auditor: ScriptAuditor) -> LedgerWeights:
 
 
 def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
-           result: RerunResult, rank: int | None, window: RerunWindow | None = None) -> None:
+           result: RerunResult, rank: int | None, window: RerunWindow | None = None,
+           raised: bool = False) -> None:
     if not loc.reproduced or loc.event is None:
         return
     if rank is not None and not made_here(loc):
@@ -103,6 +104,7 @@ def _adopt(armed: Armed, loc: Localization, step: int, names: list | None,
         return
     finding = finding_at(armed.tracer, loc, step, names, armed.batch_size)
     finding.rank = rank
+    finding.micro_batch = armed.micro_batch(loc.event.index, raised)
     if isinstance(window, BeforeWindow):
         window.made_before(armed.tracer, loc, finding)
     result.finding, result.precision = finding, event_precision(loc.event)

@@ -6,10 +6,13 @@ trainable tensor (a DataLoader's yielded batch and targets, a batch drawn by `to
 frozen encoder's features); their leading sizes must agree. Where they do not (a constant table
 of another size beside the batch), or no such tensor has a dimension, the batch is not named
 and the finding says why instead of counting rows in a guessed one. Read at a trip only. And
-the micro-batch of an accumulation window a replayed value was made in."""
+the micro-batch of an accumulation window a replayed value was made in: the call whose ops the
+op the finding names is among (the tracer numbers its events in order; a replay counts them
+after each call)."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import NamedTuple
 
 import torch
@@ -64,10 +67,26 @@ def _data_read(call: ModelCall) -> list[torch.Tensor]:
     return list(data.values())
 
 
-def micro_batch(calls: list[ModelCall], index: int) -> int | None:
+def micro_batch(calls: list[ModelCall], index: int, raised: bool = False) -> int | None:
     """The accumulation window's micro-batch of model call `index`: how many backward calls
     the window made before it (a model called once a token before one backward is one
-    micro-batch). None: the window is one backward, no accumulation."""
-    if sum(bool(call.code.roots) for call in calls) < 2:
-        return None
-    return sum(bool(call.code.roots) for call in calls[:index])
+    micro-batch). None: the window is one backward, no accumulation. `raised`: the window's
+    last call raised before its own backward (counted as one: it was a micro-batch too)."""
+    before = sum(bool(call.code.roots) for call in calls[:index])
+    backwards = sum(bool(call.code.roots) for call in calls) + int(
+        raised and not calls[-1].code.roots)
+    return before if backwards >= 2 else None
+
+
+def window_place(calls: list[ModelCall], ends: list[int], event: int,
+                 raised: bool = False) -> tuple[StepBatch, int | None]:
+    """(the batch the rows of tracer event `event` are counted in, its micro-batch), `ends[i]`
+    being the number of events the replay had seen when call i ended (a call that raised has
+    no end: the event is the one after the last end; `raised`: an error trip's window, whose
+    last call raised, as micro_batch says). The batch is the first call's of the
+    event's micro-batch (a recurrent window's later calls take a hidden state first)."""
+    index = min(bisect_right(ends, event), len(calls) - 1)
+    micro = micro_batch(calls, index, raised)
+    first = 0 if micro is None else max(
+        (i + 1 for i in range(index) if calls[i].code.roots), default=0)
+    return step_batch(calls[first]), micro

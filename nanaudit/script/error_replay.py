@@ -34,7 +34,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.sections import Rerun
 from nanaudit.report.vocabulary import Where
 from nanaudit.run.step_record import ModelCall
-from nanaudit.script.code_batch import step_batch
+from nanaudit.script.code_batch import window_place
 from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
     NotReplayable,
@@ -98,10 +98,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
     with auditor.hooks.muted(), record.replaying(window_params(auditor, calls), evaluation), \
             torch.enable_grad():
         tracer = replay_tracer(auditor, calls)
+        ends: list[int] = []        # the tracer's events after each call
         with tracer:
             try:
                 for call in calls:
                     pairs += replay_call(tracer, call, None, env, forward=forward)
+                    ends.append(len(tracer.trace.events))
             except NotReplayable:
                 raise
             except Exception as exc:        # the script's own code raising again: verified
@@ -113,7 +115,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
         sink = _sink(tracer, env, auditor.error_values, raised)
         if isinstance(sink, str):
             return None, ops, sink
-        return _named(tracer, sink, calls[-1], trip, timeline, ops)
+        return _named(tracer, sink, (calls, ends), trip, timeline, ops)
 
 
 def _other_raise(raised: Exception | None, last: ModelCall, trip: ScriptTrip) -> str | None:
@@ -151,12 +153,13 @@ def _sink(tracer: OpTracer, env: dict[int, torch.Tensor], held: list[torch.Tenso
         "the data code made it")
 
 
-def _named(tracer: OpTracer, sink: torch.Tensor, last: ModelCall, trip: ScriptTrip,
-           timeline: Any, ops: int) -> Replayed:
+def _named(tracer: OpTracer, sink: torch.Tensor, window: tuple[list[ModelCall], list[int]],
+           trip: ScriptTrip, timeline: Any, ops: int) -> Replayed:
     loc = walk_raised(tracer, sink, timeline)
     if not loc.reproduced or loc.event is None:
         return None, ops, "the in-process replay named no op that made the value"
-    batch = step_batch(last)
+    batch, micro = window_place(*window, loc.event.index, raised=True)
     finding = batch.told(finding_at(tracer, loc, trip.step, None, batch.size))
+    finding.micro_batch = micro
     finding.tensor = trip.tensors[0] if trip.tensors else None    # the frame's, as the run saw
     return finding, ops, event_precision(loc.event)

@@ -42,7 +42,7 @@ from nanaudit.run.compiled import find_compiled
 from nanaudit.run.loss_code import autocast, replay
 from nanaudit.run.step_record import ModelCall
 from nanaudit.script.before_window import made_before_window
-from nanaudit.script.code_batch import micro_batch, step_batch
+from nanaudit.script.code_batch import window_place
 from nanaudit.script.findings import first_run_finding, link_warnings, trip_notes
 from nanaudit.script.rank_replay import (
     local_backward,
@@ -253,12 +253,12 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
         stop = trip.check == Check.LOSS and not replayed_together(auditor.ranks)
         try:
             with tracer:
-                pairs, bad_call = [], None
+                pairs, ends = [], []     # ends: the tracer's events after each call
                 for i, call in enumerate(calls):
                     pairs += replay_call(tracer, call, skipped if i == len(calls) - 1 else None,
                                          env, stop_at_bad_loss=stop)
+                    ends.append(len(tracer.trace.events))
                     if stop and not all(map(_finite, (again for _, again in pairs))):
-                        bad_call = i
                         break
         except NotReplayable:
             raise
@@ -274,9 +274,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
                         f"the re-run's compiled replay")
         if mismatch is not None:
             return None, ops, mismatch
-        named = _named(auditor, tracer, calls, pairs, params, trip, timeline, ops)
-        if named[0] is not None and bad_call is not None:
-            named[0].micro_batch = micro_batch(calls, bad_call)
+        named = _named(auditor, tracer, (calls, ends), pairs, params, trip, timeline, ops)
         if named[0] is not None and compiled is not None:   # the eager replay reproduced it
             named[0].compiled = CompiledReplay(compiled.backend_name, CompiledOutcome.EAGER)
         return named
@@ -352,11 +350,12 @@ def _line(where: tuple[str, int, str] | None) -> SourceLine | None:
     return SourceLine(file, line, linecache.getline(file, line).strip(), function)
 
 
-def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
+def _named(auditor: Any, tracer: OpTracer, window: tuple[list[ModelCall], list[int]],
            pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, trip: ScriptTrip,
            timeline: Any, ops: int) -> tuple[Finding | None, int, str | None]:
-    """Walk back from the replay's bad loss (or gradients) to the op that made it."""
-    batch = step_batch(calls[0])
+    """Walk back from the replay's bad loss (or gradients) to the op that made it; `window`:
+    the replayed calls and the tracer's event count after each (code_batch.window_place)."""
+    calls, ends = window
     names: list[str] = []
     if trip.in_buffers:
         # Buffers the replayed forward made non-finite: walked back from the first bad one.
@@ -390,6 +389,8 @@ def _named(auditor: Any, tracer: OpTracer, calls: list[ModelCall],
                                 trip.step)
     if before is not None:
         raise MadeBefore(before, ops)
+    batch, found_micro = window_place(calls, ends, loc.event.index)
     found = batch.told(finding_at(tracer, loc, trip.step, names, batch.size))
+    found.micro_batch = found_micro
     found.element = found.element or trip.element    # this rank's own, before any gather
     return found, ops, event_precision(loc.event)

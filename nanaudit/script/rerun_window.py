@@ -5,6 +5,7 @@ back from."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,17 @@ class Armed:
     sinks: list = field(default_factory=list)       # the loss tensors that reached backward
     closed: bool = False
     compiled: CompiledStep | None = None            # a compiled model's call, kept to replay
+    ends: list = field(default_factory=list)        # the trace's events as each backward ended
+
+    def backward_ended(self) -> None:
+        self.tracer.end_backward()
+        self.ends.append(len(self.tracer.trace.events))
+
+    def micro_batch(self, event: int, raised: bool = False) -> int | None:
+        """The accumulation window's micro-batch whose ops made tracer event `event`: how many
+        backward calls had ended before it. None: the window ran one backward (`raised`: it
+        ended raising before its last one, which counts)."""
+        return bisect_right(self.ends, event) if len(self.ends) + raised >= 2 else None
 
 
 class RerunWindow:
