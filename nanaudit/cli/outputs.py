@@ -173,7 +173,7 @@ class Requested:
         console that fails cannot cost a file); returns the outputs that failed to write (a
         console failure stays in `terminal.failures`, which final_code reads)."""
         from nanaudit.report.plot import PlotUnavailable
-        failed = []
+        failed, saved = [], set()
         for fmt, destination in sorted(self.writes, key=lambda w: w[1] in ("-", STDERR)):
             try:
                 data = fmt.render(report)
@@ -183,9 +183,11 @@ class Requested:
             problem = write(fmt.what, destination, data)
             if problem:
                 failed.append(problem)
+            else:
+                saved.add(fmt.name)
         if not terminal.quiet:        # the console renderer's imports only when it prints
             from nanaudit.report.console import print_report
-            terminal.show(lambda console: print_report(report, console))
+            terminal.show(lambda console: print_report(report, console, frozenset(saved)))
         elif report.status == Status.ERROR and report.error:
             terminal.error(report.error.message)
         return failed

@@ -22,12 +22,14 @@ REPORT_FILES = {"json": "nanaudit.json", "markdown": "nanaudit.md", "html": "nan
 
 
 def console_text(report: Report, color: bool = False, width: int = 100) -> str:
+    """The console report, written beside the others (whose formats it does not suggest)."""
     from rich.console import Console
 
     from nanaudit.report.console import print_report
     buffer = io.StringIO()
     print_report(report, Console(file=buffer, width=width, force_terminal=color,
-                                 color_system="standard" if color else None))
+                                 color_system="standard" if color else None),
+                 frozenset(REPORT_FILES) - {"console"})
     return buffer.getvalue()
 
 

@@ -37,7 +37,9 @@ from nanaudit.report.text import (
 from nanaudit.report.vocabulary import Cause
 
 
-def print_report(report: Report, console: Console) -> None:
+def print_report(report: Report, console: Console, saved: frozenset[str] = frozenset()) -> None:
+    """The console report; `saved`: the formats (json, junit, ...) written beside it, which
+    its closing hints do not suggest again."""
     console.print(_header(report))
     style = {"clean": "bold green", "nonfinite": "bold red"}.get(report.status, "bold yellow")
     mark = {"clean": "✓", "nonfinite": "✗"}.get(report.status, "!")
@@ -61,7 +63,7 @@ def print_report(report: Report, console: Console) -> None:
     if isinstance(report.error, InternalFailure):
         console.print(Text(_short_traceback(report.error.traceback), style="red"))
         console.print(Text(report.error.hint, style="bold"))
-    console.print(_next_steps(report))
+    console.print(_next_steps(report, saved))
 
 
 def _bisect_summary(section: DataBisect | CheckpointBisect) -> RenderableType:
@@ -305,23 +307,23 @@ def _short_traceback(text: str, frames: int = 3) -> str:
                      + (lines[keep[0]:] if keep else lines[-1:]))
 
 
-def _clean_hint(report: Report) -> str:
+def _clean_hint(report: Report, saved: frozenset[str]) -> str:
     """Whether more steps would audit more: not when the data ran out before the step limit."""
+    ci = "" if "junit" in saved else "run this in CI with --junit-xml"
     limit = report.config.get("steps")
     if limit is not None and report.steps_run >= limit:
         return (f"next: the {limit}-step limit was reached; raise `steps:` (or --steps) to "
-                f"audit longer, or run this in CI with --junit-xml")
-    if report.command == "run":
-        return (f"next: every step the script took was audited ({report.steps_run}); run this "
-                f"in CI with --junit-xml")
-    return (f"next: every batch the data yielded was audited ({report.steps_run}); run this in "
-            f"CI with --junit-xml")
+                f"audit longer" + (f", or {ci}" if ci else ""))
+    done = (f"every step the script took was audited ({report.steps_run})"
+            if report.command == "run" else
+            f"every batch the data yielded was audited ({report.steps_run})")
+    return f"next: {done}" + (f"; {ci}" if ci else "")
 
 
-def _next_steps(report: Report) -> Text:
+def _next_steps(report: Report, saved: frozenset[str]) -> Text:
     f = report.finding
     if report.status == "clean":
-        return Text(_clean_hint(report), style="dim")
+        return Text(_clean_hint(report, saved), style="dim")
     if f is None:
         return Text("")
     hints = []
@@ -350,5 +352,6 @@ def _next_steps(report: Report) -> Text:
                      f"{repro})")
     elif report.repro_error:
         hints.append(report.repro_error)
-    hints.append("--json PATH saves this report for CI and other tools")
-    return Text("next: " + "; ".join(hints), style="dim")
+    if "json" not in saved:
+        hints.append("--json PATH saves this report for CI and other tools")
+    return Text("next: " + "; ".join(hints), style="dim") if hints else Text("")

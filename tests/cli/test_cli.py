@@ -40,6 +40,21 @@ def test_console_report_goes_to_stderr():
     assert "finding: sqrt-domain" in result.stderr
 
 
+def _next_line(stderr: str) -> str:
+    return next(line for line in stderr.splitlines() if line.startswith("next:"))
+
+
+def test_the_closing_hints_do_not_suggest_an_output_already_written(tmp_path):
+    demo, clean = ROOT / "configs" / "demo.yaml", ROOT / "configs" / "clean.yaml"
+    assert "--json PATH saves this report" in _next_line(run_cli("scan", demo).stderr)
+    written = _next_line(run_cli("scan", demo, "--json", tmp_path / "r.json",
+                                 "--no-repro").stderr)
+    assert "--json" not in written and written.startswith("next: edit __init__.py:26 as the fix")
+    assert "in CI with --junit-xml" in _next_line(run_cli("scan", clean).stderr)
+    done = _next_line(run_cli("scan", clean, "--junit-xml", tmp_path / "r.xml").stderr)
+    assert "--junit-xml" not in done and done.startswith("next: every batch the data yielded")
+
+
 def test_github_annotations_when_running_in_actions(tmp_path):
     result = run_cli("scan", ROOT / "configs" / "demo.yaml", "--quiet",
                      env={"GITHUB_ACTIONS": "true"})
