@@ -41,12 +41,13 @@ def test_console_report_goes_to_stderr():
 
 
 def _next_line(stderr: str) -> str:
-    return next(line for line in stderr.splitlines() if line.startswith("next:"))
+    """The console's closing hints (its last paragraph), unwrapped."""
+    return " ".join(stderr[stderr.index("\nnext: ") + 1:].split())
 
 
 def test_the_closing_hints_do_not_suggest_an_output_already_written(tmp_path):
     demo, clean = ROOT / "configs" / "demo.yaml", ROOT / "configs" / "clean.yaml"
-    assert "--json PATH saves this report" in _next_line(run_cli("scan", demo).stderr)
+    assert "--json PATH saves this report" in _next_line(run_cli("scan", demo, "--no-repro").stderr)
     written = _next_line(run_cli("scan", demo, "--json", tmp_path / "r.json",
                                  "--no-repro").stderr)
     assert "--json" not in written and written.startswith("next: edit __init__.py:26 as the fix")
