@@ -98,8 +98,10 @@ def fix_for(cause: Cause) -> str:
     return CAUSES[cause][1]
 
 
-def divergence_fix(optimizer: str, which: str = "the optimizer at this step") -> str:
-    """The fix for a divergence in the script's terms: `which` optimizer and its rate."""
+def divergence_fix(optimizer: str, which: str = "the optimizer at this step",
+                   clips: bool = False) -> str:
+    """The fix for a divergence in the script's terms: `which` optimizer and its rate;
+    `clips`: the script clips its gradients already (then clipping is not the advice)."""
     fix = "lower the learning rate or warm it up"
     if optimizer:
         fix += f" ({which}: {optimizer})"
@@ -107,5 +109,15 @@ def divergence_fix(optimizer: str, which: str = "the optimizer at this step") ->
         # Adam divides by the gradient's own scale: its update is about lr per weight.
         fix += "; clipping the gradients does not shrink an Adam update, the rate does"
     else:
-        fix += ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+        fix += _CLIPS_ALREADY if clips else _CLIP_ADVICE
     return fix
+
+
+_CLIP_ADVICE = ", or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"
+_CLIPS_ALREADY = ("; the script clips its gradients already (`clip_grad_norm_`), which bounds "
+                  "the gradient, not the rate times it")
+
+
+def clipping_known(fix: str) -> str:
+    """A divergence's fix (divergence_fix's) for a script that clips its gradients already."""
+    return fix[:-len(_CLIP_ADVICE)] + _CLIPS_ALREADY if fix.endswith(_CLIP_ADVICE) else fix

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanaudit.localize.causes import divergence_fix, fix_for
+from nanaudit.localize.causes import clipping_known, divergence_fix, fix_for
 from nanaudit.localize.early_warnings import attach_warnings
 from nanaudit.localize.first_finding import Seen, first_finding
 from nanaudit.localize.first_finding import short as short_list
@@ -116,11 +116,13 @@ def not_deterministic(finding: Finding, mismatch: str) -> None:
                    "config (`nanaudit scan`), which replays the step from its saved state")
 
 
-def link_warnings(finding: Finding, warnings: list, precision: str, optimizer: str) -> None:
+def link_warnings(finding: Finding, warnings: list, precision: str, optimizer: str,
+                  clips: bool = False) -> None:
     """Link the early warnings that bear on `finding` to it, as `scan` links them: growth before
     an overflow in float32 makes it divergence, which names the weights, not particular rows.
     `precision`: the creating op's (fp16 / bf16 / fp32), "unknown" without a replay (then no
-    cause is changed). Once per finding: a bad step's is linked when the run meets it."""
+    cause is changed); `clips`: the script clips its gradients (a divergence's fix then does not
+    advise it). Once per finding: a bad step's is linked when the run meets it."""
     if finding.first_warning is not None:
         return
     attach_warnings(finding, warnings, precision)
@@ -128,7 +130,9 @@ def link_warnings(finding: Finding, warnings: list, precision: str, optimizer: s
         if finding.fix == fix_for(Cause.DIVERGENCE):
             # the catalogue's words (growth on the timeline): say them in the script's terms;
             # a diagnosis that named the optimizer (weight_growth.py) keeps its own
-            finding.fix = divergence_fix(optimizer)
+            finding.fix = divergence_fix(optimizer, clips=clips)
+        elif clips:
+            finding.fix = clipping_known(finding.fix)
         finding.samples = None
         finding.sample_search = SampleSearch(None, 0, False,
                                              "divergence: the weights, not particular rows")

@@ -159,7 +159,7 @@ def _linked(auditor: Any, finding: Finding, trip: ScriptTrip, precision: str | N
     until it overflowed is told the same way (divergence), not only the first."""
     if auditor.optimizer_count == 1:
         link_warnings(finding, auditor.warnings_so_far(trip.step), precision or "unknown",
-                      trip.optimizer)
+                      trip.optimizer, auditor.ledger.clips)
     return finding
 
 

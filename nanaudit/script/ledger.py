@@ -54,6 +54,7 @@ class Ledger:
         self.update_rates: dict[int, list] = {}
         self.steps_taken = 0                     # post-hook calls, every one
         self.backwards = 0                       # backward calls that returned
+        self.clips = False                       # the script called `clip_grad_norm_`
         self.by_hand_anyway = False              # optimizers built, yet updated by hand
         self.sites = CallSites()                 # the lines that built and stepped each one
 

@@ -85,8 +85,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
         if keep is not None:
             if auditor.optimizer_count == 1:    # linked before the log keys it by its cause
                 link_warnings(finding, auditor.warnings_so_far(trip.step),
-                              _replay_precision(report),
-                              trip.optimizer)
+                              _replay_precision(report), trip.optimizer, auditor.ledger.clips)
             keep.ended(finding, trip)
     record(report, auditor)      # under --keep-going: every bad step's finding
     attach_timeline_warnings(report, trip, auditor)
@@ -162,7 +161,8 @@ def attach_timeline_warnings(report: Report, trip: ScriptTrip | None,
     finding = report.finding
     if finding is None or trip is None:
         return
-    link_warnings(finding, report.warnings, _replay_precision(report), trip.optimizer)
+    link_warnings(finding, report.warnings, _replay_precision(report), trip.optimizer,
+                  auditor.ledger.clips)
 
 
 def _replay_precision(report: Report) -> str:

@@ -261,3 +261,37 @@ def test_a_sentinel_names_the_divergence_its_optimizers_first_update_made():
     assert (f.step, f.op, f.module, f.cause) == (1, "aten.addmm.default", "1", "divergence")
     assert "the parameter 1.weight" in f.explanation
     assert "Adam `optimizer` last updated it at step 0, at lr 1e+20" in f.explanation
+
+
+# pytorch/examples word_language_model/main.py's step: `clip_grad_norm_`, then a hand-written
+# SGD update (`p.data.add_(p.grad, alpha=-lr)`); `--lr 1e30` diverges at step 1 all the same.
+HAND_WRITTEN_CLIPPED = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    lr, clip = float(sys.argv[1]), sys.argv[2] == "clip"
+    for step in range(4):
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 8, (16,)))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+"""
+
+
+@pytest.mark.parametrize(("clip", "advice"), [
+    ("clip", "the script clips its gradients already (`clip_grad_norm_`), which bounds the "
+             "gradient, not the rate times it"),
+    ("none", "or clip the gradients (`torch.nn.utils.clip_grad_norm_`)"),
+])
+def test_a_divergence_advises_clipping_only_to_a_script_that_does_not_clip(tmp_path, clip,
+                                                                           advice):
+    report = audit(write(tmp_path, HAND_WRITTEN_CLIPPED), "1e30", clip)
+    f = report.finding
+    assert (f.step, f.cause) == (1, "divergence")
+    assert f.fix.startswith("lower the learning rate") and f.fix.endswith(advice)
