@@ -23,6 +23,7 @@ from helpers import plain, run_cli
 
 from nanaudit.commands.common import exit_code
 from nanaudit.commands.run import run_script
+from nanaudit.localize.events import Trace
 from nanaudit.report.model import TimelineEntry
 from nanaudit.run.watch import timeline_warnings
 from nanaudit.script.auditor import ScriptAuditor
@@ -138,6 +139,7 @@ def test_an_evaluation_under_no_grad_is_not_the_training_forward():
 
     class Tracer:                                   # stands in for the OpTracer
         phase = "forward"
+        trace = Trace()                             # what it saw: nothing
 
         def __init__(self, module, others=None):     # others: the held models' names
             armed.append(module)
