@@ -263,7 +263,7 @@ def _timeline(report: Report) -> Text:
         text.append("\n  marks     ")
         text.append(marks, style="yellow")
         legend = [f"{mark} {meaning}" for mark, meaning in
-                  (("▲", "warning"), ("s", "skipped (AMP)"), ("✗", "finding")) if mark in marks]
+                  (("▲", "warning"), ("s", "update skipped"), ("✗", "finding")) if mark in marks]
         text.append("  " + "  ".join(legend), style="dim")
     summary = report.timeline_summary
     if summary is not None and summary.buckets:
@@ -273,7 +273,8 @@ def _timeline(report: Report) -> Text:
     if skipped:
         scales = [e.scale for e in report.timeline if e.scale is not None]
         scale = f"; loss scale {scales[0]:g} -> {scales[-1]:g}" if scales else ""
-        text.append(f"\n  GradScaler skipped {skipped} step(s){scale}", style="dim")
+        # a GradScaler's or DeepSpeed's skip (its loss scale's, or its own overflow check's)
+        text.append(f"\n  {skipped} step(s) skipped their update{scale}", style="dim")
     return text
 
 

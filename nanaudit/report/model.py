@@ -211,7 +211,7 @@ class TimelineEntry:
     lr: float | None
     time_ms: float
     scale: float | None = None            # the loss scale this step ran with (GradScaler)
-    skipped: bool = False                 # the GradScaler skipped the update (inf gradients)
+    skipped: bool = False                 # the update was skipped (a GradScaler, DeepSpeed)
     update_ratio: float | None = None     # |update| / |weights|, on sampled steps
     act_max: float | None = None          # the largest |module output|, on sampled steps
     act_ratio: float | None = None        # ... as a fraction of its dtype's largest value

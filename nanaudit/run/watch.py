@@ -10,12 +10,16 @@ Three detectors, none of which adds a host sync:
   GrowthWatch      host-only, over values the readout already brought back: loss spikes
                    against a running window (like Lightning's SpikeDetection) and a gradient
                    norm growing geometrically.
-Each warning names the step it was seen at and the step its growth began.
+Each warning names the step it was seen at and the step its growth began. And, told by `run`
+once a run each (`TimelineWarnings.once`): a step whose finite gradients a float32 reduction
+of the script's tooling overflowed on, so that its update was dropped without any NaN
+(`clip_grad_norm_`'s total norm, DeepSpeed's overflow check): a near-overflow of no module.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import deque
 from functools import partial
@@ -30,6 +34,32 @@ from nanaudit.run.checks import ParamPack, finite_norm
 from nanaudit.run.names import user_named
 
 MAX_WARNINGS = 50
+_STEP = operator.attrgetter("step")
+SQUARES_OVERFLOW = math.sqrt(torch.finfo(torch.float32).max)   # |x| whose square is inf
+
+
+def clip_overflow_warning(step: int) -> EarlyWarning:
+    """`clip_grad_norm_` returned a non-finite total for gradients it left finite: its float32
+    sum of squares overflowed, its clip coefficient max_norm / inf is 0, so every gradient it
+    scaled is 0 and the update moved nothing (plain SGD) or only by momentum."""
+    return EarlyWarning(
+        kind=WarningKind.NEAR_OVERFLOW, step=step, began=step, threshold=SQUARES_OVERFLOW,
+        message=(f"`clip_grad_norm_` returned a non-finite total norm at step {step} for "
+                 f"gradients that were finite: a float32 sum of their squares overflowed (one "
+                 f"gradient above {SQUARES_OVERFLOW:.3g} is enough), so it scaled every gradient "
+                 f"to 0 and the step's update learned nothing from them"))
+
+
+def zero_skip_warning(step: int, grad_norm: float) -> EarlyWarning:
+    """DeepSpeed skipped a step whose gradients were finite (fp32, bf16 or a static scale): its
+    overflow check sums each gradient partition in float32, which large finite values
+    overflow."""
+    return EarlyWarning(
+        kind=WarningKind.NEAR_OVERFLOW, step=step, began=step, value=grad_norm,
+        message=(f"DeepSpeed skipped the update of step {step}: its overflow check (a float32 "
+                 f"sum of each gradient partition) came out non-finite, yet every gradient was "
+                 f"finite (their norm {grad_norm:.4g}): gradients this large overflow a float32 "
+                 f"sum, and the weights did not change"))
 
 
 class ActivationWatch:
@@ -302,6 +332,20 @@ class TimelineWarnings:
         self.growth = GrowthWatch(self.options)
         self.warnings: list[EarlyWarning] = []
         self._previous: TimelineEntry | None = None
+        self._told: set[str] = set()
+
+    def once(self, key: str, warning: EarlyWarning) -> None:
+        """`warning`, unless one of its `key` was told this run, in step order among the rest."""
+        if key in self._told or len(self.warnings) >= MAX_WARNINGS:
+            return
+        self._told.add(key)
+        self._add([warning])
+
+    def _add(self, found: list[EarlyWarning]) -> None:
+        """Kept in step order: `once` tells a step's warning before the entry before it is
+        final (a sort is stable: the order found within a step stays)."""
+        self.warnings.extend(found[:MAX_WARNINGS - len(self.warnings)])
+        self.warnings.sort(key=_STEP)
 
     def observe(self, entry: TimelineEntry) -> None:
         """Each entry holds the norm as the previous update left it, and
@@ -319,7 +363,7 @@ class TimelineWarnings:
                                                 (before, norm))
         self._previous = entry
         if found and len(self.warnings) < MAX_WARNINGS:
-            self.warnings.extend(found[:MAX_WARNINGS - len(self.warnings)])
+            self._add(found)
 
 
 def timeline_warnings(timeline: list, options: WatchOptions | None = None) -> list:

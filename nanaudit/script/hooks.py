@@ -37,6 +37,7 @@ import torch
 
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
+from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs
 from nanaudit.script.trained import TrainedModules
@@ -45,7 +46,9 @@ from nanaudit.script.zero_steps import ZeroSteps
 
 
 class Listener(Protocol):
-    """What the hooks tell (the auditor)."""
+    """What the hooks tell (the auditor); `log`, its timeline, a ZeRO step tells directly."""
+
+    log: StepLog
 
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def loss(self, loss: torch.Tensor) -> None: ...

@@ -111,7 +111,7 @@ class StepChecks:
         norm, grad_norm = _confirmed(norm, grad_norm, scope, grads)
         scale = loss_scale_of(optimizer)     # DeepSpeed fp16's dynamic scale, else None
         entry = self._entry(optimizer, loss, _shown_norm(read, grad_norm, scale), norm,
-                            scale=scale or read.scale)
+                            scale=scale or read.scale, checked=grad_norm)
         trip = None
         if self.ranks is not None or not _all_finite(read, norm, grad_norm):
             trip = self.namer.classify(self.step, optimizer, read, (norm, grad_norm),

@@ -4,17 +4,22 @@ step began): the bounded timeline does not keep every step to read them off at t
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
-from nanaudit.report.model import TimelineEntry
+from nanaudit.report.model import BadStepEntry, TimelineEntry
 from nanaudit.run.timeline import Timeline
-from nanaudit.run.watch import TimelineWarnings
+from nanaudit.run.watch import TimelineWarnings, clip_overflow_warning, zero_skip_warning
 
 
 def _lr(optimizer: Any) -> float | None:
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return float(lr) if isinstance(lr, (int, float)) else None
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 class StepLog:
@@ -34,11 +39,15 @@ class StepLog:
         self.first_norms.pop(key, None)
 
     def entry(self, step: int, optimizer: Any, loss: float | None, grad_norm: float | None,
-              norm: float | None, **fields: Any) -> TimelineEntry:
+              norm: float | None, checked: float | None = None, **fields: Any) -> TimelineEntry:
+        """The step's entry; `grad_norm` as shown (the total `clip_grad_norm_` returned, if the
+        script clipped), `checked` the norm of the gradients the check read."""
         now = time.perf_counter()      # one clock read a step: the time since the last check
         took, self._last_check = now - self._last_check, now
         if norm is not None:
             self.first_norms.setdefault(id(optimizer), norm)
+        if _finite(checked) and grad_norm is not None and not math.isfinite(grad_norm):
+            self._warnings.once("clip", clip_overflow_warning(step))    # the clip's total
         return TimelineEntry(step=step, loss=loss, grad_norm=grad_norm, param_norm=norm,
                              lr=_lr(optimizer), time_ms=round(took * 1000, 3), **fields)
 
@@ -47,6 +56,17 @@ class StepLog:
             self._warnings.observe(self._unwatched)     # final now: the next step began
         self._unwatched = entry
         self.timeline.append(entry)
+
+    def update_dropped(self) -> None:
+        """DeepSpeed skipped the update of the step last checked: when its values were finite
+        (its own overflow check overflowed on them), its entry says skipped, with a warning."""
+        entry = self._unwatched
+        if entry is None or isinstance(entry, BadStepEntry) or entry.loss is None \
+                or not (_finite(entry.loss) and _finite(entry.grad_norm)):
+            return
+        entry.skipped = True
+        assert entry.grad_norm is not None
+        self._warnings.once("zero-skip", zero_skip_warning(entry.step, entry.grad_norm))
 
     def replace_last(self, entry: TimelineEntry) -> None:
         """The step shows a later evaluation of its closure (the one that went bad)."""

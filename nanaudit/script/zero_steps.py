@@ -18,7 +18,8 @@ host read): a step, skipped, as DeepSpeed's `global_steps` counts it; a finding 
 scale collapsed (run/check/scaler.py, the GradScaler's rule).
 A skip whose loss or inputs were already non-finite trips at the entry: the forward made the
 value. Under a static scale, fp32 or bf16, non-finite gradients trip at the entry: a skip there
-is a finding.
+is a finding; a skip of finite gradients (DeepSpeed's float32 sum of a partition overflowed on
+them) is a step marked skipped, with a warning (StepLog.update_dropped).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from nanaudit.run.deepspeed_zero import (
     zero_flats,
     zero_optimizer,
 )
+from nanaudit.script.step_log import StepLog
 
 
 class Listener(Protocol):
     """What of the auditor a ZeRO step tells (hooks.Listener)."""
+
+    log: StepLog          # the timeline: a step DeepSpeed skipped on finite values says so
 
     def update_starting(self) -> None: ...
     def before_update(self, optimizer: Any, evaluation: int | None) -> None: ...
@@ -101,11 +105,12 @@ class ZeroSteps:
         `global_steps` count it: mostly one whose non-finite gradients the check at its entry
         found and --keep-going skipped (its update, held back, is let go); but DeepSpeed's own
         check sums each gradient partition in float32, so finite gradients large enough to
-        overflow that sum are skipped too, and the check, which read them finite, does not
-        yet name that skip."""
+        overflow that sum are skipped too: the timeline marks that step skipped, and warns."""
         optimizer, self.running = self.running, None
         scale, self._scale = self._scale, None
         if updated or scale is None:
+            if not updated:
+                self.listener.log.update_dropped()     # on finite values: DeepSpeed's own skip
             self.listener.after_update(optimizer)
         else:
             self.listener.scale_skipped(optimizer, scale, dynamic_loss_scale(zero),

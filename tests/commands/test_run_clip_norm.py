@@ -6,6 +6,7 @@ check itself still reads the gradients as clipped)."""
 from __future__ import annotations
 
 import json
+import math
 
 from test_run_inprocess import audit, write
 
@@ -61,3 +62,37 @@ def test_each_optimizers_step_shows_its_own_clip(tmp_path):
     assert exit_code(report) == 0
     printed = json.loads((tmp_path / "norms.json").read_text())
     assert len(printed) == 10 and [e.grad_norm for e in report.timeline] == printed
+
+
+# A corrupt row, finite but huge (1e30), at step 3: the gradients stay finite, but
+# `clip_grad_norm_`'s float32 sum of their squares is inf, so it scales them all to 0.
+CLIP_OVERFLOW = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        x = torch.randn(32, 8)
+        if step == 3:
+            x[4] = 1e30
+        loss = model(x).abs().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert step != 3 or all(p.grad.eq(0).all() for p in model.parameters())
+        optimizer.step()
+"""
+
+
+def test_finite_gradients_the_clip_overflowed_on_and_zeroed_are_warned_of(tmp_path):
+    report = audit(write(tmp_path, CLIP_OVERFLOW))
+    assert report.status == "clean" and exit_code(report) == 0
+    [warning] = report.warnings
+    assert (warning.kind, warning.step, warning.module) == ("near-overflow", 3, None)
+    assert warning.message.startswith("`clip_grad_norm_` returned a non-finite total norm at "
+                                      "step 3 for gradients that were finite")
+    assert "scaled every gradient to 0" in warning.message
+    assert [math.isfinite(e.grad_norm) for e in report.timeline] == [True] * 3 + [False, True,
+                                                                               True]

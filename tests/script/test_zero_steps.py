@@ -16,6 +16,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from nanaudit.script.step_log import StepLog
 from nanaudit.script.zero_steps import ZeroSteps
 
 
@@ -43,6 +44,7 @@ class Heard:
     def __init__(self):
         self.calls: list[str] = []
         self.steps = 0
+        self.log = StepLog()
 
     def update_starting(self) -> None:
         self.calls.append("starting")
@@ -120,7 +122,9 @@ class Zero12:
 
     def step(self) -> None:
         grads = self.averaged_gradients
-        if not all(torch.isfinite(g).all() for group in grads.values() for g in group):
+        # `_has_inf_or_nan`: a float32 sum of each gradient (finite values may overflow it)
+        if not all(math.isfinite(float(g.float().sum())) for group in grads.values()
+                   for g in group):
             if self.dynamic_loss_scale:
                 self.loss_scale /= 2
             self.averaged_gradients = dict.fromkeys(grads)
@@ -243,5 +247,28 @@ def test_a_skip_under_a_static_scale_or_fp32_is_a_finding_at_the_step_entry():
         assert (run.auditor.trip.step, run.auditor.trip.check.value) == (1, "gradient")
         assert [f.tolist() for f in run.zero.single_partition_of_fp32_groups] == [
             [pytest.approx(0.9)] * 3, [pytest.approx(0.9)] * 2]   # stopped before the update
+    finally:
+        run.steps.remove()
+
+
+def test_a_skip_of_finite_gradients_is_a_skipped_step_with_a_warning():
+    # DeepSpeedExamples' cifar10_deepspeed.py --dtype fp32 --stage 2, one image of 1e38
+    # pixels: every gradient finite (norm 7.8e36), DeepSpeed's float32 sum overflows and it
+    # skips the step ("OVERFLOW! Skipping step"); the run was said clean, the step applied.
+    run = Fp16Run(scale=None)
+    try:
+        run.step(1.0)
+        run.step(3e38)            # each finite; their float32 sum is not
+        run.step(1.0)
+        assert (run.auditor.step, run.auditor.trip) == (3, None)
+        assert [e.skipped for e in run.auditor.timeline] == [False, True, False]
+        # (and the fake's lr of 0.1 on weights of 1: an update ratio of 0.1, at step 0)
+        ratio, warning = run.auditor.early_warnings()
+        assert (ratio.kind, warning.kind, warning.step) == ("update-ratio", "near-overflow", 1)
+        assert warning.message.startswith("DeepSpeed skipped the update of step 1: its "
+                                          "overflow check")
+        assert warning.value == pytest.approx(3e38 * math.sqrt(5))
+        assert [f.tolist() for f in run.zero.single_partition_of_fp32_groups] == [
+            [pytest.approx(0.8)] * 3, [pytest.approx(0.8)] * 2]    # two updates of 0.1 each
     finally:
         run.steps.remove()
