@@ -6,8 +6,8 @@ trainable tensor (a DataLoader's yielded batch and targets, a batch drawn by `to
 frozen encoder's features); their leading sizes must agree. Where they do not (a constant table
 of another size beside the batch), or no such tensor has a dimension, the batch is not named
 and the finding says why instead of counting rows in a guessed one. Read at a trip only. And
-the micro-batch of an accumulation window a replayed value was made in: the call whose ops the
-op the finding names is among (the tracer numbers its events in order; a replay counts them
+the micro-batch of an accumulation window a replayed value was made in: the one whose call ran
+the op the finding names (the tracer numbers its events in order, and a replay counts them
 after each call)."""
 
 from __future__ import annotations
