@@ -1,8 +1,10 @@
 """Training in the processes a script starts with `multiprocessing` (the ranks of
 `torch.multiprocessing.spawn`, a hogwild trainer's `Process`es), audited as the script is.
 
-`ChildAudits`, around the script in the parent, makes a private folder (mkdtemp: this user's
-alone) for the children's reports and patches `BaseProcess._bootstrap`, so that each process
+`ChildAudits`, around the script in the parent, patches `BaseProcess.start`, and makes a
+private folder (mkdtemp: this user's alone) for the children's reports when the script starts
+its first process that may train (a script that starts none, or only workers, leaves no folder
+behind even when killed), and `BaseProcess._bootstrap`, so that each process
 the script starts runs its target (`Process.run`) under an auditor of its own, as `nanaudit
 run` runs a script (commands/run.py with `ScriptTarget.call`): a check at every step, the trip
 localized in that process (no re-run: the script is the parent's), the ranks' exchange once its
@@ -43,6 +45,7 @@ from nanaudit.run.intercept import StepHalted
 
 _Process: Any = multiprocessing.process.BaseProcess
 _ORIGINAL_BOOTSTRAP = _Process._bootstrap
+_ORIGINAL_START = _Process.start
 _ORIGINAL_PREPARATION = multiprocessing.spawn.get_preparation_data
 _KEY = "nanaudit_child_audits"       # the preparation data's entry (multiprocessing ignores it)
 
@@ -62,7 +65,8 @@ class _Where:
     parent: int                     # the pid of the run's own process, told of the first trip
 
 
-_ACTIVE: _Where | None = None        # set in the parent around the script, inherited by a fork
+_ACTIVE: _Where | None = None        # set in the parent once a child may train, inherited by a fork
+_OPEN: ChildAudits | None = None     # the parent's audits around the script (ChildAudits.starting)
 
 
 @dataclass(frozen=True)
@@ -87,21 +91,28 @@ class ChildAudits:
         self._folder: str | None = None
 
     def __enter__(self) -> ChildAudits:
-        global _ACTIVE
+        global _OPEN
         if self._run is None:
             return self
-        self._folder = tempfile.mkdtemp(prefix="nanaudit-children-")
-        _ACTIVE = _Where(self._folder, *self._run, parent=os.getpid())
-        _Process._bootstrap = _bootstrap
+        _OPEN = self
+        _Process._bootstrap, _Process.start = _bootstrap, _start
         multiprocessing.spawn.get_preparation_data = _preparation_data
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def starting(self, process: Any) -> None:
+        """The script starts `process`: the folder, at the first that may train (a fork takes
+        `_ACTIVE` as it is now, a spawned child its preparation data)."""
         global _ACTIVE
+        if self._folder is None and self._run is not None and not _a_workers(process):
+            self._folder = tempfile.mkdtemp(prefix="nanaudit-children-")
+            _ACTIVE = _Where(self._folder, *self._run, parent=os.getpid())
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE, _OPEN
         if self._run is None:
             return
-        _ACTIVE = None
-        _Process._bootstrap = _ORIGINAL_BOOTSTRAP
+        _ACTIVE, _OPEN = None, None
+        _Process._bootstrap, _Process.start = _ORIGINAL_BOOTSTRAP, _ORIGINAL_START
         multiprocessing.spawn.get_preparation_data = _ORIGINAL_PREPARATION
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)     # ours: made in __enter__
@@ -178,11 +189,18 @@ def _arrive(where: _Where) -> None:
     _Process._bootstrap = _bootstrap
 
 
+def _start(self: Any) -> None:
+    """`BaseProcess.start` in the parent: the children's folder made first, when needed."""
+    if _OPEN is not None:
+        _OPEN.starting(self)
+    _ORIGINAL_START(self)
+
+
 def _bootstrap(self: Any, *args: Any, **kwargs: Any) -> Any:
     """`BaseProcess._bootstrap` in a child: its run audited (not a worker's, below); the
     processes it forks in turn are not (it has no stop of its own to give them)."""
-    global _ACTIVE
-    where, _ACTIVE = _ACTIVE, None
+    global _ACTIVE, _OPEN
+    where, _ACTIVE, _OPEN = _ACTIVE, None, None
     if where is not None and not _a_workers(self):
         _audit_run(self, where)
     return _ORIGINAL_BOOTSTRAP(self, *args, **kwargs)

@@ -6,6 +6,7 @@ in-process, and the report says which process; before, `run` said it audited not
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -313,3 +314,38 @@ def test_lightning_ddp_spawn_replays_the_training_step_on_its_rank(tmp_path):
     assert (f.step, f.rank, f.where, f.forward_op, f.cause, f.samples) == (
         3, 1, "backward", "aten.sqrt.default", "sqrt-domain", [5])
     assert f.localized_by == "in-process" and f.source.function == "training_step"
+
+
+# A plain loop with a DataLoader's worker (a process that only loads data), killed outright at
+# step 2 (as an out-of-memory killer or `kill -9` would): it started no process that trains.
+KILLED = '''
+import os
+import signal
+import torch
+from torch import nn
+
+data = torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=8, num_workers=1)
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step, x in enumerate(data):
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_run_killed_outright_leaves_no_folder_unless_the_script_started_a_trainer(tmp_path):
+    # The children's folder is made at the first process that may train, not for every run:
+    # before, each `run` made one, and a killed one (an FSDP rank a test kills) left it behind.
+    (tmp_path / "train.py").write_text(KILLED)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    # (no pipes: the orphaned worker would hold them open until it notices)
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "run", "-q", "train.py"],
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(temporary)},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=HANG_S)
+    assert done.returncode == -9
+    assert [p.name for p in temporary.iterdir() if p.name.startswith("nanaudit-")] == []
