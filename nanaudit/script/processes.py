@@ -89,6 +89,7 @@ class ChildAudits:
         self._run = None if audit is None else (
             target.path, target.module, options.keep_going, options.max_bad_steps, audit)
         self._folder: str | None = None
+        self.started = 0            # processes the script started that may train
 
     def __enter__(self) -> ChildAudits:
         global _OPEN
@@ -103,7 +104,10 @@ class ChildAudits:
         """The script starts `process`: the folder, at the first that may train (a fork takes
         `_ACTIVE` as it is now, a spawned child its preparation data)."""
         global _ACTIVE
-        if self._folder is None and self._run is not None and not _a_workers(process):
+        if self._run is None or _a_workers(process):
+            return
+        self.started += 1
+        if self._folder is None:
             self._folder = tempfile.mkdtemp(prefix="nanaudit-children-")
             _ACTIVE = _Where(self._folder, *self._run, parent=os.getpid())
 
@@ -153,16 +157,19 @@ class ChildAudits:
         return self._folder is not None and os.path.exists(os.path.join(self._folder, _HALT))
 
 
-def adopt(report: Report, child: ChildReport, started: int) -> None:
-    """`report` (the parent's, which trained nothing) becomes the child's account."""
+def adopt(report: Report, child: ChildReport, started: int, reported: int) -> None:
+    """`report` (the parent's, which trained nothing) becomes the child's account; `started`:
+    the processes the script started that may train, `reported`: those that audited a step and
+    wrote their report (one that `mp.spawn`'s join terminated first wrote none)."""
     for name in ("status", "finding", "timeline", "timeline_summary", "warnings", "steps_run",
                  "device", "error", "run", "distributed", "findings", "bad_steps", "skip_list"):
         setattr(report, name, getattr(child.report, name))
     if report.run is not None:
         report.run.process = child.process
     if report.finding is not None:
-        report.finding.explain(f"made in {child.process}, one of {started} process(es) the "
-                               f"script started with multiprocessing that trained")
+        report.finding.explain(f"made in {child.process}; the script started {started} "
+                               f"process(es) with multiprocessing, {reported} of which trained "
+                               f"and reported")
 
 
 def _preparation_data(name: str) -> dict:

@@ -60,7 +60,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
     if trip is None and (keep is None or not keep.log.count):
         if auditor.step == 0 and ended.children:
             # it trained in processes it started (processes.py): theirs is the account
-            adopt(report, ended.children[0], len(ended.children))
+            adopt(report, ended.children[0], children.started, len(ended.children))
             return None
         if auditor.step == 0:
             did = (f"after calling backward {auditor.ledger.backwards} time(s) but never stepping "
