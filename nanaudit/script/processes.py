@@ -1,19 +1,18 @@
 """Training in the processes a script starts with `multiprocessing` (the ranks of
 `torch.multiprocessing.spawn`, a hogwild trainer's `Process`es), audited as the script is.
 
-`ChildAudits`, around the script in the parent, patches `BaseProcess.start`, and makes a
-private folder (mkdtemp: this user's alone) for the children's reports when the script starts
-its first process that may train (a script that starts none, or only workers, leaves no folder
-behind even when killed), and `BaseProcess._bootstrap`, so that each process
-the script starts runs its target (`Process.run`) under an auditor of its own, as `nanaudit
-run` runs a script (commands/run.py with `ScriptTarget.call`): a check at every step, the trip
-localized in that process (no re-run: the script is the parent's), the ranks' exchange once its
-processes join a group. A forked child inherits the patch; a spawned one (a new interpreter),
-or one the forkserver forks, gets it from the preparation data its parent sends for it, as
-coverage.py does: a stowaway whose unpickling patches the child before it imports the script
-again as `__mp_main__`. DataLoader workers only load data (the run's own account of their
-values is elsewhere) and a pool's workers run tasks for a parent waiting on each: neither is
-audited.
+`ChildAudits`, around the script in the parent, patches `BaseProcess._bootstrap`, so that each
+process the script starts runs its target (`Process.run`) under an auditor of its own, as
+`nanaudit run` runs a script (commands/run.py with `ScriptTarget.call`): a check at every step,
+the trip localized in that process (no re-run: the script is the parent's), the ranks' exchange
+once its processes join a group. A forked child inherits the patch; a spawned one (a new
+interpreter), or one the forkserver forks, gets it from the preparation data its parent sends
+for it, as coverage.py does: a stowaway whose unpickling patches the child before it imports
+the script again as `__mp_main__`. DataLoader workers only load data (the run's own account of
+their values is elsewhere) and a pool's workers run tasks for a parent waiting on each: neither
+is audited. The private folder (mkdtemp: this user's alone) for the children's reports is made
+when the script starts its first process that may train (a patched `BaseProcess.start`): a
+script that starts none, or only workers, leaves none behind, even when it is killed.
 
 A child that audited a step writes its report (its error too, when it raised) into the folder
 (pickled, written atomically, read back only by the parent that made the folder). One that
