@@ -89,6 +89,7 @@ class ChildAudits:
             target.path, target.module, options.keep_going, options.max_bad_steps, audit)
         self._folder: str | None = None
         self.started = 0            # processes the script started that may train
+        self._processes: list = []  # every process the script started (settle waits for them)
 
     def __enter__(self) -> ChildAudits:
         global _OPEN
@@ -103,7 +104,10 @@ class ChildAudits:
         """The script starts `process`: the folder, at the first that may train (a fork takes
         `_ACTIVE` as it is now, a spawned child its preparation data)."""
         global _ACTIVE
-        if self._run is None or _a_workers(process):
+        if self._run is None:
+            return
+        self._processes.append(process)
+        if _a_workers(process):
             return
         self.started += 1
         if self._folder is None:
@@ -141,15 +145,17 @@ class ChildAudits:
     def settle(self) -> None:
         """Wait for the non-daemon processes the script started and left running, as Python's
         exit would (after the report): what they audit is in it. A child's stop arriving
-        meanwhile finds the script ended already."""
-        if self._run is None:
-            return
-        for child in multiprocessing.active_children():
+        meanwhile finds the script ended already. Only this run's own (a process an earlier
+        run of this interpreter left in multiprocessing's list is not the script's), and each
+        joined once: a process whose exit status someone else reaped (`os.waitpid(-1)`) stays
+        "alive" to multiprocessing for ever, and joining it again spun at full CPU."""
+        for child in self._processes:
             while not child.daemon and child.is_alive():
                 try:
                     child.join()
                 except StepHalted:
                     continue
+                break
 
     def halting(self) -> bool:
         """A child that tripped told this process to stop (`_tell_parent`)."""

@@ -356,3 +356,40 @@ def test_a_run_killed_outright_leaves_no_folder_unless_the_script_started_a_trai
                               timeout=HANG_S)
         assert done.returncode == -9
         assert [p for p in os.listdir(temporary) if p.startswith("nanaudit-")] == []
+
+
+# A script that reaps the process it started itself (`os.waitpid`): multiprocessing can no
+# longer wait for it (ECHILD), and says it is alive for ever.
+REAPED = '''
+import multiprocessing as mp
+import os
+import torch
+from torch import nn
+
+def idle():
+    pass
+
+if __name__ == "__main__":
+    helper = mp.get_context("fork").Process(target=idle)
+    helper.start()
+    os.waitpid(helper.pid, 0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+'''
+
+
+def test_a_process_the_script_reaped_itself_is_waited_for_once_not_for_ever(tmp_path):
+    # Before: the wait at the script's end joined it again and again at full CPU; in CI it
+    # also joined a process an earlier test had left in the same interpreter, and never ended.
+    (tmp_path / "train.py").write_text(REAPED)
+    done = subprocess.run([sys.executable, "-m", "nanaudit", "run", "-q", "--json", "r.json",
+                           "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["status"] == "clean" and report["steps_run"] == 3
