@@ -51,10 +51,11 @@ class Blame:
 class Blamer:
     """Blames the op that created a bad value, or the op upstream that explains it."""
 
-    def __init__(self, trace: Trace, timeline: Any) -> None:
+    def __init__(self, trace: Trace, timeline: Any, reached: str | None = None) -> None:
         self.trace, self.timeline = trace, timeline
         self.sources = InfinitySources(trace, timeline)
-        self.by_source = SourceBlame(trace)
+        self.reached = reached
+        self.by_source = SourceBlame(trace, reached)
 
     def diagnose(self, event: OpEvent, kind: str) -> Diagnosis:
         """diagnose.diagnose with the run's history: its timeline, who updated the weights."""
@@ -123,8 +124,8 @@ class Blamer:
         event = source.event
         if source.how == "written":
             lead = "" if op_base(event.op) in WRITES else "created outside torch ops: "
-            text = (f"{lead}{describe(source)}, and it reached the "
-                    f"{'loss' if chain[-1].phase == Where.FORWARD else 'gradient'} without being "
+            text = (f"{lead}{describe(source)}, and it reached "
+                    f"{reached_words(chain, self.reached)} without being "
                     f"masked out again: no op along the way turned it back into a finite value")
             return Blame(event, chain, Diagnosis(Cause.UNKNOWN, text, fix_for(Cause.UNKNOWN)))
         return Blame(event, chain, as_diagnosis(source.reason) if source.reason is not None
@@ -177,8 +178,8 @@ class SourceBlame:
     """Blames the maker of an infinity when its rule names a cause, or the op that consumed a
     deliberate -inf when a masked-row rule explains it."""
 
-    def __init__(self, trace: Trace):
-        self.trace = trace
+    def __init__(self, trace: Trace, reached: str | None = None):
+        self.trace, self.reached = trace, reached
 
     def first_of(self, sources: list, downstream: list, nan_maker: Any) -> Blame | None:
         """The blame of the first source that explains itself, sources with a cause first."""
@@ -192,7 +193,8 @@ class SourceBlame:
         """`downstream` leads from the source's chain to the sink; `nan_maker` is the op that
         turned the infinity into NaN (None when the sink holds the infinity itself)."""
         if source.specific and source.reason is not None:
-            text = self.reason_text(source.reason) + _onward(source, downstream, nan_maker)
+            text = self.reason_text(source.reason) + _onward(source, downstream, nan_maker,
+                                                              self.reached)
             return Blame(source.event, source.chain + downstream,
                          plain_rng(as_diagnosis(source.reason, text)))
         if source.how in ("written", "outside") or (source.reason is None
@@ -212,13 +214,21 @@ class SourceBlame:
         return reason.text + origin_note(self.trace, reason)
 
 
-def _onward(source: Source, downstream: list, nan_maker: Any) -> str:
+def reached_words(chain: list, reached: str | None) -> str:
+    """What the bad value reached, in words: `reached` when the caller named its sink (a
+    buffer, the batch), else the loss or a gradient, by the phase of the chain's last op."""
+    if reached is not None:
+        return reached
+    return "the loss" if chain[-1].phase == Where.FORWARD else "the gradient"
+
+
+def _onward(source: Source, downstream: list, nan_maker: Any, reached: str | None) -> str:
     """How the infinity went on from its maker: to the op that made NaN of it, or to the sink."""
     if nan_maker is not None:
         return how_nan(nan_maker)
     if downstream:
-        return (f"; the {signed(source.event.out_kinds)} reached the "
-                f"{'loss' if downstream[-1].phase == Where.FORWARD else 'gradient'} through "
+        return (f"; the {signed(source.event.out_kinds)} reached "
+                f"{reached_words(downstream, reached)} through "
                 f"{', '.join(passed_through(downstream[:6]))}")
     return ""
 

@@ -72,7 +72,7 @@ def origin_of(tracer: Any, leaf: torch.Tensor, timeline: list | None = None) -> 
     arrival = arrival_at(tracer, creator, kind)
     if arrival is not None:
         return LeafOrigin(arrival=arrival, chain_tensors=on_the_way + tuple(arrival.carriers))
-    loc = walk_from_sink(trace, leaf, Where.FORWARD, timeline or [], None)
+    loc = walk_from_sink(trace, leaf, Where.FORWARD, timeline or [], None, "the batch")
     outside = [e for e in loc.chain or [] if e.untracked]
     if loc.diagnosis is not None and loc.diagnosis.cause == Cause.UNKNOWN and outside:
         # an infinity that came from outside torch, turned into NaN on the way

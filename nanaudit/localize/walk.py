@@ -48,9 +48,10 @@ def _last_event(trace: Trace, phase: Where) -> int | None:
 
 
 def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: Where, timeline: Any,
-                   names: list[str] | None) -> Localization:
+                   names: list[str] | None, reached: str | None = None) -> Localization:
     """Localize the bad value `sink` (made in `phase`); `names`: the parameters whose gradients
-    are bad, for a gradient sink."""
+    are bad, for a gradient sink; `reached`: what the sink is, in words, when it is neither
+    the loss nor a gradient (`the buffer q.embed`)."""
     kinds = kinds_of(sink)
     if not kinds:
         return Localization(False, ops_traced=trace.ops_seen)
@@ -61,7 +62,7 @@ def walk_from_sink(trace: Trace, sink: torch.Tensor, phase: Where, timeline: Any
         return Localization(False, ops_traced=trace.ops_seen)
     kind = "nan" if "nan" in kinds else "inf"
     creator, chain = trace.walk_back(start, kind)
-    blame = Blamer(trace, timeline).blame(creator, chain, kind)
+    blame = Blamer(trace, timeline, reached).blame(creator, chain, kind)
     diagnosis = blame.diagnosis
     note = origin_note(trace, diagnosis)
     if note:

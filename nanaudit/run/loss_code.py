@@ -270,8 +270,8 @@ def _graph_made(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
 
 
-def replay(code: LossCode, env: dict[int, torch.Tensor],
-           on_op: Any = None) -> dict[int, torch.Tensor]:
+def replay(code: LossCode, env: dict[int, torch.Tensor], on_op: Any = None,
+           writable: frozenset = frozenset()) -> dict[int, torch.Tensor]:
     """Run the recorded ops again, each tensor the run made replaced by the replay's (`env`:
     id of the first run's tensor -> the replay's, the model's outputs to start with); the
     tensors the script passed in (targets, masks) are used as they are, but never written: one
@@ -280,11 +280,14 @@ def replay(code: LossCode, env: dict[int, torch.Tensor],
     leaves the script's state as the trip left it (a replayed update applied twice would
     change what the script goes on with). Each op runs in the grad mode it ran in (a teacher's
     `no_grad` forward makes no graph). `on_op(where, module)` is told the user's line and the
-    module whose forward called it (None: the loss code's own) before each op.
+    module whose forward called it (None: the loss code's own) before each op. `writable`:
+    the storages (`storage_key`) the replay's caller puts back afterwards (the buffers of a
+    module the code called, a quantizer's codebook), written in place, so the replay's values
+    are where the check reads them.
     A generator of the script's own that an op draws from (`generator=`) is left as the trip
     left it. Returns `env`, grown by every op's outputs."""
     with _generators_kept(code):
-        return _replayed(code, env, on_op)
+        return _replayed(code, env, on_op, writable)
 
 
 @contextlib.contextmanager
@@ -301,10 +304,11 @@ def _generators_kept(code: LossCode) -> Iterator[None]:
             g.set_state(state)
 
 
-def _replayed(code: LossCode, env: dict[int, torch.Tensor],
-              on_op: Any) -> dict[int, torch.Tensor]:
+def _replayed(code: LossCode, env: dict[int, torch.Tensor], on_op: Any,
+              writable: frozenset) -> dict[int, torch.Tensor]:
     writes = [_written(op.func, op.args, op.kwargs) for op in code.ops]
-    written = {id(_storage_of(t)) for ts in writes for t in ts}
+    written = {id(_storage_of(t)) for ts in writes for t in ts
+               if not writable or storage_key(t) not in writable}
 
     def swap(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -340,6 +344,11 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out = kwargs.get("out")
     written += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     return written
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Which storage `t` views (its aliases, `.data` among them, share it)."""
+    return str(t.device), t.untyped_storage().data_ptr()
 
 
 def _storage_of(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.loss_code import LossCode, autocast_state, is_user_file, user_frame
+from nanaudit.run.loss_code import (
+    LossCode,
+    autocast_state,
+    is_user_file,
+    storage_key,
+    user_frame,
+)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _cpu_state = torch.default_generator.get_state
@@ -175,7 +181,11 @@ class StepRecord:
         # script raised before the next training call (script/error_replay.py)
         self.evaluated: ModelCall | None = None
         self._rng: RngStates | None = None
-        self._buffers: BufferCopy | None = None
+        # The buffers of the window's modules, each saved before its first call in it: the
+        # model's, and those of a piece its forward went on through (a decoder called on the
+        # encoder's output); copies allocated once per module, kept while it is called.
+        self._buffers: list[BufferCopy] = []
+        self._copies: dict[int, BufferCopy] = {}
 
     @property
     def open(self) -> bool:
@@ -188,15 +198,22 @@ class StepRecord:
         rng = rng_states()
         if not self.calls:
             self._rng = rng
-            buffers = self._buffers
-            if buffers is None or buffers.module is not module:
-                buffers = self._buffers = BufferCopy(module)
-            if buffers.tensors:
-                buffers.save()
+            self._copies = {id(c.module): c for c in self._buffers}  # lets go of the others
+            self._buffers = []
+            self.piece(module)
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         call.before, self._frozen, self.evaluated = self._frozen, [], None
         self.calls.append(call)
         return call
+
+    def piece(self, module: torch.nn.Module) -> None:
+        """Save `module`'s buffers as they are before its first call in the window."""
+        copy = self._copies.get(id(module))
+        if copy is None or copy.module is not module:
+            copy = self._copies[id(module)] = BufferCopy(module)
+        if copy not in self._buffers:        # (kept with none: walked once, not each step)
+            copy.save()
+            self._buffers.append(copy)
 
     def frozen_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> ModelCall:
         """A call of a module made without autograd before a training call (a distillation
@@ -221,7 +238,7 @@ class StepRecord:
         """A step's start, before any model call: its code is the window (`code_window`),
         with the RNG states as it began (and no buffers: no module is called)."""
         rng = rng_states()
-        self._rng, self._buffers = rng, None
+        self._rng, self._buffers = rng, []
         self.code_window = ModelCall.code_only(rng)
         return self.code_window
 
@@ -244,20 +261,22 @@ class StepRecord:
         self._frozen = []
 
     def restore_buffers(self) -> None:
-        """The buffers as they were before the window's first forward."""
-        if self._buffers is not None:
-            self._buffers.restore()
+        """The buffers as they were before the window's forwards."""
+        for copy in self._buffers:
+            copy.restore()
 
     @contextlib.contextmanager
-    def replaying(self, params: list[torch.Tensor], evaluation: bool = False) -> Iterator[None]:
+    def replaying(self, params: list[torch.Tensor],
+                  evaluation: bool = False) -> Iterator[frozenset]:
         """The window's start for a replay (RNG streams, buffers, `params` without gradients);
         afterwards the state the trip left, gradients included. `evaluation`: a replay of
         `evaluated` alone, which seeds its own RNG streams and reads the buffers as they are
-        (the training window's start is before the update the evaluation came after)."""
+        (the training window's start is before the update the evaluation came after). Yields
+        the storages it puts back (the buffers'), which the replay may write."""
         assert evaluation or self._rng is not None, "a window with a call"
         now_rng = rng_states()
-        buffers = self._buffers
-        now_buffers = [b.detach().clone() for b in buffers.tensors] if buffers else []
+        buffers = list(self._buffers)
+        now_buffers = [[b.detach().clone() for b in c.tensors] for c in buffers]
         grads = [p.grad for p in params]
         try:
             for p in params:
@@ -266,10 +285,10 @@ class StepRecord:
                 assert self._rng is not None
                 _set_rng_states(self._rng)
                 self.restore_buffers()
-            yield
+            yield frozenset(storage_key(t) for copy in buffers for t in copy.tensors)
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
-            if buffers is not None:
-                buffers.put(now_buffers)
+            for copy, values in zip(buffers, now_buffers):
+                copy.put(values)
             _set_rng_states(now_rng)

@@ -44,7 +44,8 @@ def localize_step(auditor: ScriptAuditor, spec: RerunSpec, result: RerunResult) 
         bad = auditor.buffers.nonfinite()
         if bad:
             names = [n for n, _ in bad]
-            _adopt(armed, walk_from_sink(trace, bad[0][1], Where.FORWARD, auditor.timeline, names),
+            _adopt(armed, walk_from_sink(trace, bad[0][1], Where.FORWARD, auditor.timeline, names,
+                                         f"the buffer {names[0]}"),
                    spec.step, names, result, auditor.rank)
     elif spec.check == Check.LOSS:
         sinks = [s for s in armed.sinks if kinds_of(s)]

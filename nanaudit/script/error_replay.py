@@ -95,14 +95,15 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip, timeline: 
     raised: Exception | None = None
     record = auditor.hooks.tap.record
     evaluation = calls[0] is record.evaluated
-    with auditor.hooks.muted(), record.replaying(window_params(auditor, calls), evaluation), \
-            torch.enable_grad():
+    with auditor.hooks.muted(), record.replaying(window_params(auditor, calls),
+                                                 evaluation) as writable, torch.enable_grad():
         tracer = replay_tracer(auditor, calls)
         ends: list[int] = []        # the tracer's events after each call
         with tracer:
             try:
                 for call in calls:
-                    pairs += replay_call(tracer, call, None, env, forward=forward)
+                    pairs += replay_call(tracer, call, None, env, forward=forward,
+                                         writable=writable)
                     ends.append(len(tracer.trace.events))
             except NotReplayable:
                 raise

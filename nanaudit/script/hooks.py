@@ -35,11 +35,12 @@ from typing import Any, Protocol
 
 import torch
 
+from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_tap import StepTap
-from nanaudit.script.step_values import caller_kwargs
+from nanaudit.script.step_values import caller_kwargs, continues_graph
 from nanaudit.script.trained import TrainedModules
 from nanaudit.script.warning_site import show_at_script_lines
 from nanaudit.script.zero_steps import ZeroSteps
@@ -49,6 +50,7 @@ class Listener(Protocol):
     """What the hooks tell (the auditor); `log`, its timeline, a ZeRO step tells directly."""
 
     log: StepLog
+    buffers: BufferScope      # the floating buffers the check reads
 
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def loss(self, loss: torch.Tensor) -> None: ...
@@ -178,8 +180,11 @@ class ScriptHooks:
                 # trains, evaluated between steps: an error its outputs cause is replayed
                 self.tap.called_without_grad(module, args, caller_kwargs(),
                                              self.trained.trains(module))
+            elif self._after_return and continues_graph(args):
+                self._piece(module)     # no parameters, on the model's output (a quantizer)
             return
-        if self._after_return and self._second_call():   # no call on the common path
+        if self._after_return and self._second_call(args):   # no call on the common path
+            self._piece(module)
             self.stop_waiting()
             return
         kwargs = caller_kwargs()
@@ -190,11 +195,18 @@ class ScriptHooks:
         self.tap.called(module, module, args, kwargs)
         self.listener.first_call(module, args, kwargs)
 
-    def _second_call(self) -> bool:
+    def _second_call(self, args: tuple) -> bool:
         """A call after the model returned: a micro-batch's second (unheard), or, when the loss
-        code skipped its loss before backward (heard now), the next micro-batch's first."""
+        code skipped its loss before backward (heard now), the next micro-batch's first, which
+        takes data, never a tensor of the forward's graph."""
         self._after_return = False
-        return not self.hear_skipped_loss()
+        return continues_graph(args) or not self.hear_skipped_loss()
+
+    def _piece(self, module: torch.nn.Module) -> None:
+        """A module the micro-batch's forward goes on through after the model returned (a
+        decoder on the encoder's output): its buffers are the model's, checked and replayed."""
+        self.listener.buffers.add(module)
+        self.tap.piece(module)
 
     def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                         entry: Any) -> bool:
@@ -205,7 +217,7 @@ class ScriptHooks:
         seen = self.trained.training_call(module)
         if seen is None:
             return False
-        if self._after_return and self._second_call():
+        if self._after_return and self._second_call(args):
             return True
         self.entry = entry
         self.tap.called(module, entry, args, kwargs)

@@ -240,7 +240,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
     """(the finding or None, the ops traced, the creating op's precision or why not)."""
     params = window_params(auditor, calls)
     skipped = auditor.hooks.tap.skipped_loss() if trip.unreached else None
-    with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params), \
+    with auditor.hooks.muted(), auditor.hooks.tap.record.replaying(params) as writable, \
             torch.enable_grad():
         tracer = replay_tracer(auditor, calls)
         # One map for the window: a call that takes an earlier call's output (a recurrent
@@ -256,7 +256,7 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
                 pairs, ends = [], []     # ends: the tracer's events after each call
                 for i, call in enumerate(calls):
                     pairs += replay_call(tracer, call, skipped if i == len(calls) - 1 else None,
-                                         env, stop_at_bad_loss=stop)
+                                         env, stop_at_bad_loss=stop, writable=writable)
                     ends.append(len(tracer.trace.events))
                     if stop and not all(map(_finite, (again for _, again in pairs))):
                         break
@@ -282,12 +282,13 @@ def _replayed(auditor: Any, calls: list[ModelCall], trip: ScriptTrip,
 
 def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
                 env: dict[int, torch.Tensor] | None = None, forward: bool = True,
-                stop_at_bad_loss: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                stop_at_bad_loss: bool = False,
+                writable: frozenset = frozenset()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Replay one micro-batch; [(the first run's loss, the replay's)]. `env`, when given, is
     filled with the replay's tensor for each the first run's model and loss code made (by id).
     `forward` False: the loss code alone, from the model's output as the first run recorded it
     (detached: a value it held came from outside the replayed ops). `stop_at_bad_loss`: no
-    backward after a replayed loss that is non-finite."""
+    backward after a replayed loss that is non-finite. `writable`: loss_code.replay's."""
     env = {} if env is None else env
     for frozen in call.before:      # a teacher's call, and its code, before this one
         replay_call(tracer, frozen, None, env)
@@ -310,7 +311,7 @@ def replay_call(tracer: OpTracer, call: ModelCall, skipped: torch.Tensor | None,
         env.update({id(a): b for a, b in zip(tree_flatten(call.output)[0],
                                              tree_flatten(output)[0])
                     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)})
-        replay(call.code, env, at)
+        replay(call.code, env, at, writable)
     finally:
         REPLAYED_LINE.set(None)
         REPLAYED_MODULE.set(None)
@@ -363,7 +364,8 @@ def _named(auditor: Any, tracer: OpTracer, window: tuple[list[ModelCall], list[i
         if not bad:
             return None, ops, "the in-process replay's buffers came out finite"
         names = [n for n, _ in bad]
-        loc = walk_from_sink(tracer.trace, bad[0][1], Where.FORWARD, timeline, names)
+        loc = walk_from_sink(tracer.trace, bad[0][1], Where.FORWARD, timeline, names,
+                             f"the buffer {names[0]}")
     elif trip.check == Check.LOSS:
         sinks = [again for _first, again in pairs if not math.isfinite(float(again.detach()))]
         if not sinks:

@@ -35,6 +35,26 @@ def _hook_once(hooked: dict[int, Any], module: torch.nn.Module, hook: Any) -> No
         hooked[id(module)] = module.register_forward_hook(hook)
 
 
+def _skipped_loss(record: StepRecord, code_step: bool) -> torch.Tensor | None:
+    """The loss the last micro-batch's code made, non-finite, and never differentiated
+    (None: it reached backward, or was finite, or the code made no differentiable scalar);
+    `code_step`: the step has called no module. One host read, only after a forward that had
+    no backward. A bad one joins the micro-batch's losses: the step's check reads it, the
+    replay verifies it."""
+    last = record.last
+    if last is None:                # a step that calls no module, at the script's end
+        window = record.code_window
+        return last_skipped(window) if window is not None and code_step else None
+    if last.losses or last.output is None:
+        return None
+    loss = last.code.skipped_loss()
+    if loss is None or bool(torch.isfinite(loss.detach())):
+        return None
+    last.skipped = True
+    last.losses.append(loss)
+    return loss
+
+
 class StepTap:
     """Feeds the step record; `enabled` False (a re-run) keeps nothing. `install()` /
     `remove()` (the zero_grad wrappers, the forward hooks it put on the script's models)."""
@@ -50,6 +70,7 @@ class StepTap:
         self._after_frozen: Any = None  # the code after the latest frozen call (its recording)
         self._restore: list = []
         self.muted = False                # nanaudit's own replay calls the model: not heard
+        self._returning: torch.nn.Module | None = None   # a re-run's model call, not returned
         # The current step has made no training call so far (its code is recorded from its
         # start: `begin_code`), and a loss of it reached backward; `opening`: its window opened
         # at the optimizer's construction, before the script was seen to step.
@@ -112,7 +133,10 @@ class StepTap:
 
     def called(self, module: torch.nn.Module, entry: Any, args: tuple, kwargs: dict) -> None:
         """A micro-batch's outermost module call (before its forward)."""
-        if not self.enabled:
+        if not self.enabled:        # a re-run keeps nothing, but hears the model return
+            self._returning = module if entry is module else None   # (hooks._piece)
+            if entry is module:
+                _hook_once(self._hooked, module, self._rerun_returned)
             return
         self._pending = self._frozen = self._after_frozen = None
         self._code_step = self.opening = False
@@ -122,6 +146,11 @@ class StepTap:
         if entry is module:         # a compiled call never meets the module's hooks
             self._pending = call
             _hook_once(self._hooked, module, self._returned)
+
+    def piece(self, module: torch.nn.Module) -> None:
+        """A module the micro-batch's forward went on through after the model returned."""
+        if self.enabled and not self.muted and self.record.calls:
+            self.record.piece(module)
 
     def called_without_grad(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                             trained: bool) -> None:
@@ -146,6 +175,11 @@ class StepTap:
     @property
     def inside_kept_call(self) -> bool:     # the calls a kept call makes are its own
         return self._frozen is not None
+
+    def _rerun_returned(self, module: torch.nn.Module, _args: Any, _output: Any) -> None:
+        if module is self._returning and self.on_return is not None:
+            self._returning = None
+            self.on_return()
 
     def _returned(self, module: torch.nn.Module, _args: Any, output: Any) -> None:
         frozen = self._frozen
@@ -219,22 +253,8 @@ class StepTap:
             self.stop()
 
     def skipped_loss(self) -> torch.Tensor | None:
-        """The loss the last micro-batch's code made, non-finite, and never differentiated
-        (None: it reached backward, or was finite, or the code made no differentiable scalar).
-        One host read, only after a forward that had no backward. A bad one joins the
-        micro-batch's losses: the step's check reads it, the replay verifies it."""
-        last = self.record.last
-        if self.enabled and last is None:   # a step that calls no module, at the script's end
-            window = self.record.code_window
-            return last_skipped(window) if window is not None and self._code_step else None
-        if not self.enabled or last is None or last.losses or last.output is None:
-            return None
-        loss = last.code.skipped_loss()
-        if loss is None or bool(torch.isfinite(loss.detach())):
-            return None
-        last.skipped = True
-        last.losses.append(loss)
-        return loss
+        """The loss the last micro-batch's code made and skipped, non-finite (_skipped_loss)."""
+        return _skipped_loss(self.record, self._code_step) if self.enabled else None
 
     def stop(self) -> None:
         """The loss code ended (a model call, an optimizer step, the script's end)."""

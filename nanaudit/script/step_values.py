@@ -28,6 +28,15 @@ def data_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in named if t.is_floating_point()]
 
 
+def continues_graph(args: tuple) -> bool:
+    """Whether a call takes a tensor autograd tracks: another module's output, so the same
+    forward goes on (a decoder called on the encoder's output); a micro-batch's first call,
+    taking data, does not."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad
+               for t in (args if all(isinstance(a, torch.Tensor) for a in args)
+                         else tree_flatten(args)[0]))
+
+
 def caller_kwargs() -> dict:
     """The keyword arguments of the module call whose global pre-hook calls this
     (`model(**batch)`, as the Trainer calls it): PyTorch passes global pre-hooks only the

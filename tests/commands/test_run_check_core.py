@@ -65,6 +65,49 @@ SCALE_COLLAPSE = """
 """
 
 
+# After rosinality/vq-vae-2-pytorch's Quantize without Laplace smoothing: an EMA codebook whose
+# unused codes keep cluster_size 0, so the codebook buffer is 0/0 and inf at the first step,
+# written under the forward with `.data.copy_`; the loss of that step is finite.
+VQ_EMA = """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Quantize(nn.Module):
+        def __init__(self, dim, n_embed, decay=0.99):
+            super().__init__()
+            self.decay = decay
+            embed = torch.randn(dim, n_embed)
+            self.register_buffer("embed", embed)
+            self.register_buffer("cluster_size", torch.zeros(n_embed))
+            self.register_buffer("embed_avg", embed.clone())
+
+        def forward(self, x):
+            dist = (x.pow(2).sum(1, keepdim=True) - 2 * x @ self.embed
+                    + self.embed.pow(2).sum(0, keepdim=True))
+            index = (-dist).max(1)[1]
+            onehot = F.one_hot(index, self.embed.shape[1]).type(x.dtype)
+            quantize = F.embedding(index, self.embed.transpose(0, 1))
+            if self.training:
+                self.cluster_size.data.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.embed_avg.data.mul_(self.decay).add_(x.t() @ onehot, alpha=1 - self.decay)
+                normalized = self.embed_avg / self.cluster_size.unsqueeze(0)
+                self.embed.data.copy_(normalized)
+            return x + (quantize - x).detach(), (quantize.detach() - x).pow(2).mean()
+
+    torch.manual_seed(0)
+    enc, q, dec = nn.Linear(16, 8), Quantize(8, 32), nn.Linear(8, 16)
+    model = nn.ModuleDict({"enc": enc, "q": q, "dec": dec})
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(4):
+        x = torch.randn(64, 16)
+        quantized, diff = q(enc(x))
+        loss = F.mse_loss(dec(quantized), x) + 0.25 * diff
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
 def _run(tmp_path: Path, code: str, **options):
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(code))
@@ -240,3 +283,17 @@ def test_the_timeline_has_the_gradscalers_scale_on_every_step_applied_or_skipped
     applied = [entry.scale for entry in report.timeline if not entry.skipped]
     assert applied and all(scale is not None for scale in applied)
     assert len(set(applied)) > 1            # it grew while the steps applied
+
+
+@pytest.mark.parametrize("force_rerun", [False, True])
+def test_a_codebook_buffer_divided_by_a_zero_count_is_named_where_it_reached_the_buffer(
+        tmp_path, force_rerun):
+    path, report = _run(tmp_path, VQ_EMA, force_rerun=force_rerun)
+    f = report.finding
+    assert (f.step, f.where, f.tensor, f.module) == (0, "forward", "embed", "q")
+    assert (f.op, f.cause) == ("aten.div.Tensor", "div-by-zero")
+    assert f.source.line == _line(path, "self.embed_avg / self.cluster_size")
+    assert f.localized_by == ("re-run" if force_rerun else "in-process")
+    # The infinity went into the codebook (through copy_), not into the loss, which was finite.
+    assert "reached the buffer embed through copy" in f.explanation
+    assert "reached the loss" not in f.explanation

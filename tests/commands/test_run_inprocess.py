@@ -337,3 +337,39 @@ def test_the_same_torch_warning_from_two_script_lines_is_shown_at_each(tmp_path)
     seen = [(w.filename, w.lineno) for w in caught if "degrees of freedom" in str(w.message)]
     assert seen == [(str(path), line_of(path, "spread = out.var(0)")),
                     (str(path), line_of(path, "0.1 * out.var(0).mean()"))]
+
+
+# A model the script calls in pieces, one of them with no parameters (a normalizer), and a
+# 0-dim value of the loss code made before the last piece: the decoder's call takes the
+# normalizer's output, so it goes on with the same forward, not the next micro-batch's (which
+# takes data), and its input is no batch. The relu makes all-zero rows at step 0: 0/0.
+PIECES = """
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+
+    class RowNormalize(nn.Module):
+        def forward(self, h):
+            return h / h.norm(dim=1, keepdim=True)
+
+    enc, norm, dec = nn.Linear(8, 4), RowNormalize(), nn.Linear(4, 1)
+    optimizer = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+    for step in range(5):
+        unit = norm(torch.relu(enc(torch.randn(16, 8))))
+        spread = unit.std()
+        loss = dec(unit).pow(2).mean() + 0.1 * spread
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_module_called_on_another_modules_output_continues_its_forward(tmp_path):
+    path = write(tmp_path, PIECES)
+    report = audit(path)
+    f = report.finding
+    assert (f.step, f.where, f.op, f.cause, f.module) == (
+        0, "forward", "aten.div.Tensor", "div-by-zero", "norm")
+    assert f.source.line == line_of(path, "return h / h.norm")
+    assert f.samples and f.micro_batch is None
+    in_process(report)

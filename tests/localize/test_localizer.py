@@ -323,6 +323,30 @@ def test_negative_power_at_zero_is_a_pole_with_its_origin(case, tmp_path):
     assert "pole at 0" in f["explanation"] and "came from relu" in f["explanation"]
 
 
+@pytest.mark.parametrize("module", ["torch.nn.utils.parametrizations.weight_norm",
+                                    "torch.nn.utils.weight_norm"])
+def test_weight_norm_over_an_all_zero_row_is_the_norm_at_zero(case, tmp_path, module):
+    # weight_norm (either API) divides each output row by its norm, with no eps: a row zeroed
+    # at init (or pruned) is 0/0 in the forward.
+    body = f"""
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                lin = nn.Linear(8, 4)
+                with torch.no_grad():
+                    lin.weight[2] = 0.0
+                self.lin = {module}(lin)
+            def forward(self, x):
+                return self.lin(x)
+        """
+    result = scan(_case(case, body, loss="out.pow(2).mean()"), tmp_path=tmp_path)
+    f = result.finding
+    assert result.code == 1
+    assert (f["where"], f["op"], f["cause"]) == (
+        "forward", "aten._weight_norm_interface.default", "norm-at-zero")
+    assert "1 slice(s) along dim 0, first at index 2" in f["explanation"]
+    assert "weight_norm" in f["fix"] and "eps" in f["fix"]
+
 def test_digamma_at_zero_from_exp_underflow_is_a_pole(case, tmp_path):
     body = """
         class M(nn.Module):
