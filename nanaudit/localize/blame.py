@@ -20,6 +20,7 @@ from nanaudit.localize.causes import fix_for
 from nanaudit.localize.diagnose import Diagnosis, as_diagnosis, diagnose, masked_gradient
 from nanaudit.localize.events import OpEvent, Trace, carries, signed
 from nanaudit.localize.infinities import (
+    ENTROPY_FIX,
     SPECIFIC_EXCLUDED,
     WRITES,
     InfinitySources,
@@ -29,6 +30,7 @@ from nanaudit.localize.infinities import (
     line_of,
     passed_through,
     scalar_word,
+    weighted_by_its_input,
 )
 from nanaudit.localize.ops import dtype_name, op_base
 from nanaudit.localize.rules.registry import Reason, domain_reason
@@ -195,8 +197,11 @@ class SourceBlame:
         if source.specific and source.reason is not None:
             text = self.reason_text(source.reason) + _onward(source, downstream, nan_maker,
                                                               self.reached)
+            reason = source.reason
+            if weighted_by_its_input(source.event, nan_maker):
+                reason = reason._replace(fix=ENTROPY_FIX)
             return Blame(source.event, source.chain + downstream,
-                         plain_rng(as_diagnosis(source.reason, text)))
+                         plain_rng(as_diagnosis(reason, text)))
         if source.how in ("written", "outside") or (source.reason is None
                                                     or source.reason.cause == Cause.UNKNOWN):
             # a writer is not its own consumer; an op that first saw an outside value may be

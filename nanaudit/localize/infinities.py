@@ -160,6 +160,27 @@ def passed_through(events: Iterable[OpEvent]) -> list[str]:
     return seen
 
 
+def weighted_by_its_input(log: OpEvent, nan_maker: OpEvent | None) -> bool:
+    """Whether `nan_maker` multiplied `log`'s -inf by the log's own input: p * log(p), an
+    entropy written by hand, NaN wherever p is 0."""
+    if (nan_maker is None or op_base(nan_maker.op) != "mul" or not log.args
+            or op_base(log.op) not in ("log", "log2", "log10")):
+        return False
+    x = log.args[0]
+    return any(t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                          and t.stride() == x.stride())
+               for _, t in named_tensors(nan_maker.arg_names, nan_maker.args, nan_maker.kwargs))
+
+
+# The fix for p * log(p): `xlogy(p, p)` and `special.entr(p)` are 0 at p = 0 in forward, but
+# their backward is still NaN there (checked on torch 2.13), so they are not offered.
+ENTROPY_FIX = ("an entropy written as p * log(p) is NaN wherever p is 0: take log p from the "
+               "logits, `-(p * F.log_softmax(logits, -1)).sum(-1)` or "
+               "`Categorical(logits=logits).entropy()`, or clamp p inside the log "
+               "(`torch.log(p.clamp(min=1e-12))`); `torch.xlogy(p, p)` and "
+               "`torch.special.entr(p)` are finite at p = 0 but their gradients are not")
+
+
 def nan_arithmetic(event: OpEvent) -> str:
     """Which inf arithmetic made NaN at this op, from its inputs."""
     base = op_base(event.op)

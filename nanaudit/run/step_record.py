@@ -116,6 +116,9 @@ _NO_MODEL = torch.nn.Module()         # a step-code window's module: no call, no
 # Frozen calls kept between two training calls, the latest: a teacher is called once or twice
 # a micro-batch; an evaluation loop between steps would otherwise keep every batch it ran.
 _FROZEN_KEPT = 4
+# The buffer copies kept of modules called in earlier windows (a module called in turn with
+# others is not walked again each step), before those not called in this one are let go.
+_COPIES_KEPT = 8
 
 
 class BufferCopy:
@@ -197,10 +200,14 @@ class StepRecord:
         self.code_window = None
         rng = rng_states()
         if not self.calls:
-            self._rng = rng
-            self._copies = {id(c.module): c for c in self._buffers}  # lets go of the others
-            self._buffers = []
-            self.piece(module)
+            self._rng, self._buffers = rng, []
+            copy = self._copies.get(id(module))
+            if copy is None or copy.module is not module:
+                self.piece(module)          # its copy made
+            else:                           # the common path pays no call for it
+                if copy.tensors:
+                    copy.save()
+                self._buffers.append(copy)
         call = ModelCall(module, entry, args, kwargs, rng=rng)
         call.before, self._frozen, self.evaluated = self._frozen, [], None
         self.calls.append(call)
@@ -210,9 +217,12 @@ class StepRecord:
         """Save `module`'s buffers as they are before its first call in the window."""
         copy = self._copies.get(id(module))
         if copy is None or copy.module is not module:
+            if len(self._copies) >= _COPIES_KEPT:       # lets go of modules no longer called
+                self._copies = {id(c.module): c for c in self._buffers}
             copy = self._copies[id(module)] = BufferCopy(module)
         if copy not in self._buffers:        # (kept with none: walked once, not each step)
-            copy.save()
+            if copy.tensors:
+                copy.save()
             self._buffers.append(copy)
 
     def frozen_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> ModelCall:

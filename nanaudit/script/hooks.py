@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -38,6 +39,7 @@ import torch
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
+from nanaudit.script.ledger import Ledger
 from nanaudit.script.step_log import StepLog
 from nanaudit.script.step_tap import StepTap
 from nanaudit.script.step_values import caller_kwargs, continues_graph
@@ -51,6 +53,7 @@ class Listener(Protocol):
 
     log: StepLog
     buffers: BufferScope      # the floating buffers the check reads
+    ledger: Ledger            # what the script holds, and the names it holds them by
 
     def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def loss(self, loss: torch.Tensor) -> None: ...
@@ -205,7 +208,9 @@ class ScriptHooks:
     def _piece(self, module: torch.nn.Module) -> None:
         """A module the micro-batch's forward goes on through after the model returned (a
         decoder on the encoder's output): its buffers are the model's, checked and replayed."""
-        self.listener.buffers.add(module)
+        if not self.listener.buffers.holds(module):     # named by the script's variable
+            names = self.listener.ledger.tracer_names(sys._getframe())
+            self.listener.buffers.add(module, names.get(id(module)))
         self.tap.piece(module)
 
     def take_first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict,

@@ -290,10 +290,10 @@ def test_a_codebook_buffer_divided_by_a_zero_count_is_named_where_it_reached_the
         tmp_path, force_rerun):
     path, report = _run(tmp_path, VQ_EMA, force_rerun=force_rerun)
     f = report.finding
-    assert (f.step, f.where, f.tensor, f.module) == (0, "forward", "embed", "q")
+    assert (f.step, f.where, f.tensor, f.module) == (0, "forward", "q.embed", "q")
     assert (f.op, f.cause) == ("aten.div.Tensor", "div-by-zero")
     assert f.source.line == _line(path, "self.embed_avg / self.cluster_size")
     assert f.localized_by == ("re-run" if force_rerun else "in-process")
     # The infinity went into the codebook (through copy_), not into the loss, which was finite.
-    assert "reached the buffer embed through copy" in f.explanation
+    assert "reached the buffer q.embed through copy" in f.explanation
     assert "reached the loss" not in f.explanation

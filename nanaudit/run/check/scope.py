@@ -28,8 +28,9 @@ class BufferScope:
         self._slots: list[tuple[dict, str, str]] = []    # (owner's _buffers, name, user name)
         self._roots: set[int] = set()
 
-    def add(self, module: torch.nn.Module) -> None:
-        """Add a model's floating buffers (once per model; a buffer two models share, once)."""
+    def add(self, module: torch.nn.Module, prefix: str | None = None) -> None:
+        """Add a model's floating buffers (once per model; a buffer two models share, once),
+        named under `prefix` when given (the script's name for a model besides the step's)."""
         if id(module) in self._roots:
             return
         self._roots.add(id(module))
@@ -39,7 +40,10 @@ class BufferScope:
         for name, b in user_named(module, module.named_buffers()):
             if b.is_floating_point() and id(b) not in seen and id(b) in owners:
                 seen.add(id(b))
-                self._slots.append((*owners[id(b)], name))
+                self._slots.append((*owners[id(b)], f"{prefix}.{name}" if prefix else name))
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._roots
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers as they are now (a rebound one's new tensor; none rebound to None)."""
