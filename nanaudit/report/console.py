@@ -27,6 +27,7 @@ from nanaudit.report.text import (
     describe_coordinate,
     finding_facts,
     headline,
+    rows_label,
     sample_value,
     search_summary,
     sparkline,
@@ -76,7 +77,7 @@ def _bisect_summary(section: DataBisect | CheckpointBisect) -> RenderableType:
     for f in section.bad_batches:
         batch = f.batch_index if f.batch_index is not None else f.step
         table.add_row(str(batch), f.where, Text(f.op or f.tensor or ""), f.cause,
-                      Text(str(f.samples)))
+                      Text(rows_label(f.samples) or "[]"))
     return table
 
 
@@ -342,9 +343,9 @@ def _next_steps(report: Report, saved: frozenset[str]) -> Text:
         hints.append("change how the model is compiled as the fix says (your code as written "
                      "stays finite)")
     if f.samples and report.command != "bisect":
-        hints.append(f"inspect batch rows {f.samples} of step {f.step}")
+        hints.append(f"inspect batch rows {rows_label(f.samples)} of step {f.step}")
     elif f.samples:
-        hints.append(f"inspect rows {f.samples} of batch {f.step} (and the skip list)")
+        hints.append(f"inspect rows {rows_label(f.samples)} of batch {f.step} (and the skip list)")
     if f.cause == Cause.NONFINITE_PARAMETER:
         hints.append("nanaudit bisect CONFIG --checkpoints DIR finds where the state went bad")
     repro = report.repro

@@ -81,9 +81,24 @@ def finding_facts(f: Finding) -> list[tuple[str, str]]:
              ("op", f.op), ("forward op", f.forward_op), ("module", module),
              ("tensor", f.tensor), ("element", element_label(f)),
              ("optimizer", f.optimizer), ("loss", f.loss_name),
-             ("samples", f.samples), ("made by", producer_label(f)), ("cause", f.cause),
+             ("samples", rows_label(f.samples)), ("made by", producer_label(f)),
+             ("cause", f.cause),
              ("compiled", compiled_fact(f))]
     return [(label, str(value)) for label, value in facts if value not in (None, "", [])]
+
+
+# Rows shown before the rest are counted: a batch-level value names every row of the batch.
+ROWS_SHOWN = 8
+
+
+def rows_label(rows: list[int] | None) -> str | None:
+    """`[3, 7]`; a long list as its first ROWS_SHOWN and how many in all (every row of a batch
+    is bad when the value is a batch's): the JSON keeps them all."""
+    if not rows:
+        return None
+    if len(rows) <= ROWS_SHOWN:
+        return str(rows)
+    return f"[{', '.join(map(str, rows[:ROWS_SHOWN]))}, ...] ({len(rows)} rows)"
 
 
 def element_label(f: Finding) -> str | None:

@@ -304,3 +304,18 @@ def test_a_format_imports_its_own_renderer_alone():
     assert {name: type(renderer_for(name)).__name__ for name in names} == names
     with pytest.raises(KeyError):
         renderer_for("yaml")
+
+
+def test_a_batch_level_value_lists_its_first_rows_and_counts_them_keeping_all_in_json():
+    # A standardization that divides by a zero std makes every row of the batch NaN: 128 rows
+    # named one by one in the console (twice: the facts and the next line) said nothing more.
+    report = canonical_report()
+    report.finding.samples = list(range(128))
+    console = Console(record=True, width=400, color_system=None)
+    print_report(report, console)
+    text = console.export_text()
+    assert text.count("[0, 1, 2, 3, 4, 5, 6, 7, ...] (128 rows)") == 2, text
+    assert "inspect batch rows [0, 1, 2, 3, 4, 5, 6, 7, ...] (128 rows) of step 6" in text
+    assert "127" not in text
+    assert _json(report)["finding"]["samples"] == list(range(128))
+    assert "inspect batch rows [5] of step 6" in _next_line(canonical_report())
