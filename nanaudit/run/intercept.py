@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from nanaudit.run.loss_code import differentiates
+
 
 class StepHalted(BaseException):
     """Stops the user's code at a check, before the update. A BaseException, so that the
@@ -66,7 +68,8 @@ class LossTap:
         autograd.backward = self._wrap_backward(backward)
         scaler_class.scale = self._wrap_scale(scale)  # type: ignore[method-assign]
         self._restore = [lambda: setattr(autograd, "backward", backward),
-                         lambda: setattr(scaler_class, "scale", scale)]
+                         lambda: setattr(scaler_class, "scale", scale),
+                         differentiates(autograd.backward)]
         if self.trained is not None:
             autograd.grad = self._wrap_grad(grad)
             self._restore.append(lambda: setattr(autograd, "grad", grad))

@@ -29,7 +29,10 @@ from nanaudit.errors import is_own_file
 
 MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_BACKWARD = frozenset((torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad))
+# What ends the loss code (one set: looked up by every recorded op); a tap that wraps
+# `torch.autograd.backward` adds its wrapper (`differentiates`), which a direct
+# `torch.autograd.backward([...])` reaches the mode as.
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 _stack_depth, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
 _push, _pop = torch._C._push_on_torch_function_stack, torch._C._pop_torch_function_stack
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -259,6 +262,13 @@ class LossCodeRecorder(TorchFunctionMode):
                                      autocast_state() if _any_autocast() else (),
                                      _grad_enabled(), module)))
         return out
+
+
+def differentiates(func: Any) -> Any:
+    """Count `func`, a wrapper of `torch.autograd.backward`, as a backward: returns what
+    forgets it again."""
+    _BACKWARD.add(func)
+    return lambda: _BACKWARD.discard(func)
 
 
 def _graph_made(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -265,6 +265,9 @@ class ScriptHooks:
         wrapped = checked_closure_args(args, kwargs, after_closure)
         if wrapped is None:
             self.listener.before_update(optimizer, None)     # no closure: one check
+        else:   # each evaluation is a window of its own, a forward before the step's none
+            self._after_return = False
+            self.tap.close()
         return wrapped
 
     def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
