@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any
@@ -116,9 +117,6 @@ _NO_MODEL = torch.nn.Module()         # a step-code window's module: no call, no
 # Frozen calls kept between two training calls, the latest: a teacher is called once or twice
 # a micro-batch; an evaluation loop between steps would otherwise keep every batch it ran.
 _FROZEN_KEPT = 4
-# The buffer copies kept of modules called in earlier windows (a module called in turn with
-# others is not walked again each step), before those not called in this one are let go.
-_COPIES_KEPT = 8
 
 
 class BufferCopy:
@@ -127,7 +125,8 @@ class BufferCopy:
     would cost more than the rest)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        # weakly: a copy kept for a model the script let go (an earlier fold's) frees it
+        self.owner = weakref.ref(module)
         self.tensors = list(module.buffers())
         self.saved = [b.detach().clone() for b in self.tensors]
         # A copy into buffers that autograd does not track needs no `no_grad()` (a context
@@ -202,7 +201,7 @@ class StepRecord:
         if not self.calls:
             self._rng, self._buffers = rng, []
             copy = self._copies.get(id(module))
-            if copy is None or copy.module is not module:
+            if copy is None or copy.owner() is not module:
                 self.piece(module)          # its copy made
             else:                           # the common path pays no call for it
                 if copy.tensors:
@@ -216,9 +215,9 @@ class StepRecord:
     def piece(self, module: torch.nn.Module) -> None:
         """Save `module`'s buffers as they are before its first call in the window."""
         copy = self._copies.get(id(module))
-        if copy is None or copy.module is not module:
-            if len(self._copies) >= _COPIES_KEPT:       # lets go of modules no longer called
-                self._copies = {id(c.module): c for c in self._buffers}
+        if copy is None or copy.owner() is not module:
+            # a module not called before: the copies of those the script let go are let go
+            self._copies = {key: c for key, c in self._copies.items() if c.owner() is not None}
             copy = self._copies[id(module)] = BufferCopy(module)
         if copy not in self._buffers:        # (kept with none: walked once, not each step)
             if copy.tensors:

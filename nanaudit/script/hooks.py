@@ -265,10 +265,9 @@ class ScriptHooks:
         wrapped = checked_closure_args(args, kwargs, after_closure)
         if wrapped is None:
             self.listener.before_update(optimizer, None)     # no closure: one check
-        else:   # each evaluation is a window of its own, a forward before the step's none
-            self._after_return = False
-            self.tap.close()
-        return wrapped
+        else:   # a model call in the closure is the evaluation's, not a second call of a
+            self._after_return = False      # forward before the step (Lightning's no-op
+        return wrapped                      # closure of manual optimization calls none)
 
     def _post_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if optimizer is self.zero.running:
