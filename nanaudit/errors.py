@@ -156,7 +156,25 @@ class UserCodeError(NanauditError):
         return UserCodeFailure(message=str(self), what=self.what,
                                exception=type(self.exception).__name__,
                                frames=[UserFrame(f.filename, f.lineno, f.name, f.line)
-                                       for f in self.frames], exit_code=self.exit_code)
+                                       for f in self.frames], exit_code=self.exit_code,
+                               hint=known_failure_hint(self.exception))
+
+
+# Failures of training code that are not a non-finite value but come from the data's shape,
+# and what to do: (the exception's class, a phrase of its message, the hint).
+KNOWN_FAILURES = (
+    ("ValueError", "Expected more than 1 value per channel when training",
+     "a training batch of one sample reached a BatchNorm layer, which needs more than one "
+     "value per channel: drop the data's last incomplete batch (`DataLoader(..., "
+     "drop_last=True)`), or pick a batch size that leaves no batch of one"),
+)
+
+
+def known_failure_hint(exc: BaseException) -> str | None:
+    """The hint for a failure KNOWN_FAILURES lists, else None."""
+    name, text = type(exc).__name__, str(exc)
+    return next((hint for kind, phrase, hint in KNOWN_FAILURES
+                 if kind == name and phrase in text), None)
 
 
 USER_FAILURES = (Exception, SystemExit, GeneratorExit)

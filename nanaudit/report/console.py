@@ -61,6 +61,8 @@ def print_report(report: Report, console: Console, saved: frozenset[str] = froze
         console.print(_timeline(report))
     if isinstance(report.error, UserCodeFailure) and report.error.frames:
         console.print(Text(_user_traceback(report.error), style="red"))
+    if isinstance(report.error, UserCodeFailure) and report.error.hint:
+        console.print(Text(f"hint: {report.error.hint}", style="bold"))
     if isinstance(report.error, InternalFailure):
         console.print(Text(_short_traceback(report.error.traceback), style="red"))
         console.print(Text(report.error.hint, style="bold"))

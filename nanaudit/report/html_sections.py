@@ -182,6 +182,8 @@ def error_section(report: Report) -> str:
                    esc(fr.function), f'<span class="mono">{esc(fr.code or "")}</span>']
                   for fr in error.frames]
         parts.append(f"<p>raised by {esc(error.what)}: {esc(error.exception)}</p>")
+        if error.hint:
+            parts.append(f"<p><b>{esc(error.hint)}</b></p>")
         if frames:
             parts.append(table(("where", "function", "line"), frames))
         if error.traceback:

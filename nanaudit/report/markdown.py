@@ -5,6 +5,7 @@ from __future__ import annotations
 from nanaudit.report.bad_steps_text import bad_step_rows, bad_steps_line, persistent_line
 from nanaudit.report.interface import Renderer
 from nanaudit.report.model import Report
+from nanaudit.report.sections import UserCodeFailure
 from nanaudit.report.text import (
     describe,
     finding_facts,
@@ -60,6 +61,8 @@ class MarkdownRenderer(Renderer):
         out += _bad_steps(report)
         if report.error:
             out += ["```", report.error.message, "```", ""]
+            if isinstance(report.error, UserCodeFailure) and report.error.hint:
+                out += [f"**Hint:** {_cell(report.error.hint)}", ""]
         if report.warnings:
             out += [f"**Early warnings** ({len(report.warnings)})", ""]
             out += [f"- {_cell(warning_line(w))}" for w in report.warnings]

@@ -86,8 +86,9 @@ class UserCodeFailure(ErrorInfo):
     exit_code: ExitCode = ExitCode.USER_CODE
     traceback: str | None = None      # `nanaudit run`: the script's traceback, as Python prints it
     rank: int | None = None
+    hint: str | None = None           # what to do, for a failure training code is known for
 
-    OMIT_WHEN_NONE = ("traceback", "rank")
+    OMIT_WHEN_NONE = ("traceback", "rank", "hint")
 
 
 @dataclass(kw_only=True)
