@@ -22,8 +22,8 @@ from nanaudit.run.checks import dense_values
 def kinds_of(t: torch.Tensor) -> frozenset:
     """The non-finite kinds a floating tensor holds: subset of {'nan', 'inf', '-inf'} (syncs)."""
     t = dense_values(t)
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return frozenset()
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0 or t.is_meta:
+        return frozenset()          # (a meta tensor holds no values: a `torch.func` template's)
     if bool(torch.isfinite(t).all()):
         return frozenset()
     if t.is_complex():

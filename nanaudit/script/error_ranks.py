@@ -47,8 +47,8 @@ from nanaudit.run.distributed import is_collective_failure
 from nanaudit.run.rank_checks import RankChecks
 from nanaudit.run.sharded import is_sharded
 from nanaudit.script.before_window import tensors_in
-from nanaudit.script.inprocess import NotReplayable
 from nanaudit.script.rank_replay import not_replayed_here, replayed_together
+from nanaudit.script.replayable import NotReplayable
 
 _KEY = "nanaudit/error-trip/{}"
 

@@ -37,15 +37,13 @@ from nanaudit.run.step_record import ModelCall
 from nanaudit.script.code_batch import window_place
 from nanaudit.script.error_ranks import forward_alone
 from nanaudit.script.inprocess import (
-    NotReplayable,
     Replayed,
-    replay_allowed,
     replay_call,
     replay_tracer,
-    replayable,
     timed_replay,
     window_params,
 )
+from nanaudit.script.replayable import NotReplayable, replay_allowed, replayable
 from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip, nonfinite_locals

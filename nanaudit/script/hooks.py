@@ -71,6 +71,9 @@ class Listener(Protocol):
     def clipped(self, total_norm: Any) -> None: ...
 
 
+_transforming = torch._C._functorch.peek_interpreter_stack   # a torch.func transform running
+
+
 class ScriptHooks:
     """Installs and removes the hooks of one script run (see the module docstring)."""
 
@@ -174,6 +177,8 @@ class ScriptHooks:
         return skipped is not None
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
+        if _transforming() is not None:
+            return      # inside vmap or grad (a `torch.func` ensemble): the transform's tensors
         seen = self.trained.training_call(module)
         if seen is None:
             if self.tap.opening:        # the first step's window: an evaluation's call
@@ -206,8 +211,7 @@ class ScriptHooks:
         return continues_graph(args) or not self.hear_skipped_loss()
 
     def _piece(self, module: torch.nn.Module) -> None:
-        """A module the micro-batch's forward goes on through after the model returned (a
-        decoder on the encoder's output): its buffers are the model's, checked and replayed."""
+        """A module the forward goes on through after the model returned: its buffers too."""
         if not self.listener.buffers.holds(module):     # named by the script's variable
             names = self.listener.ledger.tracer_names(sys._getframe())
             self.listener.buffers.add(module, names.get(id(module)))

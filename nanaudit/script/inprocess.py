@@ -53,6 +53,7 @@ from nanaudit.script.rank_replay import (
     replayed_on_ranks,
     replayed_together,
 )
+from nanaudit.script.replayable import NotReplayable, replay_allowed, replayable
 from nanaudit.script.step_values import loss_mismatch
 from nanaudit.script.target import ScriptOptions
 from nanaudit.script.trip import ScriptTrip
@@ -61,10 +62,6 @@ from nanaudit.script.weight_history import LedgerWeights
 IN_PROCESS, RE_RUN = "in-process", "re-run"     # a finding's `localized_by`
 # A replay's (finding or None, ops traced, the creating op's precision or why it named none).
 Replayed = tuple[Finding | None, int, str | None]
-
-
-class NotReplayable(Exception):
-    """Why this window cannot be replayed in-process (the re-run is used instead)."""
 
 
 class MadeBefore(Exception):
@@ -184,26 +181,6 @@ def _window(auditor: Any, options: ScriptOptions, trip: ScriptTrip) -> list[Mode
     for call in calls:
         replayable(call)
     return calls
-
-
-def replay_allowed(options: ScriptOptions) -> None:
-    """NotReplayable when the options rule the in-process replay out."""
-    if not options.rerun:
-        raise NotReplayable("--no-rerun: the step is not replayed")
-    if options.force_rerun:
-        raise NotReplayable("--rerun: localized by re-running the script from the start")
-
-
-def replayable(call: ModelCall) -> None:
-    """NotReplayable when the record of `call` cannot be run again."""
-    if call.output is None and call.model_called:
-        raise NotReplayable("the model's output was not heard")
-    if call.code.overflowed:
-        raise NotReplayable("the code between the model and backward is too long to record"
-                            if call.model_called else
-                            "the step's code (it calls no module) is too long to record")
-    if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
-        raise NotReplayable("the script differentiates with torch.autograd.grad")
 
 
 def window_params(auditor: Any, calls: list[ModelCall]) -> list[torch.nn.Parameter]:

@@ -82,3 +82,47 @@ def test_the_rerun_arms_at_the_closures_call_not_the_forward_before_it(tmp_path)
     f = report.finding
     assert (f.step, f.op, f.cause, f.samples, f.localized_by) == (
         3, "aten.div.Tensor", "sqrt-domain", [5], "re-run")
+
+
+# The functorch ensembling recipe: the members' weights stacked (`stack_module_state`) and one
+# template module on the meta device called under `torch.vmap(functional_call)`. The module
+# calls inside vmap see the transform's batched tensors, which mean nothing outside it.
+ENSEMBLE = """
+    import copy
+    import torch
+    from torch import nn
+    from torch.func import functional_call, stack_module_state
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)) for _ in range(4)]
+    params, buffers = stack_module_state(members)
+    template = copy.deepcopy(members[0]).to("meta")
+
+    def one(p, b, x):
+        return functional_call(template, (p, b), (x,))
+
+    optimizer = torch.optim.Adam(list(params.values()), lr=1e-2)
+    for step in range(6):
+        x = torch.randn(4, 32, 4)
+        if step == 3:
+            x[2, 7] = 0.0
+        out = torch.vmap(one)(params, buffers, x) * (x.abs().sum(-1, keepdim=True) > 0)
+        loss = torch.sqrt((out * out).sum(-1)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_torch_func_ensemble_under_vmap_is_named_by_the_rerun_not_a_crash(tmp_path):
+    # Before: functorch's internal assert from nanaudit's own step check (exit 4, as if the
+    # script had raised); the re-run's tracer then read a value of the meta template.
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(ENSEMBLE))
+    report = run_script(ScriptTarget(path=str(path)), ScriptOptions())
+    f = report.finding
+    assert report.error is None
+    assert (f.step, f.where, f.op, f.cause) == (3, "backward", "aten.div.Tensor", "sqrt-domain")
+    assert "first at index [2, 7]" in f.explanation      # member 2, row 7
+    assert f.localized_by == "re-run" and report.run.rerun.status == "reproduced"
+    assert "torch.func transform (vmap)" in report.run.replay.note
