@@ -1,7 +1,8 @@
 """`nanaudit run` replays a step in-process however the script differentiates it: a direct
 `torch.autograd.backward([...])` of several losses, a non-scalar `backward(gradient)`, a closure
 step after a forward of the script's own (a metric computed with autograd on): each names the
-op, the step and the row, from the same process."""
+op, the step and the row, from the same process. A `torch.func` ensemble under vmap, whose
+tensors exist only inside the transform, is named by the re-run."""
 
 from __future__ import annotations
 
