@@ -3,15 +3,18 @@ was before the first run, so that the user's files after nanaudit are as the fir
 them (a log the script appends to is not written twice, a checkpoint not rewritten) and what the
 first run wrote (a checkpoint the script resumes from) does not change what the re-run does.
 
-The folder is listed (names, sizes, modification times; no contents) before the first run. The
-copy leaves out what the first run created; a file the first run changed is copied as it is
-now, and the report says so plainly, as it does when the folder is too large to copy (the
-re-run then runs in it)."""
+The folder's file names are listed before the first run, with the time it started (no sizes,
+times or contents: a stat per file made every `run` pay 0.6 s in a folder holding a virtual
+environment, for a re-run the in-process replay seldom leaves to do). The copy leaves out what
+the first run created (a name not listed); a file the first run changed (modified since it
+started) is copied as it is now, and the report says so plainly, as it does when the folder is
+too large to copy (the re-run then runs in it)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, fields, is_dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -20,23 +23,25 @@ from typing import Any
 MAX_FILES = 20_000
 MAX_BYTES = 1 << 30          # a folder larger than this (a dataset) is not copied
 _SKIPPED_DIRS = {".git", "__pycache__", ".venv", ".mypy_cache", ".pytest_cache"}
+# How far the file system's coarse clock may trail time.time_ns() (a tick is 1 to 10 ms).
+_CLOCK_SLACK_NS = 20_000_000
 
 
 @dataclass(frozen=True)
 class FolderState:
-    """A folder's files before the first run: relative path -> (size, mtime_ns)."""
+    """A folder's files before the first run (relative paths), and when that run started."""
 
     root: str
-    files: dict
+    files: frozenset
+    started_ns: int
 
     @staticmethod
     def take(root: str) -> FolderState | None:
         """The listing; None when the folder holds more than MAX_FILES files. Walked with
-        `scandir` (a folder's entries say which are folders without a call each), as
-        `os.walk` does but without its per-file path joins: this runs before every script,
-        and a dataset folder makes it list MAX_FILES files before giving up (0.45 -> 0.22 s).
-        Symbolic links to folders are not followed, as `os.walk` does not follow them."""
-        files: dict[str, tuple[int, int]] = {}
+        `scandir`, whose entries say which are folders without a call each (a stat only for a
+        symbolic link, whose target must exist); links to folders are not followed, as
+        `os.walk` does not follow them."""
+        files: set[str] = set()
         folders = [("", root)]
         while folders:
             prefix, folder = folders.pop()
@@ -51,25 +56,37 @@ class FolderState:
                             if entry.name not in _SKIPPED_DIRS and not entry.is_symlink():
                                 folders.append((prefix + entry.name + os.sep, entry.path))
                             continue
-                        stat = entry.stat()
+                        if entry.is_symlink() and not os.path.exists(entry.path):
+                            continue            # a broken link: nothing to copy
                     except OSError:
                         continue
-                    files[prefix + entry.name] = (stat.st_size, stat.st_mtime_ns)
+                    files.add(prefix + entry.name)
                     if len(files) > MAX_FILES:
                         return None
-        return FolderState(root, files)
+        return FolderState(root, frozenset(files), time.time_ns())
 
     def changed(self) -> list[str]:
-        """The files the first run changed (their size or modification time differ now)."""
+        """The files the first run changed: modified since it started (the file system's clock
+        is coarser than ours: a change in its first _CLOCK_SLACK_NS counts too)."""
+        since = self.started_ns - _CLOCK_SLACK_NS
         found = []
-        for name, (size, mtime) in self.files.items():
+        for name in self.files:
             try:
-                stat = os.stat(os.path.join(self.root, name))
+                if os.stat(os.path.join(self.root, name)).st_mtime_ns >= since:
+                    found.append(name)
             except OSError:
                 continue
-            if (stat.st_size, stat.st_mtime_ns) != (size, mtime):
-                found.append(name)
         return sorted(found)
+
+    def size(self) -> int:
+        """The listed files' bytes, as they are now."""
+        total = 0
+        for name in self.files:
+            try:
+                total += os.stat(os.path.join(self.root, name)).st_size
+            except OSError:
+                continue
+        return total
 
 
 @dataclass(frozen=True)
@@ -87,7 +104,7 @@ def prepare(state: FolderState | None, into: Path) -> Scratch:
     if state is None or os.path.realpath(state.root) != os.path.realpath(here):
         return Scratch(here, f"the re-run ran in the working folder ({here}), which was too "
                              f"large to list: what the script writes there, it wrote again")
-    size = sum(s for s, _ in state.files.values())
+    size = state.size()
     if size > MAX_BYTES:
         return Scratch(here, f"the re-run ran in the working folder ({size / 2**20:.0f} MiB, "
                              f"too large to copy): what the script writes there, it wrote "

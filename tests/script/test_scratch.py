@@ -1,6 +1,7 @@
 """The listing of the working folder taken before the first run (script/scratch.py)."""
 
 import os
+import time
 
 from nanaudit.script import scratch
 from nanaudit.script.scratch import FolderState
@@ -20,9 +21,22 @@ def test_the_listing_names_every_file_by_its_relative_path(tmp_path):
     os.symlink(tmp_path / "gone", tmp_path / "dangling")        # a broken link is not
     state = FolderState.take(str(tmp_path))
     assert state is not None
-    assert state.files.keys() == {"train.py", os.path.join("data", "shards", "0.bin"),
-                                  "alias.py"}
-    assert state.files[os.path.join("data", "shards", "0.bin")][0] == 3
+    assert state.files == {"train.py", os.path.join("data", "shards", "0.bin"), "alias.py"}
+    assert state.size() == len("print(1)\n") * 2 + 3      # alias.py counts its target's
+
+
+def test_the_files_the_first_run_changed_are_those_modified_since_it_started(tmp_path):
+    (tmp_path / "config.yaml").write_text("a: 1\n")
+    (tmp_path / "log.txt").write_text("old\n")
+    old = time.time_ns() - 3_600 * 10**9            # an hour before the run
+    for name in ("config.yaml", "log.txt"):
+        os.utime(tmp_path / name, ns=(old, old))
+    state = FolderState.take(str(tmp_path))
+    assert state is not None and state.changed() == []
+    with open(tmp_path / "log.txt", "a") as log:     # the first run appends to its log ...
+        log.write("new\n")
+    (tmp_path / "ckpt.pt").write_bytes(b"x")          # ... and saves a checkpoint (not listed)
+    assert state.changed() == ["log.txt"]
 
 
 def test_a_folder_past_the_limit_is_not_listed(tmp_path, monkeypatch):
