@@ -175,11 +175,20 @@ def _zero_denominator(optimizer: Any, group: dict, division: Division, param: to
     default = inspect.signature(type(optimizer).__init__).parameters.get("eps")
     usual = (f" (its default {default.default:g})" if default is not None
              and isinstance(default.default, float) else "")
+    dtype = str(param.dtype).removeprefix("torch.")
+    if eps and float(torch.tensor(eps, dtype=param.dtype)) == 0:     # eps rounds to 0 there
+        return _Said(
+            f"{division.said}: {made} (the {division.accumulator} is 0 where no gradient "
+            f"reached the element since the state was made, and eps {eps:g} is 0 in {dtype})",
+            f"keep {name}'s state in float32 (a float32 master copy of the weights, or the "
+            f"model in float32 under autocast){at}, or an eps of at least {dtype}'s smallest "
+            f"normal, {torch.finfo(param.dtype).smallest_normal:g}: eps {eps:g} is 0 in "
+            f"{dtype}, so an element no gradient has reached divides by 0")
     return _Said(
         f"{division.said}: {made} (the {division.accumulator} is 0 where no gradient reached "
         f"the element since the state was made, and eps is {eps:g})",
         f"give {name} a positive eps{usual}{at}: with eps {eps:g} an element no gradient has "
-        f"reached divides by 0 (1e-8 is 0 in float16: keep such state in float32)")
+        f"reached divides by 0")
 
 
 def _added(term: float, said: str, param: torch.Tensor, index: tuple[int, ...]) -> str:

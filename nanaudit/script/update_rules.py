@@ -42,6 +42,15 @@ def _at(state: dict, key: str, index: Index) -> float | None:
     return float(value.detach()[index].double()) if value.dim() else float(value)
 
 
+def _held(x: float, state: dict, key: str) -> float:
+    """`x` as state[key]'s dtype holds it: the update computes in the parameter's dtype, where
+    eps=1e-8 added to 0 is 0 in float16 (the Python float would keep it)."""
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.float64 or math.isnan(x):
+        return x
+    return float(torch.tensor(x, dtype=value.dtype))
+
+
 def _sqrt(x: float) -> float:
     return math.sqrt(x) if x >= 0 else math.nan
 
@@ -54,7 +63,7 @@ def _adam(group: dict, state: dict, index: Index, lr: float) -> Division | None:
         return None
     beta1, beta2 = (float(b) for b in group["betas"])
     eps = float(group["eps"])
-    denom = _sqrt(v) / math.sqrt(1 - beta2 ** t) + eps
+    denom = _held(_sqrt(v) / math.sqrt(1 - beta2 ** t) + eps, state, _second_moment(group))
     said = (f"Adam's update (t = {int(t)}) divides exp_avg {m:.6g} by sqrt(exp_avg_sq "
             f"{v:.6g}) / sqrt(1 - beta2^t) + eps {eps:g} = {denom:.6g}")
     term = lr / (1 - beta1 ** t) * m / denom if denom else None
@@ -90,7 +99,7 @@ def _radam(group: dict, state: dict, index: Index, lr: float) -> Division | None
         return Division(f"RAdam's update (t = {int(t)}, unrectified) is lr x exp_avg / "
                         f"(1 - beta1^t) = {lr * corrected:.6g}", None, lr * corrected)
     rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-    denom = _sqrt(v) + eps
+    denom = _held(_sqrt(v) + eps, state, "exp_avg_sq")
     said = (f"RAdam's update (t = {int(t)}) divides exp_avg {m:.6g} by sqrt(exp_avg_sq {v:.6g}) "
             f"+ eps {eps:g} = {denom:.6g}")
     term = corrected * lr * math.sqrt(1 - beta2 ** t) / denom * rect if denom else None
@@ -102,7 +111,7 @@ def _nadam(group: dict, state: dict, index: Index, lr: float) -> Division | None
     if v is None or t is None:
         return None
     eps = float(group["eps"])
-    denom = _sqrt(v / (1 - float(group["betas"][1]) ** t)) + eps
+    denom = _held(_sqrt(v / (1 - float(group["betas"][1]) ** t)) + eps, state, "exp_avg_sq")
     return Division(f"NAdam's update (t = {int(t)}) divides the gradient and exp_avg by "
                     f"sqrt(exp_avg_sq {v:.6g} / (1 - beta2^t)) + eps {eps:g} = {denom:.6g}",
                     denom, None)
@@ -120,7 +129,7 @@ def _rmsprop(group: dict, state: dict, index: Index, lr: float) -> Division | No
             return None
         square -= mean * mean
         said += f" - grad_avg {mean:.6g}^2"
-    denom = _sqrt(square) + eps
+    denom = _held(_sqrt(square) + eps, state, "square_avg")
     said += f") + eps {eps:g} = {denom:.6g}"
     buf = _at(state, "momentum_buffer", index) if float(group.get("momentum", 0.0)) else None
     if buf is not None:     # with momentum the buffer after the step is the update / lr
@@ -133,7 +142,7 @@ def _adagrad(group: dict, state: dict, index: Index, lr: float) -> Division | No
     if total is None or t is None:
         return None
     eps = float(group["eps"])
-    denom = _sqrt(total) + eps
+    denom = _held(_sqrt(total) + eps, state, "sum")
     return Division(f"Adagrad's update (t = {int(t)}) divides the gradient by sqrt(sum "
                     f"{total:.6g}) + eps {eps:g} = {denom:.6g}", denom, None,
                     accumulator="sum of squared gradients")
@@ -144,7 +153,7 @@ def _adadelta(group: dict, state: dict, index: Index, lr: float) -> Division | N
     if square is None:
         return None
     eps = float(group["eps"])
-    denom = _sqrt(square + eps)
+    denom = _sqrt(_held(square + eps, state, "square_avg"))
     return Division(f"Adadelta's update divides sqrt(acc_delta + eps) x the gradient by "
                     f"sqrt(square_avg {square:.6g} + eps {eps:g}) = {denom:.6g}", denom, None)
 

@@ -40,6 +40,18 @@ def test_an_update_trip_is_explained_from_the_optimizers_state(tmp_path, case, s
     assert log.read_text() == "step 0\n"        # the script's own log, once
 
 
+def test_adams_default_eps_in_a_float16_model_is_the_zero_it_divided_by():
+    # 1e-8 rounds to 0 in float16, where torch adds it: the rule is evaluated in the state's
+    # dtype (in float64 it gave a finite update, and the replay named nothing).
+    f = audit(SCRIPT, "adam-half").finding
+    assert (f.step, f.where, f.cause, f.localized_by) == (0, "optimizer", "optimizer-update",
+                                                          "in-process")
+    assert ("+ eps 1e-08 = 0: 0/0 = NaN (the second moment is 0 where no gradient reached the "
+            "element since the state was made, and eps 1e-08 is 0 in float16)") in f.explanation
+    assert f.fix.startswith("keep Adam's state in float32")
+    assert "float16's smallest normal, 6.10352e-05" in f.fix
+
+
 @pytest.mark.parametrize(("name", "step", "rule"), [
     ("RMSprop", 0, "RMSprop's update divides the gradient by sqrt(square_avg 0) + eps 0 = 0"),
     ("Adagrad", 0, "Adagrad's update (t = 1) divides the gradient by sqrt(sum 0) + eps 0 = 0"),

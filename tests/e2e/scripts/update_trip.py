@@ -4,8 +4,9 @@ reports: Adam with eps=0 over embedding rows no batch has reached (their second 
 float32, eps=0 in the other adaptive optimizers of torch.optim (an OPTIMIZER-eps case), and SGD
 without momentum whose step overflows (its update, the gradient, is not kept: not evaluated
 in-process); Adam's eps=0 and SGD's overflow again under the foreach and fused implementations.
+A model in float16 with Adam's default eps=1e-8, which is 0 in float16, is the first case again.
 Usage: update_trip.py adam-eps|adam-inf-lr|sgd-overflow|sgd-plain|adam-foreach|adam-fused|
-sgd-foreach|NAME-eps [LOG_PATH], NAME one of torch.optim's classes taking eps."""
+sgd-foreach|adam-half|NAME-eps [LOG_PATH], NAME one of torch.optim's classes taking eps."""
 
 import sys
 
@@ -27,6 +28,8 @@ elif case == "sgd-plain":
     optimizer = torch.optim.SGD(params, lr=1e38)
 elif case in ("adam-foreach", "adam-fused"):   # the implementations a flag chooses on CPU
     optimizer = torch.optim.Adam(params, lr=1e-2, eps=0.0, **{case[5:]: True})
+elif case == "adam-half":                      # the model in float16, Adam's default eps
+    optimizer = torch.optim.Adam(model.half().parameters(), lr=1e-2)
 elif case == "sgd-foreach":
     optimizer = torch.optim.SGD(params, lr=1e38, momentum=0.9, foreach=True)
 else:
