@@ -347,6 +347,7 @@ def test_weight_norm_over_an_all_zero_row_is_the_norm_at_zero(case, tmp_path, mo
     assert "1 slice(s) along dim 0, first at index 2" in f["explanation"]
     assert "weight_norm" in f["fix"] and "eps" in f["fix"]
 
+
 def test_an_entropy_written_as_p_log_p_is_told_to_take_log_p_from_the_logits(case, tmp_path):
     # A policy's entropy bonus -(p * log p): a saturated softmax has exact zeros, log(0) is -inf
     # and 0 * -inf NaN. xlogy / special.entr are finite there in forward but NaN in backward,
@@ -366,6 +367,7 @@ def test_an_entropy_written_as_p_log_p_is_told_to_take_log_p_from_the_logits(cas
     weighted = scan(_case(case, body, loss="(0 * out + torch.log(out)).sum(-1).mean()"),
                     tmp_path=tmp_path / "weighted").finding
     assert weighted["cause"] == "log-domain" and "xlogy" not in weighted["fix"]
+
 
 def test_digamma_at_zero_from_exp_underflow_is_a_pole(case, tmp_path):
     body = """
