@@ -104,6 +104,21 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
     Where several runs can share the ranks, give them one launch (tests/e2e/
     count_collectives.py's `--then` runs command lines in turn in the same processes, each at
     its own `free_port()`)."""
+    for _attempt in range(_PORT_TRIES - 1):
+        codes, outputs = _launch_ranks_once(argv, nproc, timeout_s)
+        if not any(_PORT_TAKEN in out + err for out, err in outputs):
+            return codes, outputs
+    return _launch_ranks_once(argv, nproc, timeout_s)
+
+
+# free_port() gives a port free when asked; another test's process may take it before rank 0's
+# store listens on it (xdist runs several launches at once). The ranks then fail to meet, and the
+# launch is made again on a new port.
+_PORT_TAKEN = "has failed to listen on any local network address"
+_PORT_TRIES = 3
+
+
+def _launch_ranks_once(argv, nproc: int, timeout_s: float) -> tuple[list, list]:
     import os
     import signal
     import subprocess
