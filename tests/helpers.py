@@ -75,8 +75,20 @@ INTERRUPTED_CASE = LINEAR_CASE + (
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now: where a launch's ranks meet (env:// rendezvous)."""
+    """A TCP port free on 127.0.0.1 now: where a launch's ranks meet (env:// rendezvous). At
+    random below the ephemeral range (32768 and up on Linux): the system gives those to every
+    outgoing connection, gloo's many among them, and one could take the port between this call
+    and rank 0's bind (rank 1 then waited on a store that was not its own until the timeout)."""
+    import random
     import socket
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -141,17 +153,33 @@ def _launch_ranks_once(argv, nproc: int, timeout_s: float) -> tuple[list, list]:
                                   start_new_session=True)
         try:
             out, err = parent.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(parent.pid, signal.SIGKILL)         # the parent and every rank
+            parent.wait()
+            outputs = _rank_outputs(folder, nproc)
+            if any(_PORT_TAKEN in o + e for o, e in outputs):
+                return [None] * nproc, outputs            # a peer waited on a taken port
+            raise
         finally:
             if parent.poll() is None:
                 os.killpg(parent.pid, signal.SIGKILL)     # the parent and every rank
                 parent.wait()
         assert parent.returncode == 0, err
-        outputs = []
-        for rank in range(nproc):
-            with open(os.path.join(folder, f"{rank}.out")) as o, \
-                    open(os.path.join(folder, f"{rank}.err")) as e:
-                outputs.append((o.read(), e.read()))
+        outputs = _rank_outputs(folder, nproc)
     return json.loads(out.splitlines()[-1]), outputs
+
+
+def _rank_outputs(folder: str, nproc: int) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each rank, as far as it wrote them."""
+    import os
+    outputs = []
+    for rank in range(nproc):
+        texts = []
+        for stream in ("out", "err"):
+            path = os.path.join(folder, f"{rank}.{stream}")
+            texts.append(open(path).read() if os.path.exists(path) else "")
+        outputs.append((texts[0], texts[1]))
+    return outputs
 
 
 def wait_for(path, proc, timeout: float = 60) -> None:
