@@ -5,22 +5,15 @@ ddp_auto.yaml checks what `auto` picks on this machine."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, launch_ranks
+from helpers import ROOT, free_port, launch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 EXAMPLES = ROOT / "configs" / "examples"
 HARD_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra) -> dict:
@@ -121,7 +114,7 @@ def test_torchrun_command_line(tmp_path):
     report = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "nanaudit", "scan",
+         "--master-port", str(free_port()), "-m", "nanaudit", "scan",
          str(EXAMPLES / "ddp_poisoned_rank.yaml"), "--json", str(report), "--quiet"],
         env=_env(), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
     assert proc.returncode == 1, proc.stderr[-3000:]
