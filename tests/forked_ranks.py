@@ -15,12 +15,15 @@ before the fork: each rank imports it as the plain command would, in its own env
 
 SPEC: {"argv": [...], "envs": [{...} per rank], "outputs": folder}. The parent writes each
 rank's exit code (as `Popen.returncode`: -N for a signal) as a JSON list to its stdout; the
-ranks' output is in `folder/RANK.out` and `folder/RANK.err`."""
+ranks' output is in `folder/RANK.out` and `folder/RANK.err`. SIGUSR1 makes the parent and every
+rank print their threads' Python stacks to their stderr and go on."""
 
+import faulthandler
 import gc
 import json
 import os
 import runpy
+import signal
 import sys
 import threading
 
@@ -58,6 +61,9 @@ def main() -> None:
     assert threading.active_count() == 1, "forking a process that runs other threads"
     sys.stdout.flush()
     sys.stderr.flush()
+    # SIGUSR1 prints every thread's Python stack to fd 2, the rank's own .err file after the
+    # fork (the handler and its fd are inherited): a launch past its timeout is dumped so first.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The imported heap moves to the permanent generation: no rank's collector walks it (a
     # collection at each rank's exit walked all of torch's objects, copying the pages each
     # touched: about 1 s of CPU a rank, as much as the run itself).

@@ -116,8 +116,15 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
     Where several runs can share the ranks, give them one launch (tests/e2e/
     count_collectives.py's `--then` runs command lines in turn in the same processes, each at
     its own `free_port()`)."""
+    timed_out = []
     for _attempt in range(_PORT_TRIES - 1):
-        codes, outputs = _launch_ranks_once(argv, nproc, timeout_s)
+        try:
+            codes, outputs = _launch_ranks_once(argv, nproc, timeout_s)
+        except LaunchTimedOut as e:
+            if timed_out:
+                raise AssertionError(f"{e}; an earlier launch timed out too:\n{timed_out[0]}")
+            timed_out.append(e)
+            continue
         if not any(_PORT_TAKEN in out + err for out, err in outputs):
             return codes, outputs
     return _launch_ranks_once(argv, nproc, timeout_s)
@@ -125,9 +132,16 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
 
 # free_port() gives a port free when asked; another test's process may take it before rank 0's
 # store listens on it (xdist runs several launches at once). The ranks then fail to meet, and the
-# launch is made again on a new port.
+# launch is made again on a new port. A launch past its timeout is made again once too: on a
+# loaded 2-core host two launches, each well inside it alone, have once run past it (the
+# ranks' stacks at the timeout are kept, and the second timeout fails the test with both).
 _PORT_TAKEN = "has failed to listen on any local network address"
 _PORT_TRIES = 3
+
+
+class LaunchTimedOut(AssertionError):
+    """A launch's ranks ran past its timeout: the message holds each rank's output and its
+    threads' stacks at that moment."""
 
 
 def _launch_ranks_once(argv, nproc: int, timeout_s: float) -> tuple[list, list]:
@@ -154,12 +168,11 @@ def _launch_ranks_once(argv, nproc: int, timeout_s: float) -> tuple[list, list]:
         try:
             out, err = parent.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(parent.pid, signal.SIGKILL)         # the parent and every rank
-            parent.wait()
-            outputs = _rank_outputs(folder, nproc)
+            outputs = _stacks_then_kill(parent, folder, nproc)
             if any(_PORT_TAKEN in o + e for o, e in outputs):
                 return [None] * nproc, outputs            # a peer waited on a taken port
-            raise
+            raise LaunchTimedOut(f"{argv} ran past {timeout_s} s; each rank's output and "
+                                 f"stacks:\n{_tails(outputs)}") from None
         finally:
             if parent.poll() is None:
                 os.killpg(parent.pid, signal.SIGKILL)     # the parent and every rank
@@ -167,6 +180,24 @@ def _launch_ranks_once(argv, nproc: int, timeout_s: float) -> tuple[list, list]:
         assert parent.returncode == 0, err
         outputs = _rank_outputs(folder, nproc)
     return json.loads(out.splitlines()[-1]), outputs
+
+
+def _stacks_then_kill(parent, folder: str, nproc: int) -> list[tuple[str, str]]:
+    """Have every process of a launch print its stacks (forked_ranks.py's SIGUSR1), kill them
+    all, and return each rank's output."""
+    import os
+    import signal
+    import time
+    os.killpg(parent.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    os.killpg(parent.pid, signal.SIGKILL)             # the parent and every rank
+    parent.wait()
+    return _rank_outputs(folder, nproc)
+
+
+def _tails(outputs: list[tuple[str, str]], chars: int = 6000) -> str:
+    return "\n".join(f"--- rank {rank} stdout:\n{out[-chars:]}\n--- rank {rank} stderr:\n"
+                     f"{err[-chars:]}" for rank, (out, err) in enumerate(outputs))
 
 
 def _rank_outputs(folder: str, nproc: int) -> list[tuple[str, str]]:
