@@ -122,7 +122,7 @@ def launch_ranks(argv, nproc: int = 2, timeout_s: float = 120) -> tuple[list, li
             codes, outputs = _launch_ranks_once(argv, nproc, timeout_s)
         except LaunchTimedOut as e:
             if timed_out:
-                raise AssertionError(f"{e}; an earlier launch timed out too:\n{timed_out[0]}")
+                raise AssertionError(f"{e}; an earlier launch timed out too:\n{timed_out[0]}") from None
             timed_out.append(e)
             continue
         if not any(_PORT_TAKEN in out + err for out, err in outputs):

@@ -345,7 +345,9 @@ def _next_steps(report: Report, saved: frozenset[str]) -> Text:
         hints.append("change how the model is compiled as the fix says (your code as written "
                      "stays finite)")
     if f.samples and report.command != "bisect":
-        hints.append(f"inspect batch rows {rows_label(f.samples)} of step {f.step}")
+        window = (f"micro-batch {f.micro_batch} of step {f.step}"
+                  if f.micro_batch is not None and f.batch_index is None else f"step {f.step}")
+        hints.append(f"inspect batch rows {rows_label(f.samples)} of {window}")
     elif f.samples:
         hints.append(f"inspect rows {rows_label(f.samples)} of batch {f.step} (and the skip list)")
     if f.cause == Cause.NONFINITE_PARAMETER:

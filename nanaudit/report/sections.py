@@ -145,8 +145,10 @@ class SkipEntry:
     # --keep-going's bad steps (run, scan): the optimizer step and the rank whose batch it was.
     step: int | None = None
     rank: int | None = None
+    # `run` under gradient accumulation, whose `batch` is the step: the bad batch's place in it
+    micro_batch: int | None = None
 
-    OMIT_WHEN_NONE = ("confirmed", "step", "rank")
+    OMIT_WHEN_NONE = ("confirmed", "step", "rank", "micro_batch")
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,9 @@ The file is `{"skip": [entry, ...]}`, one entry per bad batch, each a SkipEntry:
 data's index of the batch; the step when the run knows no index), `rows` (null: not isolated),
 `sample_ids` (the data set's ids of those rows, where the batch carries them), `cause`, and
 where they apply `confirmed` (bisect: false when the data gave a different batch when read
-again), `step` (the optimizer step of a bad step) and `rank` (the rank whose batch it was).
+again), `step` (the optimizer step of a bad step), `rank` (the rank whose batch it was) and,
+where `batch` is the step under gradient accumulation, `micro_batch` (the bad batch's place in
+the step's window).
 Keys are only ever added, so a reader of bisect's lists reads these too.
 """
 
@@ -20,8 +22,9 @@ from nanaudit.report.sections import SkipEntry
 def skip_entry(finding: Finding) -> SkipEntry:
     """The entry of one bad step's finding: its batch, rows, ids, cause, step and rank."""
     producer = finding.producer
-    return SkipEntry(batch=finding.batch_index if finding.batch_index is not None
-                     else finding.step,
+    index = finding.batch_index
+    return SkipEntry(batch=index if index is not None else finding.step,
+                     micro_batch=finding.micro_batch if index is None else None,
                      rows=list(finding.samples) if finding.samples is not None else None,
                      sample_ids=producer.sample_ids if producer is not None else None,
                      cause=finding.cause, step=finding.step, rank=finding.rank)

@@ -43,6 +43,7 @@ class DataWindow(RerunWindow):
         self.data_tracer = tracer(torch.nn.Module())    # no model yet: modules named by type
         self.tap = LoaderTap()
         self.inputs: list | None = None
+        self.calls = 0                   # step N's micro-batches reached, the bad one last
         self.loader_batches: list = []
         self._tapped = False
         self._on: int | None = None     # the thread in the script's own code (its mode stack)
@@ -103,6 +104,7 @@ class DataWindow(RerunWindow):
         (`entry`, the compiled wrapper the script called, and `names` play no part: no model
         op is traced here)."""
         inputs = data_inputs(args, kwargs)
+        self.calls += 1
         if all(bool(torch.isfinite(t).all()) for _, t in inputs):
             return                     # a micro-batch before the bad one: go on
         self.inputs, self.loader_batches = inputs, list(self.tap.batches)
@@ -121,7 +123,9 @@ class DataWindow(RerunWindow):
     def traced(self) -> str:
         span = (f"from its start to its first model call and from step {self.trace_from}'s "
                 f"data on" if self.trace_from > 1 else "from its start")
-        return (f"the script's own code {span} to step {self.step}'s first model call "
+        call = (f"step {self.step}'s model call of micro-batch {self.calls - 1}"
+                if self.calls > 1 else f"step {self.step}'s first model call")
+        return (f"the script's own code {span} to {call} "
                 f"(outside its models' forward and backward passes and its optimizer steps)")
 
     def localize(self, result: RerunResult) -> None:
@@ -129,6 +133,8 @@ class DataWindow(RerunWindow):
         if self.inputs is None or self.step is None:
             return
         fields = input_fields(self.inputs)
+        # a later micro-batch's (the first's is named by the first run, which saw the window)
+        fields["micro_batch"] = self.calls - 1 or None
         result.fingerprint = fields["fingerprint"]
         finding = first_run_finding(ScriptTrip(step=self.step, check=Check.INPUT, **fields))
         result.ops_traced = self.data_tracer.trace.ops_seen

@@ -29,6 +29,7 @@ def first_run_finding(trip: ScriptTrip) -> Finding:
     by localize's one builder from what the script's hooks saw, then the clauses that add."""
     seen, clauses = _seen(trip)
     finding = first_finding(seen)
+    finding.micro_batch = trip.micro_batch
     for clause in clauses:
         finding.explain(clause)
     return finding
@@ -60,7 +61,9 @@ def _seen(trip: ScriptTrip) -> tuple[Seen, list[str]]:
 
 
 def _input_text(trip: ScriptTrip) -> str:
-    return (f"the floating inputs of the first module call of step {trip.step} hold non-finite "
+    window = (f"micro-batch {trip.micro_batch} of step {trip.step}"
+              if trip.micro_batch is not None else f"step {trip.step}")
+    return (f"the floating inputs of the first module call of {window} hold non-finite "
             f"values before the model runs: {short(trip.tensors)} (shapes {trip.input_shapes})"
             + (f", row(s) {short(trip.rows)}" if trip.rows else ""))
 
@@ -92,7 +95,10 @@ def trip_notes(trip: ScriptTrip) -> list[str]:
     if trip.collapsed:
         notes.append(f"{trip.scaler}'s loss scale collapsed: {trip.collapsed}; the gradients "
                      f"overflow whatever the scale, so no update would ever run")
-    if trip.skipped:
+    if trip.skipped and trip.check == Check.INPUT:
+        notes.append("the GradScaler skipped this step's update (the bad batch made its loss "
+                     "non-finite)")
+    elif trip.skipped:
         notes.append("the GradScaler skipped this step, but its loss was already non-finite "
                      "before any scaling: every later step would be skipped too")
     if trip.error:

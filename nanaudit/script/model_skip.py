@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from nanaudit.run.compiled import dynamo_context
@@ -81,6 +82,7 @@ class ModelSkip:
         self._depth = 0
         self._stretch: RngStates | None = None
         self._original: Any = None
+        self._unscale: Any = None
 
     def install(self) -> ModelSkip:
         original, skip = torch.nn.Module.__call__, self
@@ -92,12 +94,16 @@ class ModelSkip:
                 return original(module, *args, **kwargs)
             return skip._call(module, args, kwargs)
         torch.nn.Module.__call__ = call  # type: ignore[method-assign]
+        self._unscale = _scaler_checks_stood_in_steps()
         return self
 
     def remove(self) -> None:
         if self._original is not None:
             torch.nn.Module.__call__ = self._original  # type: ignore[method-assign]
             self._original = None
+        if self._unscale is not None:
+            GradScaler._unscale_grads_ = self._unscale  # type: ignore[method-assign]
+            self._unscale = None
 
     def _call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         key = signature(module, args, kwargs)
@@ -155,6 +161,24 @@ class Kept:
 
     tensor: torch.Tensor
     grad: bool
+
+
+def _scaler_checks_stood_in_steps() -> Any:
+    """Patch GradScaler's unscaling so that a step whose weights got no gradient (every call
+    stood in for) still records its inf check, a finite one: else `scaler.step` asserts "No
+    inf checks were recorded for this optimizer" and the cheap re-run of every AMP script
+    failed. The optimizer's step then updates nothing, as without a scaler. Returns the
+    original to put back (None: this torch has no such method)."""
+    original = getattr(GradScaler, "_unscale_grads_", None)
+    if original is None:
+        return None
+
+    def unscale_grads(scaler: Any, optimizer: Any, inv_scale: torch.Tensor,
+                      found_inf: torch.Tensor, allow_fp16: bool) -> Any:
+        found = original(scaler, optimizer, inv_scale, found_inf, allow_fp16)
+        return found or {found_inf.device: found_inf}     # `found_inf` is a zero
+    GradScaler._unscale_grads_ = unscale_grads  # type: ignore[method-assign,assignment]
+    return original
 
 
 def stand_in(form: Any) -> Any:

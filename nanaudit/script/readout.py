@@ -74,7 +74,7 @@ class StepInbox:
     losses: list = field(default_factory=list)       # 0-dim losses that reached backward
     factors: list = field(default_factory=list)      # what each was divided by, or None
     input_peaks: list = field(default_factory=list)  # all finite iff each call's inputs are
-    inputs: list = field(default_factory=list)       # (name, tensor) of the last call's inputs
+    inputs: list = field(default_factory=list)       # each call's [(name, tensor)], in order
     clip_norms: list = field(default_factory=list)   # what each `clip_grad_norm_` returned
     scale: Any = None            # the loss scale a GradScaler's `step` ran with (a tensor)
 
@@ -86,7 +86,7 @@ class StepInbox:
         self.factors.append(loss_factor(loss))
 
     def add_inputs(self, inputs: list[tuple[str, torch.Tensor]]) -> None:
-        self.inputs = inputs
+        self.inputs.append(inputs)
         self.input_peaks.extend(input_extremes([t for _, t in inputs]))
 
     def add_clip(self, total_norm: Any) -> None:

@@ -92,6 +92,8 @@ def localize_by_rerun(target: ScriptTarget, options: ScriptOptions, trip: Script
     localized.tensor = localized.tensor or finding.tensor
     if localized.rank is None:           # torchrun: the re-run names the rank that made it
         localized.rank = trip.rank
+    if localized.micro_batch is None:    # an input trip's: the first run counted the window
+        localized.micro_batch = trip.micro_batch
     for note in trip_notes(trip):
         localized.explain(note)
     compiled = localized.compiled

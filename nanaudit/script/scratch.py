@@ -34,6 +34,10 @@ class FolderState:
     root: str
     files: frozenset
     started_ns: int
+    # The top-level files written within the clock's slack before the start (a script or its
+    # data written just before `nanaudit run`, as a test does), with their modification times:
+    # such a file changed only if its time did, never merely for being recent.
+    fresh: tuple = ()
 
     @staticmethod
     def take(root: str) -> FolderState | None:
@@ -63,16 +67,19 @@ class FolderState:
                     files.add(prefix + entry.name)
                     if len(files) > MAX_FILES:
                         return None
-        return FolderState(root, frozenset(files), time.time_ns())
+        started = time.time_ns()
+        return FolderState(root, frozenset(files), started, _fresh(root, started))
 
     def changed(self) -> list[str]:
         """The files the first run changed: modified since it started (the file system's clock
         is coarser than ours: a change in its first _CLOCK_SLACK_NS counts too)."""
         since = self.started_ns - _CLOCK_SLACK_NS
+        fresh = dict(self.fresh)
         found = []
         for name in self.files:
             try:
-                if os.stat(os.path.join(self.root, name)).st_mtime_ns >= since:
+                mtime = os.stat(os.path.join(self.root, name)).st_mtime_ns
+                if mtime >= since and fresh.get(name) != mtime:
                     found.append(name)
             except OSError:
                 continue
@@ -87,6 +94,25 @@ class FolderState:
             except OSError:
                 continue
         return total
+
+
+def _fresh(root: str, started_ns: int) -> tuple:
+    """(name, modification time) of the folder's top-level files modified within the clock's
+    slack before `started_ns` (a stat each for the top level's few files only)."""
+    fresh = []
+    try:
+        with os.scandir(root) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file():
+                        mtime = entry.stat().st_mtime_ns
+                        if mtime >= started_ns - _CLOCK_SLACK_NS:
+                            fresh.append((entry.name, mtime))
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return tuple(fresh)
 
 
 @dataclass(frozen=True)

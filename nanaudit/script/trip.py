@@ -43,6 +43,7 @@ class ScriptTrip:
     unreached: bool = False             # a loss the script computed and skipped before backward
     element: ShardElement | None = None  # a sharded tensor's first bad element (run/mesh.py)
     fingerprint: str | None = None      # input trips: the first bad input's bytes, hashed
+    micro_batch: int | None = None      # input trips: the window's call whose batch was bad
     made_before: bool = False           # in-process: the value was made before the step's
     #                                     first model call (the re-run traces that code)
 
@@ -63,6 +64,18 @@ class ScriptTrip:
         """Where the value showed: the loss and buffers in forward, the gradients in
         backward."""
         return Where.FORWARD if self.check == Check.LOSS or self.in_buffers else Where.BACKWARD
+
+
+def window_input_fields(calls: list[list]) -> dict:
+    """input_fields of the window's first call whose floating inputs are non-finite (each
+    call's [(name, tensor)], in order; one host read a call, at a trip only), with its place
+    in the window (`micro_batch`) when the window had more than one call: under gradient
+    accumulation the bad batch need not be the last micro-batch, nor the first."""
+    index = next((i for i, inputs in enumerate(calls)
+                  if not all(bool(torch.isfinite(t).all()) for _, t in inputs)), len(calls) - 1)
+    fields = input_fields(calls[index] if calls else [])
+    fields["micro_batch"] = index if len(calls) > 1 else None
+    return fields
 
 
 def input_fields(inputs: list) -> dict:

@@ -18,7 +18,7 @@ from nanaudit.run.optimizer_state import nonfinite_state
 from nanaudit.run.sharded import local_shards, nonfinite_shards
 from nanaudit.script.ledger import Ledger, describe_optimizer
 from nanaudit.script.readout import StepRead
-from nanaudit.script.trip import ScriptTrip, float_kind, input_fields
+from nanaudit.script.trip import ScriptTrip, float_kind, window_input_fields
 
 
 class TripNamer:
@@ -63,7 +63,8 @@ class TripNamer:
 
     def input_trip(self, step: int, inputs: list, loss: float,
                    grad_norm: float | None) -> ScriptTrip:
-        fields = input_fields(inputs)
+        """The trip of a window whose batch was non-finite: `inputs`, each call's."""
+        fields = window_input_fields(inputs)
         return self.trip(step, Check.INPUT, fields.pop("value"), fields.pop("tensors"),
                          loss=loss, grad_norm=grad_norm, **fields)
 

@@ -39,6 +39,20 @@ def test_the_files_the_first_run_changed_are_those_modified_since_it_started(tmp
     assert state.changed() == ["log.txt"]
 
 
+def test_a_file_written_just_before_the_start_is_changed_only_if_written_again(tmp_path):
+    # A test (or a user) writes the script and its data, then runs at once: within the file
+    # system clock's slack of the start, which alone must not count as the first run's change.
+    (tmp_path / "train.py").write_text("print(1)\n")
+    (tmp_path / "log.txt").write_text("old\n")
+    state = FolderState.take(str(tmp_path))
+    assert state is not None and state.changed() == []
+    with open(tmp_path / "log.txt", "a") as log:
+        log.write("new\n")
+    later = time.time_ns() + 10**9                    # the clock's next tick, whatever it is
+    os.utime(tmp_path / "log.txt", ns=(later, later))
+    assert state.changed() == ["log.txt"]
+
+
 def test_a_folder_past_the_limit_is_not_listed(tmp_path, monkeypatch):
     monkeypatch.setattr(scratch, "MAX_FILES", 3)
     for i in range(2):
