@@ -6,7 +6,8 @@ import os
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import CodeType
+from typing import Any, TypeVar
 
 from nanaudit.exitcodes import ExitCode
 from nanaudit.report.sections import (
@@ -100,6 +101,38 @@ def is_own_file(filename: str) -> bool:
     The one test of "user code or ours", for tracebacks and for the op tracer's source lines."""
     path = os.path.abspath(filename)
     return path.startswith(_PACKAGE_DIR + os.sep) and not path.startswith(_DEMO_DIR)
+
+
+# nanaudit's functions that pass a call of the user's on (a patched `optimizer.step`, the mode
+# that records the loss code): the frame an error of that call, or of its arguments, is raised
+# in may be theirs. Marked with `delegates`; read by `raised_by_nanaudit`.
+_DELEGATES: set[CodeType] = set()
+
+_Callable = TypeVar("_Callable", bound=Callable[..., Any])
+
+
+def delegates(fn: _Callable) -> _Callable:
+    """Mark `fn` as passing a call of the user's on: an exception raised in its own frame (a C
+    function it calls for them refusing their arguments, or their arguments not fitting) is
+    still the user's."""
+    _DELEGATES.add(fn.__code__)
+    return fn
+
+
+def raised_by_nanaudit(exc: BaseException) -> bool:
+    """Was `exc` raised in nanaudit's own code (a hook the script's call ran), not in the user's
+    nor by a call nanaudit passed on for them? Then it is a bug of ours, which must not be
+    reported as the script's error (exit 4, "fix your code"). The frame it was raised in
+    decides: one of nanaudit's files and not a delegate. An error raised deeper, in torch's
+    Python code called from a hook of ours, still counts as the user's: there nanaudit's part
+    cannot be told from a call it passed on."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return is_own_file(code.co_filename) and code not in _DELEGATES
 
 
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
@@ -199,11 +232,15 @@ def own_error_within(exc: BaseException) -> NanauditError | None:
     return None
 
 
+@delegates
 def call_user(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call user code; any exception it raises becomes a UserCodeError naming `what`."""
+    """Call user code; any exception it raises becomes a UserCodeError naming `what` (one a
+    hook of ours raised is ours: raised as it is, a bug to report)."""
     try:
         return fn(*args, **kwargs)
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
+        if raised_by_nanaudit(exc):
+            raise
         raise (own_error_within(exc) or UserCodeError(what, exc)) from exc

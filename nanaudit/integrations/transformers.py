@@ -56,6 +56,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from nanaudit.errors import delegates
 from nanaudit.integrations.held_step import HeldStep
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
 from nanaudit.run.compiled import find_compiled
@@ -124,6 +125,7 @@ class NanauditCallback(TrainerCallback):
         self._original = original
         callback = self
 
+        @delegates
         def compute_loss(model: torch.nn.Module, inputs: dict[str, Any], *args: Any,
                          **kwargs: Any) -> Any:
             if not (model.training and torch.is_grad_enabled()):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nanaudit.errors import delegates
 from nanaudit.run.batch import same_batch
 from nanaudit.run.step import RngState
 
@@ -102,12 +103,14 @@ class LoaderTap:
         tap = self
 
         if name == "_try_put_index":
+            @delegates
             def wrapper(it: Any, *args: Any, **kwargs: Any) -> Any:
                 task = getattr(it, "_send_idx", None)
                 result = original(it, *args, **kwargs)
                 tap._after_put(it, task)
                 return result
         else:
+            @delegates
             def wrapper(it: Any, *args: Any, **kwargs: Any) -> Any:
                 result = original(it, *args, **kwargs)
                 assert after is not None

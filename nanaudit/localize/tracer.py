@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanaudit.errors import is_own_file
+from nanaudit.errors import delegates, is_own_file
 from nanaudit.localize.events import ForwardRecord, OpEvent, Trace, kinds_of
 from nanaudit.localize.module_stack import ModuleStack
 from nanaudit.localize.ops import named_tensors, schema_names
@@ -145,6 +145,7 @@ class _TracingMode(TorchDispatchMode):
         super().__init__()
         self.tracer = tracer
 
+    @delegates
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         return self.tracer.run_op(func, args, kwargs or {})
@@ -202,6 +203,7 @@ class OpTracer:
                 node.metadata["nanaudit"] = record
         self._pending = []
 
+    @delegates
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run one aten op and record it (the dispatch mode's handler)."""
         node = torch._C._current_autograd_node()

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from nanaudit.errors import delegates
 from nanaudit.run.sharded import PreReduceFlags
 
 
@@ -107,6 +108,7 @@ def wrap_zero_step(zero: Any, entered: Callable[[], None],
     def count(optimizer: Any, args: tuple, kwargs: dict) -> None:
         calls[0] += 1
 
+    @delegates
     def step(*args: Any, **kwargs: Any) -> Any:
         entered()
         before = calls[0]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nanaudit.errors import delegates
 from nanaudit.run.loss_code import differentiates
 
 
@@ -82,6 +83,7 @@ class LossTap:
         self._scaled.clear()
 
     def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @delegates
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             return self._differentiating(tensors, lambda: original(tensors, *args, **kwargs))
         return backward
@@ -89,6 +91,7 @@ class LossTap:
     def _wrap_grad(self, original: Callable[..., Any]) -> Callable[..., Any]:
         trained = self.trained or set()
 
+        @delegates
         def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(inputs, (torch.Tensor, list, tuple)):
                 inputs = tuple(inputs)          # `model.parameters()`: read it once, here
@@ -98,6 +101,7 @@ class LossTap:
         return grad
 
     def _wrap_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @delegates
         def scale(scaler: Any, outputs: Any) -> Any:
             scaled = original(scaler, outputs)
             if self.on_scale is not None:

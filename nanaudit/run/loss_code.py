@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from nanaudit.errors import is_own_file
+from nanaudit.errors import delegates, is_own_file
 
 MAX_OPS = 4096            # a "loss code" longer than this is a loop of its own: not replayable
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -201,6 +201,7 @@ class LossCodeRecorder(TorchFunctionMode):
             self.code.roots.append((func, args, kwargs))
         self.stop()
 
+    @delegates
     def paused(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         """`call(*args, **kwargs)` with the mode popped (an optimizer's `zero_grad` between the
         loss and backward: nothing of the loss, and a torch call per parameter)."""
@@ -223,6 +224,7 @@ class LossCodeRecorder(TorchFunctionMode):
             _pop()
             self.pushed = False
 
+    @delegates
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         # The leave-on price: every op of every step's loss code passes here, so the record

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import torch
 
+from nanaudit.errors import delegates
+
 
 class Waiting(Protocol):
     """What the script's hooks expose to this module (hooks.ScriptHooks)."""
@@ -57,12 +59,14 @@ class CompiledCalls:
     def install(self) -> CompiledCalls:
         compile_fn, module_compile = torch.compile, torch.nn.Module.compile
 
+        @delegates
         @functools.wraps(compile_fn)
         def compile(*args: Any, **kwargs: Any) -> Any:
             compiled = compile_fn(*args, **kwargs)
             self._wrap_optimized_module()
             return compiled
 
+        @delegates
         @functools.wraps(module_compile)
         def compile_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
             module_compile(module, *args, **kwargs)
@@ -96,6 +100,7 @@ class CompiledCalls:
         hooks.stop_waiting()
         return not hooks.take_first_call(module, args, kwargs, entry)
 
+    @delegates
     def _calling(self, module: torch.nn.Module, entry: Any, call: Callable[..., Any],
                  args: tuple, kwargs: dict) -> Any:
         waiting = self.hooks.waiting
@@ -119,6 +124,7 @@ class CompiledCalls:
         from torch._dynamo.eval_frame import OptimizedModule
         original = OptimizedModule.__call__
 
+        @delegates
         @functools.wraps(original)
         def call(optimized: Any, *args: Any, **kwargs: Any) -> Any:
             return self._calling(optimized._orig_mod, optimized,
@@ -134,6 +140,7 @@ class CompiledCalls:
         if original is None:
             return
 
+        @delegates
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._calling(module, module, original, args, kwargs)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nanaudit.errors import delegates
 from nanaudit.run.check.scope import BufferScope
 from nanaudit.run.intercept import LossTap, checked_closure_args
 from nanaudit.script.compiled_calls import CompiledCalls
@@ -286,6 +287,7 @@ class ScriptHooks:
         original, listener, tap, trained = (Optimizer.__init__, self.listener, self.tap,
                                             self.trained)
 
+        @delegates
         @functools.wraps(original)
         def init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             listener.optimizer_built(optimizer)
@@ -302,6 +304,7 @@ def _wrap_scaler_step(hooks: ScriptHooks) -> Any:
     from torch.amp import GradScaler
     original, listener, tap = GradScaler.step, hooks.listener, hooks.tap
 
+    @delegates
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         before = listener.stepped()
         hooks.scaler = scaler
@@ -326,6 +329,7 @@ def _wrap_clip(listener: Listener) -> Any:
     from torch.nn.utils import clip_grad
     original = clip_grad.clip_grad_norm_
 
+    @delegates
     @functools.wraps(original)
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         total = original(*args, **kwargs)

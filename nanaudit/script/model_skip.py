@@ -32,6 +32,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from nanaudit.errors import delegates
 from nanaudit.run.compiled import dynamo_context
 from nanaudit.run.step_record import RngStates, rng_states
 
@@ -88,6 +89,7 @@ class ModelSkip:
         original, skip = torch.nn.Module.__call__, self
         self._original = original
 
+        @delegates
         def call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if (skip._depth or skip.current() >= skip.step or not trains(module)
                     or compiled(module)):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from nanaudit.errors import delegates
 from nanaudit.run.live import holds_hook
 from nanaudit.run.loss_code import LossCodeRecorder
 from nanaudit.run.step_record import ModelCall, StepRecord
@@ -89,6 +90,7 @@ class StepTap:
         # `loss.backward()` ends the loss code before it would pass through the mode.
         backward, recorder, tap = torch.Tensor.backward, self._recorder, self
 
+        @delegates
         @functools.wraps(backward)
         def reaching(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if recorder.pushed:         # else: no loss code is being recorded
@@ -115,6 +117,7 @@ class StepTap:
     def _paused(self, original: Any) -> Any:
         recorder = self._recorder
 
+        @delegates
         @functools.wraps(original)
         def zero_grad(owner: Any, *args: Any, **kwargs: Any) -> Any:
             if recorder.pushed:

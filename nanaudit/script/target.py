@@ -24,7 +24,9 @@ from nanaudit.errors import (
     ConfigError,
     NanauditError,
     UserCodeError,
+    delegates,
     own_error_within,
+    raised_by_nanaudit,
 )
 from nanaudit.exitcodes import STOP_SIGNALS
 from nanaudit.report.bad_steps import MAX_BAD_STEPS
@@ -203,6 +205,7 @@ def execute(target: ScriptTarget, hooks: Hooks, seed: int, children: Any = None)
     saved_argv, saved_path, saved_cwd = sys.argv[:], sys.path[:], os.getcwd()
     interrupts = Interrupts(children.halting if children is not None else None).__enter__()
 
+    @delegates
     def script() -> None:
         seed_everything(seed)
         if target.module:
@@ -243,6 +246,8 @@ def _audited(target: ScriptTarget, hooks: Hooks, run: Callable[[], None], childr
     except (KeyboardInterrupt, NanauditError):
         raise
     except USER_FAILURES as exc:
+        if raised_by_nanaudit(exc):
+            raise       # a hook of ours failed inside the script's call: a bug to report (exit 6)
         if not tripped():
             raise (own_error_within(exc) or user_error(target, exc)) from exc
     finally:
