@@ -71,6 +71,7 @@ class SyncStep:
         readout = ctx.checks.step_readout(loss, leaves, state)
         read, table, extras = self._read(readout, loss, last, leaves)
         batch_norm, norm, loss_value, gnorm = readout.read(read)
+        summed = gnorm                  # the float32 norm `grad_clip` scales by, as read
         # The common case, all finite, needs nothing confirmed or classified.
         all_finite = math.isfinite(batch_norm + norm + loss_value + gnorm)
         inputs_ok = True
@@ -84,6 +85,8 @@ class SyncStep:
         lr = current_lr(ctx.optimizer)
         trip, scaler_step, applied = self._advance(step, trip, norm, readout, scale,
                                                    loss_value, gnorm, updated)
+        if applied and ctx.session.options.grad_clip and not math.isfinite(summed):
+            ctx.watches.clip_overflowed(step)   # finite gradients (no trip), clipped to 0
         used = len(readout) + (RankTable.size(len(table.rows)) if table is not None else 0)
         fields = ctx.watches.observe(step, read[used:], ctx.outcome.timeline,
                                       loss_value, gnorm, extras)

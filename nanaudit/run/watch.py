@@ -38,13 +38,13 @@ _STEP = operator.attrgetter("step")
 SQUARES_OVERFLOW = math.sqrt(torch.finfo(torch.float32).max)   # |x| whose square is inf
 
 
-def clip_overflow_warning(step: int) -> EarlyWarning:
+def clip_overflow_warning(step: int, clip: str = "`clip_grad_norm_`") -> EarlyWarning:
     """`clip_grad_norm_` returned a non-finite total for gradients it left finite: its float32
     sum of squares overflowed, its clip coefficient max_norm / inf is 0, so every gradient it
     scaled is 0 and the update moved nothing (plain SGD) or only by momentum."""
     return EarlyWarning(
         kind=WarningKind.NEAR_OVERFLOW, step=step, began=step, threshold=SQUARES_OVERFLOW,
-        message=(f"`clip_grad_norm_` returned a non-finite total norm at step {step} for "
+        message=(f"{clip} returned a non-finite total norm at step {step} for "
                  f"gradients that were finite: a float32 sum of their squares overflowed (one "
                  f"gradient above {SQUARES_OVERFLOW:.3g} is enough), so it scaled every gradient "
                  f"to 0 and the step's update learned nothing from them"))

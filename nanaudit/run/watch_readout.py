@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from nanaudit.run.watch import MAX_WARNINGS, ActivationWatch, GrowthWatch, UpdateWatch
+from nanaudit.run.watch import (
+    MAX_WARNINGS,
+    ActivationWatch,
+    GrowthWatch,
+    UpdateWatch,
+    clip_overflow_warning,
+)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class WatchReadout:
         self.updates = UpdateWatch(params, update_every, session.device)
         self.growth = GrowthWatch(options)
         self.warnings: list = []
+        self._clip_told = False
 
     def extra_readout(self) -> tuple[list[torch.Tensor], ReadoutExtras]:
         """The values this step adds to the readout ([update norm (, its base)], [activation
@@ -95,6 +102,13 @@ class WatchReadout:
         for entry in reversed(timeline[-2:]):
             if entry.step == step:
                 entry.update_ratio = ratio
+
+    def clip_overflowed(self, step: int) -> None:
+        """`grad_clip` scaled finite gradients by max_norm / inf = 0 (their float32 norm
+        overflowed), as `clip_grad_norm_` does: the update learned nothing. Told once a run."""
+        if not self._clip_told:
+            self._clip_told = True
+            self._add([clip_overflow_warning(step, "`grad_clip`'s `clip_grad_norm_`")])
 
     def _add(self, found: list) -> None:
         if not found:

@@ -96,3 +96,38 @@ def test_finite_gradients_the_clip_overflowed_on_and_zeroed_are_warned_of(tmp_pa
     assert "scaled every gradient to 0" in warning.message
     assert [math.isfinite(e.grad_norm) for e in report.timeline] == [True] * 3 + [False, True,
                                                                                True]
+
+
+# The same corrupt row under `nanaudit scan`, whose `grad_clip:` clips as `clip_grad_norm_`
+# does: the update of step 3 learned nothing, which only a warning tells (before: nothing did).
+CLIP_OVERFLOW_CASE = """
+    import torch
+    from torch import nn
+
+    def build_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def batches():
+        g = torch.Generator().manual_seed(0)
+        for step in range(6):
+            x = torch.randn(32, 8, generator=g)
+            if step == 3:
+                x[4] = 1e30
+            yield x
+
+    def loss(model, x):
+        return model(x).abs().mean()
+"""
+
+
+def test_scans_grad_clip_warns_of_finite_gradients_it_zeroed(case, tmp_path):
+    from helpers import scan
+    config = case(CLIP_OVERFLOW_CASE, grad_clip=1.0, optimizer={"class": "torch.optim.SGD",
+                                                                "lr": 0.01})
+    result = scan(config, tmp_path=tmp_path)
+    assert result.code == 0, result.stderr
+    [warning] = result.report["warnings"]
+    assert (warning["kind"], warning["step"]) == ("near-overflow", 3)
+    assert warning["message"].startswith("`grad_clip`'s `clip_grad_norm_` returned a non-finite "
+                                         "total norm at step 3 for gradients that were finite")
