@@ -67,11 +67,14 @@ def local_call(module: torch.nn.Module, trains: bool) -> Callable[..., Any]:
 
 
 def local_backward(module: torch.nn.Module, func: Callable[..., Any]) -> Callable[..., Any]:
-    """What a replay calls for the script's backward `func` (`Tensor.backward` or
-    `torch.autograd.backward`) after a call of `module`: `func` itself, except after a
+    """What a replay calls for the script's backward `func` (`Tensor.backward`,
+    `torch.autograd.backward` or `torch.autograd.grad`) after a call of `module`: `func`
+    itself, except `torch.autograd.grad`, whose gradients are set (_grads_set), and after a
     DeepSpeed engine's call, where the gradients of its module's parameters are computed by
     `torch.autograd.grad` and set: nothing is accumulated, so DeepSpeed's post-accumulation
     hooks, which reduce each gradient with every peer, do not run (see the module docstring)."""
+    if func is _AUTOGRAD_GRAD:
+        return _grads_set
     if not is_engine(module):
         return func
 
@@ -93,6 +96,25 @@ def local_backward(module: torch.nn.Module, func: Callable[..., Any]) -> Callabl
             if grad is not None:
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
     return backward
+
+
+_AUTOGRAD_GRAD = torch.autograd.grad     # as torch has it (nanaudit's hooks wrap it later)
+
+
+def _grads_set(*args: Any, **kwargs: Any) -> Any:
+    """`torch.autograd.grad` as a replay calls it: the gradients it returns go into their
+    leaves' `.grad`, as a script that takes its gradients so sets them (`p.grad = g`) before
+    its step, where the check read them and the replay looks for the value (the replay puts
+    the script's own gradients back afterwards)."""
+    bound = inspect.signature(_AUTOGRAD_GRAD).bind(*args, **kwargs)
+    inputs = bound.arguments["inputs"]
+    leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)   # read once
+    bound.arguments["inputs"] = leaves
+    grads = _AUTOGRAD_GRAD(*bound.args, **bound.kwargs)
+    for leaf, grad in zip(leaves, grads):
+        if grad is not None and leaf.is_leaf:
+            leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+    return grads
 
 
 def _listed(value: Any) -> list:

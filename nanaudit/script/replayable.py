@@ -1,6 +1,6 @@
 """What rules out an in-process replay of a step: the options (`--no-rerun`, `--rerun`) and
-what the step record of a call holds (no output heard, code too long to record, gradients taken
-with `torch.autograd.grad`, code run inside a `torch.func` transform). NotReplayable says why;
+what the step record of a call holds (no output heard, code too long to record, code run inside
+a `torch.func` transform). NotReplayable says why;
 the re-run is used instead."""
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ def replayable(call: ModelCall) -> None:
         raise NotReplayable("the code between the model and backward is too long to record"
                             if call.model_called else
                             "the step's code (it calls no module) is too long to record")
-    if any(func is torch.autograd.grad for func, _a, _k in call.code.roots):
-        raise NotReplayable("the script differentiates with torch.autograd.grad")
     if any(_is_batched(t) for op in call.code.ops for t in tree_flatten(op.args)[0]
            if isinstance(t, torch.Tensor)):
         raise NotReplayable("the step's code runs inside a torch.func transform (vmap), whose "

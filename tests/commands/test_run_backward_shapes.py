@@ -1,6 +1,7 @@
 """`nanaudit run` replays a step in-process however the script differentiates it: a direct
-`torch.autograd.backward([...])` of several losses, a non-scalar `backward(gradient)`, a closure
-step after a forward of the script's own (a metric computed with autograd on): each names the
+`torch.autograd.backward([...])` of several losses, a non-scalar `backward(gradient)`, gradients
+taken with `torch.autograd.grad` and set by the script (before, only the re-run named those), a
+closure step after a forward of the script's own (a metric computed with autograd on): each names the
 op, the step and the row, from the same process. A `torch.func` ensemble under vmap, whose
 tensors exist only inside the transform, is named by the re-run."""
 
@@ -44,6 +45,20 @@ SHAPES = {
         per_row = lengths(x)
         optimizer.zero_grad()
         per_row.backward(torch.full_like(per_row, 1 / 16))
+        optimizer.step()""",
+    "gradients taken and set": """
+        params = list(model.parameters())
+        grads = torch.autograd.grad(lengths(x).mean(), params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()""",
+    "gradients taken by keyword and copied": """
+        params = list(model.parameters())
+        grads = torch.autograd.grad(outputs=lengths(x).mean(), inputs=params)
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(g)
         optimizer.step()""",
     "a closure after a forward of its own": """
         shown = lengths(x).mean()        # a metric, with autograd on, never differentiated
