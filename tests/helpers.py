@@ -78,11 +78,15 @@ def free_port() -> int:
     """A TCP port free on 127.0.0.1 now: where a launch's ranks meet (env:// rendezvous). At
     random below the ephemeral range (32768 and up on Linux): the system gives those to every
     outgoing connection, gloo's many among them, and one could take the port between this call
-    and rank 0's bind (rank 1 then waited on a store that was not its own until the timeout)."""
+    and rank 0's bind (rank 1 then waited on a store that was not its own until the timeout).
+    Each xdist worker draws from a range of its own: two launches of two workers that drew the
+    same port in the seconds before either bound it put one's rank 0 out (EADDRINUSE) and its
+    rank 1 into the other's group, where both hung (a deepspeed launch was seen so)."""
     import random
     import socket
+    low, high = _port_range()
     for _ in range(200):
-        port = random.randint(20000, 32000)
+        port = random.randint(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -92,6 +96,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_PORTS = (20000, 32000)      # below Linux's ephemeral range
+_WORKER_PORTS = 2000         # a worker's share: six workers before the range repeats
+
+
+def _port_range() -> tuple[int, int]:
+    """This process's ports: its xdist worker's share (`gw3`: the fourth), else all of them."""
+    import os
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return _PORTS
+    shares = (_PORTS[1] - _PORTS[0]) // _WORKER_PORTS
+    low = _PORTS[0] + (int(worker[2:]) % shares) * _WORKER_PORTS
+    return low, low + _WORKER_PORTS - 1
 
 
 def line_of(path: Path, text: str) -> int:
