@@ -283,9 +283,8 @@ class ScriptHooks:
             self.await_forward()
 
     def _wrap_optimizer_init(self) -> None:
-        from torch.optim import Optimizer
-        original, listener, tap, trained = (Optimizer.__init__, self.listener, self.tap,
-                                            self.trained)
+        Optimizer, original = torch.optim.Optimizer, torch.optim.Optimizer.__init__
+        listener, tap, trained = self.listener, self.tap, self.trained
 
         @delegates
         @functools.wraps(original)
