@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from nanaudit.report.model import Finding, Report
 from nanaudit.report.sections import BadStepGroup, BadSteps, StepSpans
+from nanaudit.report.text import rows_label
 from nanaudit.report.vocabulary import StopReason
 
 WHY_STOPPED = {
@@ -29,6 +30,7 @@ class BadStepRow(NamedTuple):
     op: str
     at: str                       # file:line, or "" when no line is named
     finding: Finding | None       # None for a summarized group
+    rows: str = ""                # the batch (or micro-batch) and rows, when named
 
 
 def bad_steps_line(section: BadSteps) -> str:
@@ -65,8 +67,8 @@ def bad_step_rows(report: Report) -> list[BadStepRow]:
     section = report.bad_steps
     if section is None:
         return []
-    rows = [BadStepRow(str(f.step), str(f.action or ""), str(f.cause), f.op or "", _at(f), f)
-            for f in report.findings]
+    rows = [BadStepRow(str(f.step), str(f.action or ""), str(f.cause), f.op or "", _at(f), f,
+                       _rows(f)) for f in report.findings]
     rows += [_group_row(g) for g in section.summarized]
     return rows
 
@@ -75,6 +77,14 @@ def _group_row(group: BadStepGroup) -> BadStepRow:
     at = f"{os.path.basename(group.file)}:{group.line}" if group.file else ""
     return BadStepRow(f"{spans_text(group.steps)} ({group.count} steps)", "summarized",
                       str(group.cause), group.op or "", at, None)
+
+
+def _rows(f: Finding) -> str:
+    """"micro-batch 1: [2]", "batch 14: [3, 7]", "[5]": the rows a loop would filter."""
+    where = (f"batch {f.batch_index}" if f.batch_index is not None else
+             f"micro-batch {f.micro_batch}" if f.micro_batch is not None else "")
+    shown = rows_label(f.samples) or ""
+    return f"{where}: {shown}" if where and shown else where or shown
 
 
 def _at(f: Finding) -> str:

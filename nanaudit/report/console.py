@@ -234,11 +234,11 @@ def _bad_steps(report: Report) -> RenderableType:
     assert report.bad_steps is not None
     table = Table(title=bad_steps_line(report.bad_steps), title_justify="left",
                   show_edge=False)
-    for col in ("step", "update", "cause", "op", "line"):
+    for col in ("step", "update", "cause", "op", "line", "rows"):
         table.add_column(col, justify="right" if col == "step" else "left")
     for row in bad_step_rows(report):
         table.add_row(Text(row.steps), Text(row.action), Text(row.cause), Text(row.op),
-                      Text(row.at))
+                      Text(row.at), Text(row.rows))
     persistent = persistent_line(report.bad_steps, report.finding)
     return Group(table, Text(persistent, style="bold")) if persistent else table
 

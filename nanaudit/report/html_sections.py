@@ -69,14 +69,15 @@ def bad_steps_section(report: Report) -> str:
     for row in bad_step_rows(report):
         rows.append([esc(row.steps), esc(row.action), f"<code>{esc(row.cause)}</code>",
                      f'<span class="mono">{esc(row.op or "—")}</span>',
-                     f'<span class="mono">{esc(row.at or "—")}</span>'])
+                     f'<span class="mono">{esc(row.at or "—")}</span>', esc(row.rows or "—")])
         if row.finding is not None:
             details.append(f"<details><summary>step {esc(row.steps)} ({esc(row.action)}): "
                            f"{esc(row.cause)}</summary>{finding_details(row.finding)}</details>")
     persistent = persistent_line(section, report.finding)
     body = (f"<p>{esc(bad_steps_line(section))}</p>"
             + (f'<p class="warn"><b>{esc(persistent)}</b></p>' if persistent else "")
-            + table(("step", "update", "cause", "op", "line"), rows) + "".join(details))
+            + table(("step", "update", "cause", "op", "line", "rows"), rows)
+            + "".join(details))
     return _section("bad-steps", f"Bad steps: {section.count}", body)
 
 

@@ -26,9 +26,9 @@ def _bad_steps(report: Report) -> list[str]:
     if report.bad_steps is None:
         return []
     out = [f"**Bad steps:** {_cell(bad_steps_line(report.bad_steps))}", "",
-           "| step | update | cause | op | line |", "|---:|---|---|---|---|"]
+           "| step | update | cause | op | line | rows |", "|---:|---|---|---|---|---|"]
     out += [f"| {_cell(r.steps)} | {_cell(r.action)} | `{_cell(r.cause)}` | {_code(r.op)} | "
-            f"{_code(r.at)} |" for r in bad_step_rows(report)]
+            f"{_code(r.at)} | {_cell(r.rows)} |" for r in bad_step_rows(report)]
     persistent = persistent_line(report.bad_steps, report.finding)
     return out + ([""] + [f"**{_cell(persistent)}**"] if persistent else []) + [""]
 

@@ -135,8 +135,11 @@ def test_an_amp_scripts_bad_first_micro_batch_is_traced_by_the_rerun_without_the
 
 
 def test_keep_going_lists_each_bad_batch_with_its_micro_batch(tmp_path):
-    skip = tmp_path / "skip.json"
-    _bad_batches(tmp_path, "5,8", True, "--keep-going", "--skip-list", skip)
+    skip, summary = tmp_path / "skip.json", tmp_path / "summary.md"
+    _bad_batches(tmp_path, "5,8", True, "--keep-going", "--skip-list", skip,
+                 "--markdown", summary)
     entries = json.loads(skip.read_text())["skip"]
     assert [(e["batch"], e["step"], e["micro_batch"], e["rows"]) for e in entries] == [
         (2, 2, 1, [2]), (4, 4, 0, [2])]
+    table = summary.read_text()             # the bad steps' table names them too
+    assert "| micro-batch 1: [2] |" in table and "| micro-batch 0: [2] |" in table
