@@ -3,6 +3,7 @@ the error shell every command shares. Returns a Report; never prints or exits.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from nanaudit.commands.common import base_report, guarded, rank_failed
@@ -37,11 +38,13 @@ def run_script(target: ScriptTarget, options: ScriptOptions | None = None) -> Re
     auditor.joins_late = target.call is not None    # a process the script started
     if options.keep_going:
         auditor.keep = KeepGoing(options.max_bad_steps,
-                                 lambda trip: bad_step_finding(auditor, options, trip))
+                                 lambda trip: bad_step_finding(auditor, options, trip),
+                                 lambda: auditor.step)
 
     def body() -> None:
         try:
-            script_error = audit_script(target, options, report, auditor)
+            with auditor.keep.batches if auditor.keep else contextlib.nullcontext():
+                script_error = audit_script(target, options, report, auditor)
         finally:
             record(report, auditor)
         if auditor.ranks is not None and script_error is not None:

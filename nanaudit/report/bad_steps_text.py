@@ -84,6 +84,9 @@ def _rows(f: Finding) -> str:
     where = (f"batch {f.batch_index}" if f.batch_index is not None else
              f"micro-batch {f.micro_batch}" if f.micro_batch is not None else "")
     shown = rows_label(f.samples) or ""
+    indices = f.producer.sample_indices if f.producer is not None else None
+    if shown and indices:
+        shown += f" (data set {rows_label(indices)})"
     return f"{where}: {shown}" if where and shown else where or shown
 
 

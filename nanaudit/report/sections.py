@@ -147,8 +147,9 @@ class SkipEntry:
     rank: int | None = None
     # `run` under gradient accumulation, whose `batch` is the step: the bad batch's place in it
     micro_batch: int | None = None
+    sample_indices: list | None = None   # `run`: the data set's indices of the rows, if known
 
-    OMIT_WHEN_NONE = ("confirmed", "step", "rank", "micro_batch")
+    OMIT_WHEN_NONE = ("confirmed", "step", "rank", "micro_batch", "sample_indices")
 
 
 @dataclass(kw_only=True)

@@ -3,7 +3,9 @@ its data (`bisect --skip-list PATH`, and the bad steps of a run that kept going)
 
 The file is `{"skip": [entry, ...]}`, one entry per bad batch, each a SkipEntry: `batch` (the
 data's index of the batch; the step when the run knows no index), `rows` (null: not isolated),
-`sample_ids` (the data set's ids of those rows, where the batch carries them), `cause`, and
+`sample_ids` (the data set's ids of those rows, where the batch carries them),
+`sample_indices` (`run`: the data set's indices of those rows, where a DataLoader's sampler gave
+them, omitted when unknown), `cause`, and
 where they apply `confirmed` (bisect: false when the data gave a different batch when read
 again), `step` (the optimizer step of a bad step), `rank` (the rank whose batch it was) and,
 where `batch` is the step under gradient accumulation, `micro_batch` (the bad batch's place in
@@ -27,6 +29,7 @@ def skip_entry(finding: Finding) -> SkipEntry:
                      micro_batch=finding.micro_batch if index is None else None,
                      rows=list(finding.samples) if finding.samples is not None else None,
                      sample_ids=producer.sample_ids if producer is not None else None,
+                     sample_indices=producer.sample_indices if producer is not None else None,
                      cause=finding.cause, step=finding.step, rank=finding.rank)
 
 

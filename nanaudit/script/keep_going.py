@@ -20,6 +20,7 @@ from nanaudit.report.model import Finding
 from nanaudit.report.vocabulary import BadStepAction, Check, StopReason
 from nanaudit.run.check.decision import StepDecision, keep_going
 from nanaudit.run.step_record import StepRecord
+from nanaudit.script.batch_origin import StepBatches, name_samples
 from nanaudit.script.held_update import HeldUpdates
 from nanaudit.script.trip import ScriptTrip
 
@@ -29,11 +30,14 @@ class KeepGoing:
     op in-process and returns its finding (the runner's own, given in: this module does not
     import the tracer)."""
 
-    def __init__(self, max_bad_steps: int, localize: Callable[[ScriptTrip], Finding]):
+    def __init__(self, max_bad_steps: int, localize: Callable[[ScriptTrip], Finding],
+                 step: Callable[[], int]):
         self.log = BadStepLog(max_bad_steps)
         self.held = HeldUpdates()
         self.stop_reason: StopReason | None = None
         self._localize = localize
+        # the DataLoader batches of the current step, entered for the run (batch_origin.py)
+        self.batches = StepBatches(step)
 
     def decide(self, trip: ScriptTrip, skippable: bool) -> StepDecision:
         """SKIP or STOP for a step that tripped (the reason of a STOP is kept)."""
@@ -48,16 +52,19 @@ class KeepGoing:
         back. A loss the script's own guard skipped before backward (`if not
         torch.isfinite(loss): continue`), with finite gradients after it, was left out by the
         script already: the update that follows is the next batch's, and is applied."""
-        self.log.record(self._localize(trip), BadStepAction.SKIPPED)
+        finding = self._localize(trip)
+        name_samples(finding, trip, record.calls, self.batches.recent)
+        self.log.record(finding, BadStepAction.SKIPPED)
         if trip.unreached and trip.grad_norm is not None and math.isfinite(trip.grad_norm):
             return False
         record.restore_buffers()
         return True
 
-    def ended(self, finding: Finding, trip: ScriptTrip) -> None:
+    def ended(self, finding: Finding, trip: ScriptTrip, record: StepRecord) -> None:
         """The bad step the run ended at: stopped by the decision, or met when the script
         raised (no update to hold back: it stops) or ended (a loss no update followed: a
         skipped step, unless the stop rules say otherwise)."""
+        name_samples(finding, trip, record.calls, self.batches.recent)
         reason = self.stop_reason
         if reason is None:
             decision, reason = keep_going(trip.check, self.log.skipped, self.log.max_bad_steps,

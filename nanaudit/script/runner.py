@@ -86,7 +86,7 @@ def audit_script(target: ScriptTarget, options: ScriptOptions, report: Report,
             if auditor.optimizer_count == 1:    # linked before the log keys it by its cause
                 link_warnings(finding, auditor.warnings_so_far(trip.step),
                               _replay_precision(report), trip.optimizer, auditor.ledger.clips)
-            keep.ended(finding, trip)
+            keep.ended(finding, trip, auditor.hooks.tap.record)
     record(report, auditor)      # under --keep-going: every bad step's finding
     attach_timeline_warnings(report, trip, auditor)
     return script_error

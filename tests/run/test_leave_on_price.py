@@ -38,7 +38,7 @@ def audited(keep_going: bool = False) -> Iterator[tuple[ScriptAuditor, Any]]:
     hand)."""
     auditor = ScriptAuditor()
     if keep_going:
-        auditor.keep = KeepGoing(10, lambda trip: None)
+        auditor.keep = KeepGoing(10, lambda trip: None, lambda: auditor.step)
     auditor.install()
     try:
         torch.manual_seed(0)
