@@ -123,16 +123,25 @@ def raised_by_nanaudit(exc: BaseException) -> bool:
     """Was `exc` raised in nanaudit's own code (a hook the script's call ran), not in the user's
     nor by a call nanaudit passed on for them? Then it is a bug of ours, which must not be
     reported as the script's error (exit 4, "fix your code"). The frame it was raised in
-    decides: one of nanaudit's files and not a delegate. An error raised deeper, in torch's
-    Python code called from a hook of ours, still counts as the user's: there nanaudit's part
-    cannot be told from a call it passed on."""
+    decides: one of nanaudit's files and not a delegate, nor the API a script calls itself
+    (`Sentinel` raising NonFiniteError, a callback refusing its arguments: its errors are the
+    script's to handle). An error raised deeper, in torch's Python code called from a hook of
+    ours, still counts as the user's: there nanaudit's part cannot be told from a call it
+    passed on."""
     tb = exc.__traceback__
     if tb is None:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    return is_own_file(code.co_filename) and code not in _DELEGATES
+    path = os.path.abspath(code.co_filename)
+    return is_own_file(path) and not path.startswith(_PUBLIC_API) and path != _PACKAGE_INIT \
+        and code not in _DELEGATES
+
+
+# What a script calls of nanaudit itself: the integrations, and the package's lazy names.
+_PUBLIC_API = os.path.join(_PACKAGE_DIR, "integrations") + os.sep
+_PACKAGE_INIT = os.path.join(_PACKAGE_DIR, "__init__.py")
 
 
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:

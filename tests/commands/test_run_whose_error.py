@@ -80,3 +80,35 @@ def test_an_exception_a_hook_of_nanaudits_raised_is_nanaudits_bug_not_the_script
     assert error["message"] == "KeyError: 'the step'"
     assert os.path.dirname(nanaudit.__file__) in error["traceback"]
     assert "the script" not in stderr.split("Traceback")[0]
+
+
+def test_the_error_the_scripts_own_sentinel_raises_is_the_scripts(tmp_path):
+    # nanaudit's API raising at the script's call (Sentinel's NonFiniteError) is the script's
+    # to handle: here the value it names is the run's finding, as for any raise on a NaN.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        from nanaudit import Sentinel
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sentinel = Sentinel(model, optimizer)
+        for step in range(5):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            if step == 2:
+                x[3] = float("nan")
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            sentinel.check(step, (x, y), loss)
+            optimizer.step()
+    """))
+    out = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-rerun", "--json", out, script)
+    report = json.loads(out.read_text())
+    assert result.code == 1, report["error"]
+    assert report["error"]["exception"] == "NonFiniteError"
+    assert (report["finding"]["step"], report["finding"]["samples"]) == (2, [3])
