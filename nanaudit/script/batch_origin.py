@@ -57,7 +57,9 @@ def name_samples(finding: Finding, trip: ScriptTrip, calls: list, batches: list)
     if index >= len(calls):
         return
     bad = dict(data_inputs(calls[index].args, calls[index].kwargs)).get(finding.tensor or "")
-    found = _batch_of(batches, bad) if bad is not None else None
+    if bad is None or bool(torch.isfinite(bad).all()):
+        return          # under torchrun, a peer's bad batch: this rank's rows are not its
+    found = _batch_of(batches, bad)
     if found is None:
         return
     record, leaf = found
