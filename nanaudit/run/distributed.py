@@ -38,6 +38,7 @@ from nanaudit.run.sharded import PreReduceFlags
 
 _ERROR_KEY = "nanaudit/error"
 _EXIT_KEY = "nanaudit/exit"
+_LEFT_KEY = "nanaudit/left"     # the ranks past the exit barrier, but rank 0
 _CURRENT: Coordinator | None = None
 
 
@@ -292,8 +293,20 @@ class Coordinator:
             deadline = time.monotonic() + min(self.options.timeout_s, 60.0)
             while self.store.add(_EXIT_KEY, 0) < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.01)
+            self._leave_last()
         except Exception:
             pass
+
+    def _leave_last(self) -> None:
+        """Rank 0 (which hosts the store, launched without torchrun's agent) leaves after every
+        peer read the barrier's count: one polling it when rank 0 left had its store call fail,
+        and printed the failure's C++ frames on its stderr."""
+        if self.rank != 0:
+            self.store.add(_LEFT_KEY, 1)
+            return
+        deadline = time.monotonic() + 5.0
+        while self.store.add(_LEFT_KEY, 0) < self.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def describe(self) -> DistributedRun:
         """The report's `distributed` section, before the ranks meet."""

@@ -109,3 +109,57 @@ def test_every_ranks_report_names_what_made_a_peers_skipped_input(tmp_path):
     assert finding["producer"]["made_by"] == "torch-op"
     assert finding["source"]["line"] == 11 and finding["source"]["file"].endswith("data.py")
     assert report["finding"] == finding
+
+
+# `nanaudit run --keep-going` of a DDP loop over a DistributedSampler: samples 13 and 42 of
+# the data set hold a NaN, one in a batch of each rank.
+DDP_SAMPLER = """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            x = torch.randn(4, generator=torch.Generator().manual_seed(i))
+            if i in (13, 42):
+                x[2] = float("nan")
+            return x, x.sum(0, keepdim=True)
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = DistributedSampler(Rows(), shuffle=True, seed=1)
+    for x, y in DataLoader(Rows(), batch_size=4, sampler=sampler):
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+"""
+
+
+def test_run_names_each_ranks_bad_samples_on_every_ranks_report(tmp_path):
+    # A batch bad before the model got it is not replayed: only its own rank saw its rows.
+    # Before, the other rank's report had "[] (shapes [])" and no rows for that step; and a
+    # rank still reading the exit barrier when rank 0 (the store's host) left printed C++
+    # frames of the failed store call.
+    script, out = tmp_path / "train.py", tmp_path / "report.json"
+    script.write_text(textwrap.dedent(DDP_SAMPLER))
+    codes, outputs = launch_ranks(["-m", "nanaudit", "run", "-q", "--keep-going", "--skip-list",
+                                   tmp_path / "skip.json", "--json", out, script], 2, 120)
+    assert codes == [1, 1], outputs
+    assert not any("frame #" in err for _, err in outputs), outputs
+    for path in (out, tmp_path / "report.rank1.json"):
+        findings = json.loads(path.read_text())["findings"]
+        named = sorted((f["rank"], f["producer"]["sample_indices"]) for f in findings)
+        assert named == [(0, [13]), (1, [42])]
+        assert all(f["samples"] and f["tensor"] == "input[0]" for f in findings)
+    skip = json.loads((tmp_path / "skip.json").read_text())["skip"]
+    assert sorted((e["rank"], e["sample_indices"]) for e in skip) == [(0, [13]), (1, [42])]
