@@ -262,6 +262,8 @@ class Coordinator:
             # Pickled like all_gather_object's payloads: the peers are ranks of this same job.
             self.store.set(_ERROR_KEY, pickle.dumps(error))
             self.store.add(_EXIT_KEY, 1)
+            if self.rank != 0:
+                self.store.add(_LEFT_KEY, 1)    # it leaves now: rank 0 waits for it no more
         except Exception:
             pass
 
