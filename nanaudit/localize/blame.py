@@ -23,6 +23,7 @@ from nanaudit.localize.infinities import (
     ENTROPY_FIX,
     SPECIFIC_EXCLUDED,
     WRITES,
+    WRITTEN_INFINITY_FIX,
     InfinitySources,
     Source,
     describe,
@@ -125,11 +126,13 @@ class Blamer:
                                  else chain, signed(source.event.out_kinds))
         event = source.event
         if source.how == "written":
-            lead = "" if op_base(event.op) in WRITES else "created outside torch ops: "
+            written = op_base(event.op) in WRITES       # a mask, not a number from the host
+            lead = "" if written else "created outside torch ops: "
             text = (f"{lead}{describe(source)}, and it reached "
                     f"{reached_words(chain, self.reached)} without being "
                     f"masked out again: no op along the way turned it back into a finite value")
-            return Blame(event, chain, Diagnosis(Cause.UNKNOWN, text, fix_for(Cause.UNKNOWN)))
+            fix = WRITTEN_INFINITY_FIX if written else fix_for(Cause.UNKNOWN)
+            return Blame(event, chain, Diagnosis(Cause.UNKNOWN, text, fix))
         return Blame(event, chain, as_diagnosis(source.reason) if source.reason is not None
                      else self.diagnose(event, "inf"))
 

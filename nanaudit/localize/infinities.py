@@ -181,6 +181,15 @@ ENTROPY_FIX = ("an entropy written as p * log(p) is NaN wherever p is 0: take lo
                "`torch.special.entr(p)` are finite at p = 0 but their gradients are not")
 
 
+# The fix for a mask's infinity that reached the loss (a written one no later op masked out).
+WRITTEN_INFINITY_FIX = ("keep the mask's infinity out of what reaches the loss: fill with a "
+                        "large finite value instead (`torch.finfo(x.dtype).min` for -inf), or "
+                        "leave the masked entries out of every reduction the loss takes "
+                        "(`cross_entropy`'s `label_smoothing` averages the log-probabilities of "
+                        "every class, masked ones too, as does a mean of `log_softmax` over "
+                        "the classes)")
+
+
 def nan_arithmetic(event: OpEvent) -> str:
     """Which inf arithmetic made NaN at this op, from its inputs."""
     base = op_base(event.op)

@@ -369,6 +369,28 @@ def test_an_entropy_written_as_p_log_p_is_told_to_take_log_p_from_the_logits(cas
     assert weighted["cause"] == "log-domain" and "xlogy" not in weighted["fix"]
 
 
+def test_a_masks_infinity_that_label_smoothing_averages_into_the_loss_says_fill_finite(
+        case, tmp_path):
+    # Classes masked with -inf, trained with `label_smoothing`: cross_entropy averages the
+    # log-probabilities of every class, masked ones too, so the loss is inf. The mask wrote the
+    # value (no rule names a cause), and the fix says how to keep it out of the loss.
+    body = """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 6)
+            def forward(self, x):
+                unavailable = torch.tensor([False] * 4 + [True] * 2)
+                return self.lin(x).masked_fill(unavailable, float("-inf"))
+        """
+    loss = "F.cross_entropy(out, torch.zeros(len(out), dtype=torch.long), label_smoothing=0.1)"
+    f = scan(_case(case, body, loss=loss), tmp_path=tmp_path).finding
+    assert (f["where"], f["op"], f["cause"], f["value"]) == (
+        "forward", "aten.masked_fill.Scalar", "unknown", "inf")
+    assert "wrote -inf on purpose" in f["explanation"]
+    assert "torch.finfo(x.dtype).min" in f["fix"] and "label_smoothing" in f["fix"]
+
+
 def test_digamma_at_zero_from_exp_underflow_is_a_pole(case, tmp_path):
     body = """
         class M(nn.Module):
