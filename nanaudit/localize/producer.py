@@ -138,7 +138,7 @@ def name_producer(finding: Finding, tracer: Any, leaf: torch.Tensor, code: DataC
                             f"batch they made equals the one the worker handed out)", [record],
                             code.make_tracer, code.ids)
             origin.chain_tensors += (made_again, dict(tensor_leaves(record.batch))[path])
-    indices, ids = _dataset_rows(code.loader_batches, origin.chain_tensors)
+    indices, ids = dataset_rows(code.loader_batches, origin.chain_tensors)
     ids = ids or code.ids
     if origin.made is not None:
         attach_made(finding, origin.made, code.traced, worker, indices, ids)
@@ -158,7 +158,7 @@ def _worker_batch(batches: list, carriers: list) -> tuple[LoaderBatch | None, st
     return None, ""
 
 
-def _dataset_rows(batches: list, tensors: tuple) -> tuple[list | None, list | None]:
+def dataset_rows(batches: list, tensors: tuple) -> tuple[list | None, list | None]:
     """The data set's indices (and ids) of the bad rows, read off the DataLoader batch the value
     passed through, when its rows are its sampler indices in order."""
     for record in batches:
@@ -178,7 +178,8 @@ def _at(source: SourceLine | None) -> str:
     return f"{os.path.basename(source.file)}:{source.line}" if source is not None else ""
 
 
-def _rows_text(indices: list | None, ids: list | None) -> str:
+def rows_text(indices: list | None, ids: list | None) -> str:
+    """The clause an input finding adds: "; the data set's indices of those rows: [...]"."""
     if indices:
         return f"; the data set's indices of those rows: {indices}" + \
             (f" (ids {ids})" if ids else "")
@@ -197,7 +198,7 @@ def attach_made(finding: Finding, loc: Localization, traced: str, worker: int | 
     finding.fix = f"at {at}: {op.fix}" if at else op.fix
     place = f"in DataLoader worker {worker}" if worker is not None else "by the data code"
     finding.explain(f"it was made {place} before the model, by {op_base(str(op.op))}"
-                    f"{f' at {at}' if at else ''}: {op.explanation}{_rows_text(indices, ids)}")
+                    f"{f' at {at}' if at else ''}: {op.explanation}{rows_text(indices, ids)}")
     finding.producer = InputProducer(ProducerKind.TORCH_OP, traced, worker, indices, ids)
 
 
@@ -217,7 +218,7 @@ def attach_arrival(finding: Finding, arrival: Arrival, traced: str, worker: int 
         else:
             how = f"the first op to hold it was {op_base(event.op)}{at}; {how}"
     finding.explain(f"it was already non-finite when it reached torch: no torch op computed it "
-                    f"in {traced}; {how}{_rows_text(indices, ids)}")
+                    f"in {traced}; {how}{rows_text(indices, ids)}")
     finding.producer = InputProducer(ProducerKind.OUTSIDE_TORCH, traced, worker, indices, ids)
 
 

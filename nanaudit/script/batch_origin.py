@@ -1,9 +1,10 @@
 """Which samples of the data set a bad step's batch held, for `nanaudit run --keep-going`: a
 skipped step is never re-run, so no trace of the script's data code names them. While the run
 keeps going, the DataLoader iterators are watched (localize/loader_tap.LoaderTap: each batch's
-sampler indices, no value computed), keeping the batches of the current step only; at an input
-trip the bad rows' data set indices (and ids, where the batch carries an id leaf) are read off
-the batch the model's input was: the same tensor, or its copy on the model's device."""
+sampler indices, no value computed), keeping the batches of the current step and the one
+before; at an input trip the bad rows' data set indices (and ids, where the batch carries an id
+leaf) are read off the batch the model's input was, the same tensor or its copy on the model's
+device, by the rule the re-run reads them with (localize/producer.dataset_rows)"""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from nanaudit.localize.loader_tap import LoaderBatch, LoaderTap
+from nanaudit.localize.producer import dataset_rows, rows_text
 from nanaudit.report.model import Finding, InputProducer
 from nanaudit.report.vocabulary import Check, ProducerKind
-from nanaudit.run.batch import sample_ids, tensor_leaves
+from nanaudit.run.batch import tensor_leaves
 from nanaudit.script.step_values import data_inputs
 from nanaudit.script.trip import ScriptTrip
 
@@ -62,15 +64,9 @@ def name_samples(finding: Finding, trip: ScriptTrip, calls: list, batches: list)
     found = _batch_of(batches, bad)
     if found is None:
         return
-    record, leaf = found
-    rows = list(finding.samples)
-    indices = ([record.index[r] for r in rows] if record.in_order
-               and isinstance(record.index, list) and leaf.shape[0] == len(record.index)
-               else None)
-    ids = sample_ids(record.batch, rows)
+    indices, ids = dataset_rows([found[0]], (found[1],))     # the re-run's rule, on that batch
     if indices or ids:
-        finding.explain(f"the data set's {'indices' if indices else 'ids'} of those rows: "
-                        f"{indices or ids}" + (f" (ids {ids})" if indices and ids else ""))
+        finding.explain(rows_text(indices, ids).removeprefix("; "))
         finding.producer = InputProducer(ProducerKind.NOT_LOCALIZED, sample_indices=indices,
                                          sample_ids=ids,
                                          note="a skipped step's data code is not traced")
